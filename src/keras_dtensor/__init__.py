@@ -1,0 +1,79 @@
+"""keras-dtensor: Keras 3's distribution API on the torch backend, via DTensor.
+
+Importing the package installs it into Keras:
+
+```python
+import keras_dtensor  # noqa: F401  (sets KERAS_BACKEND=torch if unset)
+import keras
+
+mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map["dense.*kernel"] = (None, "model")
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map)
+)
+```
+
+Run the script under `torchrun --nproc_per_node=2 train.py`.
+"""
+
+import os
+import sys
+import warnings
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "install", "is_installed", "uninstall"]
+
+if "keras" not in sys.modules:
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+
+
+def install():
+    """Installs the torch distribution backend into Keras (idempotent).
+
+    Called on import. A second call warns and does nothing.
+
+    Raises:
+        RuntimeError: Keras's backend is not torch, or the Keras or torch
+            version is not supported.
+
+    Example:
+    >>> keras_dtensor.uninstall(); keras_dtensor.install()
+    """
+    from keras_dtensor import compat
+    from keras_dtensor import patches
+
+    compat.check_environment()
+    if patches.is_applied():
+        warnings.warn("keras_dtensor is already installed; nothing to do.")
+        return
+    if compat.upstream_torch_distribution_lib():
+        warnings.warn(
+            "This Keras ships its own torch distribution_lib; keras_dtensor "
+            "replaces it while installed (keras_dtensor.uninstall() puts it "
+            "back)."
+        )
+    patches.apply()
+
+
+def uninstall():
+    """Restores every Keras attribute keras_dtensor replaced.
+
+    Example:
+    >>> keras_dtensor.uninstall()
+    >>> keras_dtensor.is_installed()
+    False
+    """
+    from keras_dtensor import patches
+
+    patches.restore()
+
+
+def is_installed() -> bool:
+    """Whether keras_dtensor's hooks are in place."""
+    from keras_dtensor import patches
+
+    return patches.is_applied()
+
+
+install()

@@ -1,0 +1,157 @@
+"""Where data enters the distributed computation: batches become DTensors.
+
+Keras's single-program semantics hold on every rank: the data a user
+passes (arrays, DataLoader, PyDataset, generator) yields the *global* batch
+on every process, and each process keeps its slice along the batch axis.
+With `auto_shard_dataset=False` (or a tf.data dataset that Keras already
+sharded per process) each process yields its own slice instead.
+
+Plain tensors are converted here, at the boundary, with the layout they
+really have. Nothing downstream guesses that a plain tensor is replicated.
+"""
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "distribute_batch",
+    "distribute_call_inputs",
+    "epoch_iterator",
+    "get_data_adapter",
+]
+
+_PER_PROCESS = "_keras_dtensor_per_process"
+
+
+def _current_distribution():
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("distribution")
+
+
+def _data_layout(distribution, ndim):
+    """The batch layout for `ndim`, cached on the distribution object."""
+    cache = distribution.__dict__.setdefault("_keras_dtensor_data_layouts", {})
+    if ndim not in cache:
+        from keras_dtensor.distribution_lib import _as_backend_layout
+
+        layout = distribution.get_data_layout((None,) * ndim)
+        cache[ndim] = _as_backend_layout(layout)
+    return cache[ndim]
+
+
+def _distribute_leaf(x, distribution, per_process):
+    from keras_dtensor.distribution_lib import distribute_data_input
+    from keras_dtensor.distribution_lib import shard_global_tensor
+
+    if isinstance(x, DTensor) or x is None:
+        return x
+    if isinstance(x, np.ndarray) or (
+        isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+    ):
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        x = convert_to_tensor(x)
+        if x.ndim == 0:
+            return x
+        layout = _data_layout(distribution, x.ndim)
+        if per_process:
+            return distribute_data_input(x, layout, distribution.batch_dim_name)
+        return shard_global_tensor(x, layout)
+    return x
+
+
+def distribute_batch(batch, distribution, per_process=False):
+    """Converts every array in a batch to a DTensor sharded by batch.
+
+    Args:
+        batch: a nested structure of arrays and tensors.
+        distribution: the active `keras.distribution.Distribution`.
+        per_process: whether the batch is this process's slice (else it
+            is the global batch, identical on every process).
+
+    Returns:
+        The same structure with `DTensor` leaves.
+    """
+    from keras.src import tree
+
+    return tree.map_structure(
+        lambda x: _distribute_leaf(x, distribution, per_process), batch
+    )
+
+
+def epoch_iterator(original):
+    """Wraps `TorchEpochIterator._get_iterator`: batches become DTensors."""
+
+    def _get_iterator(self):
+        iterator = original(self)
+        distribution = _current_distribution()
+        if distribution is None:
+            return iterator
+        per_process = not distribution.auto_shard_dataset or getattr(
+            self.data_adapter, _PER_PROCESS, False
+        )
+        return (
+            distribute_batch(batch, distribution, per_process)
+            for batch in iterator
+        )
+
+    return _get_iterator
+
+
+def get_data_adapter(original):
+    """Wraps `data_adapters.get_data_adapter`.
+
+    Keras lets only tf.data through in multi-process runs with
+    `auto_shard_dataset=True`, because JAX needs each process to read only
+    its own slice. Here every other input kind yields the global batch and
+    `epoch_iterator` keeps this process's slice, so the check is lifted for
+    them; tf.data keeps Keras's own per-process sharding.
+    """
+
+    def _get_data_adapter(x, *args, **kwargs):
+        from keras.src.trainers.data_adapters import is_tf_dataset
+
+        distribution = _current_distribution()
+        if (
+            distribution is None
+            or not getattr(distribution, "_is_multi_process", False)
+            or not distribution.auto_shard_dataset
+        ):
+            return original(x, *args, **kwargs)
+        if is_tf_dataset(x):
+            adapter = original(x, *args, **kwargs)
+            setattr(adapter, _PER_PROCESS, True)
+            return adapter
+        distribution.auto_shard_dataset = False
+        try:
+            return original(x, *args, **kwargs)
+        finally:
+            distribution.auto_shard_dataset = True
+
+    return _get_data_adapter
+
+
+def _in_layer_call():
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("current_call_ctx") is not None
+
+
+def distribute_call_inputs(original):
+    """Wraps `Layer.__call__`: eager inputs to the outermost call.
+
+    `model(x)` outside `fit` under a distribution gets the global batch as
+    numpy or plain tensors; they become batch-sharded DTensors here, once,
+    like the batches of `fit`. Nested layer calls and symbolic (functional
+    API) calls are left alone.
+    """
+
+    def __call__(self, *args, **kwargs):
+        distribution = _current_distribution()
+        if distribution is not None and not _in_layer_call():
+            args, kwargs = distribute_batch((args, kwargs), distribution)
+        return original(self, *args, **kwargs)
+
+    return __call__

@@ -1,0 +1,388 @@
+"""Keras backend distribution module for torch, on DTensor.
+
+Same functions and signatures as `keras/src/backend/jax/distribution_lib.py`.
+Installed as `keras.src.backend.distribution_lib` by `keras_dtensor.install()`.
+
+One device per process: global device `i` is rank `i`. A Keras `DeviceMesh`
+becomes a torch `DeviceMesh` over those ranks (built once, cached); a
+`TensorLayout` becomes a `DTensorLayout`, the torch mesh plus one placement
+per mesh dimension.
+"""
+
+import collections
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor import launch
+from keras_dtensor.errors import describe_mesh
+from keras_dtensor.layout import local_slices
+from keras_dtensor.layout import to_placements
+
+__all__ = [
+    "DTensorLayout",
+    "distribute_data_input",
+    "distribute_tensor",
+    "distribute_variable",
+    "get_device_count",
+    "initialize",
+    "initialize_rng",
+    "list_devices",
+    "num_processes",
+    "process_id",
+]
+
+_MESH_CACHE = "keras_dtensor_backend_meshes"
+
+DTensorLayout = collections.namedtuple(
+    "DTensorLayout", ["device_mesh", "placements", "axes"]
+)
+DTensorLayout.__doc__ = """The torch form of a Keras `TensorLayout`.
+
+Fields:
+    device_mesh: the torch `DeviceMesh`.
+    placements: one `Shard`/`Replicate` per mesh dimension.
+    axes: the Keras layout axes it came from (for error messages).
+"""
+
+
+def _keras_device_type(device_type=None):
+    if device_type:
+        return device_type.lower()
+    return "gpu" if launch.device_type() == "cuda" else "cpu"
+
+
+def list_devices(device_type=None):
+    """Return all the available devices based on the device type.
+
+    One device per process, so this lists `world_size` devices named by
+    global rank: `cpu:0 .. cpu:N-1`, or `gpu:0 .. gpu:N-1` on CUDA.
+
+    Args:
+        device_type: `"cpu"` or `"gpu"`. Defaults to this process's type.
+
+    Returns:
+        List of device names, one per process.
+
+    Example:
+    >>> keras.distribution.list_devices()  # under torchrun, 2 CPU ranks
+    ['cpu:0', 'cpu:1']
+    """
+    kind = _keras_device_type(device_type)
+    return [f"{kind}:{i}" for i in range(launch.num_processes())]
+
+
+def get_device_count(device_type=None):
+    """Returns the number of devices: one per process.
+
+    Args:
+        device_type: `"cpu"` or `"gpu"`; every process has one of either.
+
+    Returns:
+        The world size.
+    """
+    return len(list_devices(device_type))
+
+
+def initialize(job_addresses, num_processes, process_id):
+    """Starts the process group and agrees on one random seed.
+
+    Under torchrun all arguments may be `None`: the environment has them.
+    Otherwise `job_addresses` is `"host:port[,host:port...]"`, the first
+    being the rendezvous, with `num_processes` and `process_id` as in Keras.
+
+    Args:
+        job_addresses: comma separated addresses, or `None`.
+        num_processes: world size, or `None`.
+        process_id: this process's rank, or `None`.
+    """
+    launch.init_process_group(job_addresses, num_processes, process_id)
+    initialize_rng()
+
+
+def initialize_rng():
+    """Makes every process use the same global seed.
+
+    If `keras.utils.set_random_seed()` was not called, rank 0 draws a seed
+    and broadcasts it, as Keras-JAX's `initialize_rng` does with a psum, so
+    seeded initial weights are identical on every rank.
+    """
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    if rng_utils.get_random_seed() is not None:
+        return
+    seed = torch.tensor(
+        [seed_generator.make_default_seed()],
+        dtype=torch.int64,
+        device=launch.local_device(),
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    rng_utils.set_random_seed(int(seed.item()))
+
+
+def _ensure_process_group():
+    if not dist.is_initialized():
+        launch.init_process_group()
+        initialize_rng()
+
+
+def num_processes():
+    """Return the number of processes for the current distribution setting."""
+    if not dist.is_initialized() and launch.under_launcher():
+        _ensure_process_group()
+    return launch.num_processes()
+
+
+def process_id():
+    """Return the current process ID for the distribution setting."""
+    if not dist.is_initialized() and launch.under_launcher():
+        _ensure_process_group()
+    return launch.process_id()
+
+
+def _to_backend_device(device_name):
+    """Returns the torch device of a Keras device name such as `"gpu:3"`.
+
+    `gpu:i` is global rank `i`; its CUDA index is its local rank on its
+    node (`i % LOCAL_WORLD_SIZE`), never `i` itself.
+    """
+    if isinstance(device_name, torch.device):
+        return device_name
+    kind, _, index = str(device_name).lower().partition(":")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind in ("gpu", "cuda"):
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or max(
+            torch.cuda.device_count(), 1
+        )
+        return torch.device("cuda", int(index or 0) % per_node)
+    raise ValueError(f"Device not found: {device_name}")
+
+
+def _device_ranks(device_mesh):
+    """Global ranks of the mesh's devices, checked without communication."""
+    world = launch.num_processes()
+    names = [str(d) for d in np.asarray(device_mesh.devices).flatten()]
+    ranks = []
+    for name in names:
+        _, _, index = name.partition(":")
+        if not index.isdigit():
+            mesh = describe_mesh(device_mesh.shape, device_mesh.axis_names)
+            raise ValueError(
+                f"Device {name!r} of the {mesh} is not of the form "
+                "'cpu:<rank>' or 'gpu:<rank>'."
+            )
+        ranks.append(int(index))
+    if len(ranks) != world or sorted(ranks) != list(range(world)):
+        raise ValueError(
+            f"The {describe_mesh(device_mesh.shape, device_mesh.axis_names)} "
+            f"has {len(ranks)} devices {names}, but this job has {world} "
+            "processes (one device per process): the mesh must hold each "
+            f"of {list_devices()} exactly once."
+        )
+    return ranks
+
+
+def _to_backend_mesh(device_mesh):
+    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`.
+
+    Building a multi-dimensional torch mesh creates process groups (a
+    collective), so meshes are cached by devices, shape and axis names.
+
+    Args:
+        device_mesh: `keras.distribution.DeviceMesh` instance to convert.
+
+    Returns:
+        A `torch.distributed.device_mesh.DeviceMesh`.
+    """
+    from keras.src.backend.common import global_state
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = _device_ranks(device_mesh)
+    _ensure_process_group()
+    key = (tuple(device_mesh.shape), tuple(device_mesh.axis_names), *ranks)
+    cache = global_state.get_global_attribute(_MESH_CACHE, {}, set_to_default=True)
+    if key not in cache:
+        cache[key] = DeviceMesh(
+            launch.device_type(),
+            torch.tensor(ranks, dtype=torch.int64).reshape(
+                tuple(device_mesh.shape)
+            ),
+            mesh_dim_names=tuple(device_mesh.axis_names),
+        )
+    return cache[key]
+
+
+def _to_backend_layout(tensor_layout):
+    """Convert the `TensorLayout` to a `DTensorLayout`.
+
+    Args:
+        tensor_layout: `TensorLayout` instance to convert.
+
+    Returns:
+        A `DTensorLayout` (torch mesh, placements, axes).
+    """
+    if tensor_layout.device_mesh is None:
+        raise ValueError(
+            "Cannot create sharding when device mesh is not set "
+            "for TensorLayout."
+        )
+    mesh = tensor_layout.device_mesh
+    placements = to_placements(
+        tensor_layout.axes, mesh.shape, mesh.axis_names
+    )
+    return DTensorLayout(mesh.backend_mesh, placements, tensor_layout.axes)
+
+
+def _as_backend_layout(layout):
+    from keras.src.distribution import TensorLayout
+
+    if isinstance(layout, TensorLayout):
+        return layout.backend_layout
+    if isinstance(layout, DTensorLayout):
+        return layout
+    raise ValueError(
+        "Expected a `keras.distribution.TensorLayout` or a `DTensorLayout`. "
+        f"Received: layout={layout!r}"
+    )
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def shard_global_tensor(tensor, layout, path=None):
+    """Cuts this rank's shard out of a global value held by every rank.
+
+    No communication: every rank holds the same global `tensor` (Keras's
+    single-program semantics) and keeps its own slice. Differentiable.
+
+    Args:
+        tensor: a plain `torch.Tensor` with the global shape.
+        layout: a `DTensorLayout`.
+        path: the variable or tensor path, for error messages.
+
+    Returns:
+        A `DTensor`.
+    """
+    mesh = layout.device_mesh
+    shape = tuple(tensor.shape)
+    placements = layout.placements
+    if layout.axes is not None:
+        # Validates the axes against this tensor's rank, naming the path.
+        to_placements(
+            layout.axes,
+            tuple(mesh.shape),
+            mesh.mesh_dim_names,
+            path=path,
+            shape=shape,
+        )
+    coordinate = mesh.get_coordinate()
+    local = tensor
+    slices = local_slices(shape, placements, tuple(mesh.shape), coordinate)
+    for dim, (start, length) in enumerate(slices):
+        if length != shape[dim]:
+            local = local.narrow(dim, start, length)
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )
+
+
+def distribute_tensor(tensor, layout):
+    """Distribute the tensor based on the layout.
+
+    A plain tensor is the global value: each rank keeps its shard. A
+    `DTensor` with other placements is redistributed (differentiably). A
+    tensor already in place is returned unchanged.
+
+    Args:
+        tensor: `torch.Tensor` or `DTensor`.
+        layout: `TensorLayout` or `DTensorLayout`.
+
+    Returns:
+        A `DTensor` with the layout's placements.
+
+    Example:
+    >>> layout = keras.distribution.TensorLayout((None, "model"), mesh)
+    >>> keras.distribution.distribute_tensor(torch.ones(4, 8), layout)
+    """
+    layout = _as_backend_layout(layout)
+    if isinstance(tensor, DTensor):
+        if (
+            tensor.device_mesh == layout.device_mesh
+            and tuple(tensor.placements) == tuple(layout.placements)
+        ):
+            return tensor
+        return tensor.redistribute(layout.device_mesh, layout.placements)
+    if not isinstance(tensor, torch.Tensor):
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        tensor = convert_to_tensor(tensor)
+    return shard_global_tensor(tensor, layout)
+
+
+def distribute_variable(value, layout):
+    """Create a distributed variable value for the layout.
+
+    Args:
+        value: the variable's initial global value.
+        layout: `TensorLayout` or `DTensorLayout`.
+
+    Returns:
+        A `torch.nn.Parameter` holding a `DTensor`.
+    """
+    return torch.nn.Parameter(distribute_tensor(value, layout))
+
+
+def distribute_data_input(per_process_batch, layout, batch_dim_name):
+    """Distribute the input data with the corresponding layout.
+
+    Note that the input here is this process's batch: its slice of the
+    global batch along the batch axis (processes that share a batch-axis
+    coordinate hold the same slice). No communication.
+
+    Args:
+        per_process_batch: `torch.Tensor` (or array) of this process.
+        layout: `TensorLayout` or `DTensorLayout` of the global batch.
+        batch_dim_name: name of the mesh axis that shards the batch.
+
+    Returns:
+        A global batch `DTensor` distributed according to `layout`.
+    """
+    layout = _as_backend_layout(layout)
+    if isinstance(per_process_batch, DTensor):
+        return distribute_tensor(per_process_batch, layout)
+    if not isinstance(per_process_batch, torch.Tensor):
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        per_process_batch = convert_to_tensor(per_process_batch)
+    mesh = layout.device_mesh
+    parts = 1
+    for size, placement in zip(mesh.shape, layout.placements):
+        if placement.is_shard():
+            parts *= size
+    shape = list(per_process_batch.shape)
+    if shape and parts > 1:
+        shape[0] = shape[0] * parts
+    return DTensor.from_local(
+        per_process_batch,
+        mesh,
+        layout.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )

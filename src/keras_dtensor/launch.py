@@ -1,0 +1,166 @@
+"""Process-group lifecycle: torchrun environment -> `init_process_group`.
+
+One device per process. Under `torchrun` the rank, world size and
+rendezvous come from the environment; `keras.distribution.initialize()`
+may also pass Keras's own `job_addresses`/`num_processes`/`process_id`.
+Without either, the job is a single process and a world-size-1 group is
+started in memory when a mesh needs one.
+"""
+
+import atexit
+import datetime
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
+    "device_type",
+    "ensure_process_group",
+    "init_process_group",
+    "local_device",
+    "process_id",
+    "num_processes",
+    "under_launcher",
+]
+
+DEFAULT_TIMEOUT_SECONDS = 300
+_TIMEOUT_ENV = "KERAS_DTENSOR_TIMEOUT"
+_BACKEND_ENV = "KERAS_DTENSOR_BACKEND"
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by torchrun (or sets its env)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def device_type() -> str:
+    """`"cuda"` when this process computes on a GPU, else `"cpu"`."""
+    from keras.src.backend.torch.core import get_device
+
+    return "cuda" if str(get_device()).startswith("cuda") else "cpu"
+
+
+def local_device() -> torch.device:
+    """This process's own device: `cuda:LOCAL_RANK` on GPUs, else `cpu`.
+
+    The global rank is never used as a CUDA index: rank 9 of a job with 8
+    GPUs per node is `cuda:1` on the second node.
+    """
+    if device_type() == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _timeout(timeout):
+    if timeout is None:
+        timeout = float(os.environ.get(_TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=timeout)
+    return timeout
+
+
+def _backend():
+    if _BACKEND_ENV in os.environ:
+        return os.environ[_BACKEND_ENV]
+    return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
+
+
+def init_process_group(
+    job_addresses=None, num_processes=None, process_id=None, timeout=None
+):
+    """Starts the default process group, once.
+
+    Args:
+        job_addresses: Keras's comma-separated job addresses; the first one
+            (`host:port`) is the rendezvous. `None` under torchrun.
+        num_processes: world size when `job_addresses` is given.
+        process_id: this process's rank when `job_addresses` is given.
+        timeout: seconds (or `timedelta`) for collectives; defaults to
+            `$KERAS_DTENSOR_TIMEOUT` or 300 s, far below torch's 30 min.
+
+    Returns:
+        `True` if this call started the group, `False` if one was running.
+    """
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        if num_processes is not None and num_processes != world:
+            raise ValueError(
+                "The process group is already running with "
+                f"{world} processes. Received: num_processes={num_processes}"
+            )
+        return False
+    timeout = _timeout(timeout)
+    if job_addresses:
+        addresses = job_addresses.split(",")
+        if num_processes is not None and len(addresses) > 1:
+            if num_processes != len(addresses):
+                raise ValueError(
+                    f"The provided job_addresses {addresses} has "
+                    f"{len(addresses)} jobs, but num_processes is "
+                    f"{num_processes}"
+                )
+        if num_processes is None:
+            num_processes = len(addresses)
+        if process_id is None:
+            raise ValueError(
+                "`process_id` is required with `job_addresses`. Received: "
+                f"job_addresses={job_addresses}, process_id=None"
+            )
+        url = f"tcp://{addresses[0]}"
+        store, rank, world = next(
+            dist.rendezvous(
+                url, rank=process_id, world_size=num_processes, timeout=timeout
+            )
+        )
+    elif under_launcher():
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    else:
+        store, rank, world = dist.HashStore(), 0, 1
+    # A fresh key space per torchrun restart: keys left by the failed
+    # attempt in the agent's store would otherwise be read by this one.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"keras_dtensor/{restart}", store)
+    if device_type() == "cuda":
+        torch.cuda.set_device(local_device())
+    dist.init_process_group(
+        _backend(), store=store, rank=rank, world_size=world, timeout=timeout
+    )
+    atexit.register(_destroy)
+    return True
+
+
+def ensure_process_group():
+    """Starts the process group if a mesh or collective needs one."""
+    if not dist.is_initialized():
+        init_process_group()
+
+
+def num_processes() -> int:
+    """World size; starts the group lazily under torchrun."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if under_launcher():
+        ensure_process_group()
+        return dist.get_world_size()
+    return 1
+
+
+def process_id() -> int:
+    """Global rank; starts the group lazily under torchrun."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    if under_launcher():
+        ensure_process_group()
+        return dist.get_rank()
+    return 0
+
+
+def _destroy():
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # teardown must not mask the real exit
+            warnings.warn(f"keras_dtensor: process group teardown: {e}")

@@ -1,0 +1,119 @@
+"""Hook bodies for Keras's torch `Variable`: values are DTensors by layout.
+
+A variable created while a distribution is active takes its layout from
+the distribution (`Distribution.get_variable_layout`, as on JAX) and keeps
+its value as a `torch.nn.Parameter` wrapping a `DTensor`. Assignments are
+laid out the same way before the in-place copy. `patches.py` installs
+these; each receives the original method it replaces.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "convert_to_numpy",
+    "direct_assign",
+    "initialize",
+    "initialize_with_initializer",
+    "variable_layout",
+]
+
+
+def variable_layout(variable):
+    """The variable's `TensorLayout`, resolved from the distribution once.
+
+    Args:
+        variable: a Keras torch `Variable` whose shape is known.
+
+    Returns:
+        The `TensorLayout`, or `None` outside any distribution.
+    """
+    from keras.src.backend.common import global_state
+
+    distribution = global_state.get_global_attribute("distribution")
+    if variable._layout is None and distribution is not None:
+        variable._layout = distribution.get_variable_layout(variable)
+    return variable._layout
+
+
+def _backend_layout(layout):
+    from keras_dtensor.distribution_lib import _as_backend_layout
+
+    return _as_backend_layout(layout)
+
+
+def _to_dtensor(variable, value):
+    """Lays `value` (a global value or a DTensor) out as `variable`."""
+    from keras_dtensor.distribution_lib import distribute_tensor
+    from keras_dtensor.distribution_lib import shard_global_tensor
+
+    layout = _backend_layout(variable._layout)
+    if isinstance(value, DTensor):
+        return distribute_tensor(value, layout)
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    value = convert_to_tensor(value, dtype=variable._dtype)
+    return shard_global_tensor(value, layout, path=variable.path)
+
+
+def initialize(original):
+    """Wraps `Variable._initialize`: shard the initial value by layout."""
+
+    def _initialize(self, value):
+        self._shape = self._validate_shape(value.shape)
+        if variable_layout(self) is None:
+            return original(self, value)
+        if isinstance(value, torch.nn.Parameter):
+            value = value.detach()
+        self._value = torch.nn.Parameter(
+            _to_dtensor(self, value), requires_grad=self.trainable
+        )
+
+    return _initialize
+
+
+def initialize_with_initializer(original):
+    """Wraps `Variable._initialize_with_initializer`.
+
+    The layout is resolved before the initializer runs, so the process
+    group and the agreed random seed exist when the initial value is drawn.
+    """
+
+    def _initialize_with_initializer(self, initializer):
+        variable_layout(self)
+        return original(self, initializer)
+
+    return _initialize_with_initializer
+
+
+def direct_assign(original):
+    """Wraps `Variable._direct_assign`: lay the value out, then copy."""
+
+    def _direct_assign(self, value):
+        if not isinstance(self._value, DTensor):
+            return original(self, value)
+        with torch.no_grad():
+            self._value.copy_(_to_dtensor(self, value))
+
+    return _direct_assign
+
+
+def convert_to_numpy(original):
+    """Wraps `convert_to_numpy`: a DTensor is gathered to its global value.
+
+    Every rank must convert the same DTensors in the same order (the
+    gather is a collective); Keras's save, `get_weights` and `predict` do.
+    """
+
+    def _convert_to_numpy(x):
+        if isinstance(x, DTensor):
+            x = x.full_tensor()
+        elif isinstance(x, (list, tuple)) and any(
+            isinstance(e, DTensor) for e in x
+        ):
+            x = type(x)(
+                e.full_tensor() if isinstance(e, DTensor) else e for e in x
+            )
+        return original(x)
+
+    return _convert_to_numpy
