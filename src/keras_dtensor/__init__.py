@@ -45,13 +45,16 @@ def install():
 
     compat.check_environment()
     if patches.is_applied():
-        warnings.warn("keras_dtensor is already installed; nothing to do.")
+        warnings.warn(
+            "keras_dtensor is already installed; nothing to do.", stacklevel=2
+        )
         return
     if compat.upstream_torch_distribution_lib():
         warnings.warn(
             "This Keras ships its own torch distribution_lib; keras_dtensor "
             "replaces it while installed (keras_dtensor.uninstall() puts it "
-            "back)."
+            "back).",
+            stacklevel=2,
         )
     patches.apply()
 

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 
 from keras_dtensor import launch
 from keras_dtensor.errors import describe_mesh
-from keras_dtensor.layout import local_slices
 from keras_dtensor.layout import to_placements
 
 __all__ = [
@@ -206,7 +206,9 @@ def _to_backend_mesh(device_mesh):
     ranks = _device_ranks(device_mesh)
     _ensure_process_group()
     key = (tuple(device_mesh.shape), tuple(device_mesh.axis_names), *ranks)
-    cache = global_state.get_global_attribute(_MESH_CACHE, {}, set_to_default=True)
+    cache = global_state.get_global_attribute(
+        _MESH_CACHE, {}, set_to_default=True
+    )
     if key not in cache:
         cache[key] = DeviceMesh(
             launch.device_type(),
@@ -233,16 +235,30 @@ def _to_backend_layout(tensor_layout):
             "for TensorLayout."
         )
     mesh = tensor_layout.device_mesh
-    placements = to_placements(
-        tensor_layout.axes, mesh.shape, mesh.axis_names
-    )
+    placements = to_placements(tensor_layout.axes, mesh.shape, mesh.axis_names)
     return DTensorLayout(mesh.backend_mesh, placements, tensor_layout.axes)
 
 
-def _as_backend_layout(layout):
+def _as_backend_layout(layout, path=None, shape=None):
+    """The `DTensorLayout` of `layout`, checked against `path`'s shape.
+
+    Args:
+        layout: `TensorLayout` or `DTensorLayout`.
+        path: the variable or tensor path, for error messages.
+        shape: the tensor's global shape, when known.
+    """
     from keras.src.distribution import TensorLayout
 
     if isinstance(layout, TensorLayout):
+        mesh = layout.device_mesh
+        if mesh is not None and (path is not None or shape is not None):
+            to_placements(
+                layout.axes,
+                mesh.shape,
+                mesh.axis_names,
+                path=path,
+                shape=shape,
+            )
         return layout.backend_layout
     if isinstance(layout, DTensorLayout):
         return layout
@@ -264,7 +280,8 @@ def shard_global_tensor(tensor, layout, path=None):
     """Cuts this rank's shard out of a global value held by every rank.
 
     No communication: every rank holds the same global `tensor` (Keras's
-    single-program semantics) and keeps its own slice. Differentiable.
+    single-program semantics) and keeps its own slice. Differentiable: the
+    gradient of `tensor` is the full (gathered) gradient on every rank.
 
     Args:
         tensor: a plain `torch.Tensor` with the global shape.
@@ -275,8 +292,6 @@ def shard_global_tensor(tensor, layout, path=None):
         A `DTensor`.
     """
     mesh = layout.device_mesh
-    shape = tuple(tensor.shape)
-    placements = layout.placements
     if layout.axes is not None:
         # Validates the axes against this tensor's rank, naming the path.
         to_placements(
@@ -284,22 +299,15 @@ def shard_global_tensor(tensor, layout, path=None):
             tuple(mesh.shape),
             mesh.mesh_dim_names,
             path=path,
-            shape=shape,
+            shape=tuple(tensor.shape),
         )
-    coordinate = mesh.get_coordinate()
-    local = tensor
-    slices = local_slices(shape, placements, tuple(mesh.shape), coordinate)
-    for dim, (start, length) in enumerate(slices):
-        if length != shape[dim]:
-            local = local.narrow(dim, start, length)
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=_contiguous_stride(shape),
+    replicated = DTensor.from_local(
+        tensor, mesh, [Replicate()] * mesh.ndim, run_check=False
     )
+    if all(p.is_replicate() for p in layout.placements):
+        return replicated
+    # Replicate -> Shard is a local chunk: no communication.
+    return replicated.redistribute(mesh, layout.placements)
 
 
 def distribute_tensor(tensor, layout):
@@ -322,10 +330,9 @@ def distribute_tensor(tensor, layout):
     """
     layout = _as_backend_layout(layout)
     if isinstance(tensor, DTensor):
-        if (
-            tensor.device_mesh == layout.device_mesh
-            and tuple(tensor.placements) == tuple(layout.placements)
-        ):
+        if tensor.device_mesh == layout.device_mesh and tuple(
+            tensor.placements
+        ) == tuple(layout.placements):
             return tensor
         return tensor.redistribute(layout.device_mesh, layout.placements)
     if not isinstance(tensor, torch.Tensor):
@@ -372,7 +379,7 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
         per_process_batch = convert_to_tensor(per_process_batch)
     mesh = layout.device_mesh
     parts = 1
-    for size, placement in zip(mesh.shape, layout.placements):
+    for size, placement in zip(mesh.shape, layout.placements, strict=True):
         if placement.is_shard():
             parts *= size
     shape = list(per_process_batch.shape)

@@ -5,9 +5,7 @@ __all__ = ["describe_mesh", "layout_error"]
 
 def describe_mesh(mesh_shape, axis_names) -> str:
     """Returns `mesh shape (2, 2), axis_names ('batch', 'model')`."""
-    return (
-        f"mesh shape {tuple(mesh_shape)}, axis_names {tuple(axis_names)}"
-    )
+    return f"mesh shape {tuple(mesh_shape)}, axis_names {tuple(axis_names)}"
 
 
 def layout_error(

@@ -29,11 +29,19 @@ __all__ = [
 DEFAULT_TIMEOUT_SECONDS = 300
 _TIMEOUT_ENV = "KERAS_DTENSOR_TIMEOUT"
 _BACKEND_ENV = "KERAS_DTENSOR_BACKEND"
+_INIT_METHOD_ENV = "KERAS_DTENSOR_INIT_METHOD"
 
 
 def under_launcher() -> bool:
-    """Whether this process was started by torchrun (or sets its env)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    """Whether this process was started by torchrun (or sets its env).
+
+    That is `RANK` and `WORLD_SIZE`, with either torchrun's `MASTER_ADDR`
+    or `KERAS_DTENSOR_INIT_METHOD` (a `file://` or `tcp://` rendezvous URL,
+    e.g. a file on a shared filesystem).
+    """
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and (
+        "MASTER_ADDR" in os.environ or _INIT_METHOD_ENV in os.environ
+    )
 
 
 def device_type() -> str:
@@ -116,7 +124,16 @@ def init_process_group(
             )
         )
     elif under_launcher():
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        url = os.environ.get(_INIT_METHOD_ENV, "env://")
+        kwargs = {}
+        if url != "env://":
+            kwargs = dict(
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
+        store, rank, world = next(
+            dist.rendezvous(url, timeout=timeout, **kwargs)
+        )
     else:
         store, rank, world = dist.HashStore(), 0, 1
     # A fresh key space per torchrun restart: keys left by the failed
@@ -163,4 +180,6 @@ def _destroy():
         try:
             dist.destroy_process_group()
         except Exception as e:  # teardown must not mask the real exit
-            warnings.warn(f"keras_dtensor: process group teardown: {e}")
+            warnings.warn(
+                f"keras_dtensor: process group teardown: {e}", stacklevel=1
+            )

@@ -4,11 +4,8 @@ Nothing here touches a process group, so all of it is unit-tested without
 one. A Keras layout names, for every tensor dimension, the mesh axis (or
 axes, major to minor as in a JAX `PartitionSpec`) that shards it. A DTensor
 placement list names, for every *mesh* dimension, what it does to the
-tensor. This module converts the first into the second and computes which
-slice of a global tensor a given mesh coordinate holds.
+tensor. This module converts the first into the second.
 """
-
-import math
 
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
@@ -16,7 +13,6 @@ from torch.distributed.tensor import Shard
 from keras_dtensor.errors import layout_error
 
 __all__ = [
-    "local_slices",
     "normalize_axes",
     "to_placements",
 ]
@@ -110,36 +106,3 @@ def to_placements(axes, mesh_shape, axis_names, *, path=None, shape=None):
         for mesh_dim in mesh_dims:
             placements[mesh_dim] = Shard(dim)
     return tuple(placements)
-
-
-def local_slices(shape, placements, mesh_shape, coordinate):
-    """Returns the `(start, length)` of every dimension held at `coordinate`.
-
-    Follows DTensor's rule: mesh dimensions are applied in order, and each
-    splits the current extent like `torch.chunk` (chunks of
-    `ceil(n / k)`; the last ones may be short or empty).
-
-    Args:
-        shape: the global tensor shape.
-        placements: one placement per mesh dimension.
-        mesh_shape: shape of the device mesh.
-        coordinate: this rank's coordinate in the mesh.
-
-    Returns:
-        A list of `(start, length)` pairs, one per tensor dimension.
-
-    Example:
-    >>> local_slices((5, 4), (Shard(0),), (2,), (1,))
-    [(3, 2), (0, 4)]
-    """
-    slices = [(0, n) for n in shape]
-    for mesh_dim, placement in enumerate(placements):
-        if not isinstance(placement, Shard):
-            continue
-        dim = placement.dim
-        start, length = slices[dim]
-        parts = mesh_shape[mesh_dim]
-        chunk = math.ceil(length / parts) if length else 0
-        offset = min(coordinate[mesh_dim] * chunk, length)
-        slices[dim] = (start + offset, max(0, min(chunk, length - offset)))
-    return slices

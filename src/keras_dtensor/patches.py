@@ -13,8 +13,8 @@ import dataclasses
 import importlib
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
-from typing import Callable
 
 from keras_dtensor import data
 from keras_dtensor import variables
@@ -80,8 +80,7 @@ PATCHES = (
     Patch(
         "keras.src.distribution.distribution_lib",
         "distribution_lib",
-        "keras.distribution binds the backend module a second time, at "
-        "import.",
+        "keras.distribution binds the backend module a second time, at import.",
         _backend_module,
     ),
     Patch(
@@ -148,7 +147,7 @@ PATCHES = (
     ),
 )
 
-# Saved originals: {target: (owner, had_own_attribute, original)}.
+# Saved originals: {target: (owner, had_own, original, replacement)}.
 _ORIGINALS = {}
 
 
@@ -168,11 +167,11 @@ def apply():
         RuntimeError: the installed Keras is outside a row's range (checked
             for all rows before any attribute is replaced).
     """
-    from keras_dtensor.compat import keras_version
     from packaging.specifiers import SpecifierSet
 
+    from keras_dtensor.compat import keras_version
+
     if is_applied():
-        warnings.warn("keras_dtensor is already installed; nothing to do.")
         return
     version = keras_version()
     for patch in PATCHES:
@@ -203,7 +202,8 @@ def restore():
         if owner.__dict__.get(patch.name, _MISSING) is not replacement:
             warnings.warn(
                 f"{patch.target} was replaced again after keras_dtensor "
-                "installed its hook; leaving the newer value in place."
+                "installed its hook; leaving the newer value in place.",
+                stacklevel=3,
             )
             continue
         if own:

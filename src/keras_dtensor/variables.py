@@ -36,24 +36,34 @@ def variable_layout(variable):
     return variable._layout
 
 
-def _backend_layout(layout):
-    from keras_dtensor.distribution_lib import _as_backend_layout
-
-    return _as_backend_layout(layout)
-
-
 def _to_dtensor(variable, value):
     """Lays `value` (a global value or a DTensor) out as `variable`."""
+    from keras_dtensor.distribution_lib import _as_backend_layout
     from keras_dtensor.distribution_lib import distribute_tensor
     from keras_dtensor.distribution_lib import shard_global_tensor
 
-    layout = _backend_layout(variable._layout)
+    layout = _as_backend_layout(
+        variable._layout, path=variable.path, shape=variable.shape
+    )
     if isinstance(value, DTensor):
         return distribute_tensor(value, layout)
     from keras.src.backend.torch.core import convert_to_tensor
 
     value = convert_to_tensor(value, dtype=variable._dtype)
     return shard_global_tensor(value, layout, path=variable.path)
+
+
+def _owned(dtensor):
+    """A DTensor whose local shard owns its memory (not a view of the
+    full value, which would keep the full value alive)."""
+    return DTensor.from_local(
+        dtensor.to_local().clone(),
+        dtensor.device_mesh,
+        dtensor.placements,
+        run_check=False,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
+    )
 
 
 def initialize(original):
@@ -66,7 +76,7 @@ def initialize(original):
         if isinstance(value, torch.nn.Parameter):
             value = value.detach()
         self._value = torch.nn.Parameter(
-            _to_dtensor(self, value), requires_grad=self.trainable
+            _owned(_to_dtensor(self, value)), requires_grad=self.trainable
         )
 
     return _initialize

@@ -1,0 +1,178 @@
+"""The backend module on real gloo groups of 1, 2 and 4 processes.
+
+Each rank function runs many checks in one spawn and returns what it saw;
+the assertions run in the parent, against values computed there.
+"""
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _expect_value_error(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _backend_checks():
+    import keras
+    import torch
+    from keras.src.utils import rng_utils
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+
+    from keras_dtensor import distribution_lib
+
+    world = keras.distribution.get_device_count()
+    out = {
+        "devices": keras.distribution.list_devices(),
+        "count": world,
+        "num_processes": distribution_lib.num_processes(),
+        "process_id": distribution_lib.process_id(),
+        # initialize() agreed on one seed although none was set.
+        "seed": rng_utils.get_random_seed(),
+    }
+    mesh = keras.distribution.DeviceMesh((world,), ["model"])
+    torch_mesh = mesh.backend_mesh
+    out["mesh"] = (tuple(torch_mesh.shape), torch_mesh.mesh_dim_names)
+    out["mesh_ranks"] = torch_mesh.mesh.flatten().tolist()
+    # Built once: an equal Keras mesh reuses the torch mesh (no new groups).
+    again = keras.distribution.DeviceMesh((world,), ["model"]).backend_mesh
+    out["mesh_cached"] = again is torch_mesh
+
+    glob = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+    layout = keras.distribution.TensorLayout((None, "model"), mesh)
+    sharded = keras.distribution.distribute_tensor(glob, layout)
+    out["placements"] = tuple(sharded.placements)
+    out["local"] = sharded.to_local().numpy()
+    out["full_equal"] = bool(torch.equal(sharded.full_tensor(), glob))
+    out["same_returned"] = (
+        keras.distribution.distribute_tensor(sharded, layout) is sharded
+    )
+    row_layout = keras.distribution.TensorLayout(("model", None), mesh)
+    moved = keras.distribution.distribute_tensor(sharded, row_layout)
+    out["redistributed"] = (
+        tuple(moved.placements),
+        bool(torch.equal(moved.full_tensor(), glob)),
+    )
+    # Differentiable: a plain leaf gets gradients through the shard.
+    leaf = glob.clone().requires_grad_(True)
+    (keras.distribution.distribute_tensor(leaf, layout) * 2).sum().backward()
+    out["grad"] = leaf.grad.numpy()
+
+    # Bad layouts: ValueError on every rank, before any communication.
+    axes_twice = keras.distribution.TensorLayout(("model", "model"), mesh)
+    out["err_twice"] = _expect_value_error(
+        lambda: keras.distribution.distribute_tensor(glob, axes_twice)
+    )
+    too_many = keras.distribution.TensorLayout((None, None, "model"), mesh)
+    out["err_rank"] = _expect_value_error(
+        lambda: distribution_lib.shard_global_tensor(
+            glob, too_many.backend_layout, path="x/kernel"
+        )
+    )
+    big = keras.distribution.DeviceMesh(
+        (world * 2,), ["model"], devices=[f"cpu:{i}" for i in range(world * 2)]
+    )
+    out["err_big_mesh"] = _expect_value_error(lambda: big.backend_mesh)
+    dist = keras.distribution.ModelParallel(layout_map=_twice_map(keras, mesh))
+    with dist.scope():
+        out["err_variable"] = _expect_value_error(
+            lambda: keras.Variable(np.zeros((4, 4)), name="w")
+        )
+    out["isinstance_dtensor"] = isinstance(sharded, DTensor)
+    out["shard_types"] = (Shard(1), Replicate())
+
+    keras.utils.set_random_seed(7)
+    out["random"] = keras.ops.convert_to_numpy(
+        keras.random.normal((3,))
+    ).tolist()
+    return out
+
+
+def _twice_map(keras, mesh):
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["w"] = ("model", "model")
+    return layout_map
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_backend_module(world):
+    results = run_ranks(_backend_checks, world)
+    glob = np.arange(48, dtype=np.float32).reshape(6, 8)
+    for rank, out in enumerate(results):
+        assert out["devices"] == [f"cpu:{i}" for i in range(world)]
+        assert out["count"] == out["num_processes"] == world
+        assert out["process_id"] == rank
+        assert out["mesh"] == ((world,), ("model",))
+        assert out["mesh_ranks"] == list(range(world))
+        assert out["mesh_cached"]
+        assert out["placements"] == (out["shard_types"][0],)
+        np.testing.assert_array_equal(
+            out["local"], np.array_split(glob, world, axis=1)[rank]
+        )
+        assert out["full_equal"] and out["same_returned"]
+        assert out["redistributed"][1]
+        np.testing.assert_array_equal(out["grad"], np.full((6, 8), 2.0))
+        assert "mesh axis 'model' is used more than once" in out["err_twice"]
+        assert (
+            "Cannot shard `x/kernel` (6, 8) with axes (None, None, 'model')"
+            in out["err_rank"]
+        )
+        assert (
+            f"mesh shape ({world},), axis_names ('model',)" in out["err_rank"]
+        )
+        assert f"has {world * 2} devices" in out["err_big_mesh"]
+        assert f"this job has {world} processes" in out["err_big_mesh"]
+        assert "`w` (4, 4)" in out["err_variable"]
+        assert "used more than once" in out["err_variable"]
+    # Every rank agreed on one seed and draws the same stream.
+    assert len({out["seed"] for out in results}) == 1
+    assert all(out["random"] == results[0]["random"] for out in results)
+
+
+def _multi_axis_checks():
+    import keras
+    import torch
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+    glob = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    from keras_dtensor.distribution_lib import DTensorLayout
+    from keras_dtensor.layout import to_placements
+
+    # One dimension over two mesh axes, major to minor in mesh order.
+    placements = to_placements(
+        (("batch", "model"),), (2, 2), ("batch", "model")
+    )
+    layout = DTensorLayout(mesh.backend_mesh, placements, (("batch", "model"),))
+    sharded = keras.distribution.distribute_tensor(glob, layout)
+    data_layout = keras.distribution.TensorLayout(("batch", None), mesh)
+    by_batch = keras.distribution.distribute_tensor(glob, data_layout)
+    return {
+        "coordinate": tuple(mesh.backend_mesh.get_coordinate()),
+        "local": sharded.to_local().numpy(),
+        "full_equal": bool(torch.equal(sharded.full_tensor(), glob)),
+        "batch_local": by_batch.to_local().numpy(),
+    }
+
+
+def test_multi_axis_sharding_on_2x2_mesh():
+    results = run_ranks(_multi_axis_checks, 4)
+    glob = np.arange(24, dtype=np.float32).reshape(8, 3)
+    for rank, out in enumerate(results):
+        row, col = divmod(rank, 2)
+        assert out["coordinate"] == (row, col)
+        # JAX order: the 'batch' axis is major, 'model' minor.
+        np.testing.assert_array_equal(
+            out["local"], glob[2 * rank : 2 * rank + 2]
+        )
+        assert out["full_equal"]
+        np.testing.assert_array_equal(
+            out["batch_local"], glob[4 * row : 4 * row + 4]
+        )

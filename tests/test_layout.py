@@ -1,0 +1,82 @@
+"""Layout translation without a process group: mapping and error texts."""
+
+import pytest
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras_dtensor.layout import normalize_axes
+from keras_dtensor.layout import to_placements
+
+MESH = ((2, 4), ("batch", "model"))
+
+
+@pytest.mark.parametrize(
+    "axes, expected",
+    [
+        ((None, "model"), (Replicate(), Shard(1))),
+        (("model", None), (Replicate(), Shard(0))),
+        (("batch", "model"), (Shard(0), Shard(1))),
+        (("model", "batch"), (Shard(1), Shard(0))),
+        ((None, None), (Replicate(), Replicate())),
+        # Trailing dimensions may be left out, as in a PartitionSpec.
+        (("batch",), (Shard(0), Replicate())),
+        ((), (Replicate(), Replicate())),
+        # One dimension over two axes, major to minor in mesh order.
+        ((("batch", "model"), None), (Shard(0), Shard(0))),
+        ((None, ["batch", "model"]), (Shard(1), Shard(1))),
+    ],
+)
+def test_to_placements(axes, expected):
+    assert to_placements(axes, *MESH) == expected
+
+
+def test_normalize_axes():
+    assert normalize_axes((None, "a", ("a", "b"), ["c"])) == (
+        (),
+        ("a",),
+        ("a", "b"),
+        ("c",),
+    )
+
+
+@pytest.mark.parametrize(
+    "axes, shape, message",
+    [
+        (("data", None), (8, 8), "axis 'data' is not a mesh axis"),
+        (
+            ("model", "model"),
+            (8, 8),
+            "mesh axis 'model' is used more than once",
+        ),
+        (
+            (("model", "model"),),
+            (8,),
+            "mesh axis 'model' is used more than once",
+        ),
+        (
+            (None, None, "model"),
+            (8, 8),
+            "the layout has 3 axes but the tensor has 2 dimensions",
+        ),
+        (
+            (("model", "batch"),),
+            (8,),
+            "dimension 0 is sharded over ('model', 'batch'), which is not "
+            "the mesh's axis order",
+        ),
+    ],
+)
+def test_errors_name_path_shape_axes_and_mesh(axes, shape, message):
+    with pytest.raises(ValueError) as info:
+        to_placements(axes, *MESH, path="model/dense/kernel", shape=shape)
+    text = str(info.value)
+    assert text.startswith(
+        f"Cannot shard `model/dense/kernel` {shape} with axes {axes} on "
+        "mesh shape (2, 4), axis_names ('batch', 'model'): "
+    )
+    assert message in text
+
+
+def test_error_without_path():
+    with pytest.raises(ValueError, match=r"^Cannot shard tensor with axes"):
+        to_placements(("x",), *MESH)
