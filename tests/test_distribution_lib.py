@@ -7,6 +7,7 @@ the assertions run in the parent, against values computed there.
 import numpy as np
 import pytest
 from harness import run_ranks
+from torch.distributed.tensor import Replicate
 
 pytestmark = pytest.mark.multiprocess
 
@@ -73,10 +74,16 @@ def _backend_checks():
     )
     too_many = keras.distribution.TensorLayout((None, None, "model"), mesh)
     out["err_rank"] = _expect_value_error(
-        lambda: distribution_lib.shard_global_tensor(
-            glob, too_many.backend_layout, path="x/kernel"
+        lambda: distribution_lib._as_backend_layout(
+            too_many, path="x/kernel", shape=(6, 8)
         )
     )
+    # Size-1 axes are left out of the torch mesh: replication there.
+    mesh_2d = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    out["mesh_2d"] = mesh_2d.backend_mesh.mesh_dim_names
+    out["layout_2d"] = keras.distribution.TensorLayout(
+        ("batch", "model"), mesh_2d
+    ).backend_layout.placements
     big = keras.distribution.DeviceMesh(
         (world * 2,), ["model"], devices=[f"cpu:{i}" for i in range(world * 2)]
     )
@@ -113,7 +120,11 @@ def test_backend_module(world):
         assert out["mesh"] == ((world,), ("model",))
         assert out["mesh_ranks"] == list(range(world))
         assert out["mesh_cached"]
-        assert out["placements"] == (out["shard_types"][0],)
+        assert out["mesh_2d"] == (("model",) if world > 1 else ("batch",))
+        # Sharding over one device is replication.
+        sharded = out["shard_types"][0] if world > 1 else Replicate()
+        assert out["layout_2d"] == (sharded,)
+        assert out["placements"] == (sharded,)
         np.testing.assert_array_equal(
             out["local"], np.array_split(glob, world, axis=1)[rank]
         )
@@ -150,7 +161,7 @@ def _multi_axis_checks():
     placements = to_placements(
         (("batch", "model"),), (2, 2), ("batch", "model")
     )
-    layout = DTensorLayout(mesh.backend_mesh, placements, (("batch", "model"),))
+    layout = DTensorLayout(mesh.backend_mesh, placements)
     sharded = keras.distribution.distribute_tensor(glob, layout)
     data_layout = keras.distribution.TensorLayout(("batch", None), mesh)
     by_batch = keras.distribution.distribute_tensor(glob, data_layout)

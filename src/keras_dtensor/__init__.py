@@ -41,6 +41,7 @@ def install():
     >>> keras_dtensor.uninstall(); keras_dtensor.install()
     """
     from keras_dtensor import compat
+    from keras_dtensor import ops
     from keras_dtensor import patches
 
     compat.check_environment()
@@ -57,6 +58,7 @@ def install():
             stacklevel=2,
         )
     patches.apply()
+    ops.register_strategies()
 
 
 def uninstall():

@@ -38,14 +38,14 @@ __all__ = [
 _MESH_CACHE = "keras_dtensor_backend_meshes"
 
 DTensorLayout = collections.namedtuple(
-    "DTensorLayout", ["device_mesh", "placements", "axes"]
+    "DTensorLayout", ["device_mesh", "placements"]
 )
 DTensorLayout.__doc__ = """The torch form of a Keras `TensorLayout`.
 
 Fields:
-    device_mesh: the torch `DeviceMesh`.
-    placements: one `Shard`/`Replicate` per mesh dimension.
-    axes: the Keras layout axes it came from (for error messages).
+    device_mesh: the torch `DeviceMesh` (the Keras mesh without its
+        size-1 axes).
+    placements: one `Shard`/`Replicate` per torch mesh dimension.
 """
 
 
@@ -188,11 +188,23 @@ def _device_ranks(device_mesh):
     return ranks
 
 
+def _kept_axes(device_mesh):
+    """Indices of the mesh axes the torch mesh keeps: those of size > 1.
+
+    Sharding over one device is replication, and a size-1 mesh dimension
+    only adds per-op work and no-op collectives to every DTensor op. A
+    mesh of one device keeps its first axis.
+    """
+    kept = [i for i, n in enumerate(device_mesh.shape) if n > 1]
+    return kept or [0]
+
+
 def _to_backend_mesh(device_mesh):
     """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`.
 
-    Building a multi-dimensional torch mesh creates process groups (a
-    collective), so meshes are cached by devices, shape and axis names.
+    Axes of size 1 are left out (see `_kept_axes`). Building a
+    multi-dimensional torch mesh creates process groups (a collective), so
+    meshes are cached by devices, shape and axis names.
 
     Args:
         device_mesh: `keras.distribution.DeviceMesh` instance to convert.
@@ -205,17 +217,18 @@ def _to_backend_mesh(device_mesh):
 
     ranks = _device_ranks(device_mesh)
     _ensure_process_group()
-    key = (tuple(device_mesh.shape), tuple(device_mesh.axis_names), *ranks)
+    kept = _kept_axes(device_mesh)
+    shape = tuple(device_mesh.shape[i] for i in kept)
+    names = tuple(device_mesh.axis_names[i] for i in kept)
+    key = (shape, names, *ranks)
     cache = global_state.get_global_attribute(
         _MESH_CACHE, {}, set_to_default=True
     )
     if key not in cache:
         cache[key] = DeviceMesh(
             launch.device_type(),
-            torch.tensor(ranks, dtype=torch.int64).reshape(
-                tuple(device_mesh.shape)
-            ),
-            mesh_dim_names=tuple(device_mesh.axis_names),
+            torch.tensor(ranks, dtype=torch.int64).reshape(shape),
+            mesh_dim_names=names,
         )
     return cache[key]
 
@@ -227,7 +240,7 @@ def _to_backend_layout(tensor_layout):
         tensor_layout: `TensorLayout` instance to convert.
 
     Returns:
-        A `DTensorLayout` (torch mesh, placements, axes).
+        A `DTensorLayout` (torch mesh, placements).
     """
     if tensor_layout.device_mesh is None:
         raise ValueError(
@@ -236,7 +249,13 @@ def _to_backend_layout(tensor_layout):
         )
     mesh = tensor_layout.device_mesh
     placements = to_placements(tensor_layout.axes, mesh.shape, mesh.axis_names)
-    return DTensorLayout(mesh.backend_mesh, placements, tensor_layout.axes)
+    kept = _kept_axes(mesh)
+    return DTensorLayout(
+        mesh.backend_mesh,
+        tuple(
+            placements[i] if mesh.shape[i] > 1 else Replicate() for i in kept
+        ),
+    )
 
 
 def _as_backend_layout(layout, path=None, shape=None):
@@ -276,7 +295,7 @@ def _contiguous_stride(shape):
     return tuple(reversed(stride))
 
 
-def shard_global_tensor(tensor, layout, path=None):
+def shard_global_tensor(tensor, layout):
     """Cuts this rank's shard out of a global value held by every rank.
 
     No communication: every rank holds the same global `tensor` (Keras's
@@ -285,22 +304,13 @@ def shard_global_tensor(tensor, layout, path=None):
 
     Args:
         tensor: a plain `torch.Tensor` with the global shape.
-        layout: a `DTensorLayout`.
-        path: the variable or tensor path, for error messages.
+        layout: a `DTensorLayout`, already checked against the tensor's
+            shape (see `_as_backend_layout`).
 
     Returns:
         A `DTensor`.
     """
     mesh = layout.device_mesh
-    if layout.axes is not None:
-        # Validates the axes against this tensor's rank, naming the path.
-        to_placements(
-            layout.axes,
-            tuple(mesh.shape),
-            mesh.mesh_dim_names,
-            path=path,
-            shape=tuple(tensor.shape),
-        )
     replicated = DTensor.from_local(
         tensor, mesh, [Replicate()] * mesh.ndim, run_check=False
     )
@@ -328,8 +338,8 @@ def distribute_tensor(tensor, layout):
     >>> layout = keras.distribution.TensorLayout((None, "model"), mesh)
     >>> keras.distribution.distribute_tensor(torch.ones(4, 8), layout)
     """
-    layout = _as_backend_layout(layout)
     if isinstance(tensor, DTensor):
+        layout = _as_backend_layout(layout)
         if tensor.device_mesh == layout.device_mesh and tuple(
             tensor.placements
         ) == tuple(layout.placements):
@@ -339,6 +349,7 @@ def distribute_tensor(tensor, layout):
         from keras.src.backend.torch.core import convert_to_tensor
 
         tensor = convert_to_tensor(tensor)
+    layout = _as_backend_layout(layout, shape=tuple(tensor.shape))
     return shard_global_tensor(tensor, layout)
 
 

@@ -50,7 +50,7 @@ def _to_dtensor(variable, value):
     from keras.src.backend.torch.core import convert_to_tensor
 
     value = convert_to_tensor(value, dtype=variable._dtype)
-    return shard_global_tensor(value, layout, path=variable.path)
+    return shard_global_tensor(value, layout)
 
 
 def _owned(dtensor):
