@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv, train a small transformer with ModelParallel
+#               on 2 CPU processes, print losses, layouts and parity
+#   make test   set up .venv, run lint and the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CI pins the exact versions; pyproject.toml declares the supported ranges.
+PINS := torch==2.13.0 keras==3.15.1
+
+.PHONY: demo test setup lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(PINS)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/keras-dtensor demo --nproc 2 --epochs 3
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+test: setup lint
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

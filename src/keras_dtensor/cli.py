@@ -1,0 +1,90 @@
+"""`keras-dtensor` command line: `info` and `demo`.
+
+Example:
+```
+keras-dtensor info
+keras-dtensor demo --nproc 2 --epochs 3
+```
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+__all__ = ["main"]
+
+
+def _info(args):
+    import platform
+
+    import keras
+    import torch
+    import torch.distributed as dist
+
+    import keras_dtensor
+    from keras_dtensor import compat
+    from keras_dtensor import launch
+    from keras_dtensor import patches
+
+    print(f"keras-dtensor {keras_dtensor.__version__}")
+    print(f"keras         {keras.__version__} ({compat.SUPPORTED_KERAS})")
+    print(f"torch         {torch.__version__} ({compat.SUPPORTED_TORCH})")
+    print(f"python        {platform.python_version()}")
+    print(f"backend       {keras.backend.backend()}")
+    print(f"device        {launch.local_device()}")
+    started = dist.is_initialized()
+    print(
+        f"world         rank {launch.process_id()} of "
+        f"{launch.num_processes()}"
+        + ("" if started or launch.under_launcher() else " (no launcher)")
+    )
+    print(f"devices       {keras.distribution.list_devices()}")
+    if compat.upstream_torch_distribution_lib():
+        print("upstream      Keras's own torch distribution_lib: replaced")
+    print("\nhooks into Keras (src/keras_dtensor/patches.py):")
+    for target, state, why in patches.status():
+        print(f"  [{state}] {target}\n      {why}")
+    return 0
+
+
+def _demo(args):
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "keras_dtensor.demo",
+        f"--epochs={args.epochs}",
+    ]
+    return subprocess.call(command, env=env)
+
+
+def main(argv=None):
+    """Entry point of the `keras-dtensor` script."""
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    parser = argparse.ArgumentParser(
+        prog="keras-dtensor",
+        description="Keras distribution API on torch DTensor.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser(
+        "info", help="versions, world/rank view, hook table status"
+    )
+    info.set_defaults(run=_info)
+    demo = commands.add_parser(
+        "demo",
+        help="train a small transformer with ModelParallel on CPU processes",
+    )
+    demo.add_argument("--nproc", type=int, default=2)
+    demo.add_argument("--epochs", type=int, default=3)
+    demo.set_defaults(run=_demo)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
