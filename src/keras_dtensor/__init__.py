@@ -58,6 +58,7 @@ def install():
             stacklevel=2,
         )
     patches.apply()
+    ops.stable_placement_hashes()
     ops.register_strategies()
 
 
@@ -69,9 +70,11 @@ def uninstall():
     >>> keras_dtensor.is_installed()
     False
     """
+    from keras_dtensor import ops
     from keras_dtensor import patches
 
     patches.restore()
+    ops.restore_placement_hashes()
 
 
 def is_installed() -> bool:

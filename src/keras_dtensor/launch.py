@@ -146,7 +146,37 @@ def init_process_group(
         _backend(), store=store, rank=rank, world_size=world, timeout=timeout
     )
     atexit.register(_destroy)
+    _check_hash_seed()
     return True
+
+
+def _check_hash_seed():
+    """Raises unless every rank hashes strings the same way.
+
+    torch 2.13's DTensor breaks cost ties between sharding strategies by
+    the iteration order of Python sets, which follows string hashes (the
+    mesh axis names, `Partial`'s reduce op). With per-process hash
+    randomization, ranks can pick different strategies for the same op and
+    run different collectives: a crash or a hang mid-training (seen with a
+    vocabulary-sharded Embedding). Failing here, at start, is better.
+    """
+    if dist.get_world_size() == 1:
+        return
+    mine = torch.tensor(
+        [hash("keras_dtensor") & 0x7FFFFFFFFFFFFFFF], device=local_device()
+    )
+    seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(seen, mine)
+    if len({int(t.item()) for t in seen}) > 1:
+        raise RuntimeError(
+            "keras_dtensor: the processes hash strings differently (Python "
+            "hash randomization), so DTensor may choose different sharding "
+            "strategies on different ranks and hang. Launch every process "
+            "with the same PYTHONHASHSEED, e.g. "
+            "`PYTHONHASHSEED=0 torchrun --nproc_per_node=2 train.py` (the "
+            f"`keras-dtensor` CLI does). PYTHONHASHSEED here: "
+            f"{os.environ.get('PYTHONHASHSEED', 'unset')}."
+        )
 
 
 def ensure_process_group():

@@ -1,7 +1,20 @@
-"""Sharding strategies for torch ops that DTensor lacks.
+"""DTensor fixes that distributed Keras programs need from torch 2.13.
 
-Registered once into DTensor's sharding propagator (public experimental
-`register_sharding`); they only affect ops whose inputs are DTensors.
+1. Every rank must choose the same sharding strategy for an op, or the
+   ranks run different collectives and the job dies ("Received data size
+   doesn't match expected size ... collective mismatch") or hangs.
+   DTensor's strategy search breaks cost ties by the iteration order of
+   Python sets of placements, which follows their hashes. String hashes
+   are made equal across ranks by `launch._check_hash_seed` (one
+   PYTHONHASHSEED); `_MaskPartial.__hash__` also hashes `id(mask_buffer)`,
+   a memory address that differs between processes.
+   `stable_placement_hashes()` leaves the address out (a hash may be
+   coarser than `__eq__`, which compares the buffer by identity). Seen here
+   as a vocabulary-sharded Embedding allgathering its table on one rank.
+
+2. Sharding strategies for ops DTensor lacks, registered once through the
+   public experimental `register_sharding`; they only affect ops whose
+   inputs are DTensors.
 
 CPU flash attention (`torch.nn.functional.scaled_dot_product_attention` on
 CPU, which Keras's `MultiHeadAttention` calls) has no strategy in torch
@@ -16,10 +29,35 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-__all__ = ["register_strategies"]
+__all__ = [
+    "register_strategies",
+    "restore_placement_hashes",
+    "stable_placement_hashes",
+]
 
 _aten = torch.ops.aten
 _registered = []
+_original_hashes = {}
+
+
+def _mask_partial_hash(self):
+    return 1 + hash((self.reduce_op, tuple(self.offset_shape), self.offset_dim))
+
+
+def stable_placement_hashes():
+    """Gives `_MaskPartial` a hash without a memory address in it."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    if _MaskPartial not in _original_hashes:
+        _original_hashes[_MaskPartial] = _MaskPartial.__dict__["__hash__"]
+        _MaskPartial.__hash__ = _mask_partial_hash
+
+
+def restore_placement_hashes():
+    """Puts back torch's own `__hash__` methods."""
+    for cls, original in list(_original_hashes.items()):
+        cls.__hash__ = original
+        del _original_hashes[cls]
 
 
 def _per_row_or_head(num_outputs, num_tensors, num_scalars, attn_mask):

@@ -16,7 +16,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from keras_dtensor import callbacks
 from keras_dtensor import data
+from keras_dtensor import jit
+from keras_dtensor import saving
 from keras_dtensor import variables
 from keras_dtensor.compat import SUPPORTED_KERAS
 
@@ -137,6 +140,39 @@ PATCHES = (
         "Batches must enter the step as DTensors sharded along the batch "
         "axis (else: 'got mixed torch.Tensor and DTensor').",
         data.epoch_iterator,
+    ),
+    Patch(
+        "keras.src.backend.torch.trainer",
+        "TorchTrainer._should_torch_compile",
+        "torch.compile of the whole train_step fails on DTensor tangents "
+        "after the graph break at loss.backward(); compile the forward.",
+        jit.should_torch_compile,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "save_weights_only",
+        "Every rank must gather sharded weights; only rank 0 may write "
+        "(h5py's lock), atomically.",
+        lambda original: saving.save_collectively(original, "save_weights"),
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "save_model",
+        "model.save: as save_weights_only.",
+        lambda original: saving.save_collectively(original, "save"),
+    ),
+    Patch(
+        "keras.src.utils.io_utils",
+        "print_msg",
+        "Progress bars and callback messages print once, from rank 0.",
+        callbacks.print_msg,
+    ),
+    Patch(
+        "keras.src.callbacks.callback_list",
+        "CallbackList._configure_async_dispatch",
+        "Batch-end callbacks on a worker thread gather DTensors out of "
+        "order with the main thread's collectives: rank-divergent.",
+        callbacks.configure_async_dispatch,
     ),
     Patch(
         "keras.src.layers.layer",

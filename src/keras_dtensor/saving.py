@@ -1,0 +1,87 @@
+"""Saving under a distribution: every rank gathers, rank 0 writes, atomically.
+
+Keras's `save_weights` and `model.save` convert every variable to numpy;
+for a sharded variable that is an all-gather, so every rank must run the
+save, in the same order. Each rank runs Keras's own writer; rank 0 writes
+next to the target and renames into place (a reader never sees half a
+file), the other ranks write to a private scratch directory that is then
+deleted (all ranks writing one `.weights.h5` would also collide on h5py's
+file lock). Files are ordinary Keras files: plain single-process Keras
+loads them.
+
+A save called on some ranks only would hang in the first gather; a
+monitored barrier first turns that into an error naming the missing ranks.
+"""
+
+import datetime
+import os
+import shutil
+import tempfile
+import uuid
+
+import torch.distributed as dist
+
+__all__ = ["save_collectively"]
+
+_TIMEOUT_ENV = "KERAS_DTENSOR_SAVE_TIMEOUT"
+
+
+def _multi_process():
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _check_all_ranks_save(what, filepath):
+    timeout = float(os.environ.get(_TIMEOUT_ENV, "60"))
+    try:
+        dist.monitored_barrier(
+            timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
+        )
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{what}({str(filepath)!r}) must be called on every rank: it "
+            "gathers sharded variables, a collective. Rank "
+            f"{dist.get_rank()} of {dist.get_world_size()} waited {timeout:g}"
+            f" s for the others ({_TIMEOUT_ENV} sets this). Call it on all "
+            f"ranks; only rank 0 writes the file. Details: {e}"
+        ) from None
+
+
+def save_collectively(original, what):
+    """Wraps a Keras writer `original(model, filepath, ...)`.
+
+    Args:
+        original: `saving_lib.save_model` or `saving_lib.save_weights_only`.
+        what: the user-facing name, for error messages.
+
+    Returns:
+        The wrapper.
+    """
+
+    def _save(model, filepath, *args, **kwargs):
+        if not _multi_process() or not isinstance(filepath, (str, os.PathLike)):
+            return original(model, filepath, *args, **kwargs)
+        _check_all_ranks_save(what, filepath)
+        final = os.fspath(filepath)
+        name = os.path.basename(final)  # Keras checks the file suffix
+        if dist.get_rank() == 0:
+            scratch = None
+            target = os.path.join(
+                os.path.dirname(final) or ".", f".{uuid.uuid4().hex}.{name}"
+            )
+        else:
+            scratch = tempfile.mkdtemp(prefix="keras_dtensor_save_")
+            target = os.path.join(scratch, name)
+        try:
+            result = original(model, target, *args, **kwargs)
+            if scratch is None:
+                os.replace(target, final)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            elif os.path.exists(target):
+                os.remove(target)
+        # Nobody returns before the file is in place, so any rank may load.
+        dist.barrier()
+        return result
+
+    return _save

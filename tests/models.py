@@ -1,0 +1,148 @@
+"""Small models, data and layout maps shared by the multi-process tests.
+
+Every builder takes the `keras` module so that spawned ranks import Keras
+only after the harness set the environment.
+"""
+
+import contextlib
+
+import numpy as np
+
+VOCAB, SEQ, WIDTH = 48, 8, 16
+
+
+def mlp(keras):
+    inputs = keras.Input((WIDTH,), name="features")
+    h = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+    h = keras.layers.Dense(24, activation="tanh", name="mid")(h)
+    outputs = keras.layers.Dense(4, name="out")(h)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
+def transformer(keras):
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(VOCAB, WIDTH, name="embed")(tokens)
+    a = keras.layers.MultiHeadAttention(4, 4, name="mha")(h, h)
+    h = keras.layers.LayerNormalization(name="ln1")(h + a)
+    f = keras.layers.EinsumDense(
+        "bsd,df->bsf", output_shape=(SEQ, 32), bias_axes="f", name="ffn_up"
+    )(h)
+    f = keras.layers.Activation("relu")(f)
+    f = keras.layers.EinsumDense(
+        "bsf,fd->bsd", output_shape=(SEQ, WIDTH), name="ffn_down"
+    )(f)
+    h = keras.layers.LayerNormalization(name="ln2")(h + f)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(4, name="out")(h)
+    return keras.Model(tokens, outputs, name="transformer")
+
+
+def embedding(keras):
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(VOCAB, WIDTH, name="embed")(tokens)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(4, name="out")(h)
+    return keras.Model(tokens, outputs, name="embedding")
+
+
+MODELS = {"mlp": mlp, "transformer": transformer, "embedding": embedding}
+
+# Tensor-parallel splits over the "model" axis.
+TP_LAYOUTS = {
+    "mlp": {
+        ".*up/kernel": (None, "model"),
+        ".*up/bias": ("model",),
+        ".*mid/kernel": ("model", None),
+    },
+    "transformer": {
+        ".*mha/(query|key|value)/kernel": (None, "model", None),
+        ".*mha/(query|key|value)/bias": ("model", None),
+        ".*mha/attention_output/kernel": ("model", None, None),
+        ".*ffn_up/kernel": (None, "model"),
+        ".*ffn_up/bias": ("model",),
+        ".*ffn_down/kernel": ("model", None),
+        ".*embed/embeddings": (None, "model"),
+    },
+    # Vocabulary-parallel embedding.
+    "embedding": {".*embed/embeddings": ("model", None)},
+}
+
+
+def fsdp_layouts(model_name, axis="batch"):
+    """Every weight matrix sharded on its first dimension over `axis`."""
+    keys = {
+        "mlp": [".*(up|mid|out)/kernel"],
+        "transformer": [
+            ".*mha/(query|key|value)/kernel",
+            ".*ffn_(up|down)/kernel",
+            ".*embed/embeddings",
+        ],
+        "embedding": [".*embed/embeddings", ".*out/kernel"],
+    }[model_name]
+    rank_of = {".*mha/(query|key|value)/kernel": 3}
+    return {k: (axis,) + (None,) * (rank_of.get(k, 2) - 1) for k in keys}
+
+
+def data(model_name, n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    if model_name == "mlp":
+        x = rng.normal(size=(n, WIDTH)).astype("float32")
+    else:
+        x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")
+    y = rng.normal(size=(n, 4)).astype("float32")
+    return x, y
+
+
+OPTIMIZERS = {
+    "sgd": lambda keras: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda keras: keras.optimizers.Adam(0.002),
+    "adamw": lambda keras: keras.optimizers.AdamW(0.002, weight_decay=0.05),
+    "rmsprop": lambda keras: keras.optimizers.RMSprop(0.01),
+}
+
+
+def layout_map(keras, mesh, layouts):
+    result = keras.distribution.LayoutMap(mesh)
+    for key, axes in layouts.items():
+        result[key] = axes
+    return result
+
+
+def train(keras, model_name, optimizer, distribution=None, **fit_kwargs):
+    """Builds, trains and evaluates one model; returns what it saw."""
+    keras.utils.set_random_seed(3)
+    x, y = data(model_name)
+    scope = distribution.scope() if distribution else contextlib.nullcontext()
+    with scope:
+        model = MODELS[model_name](keras)
+        model.compile(
+            optimizer=OPTIMIZERS[optimizer](keras),
+            loss="mse",
+            metrics=["mae"],
+            jit_compile=fit_kwargs.pop("jit_compile", False),
+        )
+        history = model.fit(
+            x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, **fit_kwargs
+        )
+        result = {
+            "history": history.history,
+            "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
+            "predict": model.predict(x, batch_size=16, verbose=0),
+            "weights": model.get_weights(),
+        }
+    return model, result
+
+
+def max_diff(a, b):
+    """Max |a - b| over two results of `train`."""
+    diffs = [
+        np.abs(np.asarray(p) - np.asarray(q)).max()
+        for p, q in zip(a["weights"], b["weights"], strict=True)
+    ]
+    diffs.append(np.abs(a["predict"] - b["predict"]).max())
+    diffs.append(np.abs(np.subtract(a["evaluate"], b["evaluate"])).max())
+    for key in a["history"]:
+        diffs.append(
+            np.abs(np.subtract(a["history"][key], b["history"][key])).max()
+        )
+    return float(max(diffs))
