@@ -131,3 +131,141 @@ def test_parity_2_processes():
 
 def test_parity_4_processes():
     _check(run_ranks(_parity_cases, 4, CASES_4, timeout=400), 4, CASES_4)
+
+
+def _features():
+    """Training API details under ModelParallel, each against plain Keras."""
+    import keras
+    import models
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    world = keras.distribution.get_device_count()
+    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+
+    def tp(extra=None):
+        layouts = dict(models.TP_LAYOUTS["mlp"], **(extra or {}))
+        return keras.distribution.ModelParallel(
+            layout_map=models.layout_map(keras, mesh, layouts)
+        )
+
+    out = {}
+    # Layer-output relayout ("<layer path>/output"), differentiable.
+    _, reference = models.train(keras, "mlp", "sgd")
+    _, got = models.train(
+        keras, "mlp", "sgd", tp({".*up/output": ("batch", None)})
+    )
+    out["relayout"] = models.max_diff(reference, got)
+
+    # jit_compile=True: a compiled forward on sharded weights.
+    _, reference = models.train(keras, "mlp", "adam", jit_compile=True)
+    _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
+    out["jit"] = models.max_diff(reference, got)
+
+    # A dimension not divisible by its mesh axis: uneven shards.
+    uneven = {".*mid/kernel": (None, "model"), ".*mid/bias": ("model",)}
+    _, reference = models.train(keras, "mlp", "adam")
+    layouts = {".*up/kernel": (None, "model"), **uneven}
+    model, got = models.train(
+        keras,
+        "mlp",
+        "adam",
+        keras.distribution.ModelParallel(
+            layout_map=models.layout_map(keras, mesh, layouts)
+        ),
+    )
+    out["uneven"] = models.max_diff(reference, got)
+    out["uneven_local"] = tuple(
+        model.get_layer("mid").kernel.value.to_local().shape
+    )
+
+    # sample_weight, validation_data and the usual callbacks.
+    x, y = models.data("mlp")
+    weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
+
+    def callbacks():
+        return [
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=1),
+            keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.9),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1),
+        ]
+
+    fit_kwargs = dict(
+        sample_weight=weights,
+        validation_data=(x[:16], y[:16]),
+        epochs=3,
+    )
+    histories = []
+    for distribution in (None, tp()):
+        _, result = _train_fit(
+            keras, models, distribution, callbacks(), fit_kwargs
+        )
+        histories.append(result)
+    out["callbacks"] = histories
+
+    # Eager calls and the *_on_batch methods.
+    results = []
+    for distribution in (None, tp()):
+        keras.utils.set_random_seed(5)
+        scope = distribution.scope() if distribution else _null()
+        with scope:
+            model = models.mlp(keras)
+            model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+            eager = model(x[:8])
+            results.append(
+                {
+                    "eager": keras.ops.convert_to_numpy(eager),
+                    "eager_dtensor": isinstance(eager, DTensor),
+                    "train": model.train_on_batch(x[:8], y[:8]),
+                    "test": model.test_on_batch(x[8:16], y[8:16]),
+                    "predict": model.predict_on_batch(x[16:24]),
+                    "torch_input": keras.ops.convert_to_numpy(
+                        model(torch.from_numpy(x[:4]))
+                    ),
+                }
+            )
+    out["on_batch"] = results
+    return out
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _train_fit(keras, models, distribution, callbacks, fit_kwargs):
+    keras.utils.set_random_seed(4)
+    x, y = models.data("mlp")
+    scope = distribution.scope() if distribution else _null()
+    with scope:
+        model = models.mlp(keras)
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        history = model.fit(
+            x, y, batch_size=8, verbose=0, callbacks=callbacks, **fit_kwargs
+        )
+        weights = model.get_weights()
+    return model, {"history": history.history, "weights": weights}
+
+
+def test_training_api_relayout_jit_uneven_callbacks():
+    for out in run_ranks(_features, 2):
+        assert out["relayout"] <= TOLERANCE
+        assert out["jit"] <= TOLERANCE
+        assert out["uneven"] <= TOLERANCE
+        assert out["uneven_local"] in ((32, 12),)  # 24 columns over 2
+        plain, dist = out["callbacks"]
+        assert plain["history"].keys() == dist["history"].keys()
+        assert (
+            "val_loss" in dist["history"] and "learning_rate" in dist["history"]
+        )
+        for key in plain["history"]:
+            np.testing.assert_allclose(
+                dist["history"][key], plain["history"][key], atol=TOLERANCE
+            )
+        for got, want in zip(dist["weights"], plain["weights"], strict=True):
+            np.testing.assert_allclose(got, want, atol=TOLERANCE)
+        plain, dist = out["on_batch"]
+        assert dist["eager_dtensor"] and not plain["eager_dtensor"]
+        for key in ("eager", "train", "test", "predict", "torch_input"):
+            np.testing.assert_allclose(dist[key], plain[key], atol=TOLERANCE)

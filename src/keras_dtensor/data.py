@@ -19,6 +19,7 @@ __all__ = [
     "distribute_call_inputs",
     "epoch_iterator",
     "get_data_adapter",
+    "step_function",
 ]
 
 _PER_PROCESS = "_keras_dtensor_per_process"
@@ -98,6 +99,39 @@ def epoch_iterator(original):
         )
 
     return _get_iterator
+
+
+def step_function(original, attribute):
+    """Wraps `TorchTrainer.make_{train,test,predict}_function`.
+
+    The step functions receive batches from the epoch iterator (already
+    DTensors) and from `train_on_batch`/`test_on_batch`/`predict_on_batch`
+    (the user's global arrays). Whatever is still plain when a step starts
+    is laid out as a global batch, so `y` and `sample_weight` meet
+    `y_pred` as DTensors too.
+
+    Args:
+        original: the `make_*_function` method.
+        attribute: the attribute it sets, e.g. `"train_function"`.
+    """
+
+    def make_function(self, force=False):
+        result = original(self, force)
+        step = getattr(self, attribute)
+        if step is None or getattr(step, "_keras_dtensor_step", False):
+            return result
+
+        def distributed_step(data):
+            distribution = _current_distribution()
+            if distribution is not None:
+                data = distribute_batch(data, distribution)
+            return step(data)
+
+        distributed_step._keras_dtensor_step = True
+        setattr(self, attribute, distributed_step)
+        return distributed_step
+
+    return make_function
 
 
 def get_data_adapter(original):

@@ -10,6 +10,7 @@ warning), so `keras_dtensor.uninstall()` restores the originals exactly.
 """
 
 import dataclasses
+import functools
 import importlib
 import types
 import warnings
@@ -140,6 +141,16 @@ PATCHES = (
         "Batches must enter the step as DTensors sharded along the batch "
         "axis (else: 'got mixed torch.Tensor and DTensor').",
         data.epoch_iterator,
+    ),
+    *(
+        Patch(
+            "keras.src.backend.torch.trainer",
+            f"TorchTrainer.make_{kind}_function",
+            f"{kind}_on_batch passes the user's arrays straight to the "
+            "step; y and sample_weight must be DTensors like y_pred.",
+            functools.partial(data.step_function, attribute=f"{kind}_function"),
+        )
+        for kind in ("train", "test", "predict")
     ),
     Patch(
         "keras.src.backend.torch.trainer",
