@@ -1,0 +1,32 @@
+"""Run under torchrun without calling keras.distribution.initialize():
+the process group starts lazily from torchrun's environment."""
+
+import json
+import os
+
+import keras  # noqa: I001
+import numpy as np
+import torch.distributed as dist
+
+import keras_dtensor  # noqa: F401
+
+assert not dist.is_initialized()
+devices = keras.distribution.list_devices()  # starts the group lazily
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer="sgd", loss="mse")
+x = np.arange(32, dtype="float32").reshape(8, 4) / 32
+history = model.fit(x, x[:, :2], batch_size=4, epochs=2, verbose=0)
+print(
+    "RESULT "
+    + json.dumps(
+        {
+            "rank": dist.get_rank(),
+            "devices": devices,
+            "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+            "loss": history.history["loss"],
+        }
+    ),
+    flush=True,
+)
