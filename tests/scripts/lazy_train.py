@@ -4,7 +4,7 @@ the process group starts lazily from torchrun's environment."""
 import json
 import os
 
-import keras  # noqa: I001
+import keras
 import numpy as np
 import torch.distributed as dist
 
