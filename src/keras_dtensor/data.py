@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import data_parallel
+
 __all__ = [
     "distribute_batch",
     "distribute_call_inputs",
@@ -88,8 +90,8 @@ def epoch_iterator(original):
     def _get_iterator(self):
         iterator = original(self)
         distribution = _current_distribution()
-        if distribution is None:
-            return iterator
+        if distribution is None or data_parallel.is_local_mode(distribution):
+            return iterator  # local mode: the step function takes its rows
         per_process = not distribution.auto_shard_dataset or getattr(
             self.data_adapter, _PER_PROCESS, False
         )
@@ -123,15 +125,40 @@ def step_function(original, attribute):
 
         def distributed_step(data):
             distribution = _current_distribution()
-            if distribution is not None:
-                data = distribute_batch(data, distribution)
-            return step(data)
+            if distribution is None:
+                return step(data)
+            if data_parallel.is_local_mode(distribution):
+                return _local_step(self, step, attribute, data, distribution)
+            return step(distribute_batch(data, distribution))
 
         distributed_step._keras_dtensor_step = True
         setattr(self, attribute, distributed_step)
         return distributed_step
 
     return make_function
+
+
+def _local_step(model, step, attribute, data, distribution):
+    """One step of local-mode data parallelism on this process's rows."""
+    (batch,) = data
+    if attribute == "predict_function":
+        local, _ = data_parallel.local_rows(batch, distribution, False)
+        from keras.src import tree
+
+        total = int(
+            next(x for x in tree.flatten(batch) if x is not None).shape[0]
+        )
+        return data_parallel.gather_rows(step([local]), total)
+    local, rows = data_parallel.local_rows(batch, distribution)
+    if attribute == "train_function":
+        reducer = getattr(model, "_keras_dtensor_reducer", None)
+        if reducer is None or reducer.step is not step:
+            reducer = data_parallel.prepare_train_step(model)
+            if reducer is not None:
+                reducer.step = step
+        if reducer is not None:
+            reducer.rows = rows
+    return step([local])
 
 
 def get_data_adapter(original):
@@ -184,7 +211,11 @@ def distribute_call_inputs(original):
 
     def __call__(self, *args, **kwargs):
         distribution = _current_distribution()
-        if distribution is not None and not _in_layer_call():
+        if (
+            distribution is not None
+            and not _in_layer_call()
+            and not data_parallel.is_local_mode(distribution)
+        ):
             args, kwargs = distribute_batch((args, kwargs), distribution)
         return original(self, *args, **kwargs)
 

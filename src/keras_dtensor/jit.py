@@ -39,8 +39,11 @@ def should_torch_compile(original):
 
         if not original(self):
             return False
-        if global_state.get_global_attribute("distribution") is None:
-            return True
+        from keras_dtensor.data_parallel import is_local_mode
+
+        distribution = global_state.get_global_attribute("distribution")
+        if distribution is None or is_local_mode(distribution):
+            return True  # plain tensors: Keras's own whole-step compile
         _compile_forward(self)
         return False
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from keras_dtensor import callbacks
 from keras_dtensor import data
+from keras_dtensor import data_parallel
 from keras_dtensor import jit
 from keras_dtensor import saving
 from keras_dtensor import variables
@@ -151,6 +152,20 @@ PATCHES = (
             functools.partial(data.step_function, attribute=f"{kind}_function"),
         )
         for kind in ("train", "test", "predict")
+    ),
+    Patch(
+        "keras.src.optimizers.base_optimizer",
+        "BaseOptimizer.apply",
+        "DataParallel: the bucketed gradient all-reduce started during "
+        "backward must finish before any update reads the gradients.",
+        data_parallel.optimizer_apply,
+    ),
+    Patch(
+        "keras.src.trainers.trainer",
+        "Trainer.get_metrics_result",
+        "DataParallel: each rank's metric states cover its rows; logged "
+        "values must be the global ones.",
+        data_parallel.metrics_result,
     ),
     Patch(
         "keras.src.backend.torch.trainer",

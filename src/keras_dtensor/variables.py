@@ -26,11 +26,16 @@ def variable_layout(variable):
         variable: a Keras torch `Variable` whose shape is known.
 
     Returns:
-        The `TensorLayout`, or `None` outside any distribution.
+        The `TensorLayout`, or `None` outside any distribution and under
+        `DataParallel`.
     """
     from keras.src.backend.common import global_state
 
+    from keras_dtensor.data_parallel import is_local_mode
+
     distribution = global_state.get_global_attribute("distribution")
+    if is_local_mode(distribution):
+        return None  # plain replicated Parameters (see data_parallel.py)
     if variable._layout is None and distribution is not None:
         variable._layout = distribution.get_variable_layout(variable)
     return variable._layout

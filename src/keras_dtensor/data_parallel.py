@@ -1,0 +1,308 @@
+"""`DataParallel` at DDP speed: plain tensors, one bucketed gradient all-reduce.
+
+Under `keras.distribution.DataParallel` every variable is replicated, so
+DTensor would only add per-op dispatch cost (20.6 vs 4.1 ms/step measured
+on a width-128 MLP). Instead, in this "local" mode:
+
+- variables are ordinary torch Parameters (rank 0's values are broadcast
+  once, when training starts);
+- each step computes on this process's rows of the global batch (a
+  balanced split: sizes differ by at most one);
+- gradients are all-reduced in buckets, launched from
+  post-accumulate-grad hooks while backward is still running (DDP's
+  overlap), weighted by each rank's row count, so the update equals the
+  one-process update on the global batch, uneven last batch included;
+- metric states (sums and counts in every built-in Keras metric) are
+  summed across ranks when results are read, so logs are global;
+- `predict` gathers every batch's rows back into the global order.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GradientReducer",
+    "gather_rows",
+    "is_local_mode",
+    "local_rows",
+    "metrics_result",
+    "optimizer_apply",
+    "prepare_train_step",
+]
+
+_REDUCER = "_keras_dtensor_reducer"
+_BUCKET_BYTES = 25 * 1024 * 1024
+_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+def is_local_mode(distribution) -> bool:
+    """Whether `distribution` runs as plain data parallelism."""
+    from keras.src.distribution import DataParallel
+
+    return isinstance(distribution, DataParallel)
+
+
+def _world():
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _row_split(total, world):
+    sizes = [len(part) for part in np.array_split(np.arange(total), world)]
+    starts = np.cumsum([0] + sizes[:-1]).tolist()
+    return list(zip(starts, sizes, strict=True))
+
+
+def local_rows(batch, distribution, require_rows=True):
+    """This process's rows of a batch, and how many there are.
+
+    Args:
+        batch: a nested structure of arrays/tensors (the global batch, or
+            this process's own rows when `auto_shard_dataset=False`).
+        distribution: the active `DataParallel`.
+        require_rows: raise if a rank would get no rows (train/evaluate:
+            an empty batch has no mean loss).
+
+    Returns:
+        `(local_batch, rows)`.
+    """
+    from keras.src import tree
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    leaves = [x for x in tree.flatten(batch) if x is not None]
+    if not leaves:
+        return batch, 0
+    total = int(leaves[0].shape[0])
+    if not distribution.auto_shard_dataset:
+        return tree.map_structure(_to_tensor, batch), total
+    world, rank = _world()
+    if require_rows and total < world:
+        raise ValueError(
+            f"A global batch of {total} rows cannot be split over {world} "
+            "processes (some would get no rows, and an empty batch has no "
+            "mean loss). Use a batch size of at least the number of "
+            "processes, or drop the last partial batch."
+        )
+    start, length = _row_split(total, world)[rank]
+
+    def cut(x):
+        if x is None:
+            return None
+        return convert_to_tensor(x)[start : start + length]
+
+    return tree.map_structure(cut, batch), length
+
+
+def _to_tensor(x):
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    return None if x is None else convert_to_tensor(x)
+
+
+def gather_rows(outputs, total):
+    """All-gathers each rank's rows of `outputs` back into global order.
+
+    Args:
+        outputs: nested structure of tensors holding this rank's rows.
+        total: rows in the global batch.
+
+    Returns:
+        The structure with the global rows, identical on every rank.
+    """
+    from keras.src import tree
+
+    world, _ = _world()
+    if world == 1:
+        return outputs
+    split = _row_split(total, world)
+    widest = max(length for _, length in split)
+
+    def gather(x):
+        padded = x.new_zeros((widest, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat(
+            [
+                part[:length]
+                for part, (_, length) in zip(parts, split, strict=True)
+            ]
+        )
+
+    return tree.map_structure(gather, outputs)
+
+
+class GradientReducer:
+    """Bucketed, overlapped gradient all-reduce for a list of parameters.
+
+    Buckets are filled in reverse registration order (roughly the order
+    backward produces gradients); a bucket's all-reduce starts from the
+    post-accumulate-grad hook of its last parameter, while backward goes on.
+    `finish()` waits, divides by the global row count and writes the result
+    into each `.grad` in place.
+
+    Args:
+        params: the trainable torch Parameters.
+        bucket_bytes: bucket capacity (the first bucket is smaller, so the
+            first all-reduce starts early, as in DDP).
+    """
+
+    def __init__(self, params, bucket_bytes=_BUCKET_BYTES):
+        self.params = list(params)
+        self.buckets = []
+        bucket, size, cap = [], 0, _FIRST_BUCKET_BYTES
+        for p in reversed(self.params):
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(bucket)
+                bucket, size, cap = [], 0, bucket_bytes
+        if bucket:
+            self.buckets.append(bucket)
+        self.bucket_of = {
+            id(p): i for i, bucket in enumerate(self.buckets) for p in bucket
+        }
+        self.rows = 1
+        self.step = None  # the train function this reducer was built for
+        self._reset()
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for p in self.params
+        ]
+
+    def _reset(self):
+        self.ready = [0] * len(self.buckets)
+        self.works = {}
+
+    def _on_grad(self, param):
+        index = self.bucket_of[id(param)]
+        self.ready[index] += 1
+        if self.ready[index] == len(self.buckets[index]):
+            self._launch(index)
+
+    def _launch(self, index):
+        bucket = self.buckets[index]
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for p in bucket
+        ]
+        # Weight by rows (each rank's loss is a mean over its rows) and send
+        # the row count along, to divide by the global count afterwards.
+        rows = parts[0].new_tensor([float(self.rows)])
+        flat = torch.cat([*parts, rows])
+        flat[:-1].mul_(float(self.rows))
+        self.works[index] = (flat, dist.all_reduce(flat, async_op=True))
+
+    def finish(self):
+        """Completes every bucket's all-reduce; `.grad` holds the result."""
+        if not self.works and not any(self.ready):
+            return
+        for index in range(len(self.buckets)):
+            if index not in self.works:  # parameters without gradients
+                self._launch(index)
+        for index, (flat, work) in sorted(self.works.items()):
+            work.wait()
+            flat = flat[:-1] / flat[-1]
+            offset = 0
+            for p in self.buckets[index]:
+                n = p.numel()
+                value = flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+                offset += n
+        self._reset()
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _broadcast_from_rank0(variables):
+    tensors = [v.value for v in variables]
+    if not tensors:
+        return
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
+            offset += n
+
+
+def prepare_train_step(model):
+    """Builds the model's gradient reducer (once per train function).
+
+    Also broadcasts rank 0's weights, as DDP does at construction, so every
+    replica starts from the same values.
+
+    Returns:
+        The `GradientReducer`, also kept on the model's optimizer.
+    """
+    world, _ = _world()
+    old = getattr(model, _REDUCER, None)
+    if old is not None:
+        old.remove()
+    if world == 1:
+        return None
+    _broadcast_from_rank0(model.variables)
+    reducer = GradientReducer([v.value for v in model.trainable_weights])
+    object.__setattr__(model, _REDUCER, reducer)
+    if model.optimizer is not None:
+        object.__setattr__(model.optimizer, _REDUCER, reducer)
+    return reducer
+
+
+def optimizer_apply(original):
+    """Wraps `BaseOptimizer.apply`: pending gradient reductions finish
+    before any update reads the gradients."""
+
+    def apply(self, grads, trainable_variables=None):
+        reducer = getattr(self, _REDUCER, None)
+        if reducer is not None:
+            reducer.finish()
+        return original(self, grads, trainable_variables)
+
+    return apply
+
+
+def metrics_result(original):
+    """Wraps `Trainer.get_metrics_result`: in local mode, results come from
+    metric states summed over every rank (one all-reduce)."""
+
+    def get_metrics_result(self):
+        from keras.src.backend.common import global_state
+
+        distribution = global_state.get_global_attribute("distribution")
+        world, _ = _world()
+        if world == 1 or not is_local_mode(distribution):
+            return original(self)
+        metrics = list(self.metrics)
+        states = [[v.value for v in m.variables] for m in metrics]
+        flat_states = [s for group in states for s in group]
+        if not flat_states:
+            return original(self)
+        flat = torch.cat([s.detach().reshape(-1).double() for s in flat_states])
+        dist.all_reduce(flat)
+        summed, offset = [], 0
+        for s in flat_states:
+            n = s.numel()
+            summed.append(flat[offset : offset + n].view_as(s).to(s.dtype))
+            offset += n
+        results, offset = {}, 0
+        for metric, group in zip(metrics, states, strict=True):
+            values = summed[offset : offset + len(group)]
+            offset += len(group)
+            result = metric.stateless_result(values)
+            if isinstance(result, dict):
+                results.update(result)
+            else:
+                results[metric.name] = result
+        return results
+
+    return get_metrics_result

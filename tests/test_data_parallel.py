@@ -1,0 +1,181 @@
+"""DataParallel with global-batch semantics, for every input kind.
+
+Each rank trains the same model as plain one-process Keras (in the same
+process) and under `DataParallel`; history, evaluate, predict and weights
+must agree to 1e-5, including uneven last batches, sample weights,
+validation data and shuffling.
+"""
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+TOLERANCE = 1e-5
+ROWS = 60  # not a multiple of the batch size: the last batch is uneven
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 16)).astype("float32")
+    y = rng.normal(size=(ROWS, 4)).astype("float32")
+    return x, y
+
+
+def _inputs(keras, kind):
+    """fit() arguments for one input kind, yielding batches of 8."""
+    import torch
+
+    x, y = _arrays()
+    if kind == "numpy":
+        return dict(x=x, y=y, batch_size=8)  # shuffle=True, the default
+    if kind == "dataloader":
+        dataset = torch.utils.data.TensorDataset(
+            torch.from_numpy(x), torch.from_numpy(y)
+        )
+        # A custom sampler must be kept: reversed order.
+        sampler = list(reversed(range(ROWS)))
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=8, sampler=sampler
+        )
+        return dict(x=loader)
+    if kind == "pydataset":
+
+        class Rows(keras.utils.PyDataset):
+            def __len__(self):
+                return -(-ROWS // 8)
+
+            def __getitem__(self, i):
+                return x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+
+        return dict(x=Rows())
+    if kind == "generator":
+
+        def batches():
+            while True:
+                for i in range(0, ROWS, 8):
+                    yield x[i : i + 8], y[i : i + 8]
+
+        return dict(x=batches(), steps_per_epoch=-(-ROWS // 8))
+    raise ValueError(kind)
+
+
+def _fit(keras, distribution, kind, verbose=0):
+    import models
+
+    keras.utils.set_random_seed(6)
+    scope = distribution.scope() if distribution else contextlib.nullcontext()
+    x, y = _arrays()
+    with scope:
+        model = models.mlp(keras)
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        kwargs = _inputs(keras, kind)
+        if kind == "numpy":
+            kwargs["sample_weight"] = np.linspace(0.5, 1.5, ROWS).astype(
+                "float32"
+            )
+            kwargs["validation_data"] = (x[:20], y[:20])
+        history = model.fit(epochs=2, verbose=verbose, **kwargs)
+        return {
+            "history": history.history,
+            "evaluate": model.evaluate(x, y, batch_size=7, verbose=0),
+            "predict": model.predict(x, batch_size=7, verbose=0),
+            "weights": model.get_weights(),
+        }
+
+
+def _input_kinds(kinds):
+    import keras
+    import models
+
+    out = {}
+    for kind in kinds:
+        reference = _fit(keras, None, kind)
+        result = _fit(keras, keras.distribution.DataParallel(), kind)
+        out[kind] = {
+            "diff": models.max_diff(reference, result),
+            "history": result["history"],
+        }
+    # Progress bars print on rank 0 only.
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        _fit(keras, keras.distribution.DataParallel(), "numpy", verbose=2)
+    out["stdout"] = stdout.getvalue()
+    return out
+
+
+def _per_process_slices():
+    """auto_shard_dataset=False: each process feeds its own rows."""
+    import keras
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = _arrays()
+    x, y = x[:48], y[:48]  # 6 global batches of 8
+    local = 8 // world
+    # Global batch i is rank 0's rows, then rank 1's, ...: one process
+    # trains on exactly these batches in this order.
+    mine = np.concatenate(
+        [
+            np.arange(i * 8 + rank * local, i * 8 + (rank + 1) * local)
+            for i in range(6)
+        ]
+    )
+    results = []
+    for distribution in (
+        None,
+        keras.distribution.DataParallel(auto_shard_dataset=False),
+    ):
+        import models
+
+        keras.utils.set_random_seed(6)
+        scope = (
+            distribution.scope() if distribution else contextlib.nullcontext()
+        )
+        with scope:
+            model = models.mlp(keras)
+            model.compile(optimizer="sgd", loss="mse")
+            if distribution is None:
+                history = model.fit(
+                    x, y, batch_size=8, shuffle=False, verbose=0
+                )
+            else:
+                history = model.fit(
+                    x[mine], y[mine], batch_size=local, shuffle=False, verbose=0
+                )
+            results.append((history.history["loss"], model.get_weights()))
+    (h0, w0), (h1, w1) = results
+    return max(
+        [abs(a - b) for a, b in zip(h0, h1, strict=True)]
+        + [float(np.abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
+    )
+
+
+KINDS = ["numpy", "dataloader", "pydataset", "generator"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_input_kind_matches_one_process(world):
+    results = run_ranks(_input_kinds, world, KINDS, timeout=400)
+    for rank, out in enumerate(results):
+        for kind in KINDS:
+            assert out[kind]["diff"] <= TOLERANCE, (
+                world,
+                rank,
+                kind,
+                out[kind],
+            )
+            assert out[kind]["history"] == results[0][kind]["history"]
+        if rank == 0:
+            assert "loss" in out["stdout"] and "Epoch 2/2" in out["stdout"]
+        else:
+            assert out["stdout"] == ""
+
+
+def test_auto_shard_false_means_each_process_feeds_its_rows():
+    for diff in run_ranks(_per_process_slices, 2):
+        assert diff <= TOLERANCE
