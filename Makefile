@@ -23,8 +23,8 @@ demo: setup
 	$(BIN)/keras-dtensor demo --nproc 2 --epochs 3
 
 lint: setup
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 test: setup lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10

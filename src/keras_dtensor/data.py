@@ -13,6 +13,7 @@ really have. Nothing downstream guesses that a plain tensor is replicated.
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 
 from keras_dtensor import data_parallel
 
@@ -200,23 +201,38 @@ def _in_layer_call():
     return global_state.get_global_attribute("current_call_ctx") is not None
 
 
+def _reduce_partial(x):
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        placements = [
+            Replicate() if p.is_partial() else p for p in x.placements
+        ]
+        return x.redistribute(x.device_mesh, placements)
+    return x
+
+
 def distribute_call_inputs(original):
-    """Wraps `Layer.__call__`: eager inputs to the outermost call.
+    """Wraps `Layer.__call__`: inputs of the outermost call, and outputs.
 
     `model(x)` outside `fit` under a distribution gets the global batch as
     numpy or plain tensors; they become batch-sharded DTensors here, once,
     like the batches of `fit`. Nested layer calls and symbolic (functional
     API) calls are left alone.
+
+    A layer's output that is a pending sum (`Partial`, e.g. after a
+    row-parallel matmul) is reduced at the layer boundary, as torch's
+    `RowwiseParallel` does: one all-reduce in forward, and backward then
+    receives replicated gradients instead of reducing them again.
     """
 
     def __call__(self, *args, **kwargs):
+        from keras.src import tree
+
         distribution = _current_distribution()
-        if (
-            distribution is not None
-            and not _in_layer_call()
-            and not data_parallel.is_local_mode(distribution)
-        ):
+        if distribution is None or data_parallel.is_local_mode(distribution):
+            return original(self, *args, **kwargs)
+        if not _in_layer_call():
             args, kwargs = distribute_batch((args, kwargs), distribution)
-        return original(self, *args, **kwargs)
+        outputs = original(self, *args, **kwargs)
+        return tree.map_structure(_reduce_partial, outputs)
 
     return __call__

@@ -1,0 +1,474 @@
+"""Step time, memory and communication: keras-dtensor against native torch.
+
+One command runs every variant, interleaved round by round, each in fresh
+processes launched by `torch.distributed.run` with one thread per process:
+
+    python benchmarks/bench_step.py --rounds 3 --out benchmarks/results.json
+
+Variants (2 processes unless "single"): torch single, torch DDP, torch TP
+(`parallelize_module`, column/row split), torch FSDP2 (`fully_shard`),
+Keras single, keras-dtensor DataParallel, keras-dtensor ModelParallel (the
+TP split), keras-dtensor FSDP-style layout (weights sharded over "batch").
+Models: MLP 4 x Dense(1024), batch 64; transformer 2 blocks, d_model 256,
+4 heads, MLP 1024, seq 128, batch 8. Adam, fp32, MSE on random targets.
+
+Per variant: median and min ms/step over the timed steps of every round,
+peak RSS per process, parameter + optimizer bytes held per rank, and
+collectives per step (torch's CommDebugMode; it sees DTensor and
+functional collectives, not plain `dist.all_reduce`, so the DataParallel
+variants report their gradient buckets separately).
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = {
+    "torch_single": 1,
+    "torch_ddp": 2,
+    "torch_tp": 2,
+    "torch_fsdp2": 2,
+    "keras_single": 1,
+    "kd_dp": 2,
+    "kd_mp": 2,
+    "kd_fsdp": 2,
+}
+MODELS = {
+    "mlp": dict(width=1024, layers=4, batch=64),
+    "transformer": dict(
+        d_model=256, heads=4, mlp=1024, seq=128, batch=8, blocks=2
+    ),
+}
+
+
+# ----------------------------------------------------------------- torch
+def _torch_mlp(cfg):
+    import torch
+
+    layers = [
+        torch.nn.Linear(cfg["width"], cfg["width"])
+        for _ in range(cfg["layers"])
+    ]
+    body = []
+    for i, layer in enumerate(layers):
+        body.append(layer)
+        if i < len(layers) - 1:
+            body.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*body)
+
+
+def _torch_transformer(cfg):
+    import torch
+    import torch.nn.functional as F
+
+    d, h = cfg["d_model"], cfg["heads"]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(d, d)
+            self.k = torch.nn.Linear(d, d)
+            self.v = torch.nn.Linear(d, d)
+            self.o = torch.nn.Linear(d, d)
+            self.ln1 = torch.nn.LayerNorm(d)
+            self.up = torch.nn.Linear(d, cfg["mlp"])
+            self.down = torch.nn.Linear(cfg["mlp"], d)
+            self.ln2 = torch.nn.LayerNorm(d)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            head = d // h
+
+            def heads(t):  # works on local shards: heads = width / head
+                return t.view(b, s, -1, head).transpose(1, 2)
+
+            a = F.scaled_dot_product_attention(
+                heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+            )
+            a = self.o(a.transpose(1, 2).reshape(b, s, -1))
+            x = self.ln1(x + a)
+            return self.ln2(x + self.down(F.relu(self.up(x))))
+
+    return torch.nn.Sequential(*[Block() for _ in range(cfg["blocks"])])
+
+
+def _tp_plan(model_name, model):
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    if model_name == "mlp":
+        return {
+            str(i): ColwiseParallel()
+            if (i // 2) % 2 == 0
+            else RowwiseParallel()
+            for i in range(0, len(model), 2)
+        }
+    plan = {}
+    for i in range(len(model)):
+        for name in ("q", "k", "v", "up"):
+            plan[f"{i}.{name}"] = ColwiseParallel()
+        for name in ("o", "down"):
+            plan[f"{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def _data(model_name, cfg):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    if model_name == "mlp":
+        shape = (cfg["batch"], cfg["width"])
+    else:
+        shape = (cfg["batch"], cfg["seq"], cfg["d_model"])
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _bytes(tensors):
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _run_torch(variant, model_name, steps, warmup):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    cfg = MODELS[model_name]
+    torch.manual_seed(0)
+    build = _torch_mlp if model_name == "mlp" else _torch_transformer
+    model = build(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    x, y = _data(model_name, cfg)
+    if variant != "torch_single":
+        dist.init_process_group("gloo")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        rank = dist.get_rank()
+        if variant == "torch_ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        elif variant == "torch_tp":
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            model = parallelize_module(model, mesh, _tp_plan(model_name, model))
+        elif variant == "torch_fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for module in model:
+                if any(p.requires_grad for p in module.parameters()):
+                    fully_shard(module, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+
+    def step():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    comm = CommDebugMode()
+    with comm:
+        step()
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim()]
+    return {
+        "times": times,
+        "bytes": _bytes(list(model.parameters()) + state),
+        "comms": {str(k): v for k, v in comm.get_comm_counts().items()},
+    }
+
+
+# ----------------------------------------------------------------- keras
+def _keras_model(keras, model_name, cfg):
+    if model_name == "mlp":
+        inputs = keras.Input((cfg["width"],))
+        h = inputs
+        for i in range(cfg["layers"]):
+            last = i == cfg["layers"] - 1
+            h = keras.layers.Dense(
+                cfg["width"],
+                activation=None if last else "relu",
+                name=f"dense_{i}",
+            )(h)
+        return keras.Model(inputs, h)
+    d = cfg["d_model"]
+    inputs = keras.Input((cfg["seq"], d))
+    h = inputs
+    for i in range(cfg["blocks"]):
+        a = keras.layers.MultiHeadAttention(
+            cfg["heads"], d // cfg["heads"], name=f"mha_{i}"
+        )(h, h)
+        h = keras.layers.LayerNormalization(name=f"ln1_{i}")(h + a)
+        f = keras.layers.Dense(cfg["mlp"], activation="relu", name=f"up_{i}")(h)
+        f = keras.layers.Dense(d, name=f"down_{i}")(f)
+        h = keras.layers.LayerNormalization(name=f"ln2_{i}")(h + f)
+    return keras.Model(inputs, h)
+
+
+def _keras_layouts(model_name, variant):
+    if variant == "kd_fsdp":
+        if model_name == "mlp":
+            return {"dense_.*/kernel": ("batch", None)}
+        return {
+            "mha_.*/(query|key|value)/kernel": ("batch", None, None),
+            "mha_.*/attention_output/kernel": ("batch", None, None),
+            "(up|down)_.*/kernel": ("batch", None),
+        }
+    if model_name == "mlp":  # the TP variant's column/row split
+        return {
+            "dense_[02]/kernel": (None, "model"),
+            "dense_[02]/bias": ("model",),
+            "dense_[13]/kernel": ("model", None),
+        }
+    return {
+        "mha_.*/(query|key|value)/kernel": (None, "model", None),
+        "mha_.*/(query|key|value)/bias": ("model", None),
+        "mha_.*/attention_output/kernel": ("model", None, None),
+        "up_.*/kernel": (None, "model"),
+        "up_.*/bias": ("model",),
+        "down_.*/kernel": ("model", None),
+    }
+
+
+def _run_keras(variant, model_name, steps, warmup):
+    import keras  # noqa: I001
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import keras_dtensor  # noqa: F401
+
+    cfg = MODELS[model_name]
+    if variant != "keras_single":
+        keras.distribution.initialize()
+        world = keras.distribution.get_device_count()
+        if variant == "kd_dp":
+            distribution = keras.distribution.DataParallel()
+        else:
+            # TP: the batch is replicated over the model axis, as in torch
+            # TP; FSDP: weights and batch both sharded over "batch".
+            if variant == "kd_mp":
+                mesh = keras.distribution.DeviceMesh(
+                    (1, world), ["batch", "model"]
+                )
+            else:
+                mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+            layout_map = keras.distribution.LayoutMap(mesh)
+            for key, axes in _keras_layouts(model_name, variant).items():
+                layout_map[key] = axes
+            distribution = keras.distribution.ModelParallel(
+                layout_map=layout_map
+            )
+        keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(0)
+    model = _keras_model(keras, model_name, cfg)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    x, y = (t.numpy() for t in _data(model_name, cfg))
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.comm, self.comms = [], None, {}
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == warmup + steps:
+                self.comm = CommDebugMode()
+                self.comm.__enter__()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            elapsed = time.perf_counter() - self.start
+            if self.comm is not None:
+                self.comm.__exit__(None, None, None)
+                self.comms = {
+                    str(k): v for k, v in self.comm.get_comm_counts().items()
+                }
+                self.comm = None
+            elif batch >= warmup:
+                self.times.append(elapsed)
+
+    timer = Timer()
+    repeats = warmup + steps + 1
+    xs = x[None].repeat(repeats, 0).reshape(-1, *x.shape[1:])
+    ys = y[None].repeat(repeats, 0).reshape(-1, *y.shape[1:])
+    model.fit(
+        xs, ys, batch_size=len(x), shuffle=False, verbose=0, callbacks=[timer]
+    )
+    held = [v.value for v in model.variables + model.optimizer.variables]
+    return {"times": timer.times, "bytes": _bytes(held), "comms": timer.comms}
+
+
+def worker(args):
+    import torch
+
+    torch.set_num_threads(1)
+    run = _run_keras if args.variant.startswith(("keras", "kd")) else _run_torch
+    result = run(args.variant, args.model, args.steps, args.warmup)
+    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rank = int(os.environ.get("RANK", "0"))
+    print("RESULT " + json.dumps(dict(result, rank=rank)), flush=True)
+
+
+def _launch(variant, model, args):
+    nproc = VARIANTS[variant]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        KERAS_BACKEND="torch",
+        KERAS_DTENSOR_LOG_ALL_RANKS="0",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        "worker",
+        f"--variant={variant}",
+        f"--model={model}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    results = [
+        json.loads(line[len("RESULT ") :])
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    if proc.returncode != 0 or len(results) != nproc:
+        raise RuntimeError(f"{variant}/{model} failed:\n{proc.stderr[-3000:]}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _ratio(table, model, a, b):
+    return table[model][a]["median_ms"] / table[model][b]["median_ms"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "mode", nargs="?", default="bench", choices=["bench", "worker"]
+    )
+    parser.add_argument("--variant", choices=sorted(VARIANTS))
+    parser.add_argument("--model", choices=sorted(MODELS))
+    parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.mode == "worker":
+        return worker(args)
+
+    models = args.models.split(",")
+    variants = args.variants.split(",")
+    raw = {m: {v: [] for v in variants} for m in models}
+    started = time.time()
+    for round_index in range(args.rounds):
+        for model in models:
+            for variant in variants:  # interleaved: every variant each round
+                raw[model][variant].append(_launch(variant, model, args))
+                ms = 1000 * statistics.median(
+                    raw[model][variant][-1][0]["times"]
+                )
+                print(
+                    f"round {round_index + 1} {model:11} {variant:13} "
+                    f"{ms:8.1f} ms",
+                    flush=True,
+                )
+    table = {}
+    for model in models:
+        table[model] = {}
+        for variant in variants:
+            runs = raw[model][variant]
+            times = [t for run in runs for t in run[0]["times"]]
+            last = runs[-1]
+            table[model][variant] = {
+                "median_ms": 1000 * statistics.median(times),
+                "min_ms": 1000 * min(times),
+                "rss_mb": max(r["rss_mb"] for run in runs for r in run),
+                "bytes_per_rank": max(r["bytes"] for r in last),
+                "comms_per_step": last[0]["comms"],
+                "processes": VARIANTS[variant],
+            }
+    summary = {
+        "table": table,
+        "seconds": time.time() - started,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "targets": {},
+    }
+    for model in models:
+        t = table[model]
+        if {"keras_single", "torch_single"} <= t.keys():
+            keras_overhead = _ratio(
+                table, model, "keras_single", "torch_single"
+            )
+            targets = {"keras_over_torch_single": keras_overhead}
+            if {"kd_dp", "torch_ddp"} <= t.keys():
+                targets["kd_dp_over_ddp"] = _ratio(
+                    table, model, "kd_dp", "torch_ddp"
+                )
+            if {"kd_mp", "torch_tp"} <= t.keys():
+                targets["kd_mp_over_tp"] = _ratio(
+                    table, model, "kd_mp", "torch_tp"
+                )
+            if {"kd_fsdp", "keras_single"} <= t.keys():
+                targets["kd_fsdp_bytes_over_full_div_n"] = t["kd_fsdp"][
+                    "bytes_per_rank"
+                ] / (t["keras_single"]["bytes_per_rank"] / 2)
+            summary["targets"][model] = targets
+    text = json.dumps(summary, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(_markdown(summary))
+    return 0
+
+
+def _markdown(summary):
+    lines = [
+        "| model | variant | procs | median ms | min ms | peak RSS MB | "
+        "param+opt MB/rank | collectives/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, rows in summary["table"].items():
+        for variant, row in rows.items():
+            comms = ", ".join(
+                f"{k.split('.')[-1]} {v}"
+                for k, v in row["comms_per_step"].items()
+            )
+            lines.append(
+                f"| {model} | {variant} | {row['processes']} | "
+                f"{row['median_ms']:.1f} | "
+                f"{row['min_ms']:.1f} | {row['rss_mb']:.0f} | "
+                f"{row['bytes_per_rank'] / 2**20:.1f} | {comms or '-'} |"
+            )
+    lines.append("")
+    for model, targets in summary["targets"].items():
+        lines.append(
+            f"{model}: " + ", ".join(f"{k} {v:.2f}" for k, v in targets.items())
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
