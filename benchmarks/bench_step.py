@@ -26,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 VARIANTS = {
@@ -170,7 +171,17 @@ def _run_torch(variant, model_name, steps, warmup):
                     fully_shard(module, mesh=mesh)
             fully_shard(model, mesh=mesh)
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+    # TP leaves LayerNorm parameters plain: keep DTensor and plain
+    # parameters in separate groups so each foreach call sees one kind.
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if isinstance(p, DTensor)]},
+        {"params": [p for p in params if not isinstance(p, DTensor)]},
+    ]
+    groups = [g for g in groups if g["params"]]
+    optimizer = torch.optim.Adam(groups, lr=1e-4, foreach=True)
 
     def step():
         optimizer.zero_grad()
@@ -321,7 +332,9 @@ def worker(args):
     result = run(args.variant, args.model, args.steps, args.warmup)
     result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rank = int(os.environ.get("RANK", "0"))
-    print("RESULT " + json.dumps(dict(result, rank=rank)), flush=True)
+    path = os.path.join(args.result_dir, f"rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump(dict(result, rank=rank), f)
 
 
 def _launch(variant, model, args):
@@ -346,14 +359,18 @@ def _launch(variant, model, args):
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    results = [
-        json.loads(line[len("RESULT ") :])
-        for line in proc.stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
-    if proc.returncode != 0 or len(results) != nproc:
-        raise RuntimeError(f"{variant}/{model} failed:\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryDirectory() as result_dir:
+        command.append(f"--result-dir={result_dir}")
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        files = sorted(os.listdir(result_dir))
+        if proc.returncode != 0 or len(files) != nproc:
+            raise RuntimeError(
+                f"{variant}/{model} failed:\n{proc.stderr[-3000:]}"
+            )
+        results = []
+        for name in files:
+            with open(os.path.join(result_dir, name)) as f:
+                results.append(json.load(f))
     return sorted(results, key=lambda r: r["rank"])
 
 
@@ -374,6 +391,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

@@ -149,10 +149,23 @@ def _per_process_slices():
                 )
             results.append((history.history["loss"], model.get_weights()))
     (h0, w0), (h1, w1) = results
-    return max(
+    diff = max(
         [abs(a - b) for a, b in zip(h0, h1, strict=True)]
         + [float(np.abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
     )
+    # Ranks with different numbers of batches: a clear error on every
+    # rank, not a hang.
+    distribution = keras.distribution.DataParallel(auto_shard_dataset=False)
+    with distribution.scope():
+        model = models.mlp(keras)
+        model.compile(optimizer="sgd", loss="mse")
+        rows = 8 if rank == 0 else 12
+        try:
+            model.fit(x[:rows], y[:rows], batch_size=4, verbose=0)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+    return diff, error
 
 
 KINDS = ["numpy", "dataloader", "pydataset", "generator"]
@@ -177,5 +190,7 @@ def test_every_input_kind_matches_one_process(world):
 
 
 def test_auto_shard_false_means_each_process_feeds_its_rows():
-    for diff in run_ranks(_per_process_slices, 2):
+    for diff, error in run_ranks(_per_process_slices, 2):
         assert diff <= TOLERANCE
+        assert "ranks [0] ran out after 2 batches while ranks [1]" in error
+        assert "(batches per rank: [2, 3])" in error

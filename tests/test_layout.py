@@ -80,3 +80,17 @@ def test_errors_name_path_shape_axes_and_mesh(axes, shape, message):
 def test_error_without_path():
     with pytest.raises(ValueError, match=r"^Cannot shard tensor with axes"):
         to_placements(("x",), *MESH)
+
+
+def test_torch_style_dotted_keys_match_keras_paths():
+    import keras
+
+    mesh = keras.distribution.DeviceMesh(
+        (2,), ["model"], devices=["cpu:0", "cpu:1"]
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["mlp.up.kernel"] = (None, "model")
+    layout_map[".*dense.*bias"] = ("model",)
+    assert layout_map["mlp/up/kernel"].axes == (None, "model")
+    assert layout_map["mlp/dense_1/bias"].axes == ("model",)
+    assert layout_map["mlp/up/bias"] is None

@@ -85,17 +85,79 @@ def distribute_batch(batch, distribution, per_process=False):
     )
 
 
+def _all_gather_ints(value):
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered = [
+        torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())
+    ]
+    dist.all_gather(gathered, torch.tensor([value]))
+    return [int(g.item()) for g in gathered]
+
+
+def _uneven_error(counts):
+    low = min(counts)
+    done = [r for r, c in enumerate(counts) if c == low]
+    more = [r for r, c in enumerate(counts) if c != low]
+    return RuntimeError(
+        "With auto_shard_dataset=False each process feeds its own data, and "
+        "every process must yield the same number of batches: ranks "
+        f"{done} ran out after {low} batches while ranks {more} had more "
+        f"(batches per rank: {counts}). Even out the per-process data, or "
+        "let keras-dtensor shard one global dataset."
+    )
+
+
+def _same_number_of_batches(iterator, num_batches):
+    """Checks that every rank yields the same number of per-process batches.
+
+    Each process feeds its own data here; a rank that stopped early would
+    leave the others waiting in a collective forever. Known sizes are
+    compared once, up front; for unknown sizes (generators, iterable
+    datasets) the ranks exchange before each batch whether they have one,
+    and all stop together or all raise naming who ran out.
+    """
+    counts = _all_gather_ints(-1 if num_batches is None else num_batches)
+    if all(c >= 0 for c in counts):
+        if len(set(counts)) > 1:
+            raise _uneven_error(counts)
+        yield from iterator
+        return
+    iterator = iter(iterator)
+    count = 0
+    while True:
+        try:
+            batch, has = next(iterator), 1
+        except StopIteration:
+            batch, has = None, 0
+        flags = _all_gather_ints(has)
+        if not any(flags):
+            return
+        if not all(flags):
+            raise _uneven_error([count + f for f in flags])
+        count += 1
+        yield batch
+
+
 def epoch_iterator(original):
     """Wraps `TorchEpochIterator._get_iterator`: batches become DTensors."""
 
     def _get_iterator(self):
         iterator = original(self)
         distribution = _current_distribution()
-        if distribution is None or data_parallel.is_local_mode(distribution):
-            return iterator  # local mode: the step function takes its rows
+        if distribution is None:
+            return iterator
         per_process = not distribution.auto_shard_dataset or getattr(
             self.data_adapter, _PER_PROCESS, False
         )
+        if per_process:
+            iterator = _same_number_of_batches(
+                iterator, self.data_adapter.num_batches
+            )
+        if data_parallel.is_local_mode(distribution):
+            return iterator  # local mode: the step function takes its rows
         return (
             distribute_batch(batch, distribution, per_process)
             for batch in iterator

@@ -17,6 +17,8 @@ on a width-128 MLP). Instead, in this "local" mode:
 - `predict` gathers every batch's rows back into the global order.
 """
 
+import os
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -32,7 +34,8 @@ __all__ = [
 ]
 
 _REDUCER = "_keras_dtensor_reducer"
-_BUCKET_BYTES = 25 * 1024 * 1024
+_BUCKET_ENV = "KERAS_DTENSOR_BUCKET_MB"
+_BUCKET_MB = 25  # DDP's default bucket_cap_mb
 _FIRST_BUCKET_BYTES = 1024 * 1024
 
 
@@ -145,11 +148,16 @@ class GradientReducer:
 
     Args:
         params: the trainable torch Parameters.
-        bucket_bytes: bucket capacity (the first bucket is smaller, so the
-            first all-reduce starts early, as in DDP).
+        bucket_bytes: bucket capacity; defaults to
+            `$KERAS_DTENSOR_BUCKET_MB` or 25 MiB, DDP's default (the first
+            bucket is 1 MiB, so the first all-reduce starts early).
     """
 
-    def __init__(self, params, bucket_bytes=_BUCKET_BYTES):
+    def __init__(self, params, bucket_bytes=None):
+        if bucket_bytes is None:
+            bucket_bytes = int(
+                float(os.environ.get(_BUCKET_ENV, _BUCKET_MB)) * 2**20
+            )
         self.params = list(params)
         self.buckets = []
         bucket, size, cap = [], 0, _FIRST_BUCKET_BYTES
@@ -204,7 +212,7 @@ class GradientReducer:
                 self._launch(index)
         for index, (flat, work) in sorted(self.works.items()):
             work.wait()
-            flat = flat[:-1] / flat[-1]
+            flat = flat[:-1].div_(flat[-1])
             offset = 0
             for p in self.buckets[index]:
                 n = p.numel()

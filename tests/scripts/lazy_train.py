@@ -18,15 +18,11 @@ model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
 model.compile(optimizer="sgd", loss="mse")
 x = np.arange(32, dtype="float32").reshape(8, 4) / 32
 history = model.fit(x, x[:, :2], batch_size=4, epochs=2, verbose=0)
-print(
-    "RESULT "
-    + json.dumps(
-        {
-            "rank": dist.get_rank(),
-            "devices": devices,
-            "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
-            "loss": history.history["loss"],
-        }
-    ),
-    flush=True,
-)
+result = {
+    "rank": dist.get_rank(),
+    "devices": devices,
+    "loss": history.history["loss"],
+}
+path = os.path.join(os.environ["RESULT_DIR"], f"rank{dist.get_rank()}.json")
+with open(path, "w") as f:
+    json.dump(result, f)
