@@ -14,9 +14,8 @@ Models: MLP 4 x Dense(1024), batch 64; transformer 2 blocks, d_model 256,
 
 Per variant: median and min ms/step over the timed steps of every round,
 peak RSS per process, parameter + optimizer bytes held per rank, and
-collectives per step (torch's CommDebugMode; it sees DTensor and
-functional collectives, not plain `dist.all_reduce`, so the DataParallel
-variants report their gradient buckets separately).
+collectives per step (torch's CommDebugMode: DTensor/functional
+collectives and c10d ops such as DDP's `allreduce_`).
 """
 
 import argparse
