@@ -19,7 +19,7 @@ def _run(args, env=None, timeout=240):
     )
 
 
-def _torchrun(script, env=None):
+def _torchrun(script, env=None, *options):
     return _run(
         [
             sys.executable,
@@ -27,6 +27,7 @@ def _torchrun(script, env=None):
             "torch.distributed.run",
             "--standalone",
             "--nproc_per_node=2",
+            *options,
             script,
         ],
         env=env,
@@ -67,6 +68,24 @@ def test_torchrun_without_initialize_starts_the_group_lazily(tmp_path):
     ]
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["devices"] == ["cpu:0", "cpu:1"] for r in results)
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def test_torchrun_restart_gets_a_fresh_store_prefix(tmp_path):
+    proc = _torchrun(
+        os.path.join(HERE, "scripts", "lazy_train.py"),
+        {
+            "PYTHONHASHSEED": "0",
+            "RESULT_DIR": str(tmp_path),
+            "FAIL_FIRST_ATTEMPT": "1",
+        },
+        "--max-restarts=1",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+    ]
+    assert [r["restart"] for r in results] == [1, 1]
     assert results[0]["loss"] == results[1]["loss"]
 
 

@@ -12,6 +12,9 @@ import keras_dtensor  # noqa: F401
 
 assert not dist.is_initialized()
 devices = keras.distribution.list_devices()  # starts the group lazily
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if os.environ.get("FAIL_FIRST_ATTEMPT") and restart == 0 and dist.get_rank():
+    raise SystemExit("rank 1 fails on purpose; torchrun restarts the job")
 keras.distribution.set_distribution(keras.distribution.DataParallel())
 keras.utils.set_random_seed(1)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -21,6 +24,7 @@ history = model.fit(x, x[:, :2], batch_size=4, epochs=2, verbose=0)
 result = {
     "rank": dist.get_rank(),
     "devices": devices,
+    "restart": restart,
     "loss": history.history["loss"],
 }
 path = os.path.join(os.environ["RESULT_DIR"], f"rank{dist.get_rank()}.json")
