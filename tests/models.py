@@ -45,7 +45,20 @@ def embedding(keras):
     return keras.Model(tokens, outputs, name="embedding")
 
 
-MODELS = {"mlp": mlp, "transformer": transformer, "embedding": embedding}
+def odd(keras):
+    """A hidden width (5) that 2 or 4 ranks cannot split evenly."""
+    inputs = keras.Input((WIDTH,), name="features")
+    h = keras.layers.Dense(5, activation="tanh", name="odd")(inputs)
+    outputs = keras.layers.Dense(4, name="out")(h)
+    return keras.Model(inputs, outputs, name="odd")
+
+
+MODELS = {
+    "mlp": mlp,
+    "transformer": transformer,
+    "embedding": embedding,
+    "odd": odd,
+}
 
 # Tensor-parallel splits over the "model" axis.
 TP_LAYOUTS = {
@@ -85,7 +98,7 @@ def fsdp_layouts(model_name, axis="batch"):
 
 def data(model_name, n=64, seed=0):
     rng = np.random.default_rng(seed)
-    if model_name == "mlp":
+    if model_name in ("mlp", "odd"):
         x = rng.normal(size=(n, WIDTH)).astype("float32")
     else:
         x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")

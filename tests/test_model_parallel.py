@@ -162,22 +162,27 @@ def _features():
     _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
     out["jit"] = models.max_diff(reference, got)
 
-    # A dimension not divisible by its mesh axis: uneven shards.
-    uneven = {".*mid/kernel": (None, "model"), ".*mid/bias": ("model",)}
-    _, reference = models.train(keras, "mlp", "adam")
-    layouts = {".*up/kernel": (None, "model"), **uneven}
+    # A dimension not divisible by its mesh axis: uneven (torch.chunk) shards.
+    uneven = {
+        ".*odd/kernel": (None, "model"),
+        ".*odd/bias": ("model",),
+        ".*out/kernel": ("model", None),
+    }
+    _, reference = models.train(keras, "odd", "adam")
     model, got = models.train(
         keras,
-        "mlp",
+        "odd",
         "adam",
         keras.distribution.ModelParallel(
-            layout_map=models.layout_map(keras, mesh, layouts)
+            layout_map=models.layout_map(keras, mesh, uneven)
         ),
     )
     out["uneven"] = models.max_diff(reference, got)
-    out["uneven_local"] = tuple(
-        model.get_layer("mid").kernel.value.to_local().shape
+    out["uneven_local"] = (
+        tuple(model.get_layer("odd").kernel.value.to_local().shape),
+        tuple(model.get_layer("out").kernel.value.to_local().shape),
     )
+    out["rank"] = torch.distributed.get_rank()
 
     # sample_weight, validation_data and the usual callbacks.
     x, y = models.data("mlp")
@@ -253,7 +258,9 @@ def test_training_api_relayout_jit_uneven_callbacks():
         assert out["relayout"] <= TOLERANCE
         assert out["jit"] <= TOLERANCE
         assert out["uneven"] <= TOLERANCE
-        assert out["uneven_local"] in ((32, 12),)  # 24 columns over 2
+        # 5 units over 2 ranks: 3 and 2.
+        width = (3, 2)[out["rank"]]
+        assert out["uneven_local"] == ((16, width), (width, 4))
         plain, dist = out["callbacks"]
         assert plain["history"].keys() == dist["history"].keys()
         assert (
