@@ -68,6 +68,8 @@ def test_torchrun_without_initialize_starts_the_group_lazily(tmp_path):
     ]
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["devices"] == ["cpu:0", "cpu:1"] for r in results)
+    assert results[0]["seed"] is not None
+    assert results[0]["seed"] == results[1]["seed"]
     assert results[0]["loss"] == results[1]["loss"]
 
 

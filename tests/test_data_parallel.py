@@ -64,7 +64,7 @@ def _inputs(keras, kind):
     raise ValueError(kind)
 
 
-def _fit(keras, distribution, kind, verbose=0):
+def _fit(keras, distribution, kind, verbose=0, optimizer="adam"):
     import models
 
     keras.utils.set_random_seed(6)
@@ -72,7 +72,12 @@ def _fit(keras, distribution, kind, verbose=0):
     x, y = _arrays()
     with scope:
         model = models.mlp(keras)
-        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        if optimizer == "loss_scale":
+            # Overrides apply(): gradients must be reduced before it runs.
+            optimizer = keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.Adam()
+            )
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
         kwargs = _inputs(keras, kind)
         if kind == "numpy":
             kwargs["sample_weight"] = np.linspace(0.5, 1.5, ROWS).astype(
@@ -100,6 +105,14 @@ def _input_kinds(kinds):
             "diff": models.max_diff(reference, result),
             "history": result["history"],
         }
+    reference = _fit(keras, None, "numpy", optimizer="loss_scale")
+    result = _fit(
+        keras,
+        keras.distribution.DataParallel(),
+        "numpy",
+        optimizer="loss_scale",
+    )
+    out["loss_scale"] = models.max_diff(reference, result)
     # Progress bars print on rank 0 only.
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -147,7 +160,15 @@ def _per_process_slices():
                 history = model.fit(
                     x[mine], y[mine], batch_size=local, shuffle=False, verbose=0
                 )
-            results.append((history.history["loss"], model.get_weights()))
+            # Each rank predicts its rows; the gathered result is global.
+            predicted = (
+                model.predict(x, batch_size=8, verbose=0)
+                if distribution is None
+                else model.predict(x[mine], batch_size=local, verbose=0)
+            )
+            results.append(
+                (history.history["loss"], model.get_weights() + [predicted])
+            )
     (h0, w0), (h1, w1) = results
     diff = max(
         [abs(a - b) for a, b in zip(h0, h1, strict=True)]
@@ -183,6 +204,7 @@ def test_every_input_kind_matches_one_process(world):
                 out[kind],
             )
             assert out[kind]["history"] == results[0][kind]["history"]
+        assert out["loss_scale"] <= TOLERANCE
         if rank == 0:
             assert "loss" in out["stdout"] and "Epoch 2/2" in out["stdout"]
         else:

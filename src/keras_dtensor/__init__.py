@@ -57,9 +57,9 @@ def install():
             "back).",
             stacklevel=2,
         )
-    patches.apply()
     ops.stable_placement_hashes()
     ops.register_strategies()
+    patches.apply()
 
 
 def uninstall():

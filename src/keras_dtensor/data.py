@@ -205,23 +205,22 @@ def _local_step(model, step, attribute, data, distribution):
     """One step of local-mode data parallelism on this process's rows."""
     (batch,) = data
     if attribute == "predict_function":
+        counts = data_parallel.row_counts(batch, distribution)
         local, _ = data_parallel.local_rows(batch, distribution, False)
-        from keras.src import tree
-
-        total = int(
-            next(x for x in tree.flatten(batch) if x is not None).shape[0]
-        )
-        return data_parallel.gather_rows(step([local]), total)
+        return data_parallel.gather_rows(step([local]), counts)
     local, rows = data_parallel.local_rows(batch, distribution)
-    if attribute == "train_function":
-        reducer = getattr(model, "_keras_dtensor_reducer", None)
-        if reducer is None or reducer.step is not step:
-            reducer = data_parallel.prepare_train_step(model)
-            if reducer is not None:
-                reducer.step = step
-        if reducer is not None:
-            reducer.rows = rows
-    return step([local])
+    if attribute != "train_function" or data_parallel.world_size() == 1:
+        return step([local])
+    reducer = getattr(model, "_keras_dtensor_reducer", None)
+    if reducer is None or reducer.step is not step:
+        reducer = data_parallel.prepare_train_step(model)
+        reducer.step = step
+    reducer.rows = rows
+    reducer.active = True
+    try:
+        return step([local])
+    finally:
+        reducer.active = False
 
 
 def get_data_adapter(original):

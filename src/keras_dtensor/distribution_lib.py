@@ -10,11 +10,9 @@ per mesh dimension.
 """
 
 import collections
-import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
@@ -50,9 +48,17 @@ Fields:
 
 
 def _keras_device_type(device_type=None):
-    if device_type:
-        return device_type.lower()
-    return "gpu" if launch.device_type() == "cuda" else "cpu"
+    own = "gpu" if launch.device_type() == "cuda" else "cpu"
+    if not device_type:
+        return own
+    device_type = device_type.lower()
+    if device_type not in ("cpu", own):
+        raise ValueError(
+            f"This process computes on {own!r}; one device per process, so "
+            f"there are no {device_type!r} devices to list. Received: "
+            f"device_type={device_type!r}"
+        )
+    return device_type
 
 
 def list_devices(device_type=None):
@@ -100,68 +106,22 @@ def initialize(job_addresses, num_processes, process_id):
         process_id: this process's rank, or `None`.
     """
     launch.init_process_group(job_addresses, num_processes, process_id)
-    initialize_rng()
+    launch.agree_on_seed()
 
 
 def initialize_rng():
-    """Makes every process use the same global seed.
-
-    If `keras.utils.set_random_seed()` was not called, rank 0 draws a seed
-    and broadcasts it, as Keras-JAX's `initialize_rng` does with a psum, so
-    seeded initial weights are identical on every rank.
-    """
-    from keras.src.random import seed_generator
-    from keras.src.utils import rng_utils
-
-    if rng_utils.get_random_seed() is not None:
-        return
-    seed = torch.tensor(
-        [seed_generator.make_default_seed()],
-        dtype=torch.int64,
-        device=launch.local_device(),
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(seed, src=0)
-    rng_utils.set_random_seed(int(seed.item()))
-
-
-def _ensure_process_group():
-    if not dist.is_initialized():
-        launch.init_process_group()
-        initialize_rng()
+    """Makes every process use the same global seed (see `launch`)."""
+    launch.agree_on_seed()
 
 
 def num_processes():
     """Return the number of processes for the current distribution setting."""
-    if not dist.is_initialized() and launch.under_launcher():
-        _ensure_process_group()
     return launch.num_processes()
 
 
 def process_id():
     """Return the current process ID for the distribution setting."""
-    if not dist.is_initialized() and launch.under_launcher():
-        _ensure_process_group()
     return launch.process_id()
-
-
-def _to_backend_device(device_name):
-    """Returns the torch device of a Keras device name such as `"gpu:3"`.
-
-    `gpu:i` is global rank `i`; its CUDA index is its local rank on its
-    node (`i % LOCAL_WORLD_SIZE`), never `i` itself.
-    """
-    if isinstance(device_name, torch.device):
-        return device_name
-    kind, _, index = str(device_name).lower().partition(":")
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind in ("gpu", "cuda"):
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or max(
-            torch.cuda.device_count(), 1
-        )
-        return torch.device("cuda", int(index or 0) % per_node)
-    raise ValueError(f"Device not found: {device_name}")
 
 
 def _device_ranks(device_mesh):
@@ -216,7 +176,7 @@ def _to_backend_mesh(device_mesh):
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = _device_ranks(device_mesh)
-    _ensure_process_group()
+    launch.ensure_process_group()
     kept = _kept_axes(device_mesh)
     shape = tuple(device_mesh.shape[i] for i in kept)
     names = tuple(device_mesh.axis_names[i] for i in kept)

@@ -21,6 +21,7 @@ __all__ = [
     "ensure_process_group",
     "init_process_group",
     "local_device",
+    "agree_on_seed",
     "process_id",
     "num_processes",
     "under_launcher",
@@ -147,7 +148,31 @@ def init_process_group(
     )
     atexit.register(_destroy)
     _check_hash_seed()
+    agree_on_seed()
     return True
+
+
+def agree_on_seed():
+    """Makes every process use the same global Keras seed.
+
+    If `keras.utils.set_random_seed()` was not called, rank 0 draws a seed
+    and broadcasts it (Keras-JAX's `initialize_rng` does this with a psum),
+    so initial weights and shuffles agree on every rank. Runs whenever the
+    group starts, lazily or through `initialize()`.
+    """
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    if rng_utils.get_random_seed() is not None:
+        return
+    seed = torch.tensor(
+        [seed_generator.make_default_seed()],
+        dtype=torch.int64,
+        device=local_device(),
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    rng_utils.set_random_seed(int(seed.item()))
 
 
 def _check_hash_seed():

@@ -5,8 +5,8 @@
    doesn't match expected size ... collective mismatch") or hangs.
    DTensor's strategy search breaks cost ties by the iteration order of
    Python sets of placements, which follows their hashes. String hashes
-   are made equal across ranks by `launch._check_hash_seed` (one
-   PYTHONHASHSEED); `_MaskPartial.__hash__` also hashes `id(mask_buffer)`,
+   must agree across ranks (one PYTHONHASHSEED; `launch._check_hash_seed`
+   checks it at start); `_MaskPartial.__hash__` also hashes `id(mask_buffer)`,
    a memory address that differs between processes.
    `stable_placement_hashes()` leaves the address out (a hash may be
    coarser than `__eq__`, which compares the buffer by identity). Seen here
@@ -46,7 +46,10 @@ def _mask_partial_hash(self):
 
 def stable_placement_hashes():
     """Gives `_MaskPartial` a hash without a memory address in it."""
-    from torch.distributed.tensor.placement_types import _MaskPartial
+    try:
+        from torch.distributed.tensor.placement_types import _MaskPartial
+    except ImportError:  # torch < 2.10 keeps it with the embedding ops
+        from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
 
     if _MaskPartial not in _original_hashes:
         _original_hashes[_MaskPartial] = _MaskPartial.__dict__["__hash__"]

@@ -154,13 +154,6 @@ PATCHES = (
         for kind in ("train", "test", "predict")
     ),
     Patch(
-        "keras.src.optimizers.base_optimizer",
-        "BaseOptimizer.apply",
-        "DataParallel: the bucketed gradient all-reduce started during "
-        "backward must finish before any update reads the gradients.",
-        data_parallel.optimizer_apply,
-    ),
-    Patch(
         "keras.src.trainers.trainer",
         "Trainer.get_metrics_result",
         "DataParallel: each rank's metric states cover its rows; logged "

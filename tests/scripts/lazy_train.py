@@ -12,11 +12,12 @@ import keras_dtensor  # noqa: F401
 
 assert not dist.is_initialized()
 devices = keras.distribution.list_devices()  # starts the group lazily
+# No set_random_seed: starting the group agreed on rank 0's seed.
+seed = keras.src.utils.rng_utils.get_random_seed()
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if os.environ.get("FAIL_FIRST_ATTEMPT") and restart == 0 and dist.get_rank():
     raise SystemExit("rank 1 fails on purpose; torchrun restarts the job")
 keras.distribution.set_distribution(keras.distribution.DataParallel())
-keras.utils.set_random_seed(1)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
 model.compile(optimizer="sgd", loss="mse")
 x = np.arange(32, dtype="float32").reshape(8, 4) / 32
@@ -25,6 +26,7 @@ result = {
     "rank": dist.get_rank(),
     "devices": devices,
     "restart": restart,
+    "seed": seed,
     "loss": history.history["loss"],
 }
 path = os.path.join(os.environ["RESULT_DIR"], f"rank{dist.get_rank()}.json")
