@@ -18,13 +18,11 @@ import os
 
 import torch.distributed as dist
 
+from keras_dtensor.launch import multi_process
+
 __all__ = ["configure_async_dispatch", "print_msg"]
 
 _ALL_RANKS_ENV = "KERAS_DTENSOR_LOG_ALL_RANKS"
-
-
-def _multi_process():
-    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def configure_async_dispatch(original):
@@ -32,7 +30,7 @@ def configure_async_dispatch(original):
 
     def _configure_async_dispatch(self, callbacks):
         original(self, callbacks)
-        if _multi_process():
+        if multi_process():
             self._async_train = False
             self._async_test = False
             self._async_predict = False
@@ -42,7 +40,7 @@ def configure_async_dispatch(original):
 
 def _silent():
     return (
-        _multi_process()
+        multi_process()
         and dist.get_rank() != 0
         and os.environ.get(_ALL_RANKS_ENV, "0") in ("", "0", "false")
     )

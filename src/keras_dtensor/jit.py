@@ -23,12 +23,11 @@ _COMPILED = "_keras_dtensor_compiled_call"
 
 
 def _compile_forward(model):
-    if _COMPILED in model.__dict__:
+    if model.__dict__.get(_COMPILED):
         return
-    compiled = torch.compile(model.call, dynamic=False)
     # An instance attribute shadows the class's `call` for this model only.
-    object.__setattr__(model, "call", compiled)
-    object.__setattr__(model, _COMPILED, compiled)
+    object.__setattr__(model, "call", torch.compile(model.call, dynamic=False))
+    object.__setattr__(model, _COMPILED, True)
 
 
 def should_torch_compile(original):

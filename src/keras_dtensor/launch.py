@@ -22,6 +22,7 @@ __all__ = [
     "init_process_group",
     "local_device",
     "agree_on_seed",
+    "multi_process",
     "process_id",
     "num_processes",
     "under_launcher",
@@ -208,6 +209,11 @@ def ensure_process_group():
     """Starts the process group if a mesh or collective needs one."""
     if not dist.is_initialized():
         init_process_group()
+
+
+def multi_process() -> bool:
+    """Whether a process group with more than one process is running."""
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def num_processes() -> int:

@@ -21,13 +21,11 @@ import uuid
 
 import torch.distributed as dist
 
+from keras_dtensor.launch import multi_process
+
 __all__ = ["save_collectively"]
 
 _TIMEOUT_ENV = "KERAS_DTENSOR_SAVE_TIMEOUT"
-
-
-def _multi_process():
-    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _check_all_ranks_save(what, filepath):
@@ -58,7 +56,7 @@ def save_collectively(original, what):
     """
 
     def _save(model, filepath, *args, **kwargs):
-        if not _multi_process() or not isinstance(filepath, (str, os.PathLike)):
+        if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
         _check_all_ranks_save(what, filepath)
         final = os.fspath(filepath)
