@@ -1,0 +1,61 @@
+"""Peak memory while a sharded model initializes, against its steady state.
+
+    PYTHONHASHSEED=0 OMP_NUM_THREADS=1 python -m torch.distributed.run \\
+        --standalone --nproc_per_node=2 benchmarks/bench_init.py
+
+A 400k x 128 fp32 embedding (205 MB) sharded over the "model" axis: each
+rank should hold ~102 MB. Prints, per rank, the resident memory before the
+model, the peak during initialization (ru_maxrss) and the resident memory
+after it (steady state), all in MB.
+"""
+
+import gc
+import os
+import resource
+
+import keras  # noqa: I001
+import torch.distributed as dist
+
+import keras_dtensor  # noqa: F401
+
+VOCAB, WIDTH = 400_000, 128
+
+
+def _rss_mb():
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def main():
+    keras.distribution.initialize()
+    world = keras.distribution.get_device_count()
+    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*embeddings"] = ("model", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+    gc.collect()
+    before = _rss_mb()
+    layer = keras.layers.Embedding(VOCAB, WIDTH)
+    layer.build((None,))
+    gc.collect()
+    steady = _rss_mb()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    local = layer.embeddings.value.to_local()
+    shard_mb = local.numel() * local.element_size() / 2**20
+    for rank in range(world):
+        if rank == dist.get_rank():
+            print(
+                f"rank {rank}: shard {shard_mb:.0f} MB, before {before:.0f}, "
+                f"peak {peak:.0f}, steady {steady:.0f} MB; init peak over "
+                f"steady (model memory only): "
+                f"{(peak - before) / (steady - before):.2f}x",
+                flush=True,
+            )
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
