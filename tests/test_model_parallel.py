@@ -184,6 +184,19 @@ def _features():
     )
     out["rank"] = torch.distributed.get_rank()
 
+    # A key that matches no weight warns: functional-model paths have no
+    # model prefix ("up/kernel", not "mlp/up/kernel").
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        models.train(
+            keras, "mlp", "sgd", tp({"mlp/up/kernel": (None, "model")})
+        )
+    out["unmatched"] = [
+        str(w.message) for w in caught if "matches none" in str(w.message)
+    ]
+
     # sample_weight, validation_data and the usual callbacks.
     x, y = models.data("mlp")
     weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
@@ -258,6 +271,11 @@ def test_training_api_relayout_jit_uneven_callbacks():
         assert out["relayout"] <= TOLERANCE
         assert out["jit"] <= TOLERANCE
         assert out["uneven"] <= TOLERANCE
+        if out["rank"] == 0:
+            assert len(out["unmatched"]) == 1
+            assert "'mlp/up/kernel' matches none" in out["unmatched"][0]
+        else:
+            assert out["unmatched"] == []
         # 5 units over 2 ranks: 3 and 2.
         width = (3, 2)[out["rank"]]
         assert out["uneven_local"] == ((16, width), (width, 4))

@@ -185,6 +185,11 @@ def step_function(original, attribute):
         step = getattr(self, attribute)
         if step is None or getattr(step, "_keras_dtensor_step", False):
             return result
+        distribution = _current_distribution()
+        if distribution is not None and attribute == "train_function":
+            from keras_dtensor.variables import warn_unmatched_layout_keys
+
+            warn_unmatched_layout_keys(self, distribution)
 
         def distributed_step(data):
             distribution = _current_distribution()

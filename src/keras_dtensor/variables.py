@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "convert_to_numpy",
+    "warn_unmatched_layout_keys",
     "direct_assign",
     "initialize",
     "initialize_with_initializer",
@@ -132,3 +133,38 @@ def convert_to_numpy(original):
         return original(x)
 
     return _convert_to_numpy
+
+
+def warn_unmatched_layout_keys(model, distribution):
+    """Warns (rank 0, once per key) about LayoutMap keys no weight matched.
+
+    A key is a regex full-matched against `variable.path`, so
+    `"dense.*kernel"` does not match `"sequential/dense/kernel"`; the weight
+    then silently stays replicated. Keys ending in `/output` name layer
+    outputs, not weights, and are skipped.
+    """
+    import re
+    import warnings
+
+    import torch.distributed as dist
+
+    layout_map = getattr(distribution, "_layout_map", None)
+    if layout_map is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    warned = distribution.__dict__.setdefault("_keras_dtensor_warned", set())
+    paths = [v.path for v in model.weights]
+    for key in layout_map:
+        if key in warned or key.endswith("/output"):
+            continue
+        if not any(key == p or re.fullmatch(key, p) for p in paths):
+            warned.add(key)
+            example = paths[0] if paths else "<none>"
+            warnings.warn(
+                f"LayoutMap key {key!r} matches none of the weights of "
+                f"model {model.name!r}; the weights it was meant for stay "
+                "replicated. Keys are "
+                "regular expressions matched against the whole "
+                f"`variable.path` (e.g. {example!r}); prefix '.*' to match "
+                "any parent path.",
+                stacklevel=2,
+            )
