@@ -19,6 +19,7 @@ on a width-128 MLP). Instead, in this "local" mode:
 - `predict` gathers every batch's rows back into the global order.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -42,11 +43,19 @@ _BUCKET_MB = 25  # DDP's default bucket_cap_mb
 _FIRST_BUCKET_BYTES = 1024 * 1024
 
 
-def is_local_mode(distribution) -> bool:
-    """Whether `distribution` runs as plain data parallelism."""
+@functools.cache
+def _data_parallel_class():
     from keras.src.distribution import DataParallel
 
-    return isinstance(distribution, DataParallel)
+    return DataParallel
+
+
+def is_local_mode(distribution) -> bool:
+    """Whether `distribution` runs as plain data parallelism.
+
+    Called on every layer call: the class lookup is done once.
+    """
+    return isinstance(distribution, _data_parallel_class())
 
 
 def _world():
