@@ -128,6 +128,18 @@ def _data(model_name, cfg):
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
+def _cuda():
+    return os.environ.get("BENCH_DEVICE") == "cuda"
+
+
+def _sync():
+    """Wait for queued GPU work, so a step's time is the step's own."""
+    if _cuda():
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def _bytes(tensors):
     from torch.distributed.tensor import DTensor
 
@@ -149,11 +161,16 @@ def _run_torch(variant, model_name, steps, warmup):
     model = build(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     x, y = _data(model_name, cfg)
+    device = "cpu"
+    if _cuda():
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        torch.cuda.set_device(device)
+        model, x, y = model.to(device), x.to(device), y.to(device)
     if variant != "torch_single":
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if _cuda() else "gloo")
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.split(":")[0], (world,))
         rank = dist.get_rank()
         if variant == "torch_ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
@@ -192,6 +209,7 @@ def _run_torch(variant, model_name, steps, warmup):
     for i in range(warmup + steps):
         start = time.perf_counter()
         step()
+        _sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     comm = CommDebugMode()
@@ -296,12 +314,14 @@ def _run_keras(variant, model_name, steps, warmup):
             self.times, self.comm, self.comms = [], None, {}
 
         def on_train_batch_begin(self, batch, logs=None):
+            _sync()
             if batch == warmup + steps:
                 self.comm = CommDebugMode()
                 self.comm.__enter__()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
+            _sync()
             elapsed = time.perf_counter() - self.start
             if self.comm is not None:
                 self.comm.__exit__(None, None, None)
@@ -337,14 +357,17 @@ def worker(args):
 
 
 def _launch(variant, model, args):
-    nproc = VARIANTS[variant]
+    nproc = _nproc(variant, args)
     env = dict(
         os.environ,
+        BENCH_DEVICE=args.device,
         OMP_NUM_THREADS="1",
         PYTHONHASHSEED="0",
         KERAS_BACKEND="torch",
         KERAS_DTENSOR_LOG_ALL_RANKS="0",
     )
+    if args.device == "cpu":  # Keras picks a visible GPU by itself
+        env["CUDA_VISIBLE_DEVICES"] = ""
     command = [
         sys.executable,
         "-m",
@@ -373,6 +396,10 @@ def _launch(variant, model, args):
     return sorted(results, key=lambda r: r["rank"])
 
 
+def _nproc(variant, args):
+    return 1 if VARIANTS[variant] == 1 else args.nproc
+
+
 def _ratio(table, model, a, b):
     return table[model][a]["median_ms"] / table[model][b]["median_ms"]
 
@@ -389,6 +416,18 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: one GPU per process, NCCL (needs --nproc GPUs)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="processes of the distributed variants",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -424,13 +463,14 @@ def main(argv=None):
                 "rss_mb": max(r["rss_mb"] for run in runs for r in run),
                 "bytes_per_rank": max(r["bytes"] for r in last),
                 "comms_per_step": last[0]["comms"],
-                "processes": VARIANTS[variant],
+                "processes": _nproc(variant, args),
             }
     summary = {
         "table": table,
         "seconds": time.time() - started,
         "rounds": args.rounds,
         "steps": args.steps,
+        "device": args.device,
         "targets": {},
     }
     for model in models:
@@ -451,7 +491,7 @@ def main(argv=None):
             if {"kd_fsdp", "keras_single"} <= t.keys():
                 targets["kd_fsdp_bytes_over_full_div_n"] = t["kd_fsdp"][
                     "bytes_per_rank"
-                ] / (t["keras_single"]["bytes_per_rank"] / 2)
+                ] / (t["keras_single"]["bytes_per_rank"] / args.nproc)
             summary["targets"][model] = targets
     text = json.dumps(summary, indent=1)
     if args.out:

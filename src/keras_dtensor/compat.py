@@ -15,7 +15,7 @@ __all__ = [
 ]
 
 SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.16")
-SUPPORTED_TORCH = SpecifierSet(">=2.6")
+SUPPORTED_TORCH = SpecifierSet(">=2.11")
 
 
 def keras_version() -> Version:

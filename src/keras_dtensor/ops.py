@@ -22,6 +22,13 @@ CPU, which Keras's `MultiHeadAttention` calls) has no strategy in torch
 independent per batch row and per head: with q/k/v/out all sharded on the
 batch dimension (0) or the head dimension (1), the op runs on local
 shards, exactly like the single-device op on a slice.
+
+Comparison ops (`eq`, `ne`, `lt`, ... on tensors and scalars) have
+strategies from torch 2.13 on; torch 2.11 lacks some (`aten.ne.Tensor`,
+which Keras's optimizer EMA runs on its replicated `iterations`). Where torch
+has none, an elementwise one is registered: all replicated, or every input
+sharded like the output when the shapes match (no broadcasting over a
+sharded dim). Ops torch already covers are left alone.
 """
 
 import torch
@@ -30,6 +37,8 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 __all__ = [
+    "missing_comparisons",
+    "register_elementwise",
     "register_strategies",
     "restore_placement_hashes",
     "stable_placement_hashes",
@@ -91,10 +100,64 @@ def _flash_cpu_backward(
     return _per_row_or_head(3, 6, 2, kw.get("attn_mask"))
 
 
+def _elementwise(self, other=None, **kwargs):
+    # -> one output; inputs self and, for `.Tensor` overloads, other.
+    tensors = [self] + ([other] if hasattr(other, "shape") else [])
+    scalars = 0 if len(tensors) == 2 else 1
+    strategies = [
+        ([Replicate()], [Replicate()] * len(tensors) + [None] * scalars)
+    ]
+    if all(tuple(t.shape) == tuple(self.shape) for t in tensors):
+        for dim in range(len(self.shape)):
+            shard = Shard(dim)
+            strategies.append(
+                ([shard], [shard] * len(tensors) + [None] * scalars)
+            )
+    return strategies
+
+
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+def _has_strategy(op):
+    """Whether torch's DTensor has a sharding rule of its own for `op`."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = (
+        "op_strategy_funcs",
+        "op_single_dim_strategy_funcs",
+        "op_to_rules",
+    )
+    return any(op in getattr(propagator, table, {}) for table in tables)
+
+
+def missing_comparisons():
+    """The comparison overloads torch's DTensor has no strategy for."""
+    ops = []
+    for name in _COMPARISONS:
+        for overload in ("Tensor", "Scalar"):
+            op = getattr(getattr(_aten, name), overload)
+            if not _has_strategy(op):
+                ops.append(op)
+    return ops
+
+
+def register_elementwise(ops):
+    """Gives each op in `ops` the elementwise strategy above.
+
+    `register_strategies()` passes `missing_comparisons()`; tests pass ops
+    torch already covers, to run the fallback on a torch that needs none.
+    """
+    for op in ops:
+        register_sharding(op)(_elementwise)
+
+
 def register_strategies():
     """Registers the strategies above (idempotent)."""
     if _registered:
         return
+    register_elementwise(missing_comparisons())
     register_sharding(
         _aten._scaled_dot_product_flash_attention_for_cpu.default
     )(_flash_cpu)
