@@ -243,7 +243,58 @@ def _features():
                 }
             )
     out["on_batch"] = results
+
+    # Tensors a layer creates (seeded dropout and noise masks, ops.ones,
+    # seed-generator increments) are global values: they meet the sharded
+    # batch without "mixed torch.Tensor and DTensor".
+    sharded = {".*dense/kernel": (None, "model")}
+    out["created"] = [
+        _train_created(keras, distribution)
+        for distribution in [None]
+        + [
+            keras.distribution.ModelParallel(
+                layout_map=models.layout_map(
+                    keras,
+                    keras.distribution.DeviceMesh(shape, ["batch", "model"]),
+                    sharded,
+                )
+            )
+            for shape in ((world, 1), (1, world))
+        ]
+    ]
     return out
+
+
+def _train_created(keras, distribution):
+    class Offset(keras.layers.Layer):
+        def call(self, x):
+            ramp = keras.ops.arange(x.shape[-1], dtype="float32")
+            return x + keras.ops.ones(keras.ops.shape(x)) * ramp
+
+    keras.utils.set_random_seed(6)
+    x = np.random.default_rng(0).normal(size=(32, 32)).astype("float32")
+    with distribution.scope() if distribution else _null():
+        model = keras.Sequential(
+            [
+                keras.Input((32,)),
+                keras.layers.Dense(16, name="dense"),
+                keras.layers.Dropout(0.5, seed=1),
+                Offset(),
+                keras.layers.GaussianNoise(0.1, seed=2),
+                keras.layers.Dense(
+                    1,
+                    name="head",
+                    kernel_initializer=keras.initializers.RandomNormal(
+                        seed=keras.random.SeedGenerator(3)
+                    ),
+                ),
+            ]
+        )
+        model.compile(optimizer="adam", loss="mse")
+        history = model.fit(
+            x, x[:, :1], batch_size=8, epochs=2, shuffle=False, verbose=0
+        )
+        return history.history["loss"], model.get_weights()
 
 
 def _null():
@@ -294,3 +345,8 @@ def test_training_api_relayout_jit_uneven_callbacks():
         assert dist["eager_dtensor"] and not plain["eager_dtensor"]
         for key in ("eager", "train", "test", "predict", "torch_input"):
             np.testing.assert_allclose(dist[key], plain[key], atol=TOLERANCE)
+        (plain_loss, plain_weights), *distributed = out["created"]
+        for loss, weights in distributed:
+            np.testing.assert_allclose(loss, plain_loss, atol=TOLERANCE)
+            for got, want in zip(weights, plain_weights, strict=True):
+                np.testing.assert_allclose(got, want, atol=TOLERANCE)

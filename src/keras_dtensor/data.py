@@ -10,6 +10,8 @@ Plain tensors are converted here, at the boundary, with the layout they
 really have. Nothing downstream guesses that a plain tensor is replicated.
 """
 
+import contextlib
+
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,10 +24,44 @@ __all__ = [
     "distribute_call_inputs",
     "epoch_iterator",
     "get_data_adapter",
+    "plain_tensors_are_global",
     "step_function",
 ]
 
 _PER_PROCESS = "_keras_dtensor_per_process"
+_global_depth = [0]
+
+
+@contextlib.contextmanager
+def plain_tensors_are_global():
+    """Inside: a plain tensor meeting a DTensor counts as replicated.
+
+    Keras programs are single-program: a tensor that a layer, loss,
+    initializer or seed generator creates (`ops.ones`, a dropout mask drawn
+    from an agreed seed, a seed increment) holds the same global value on
+    every process, so it *is* replicated. Data is the exception (a rank's
+    slice is not the global value), and every data path becomes DTensors
+    before entering here (`distribute_batch`), so no rank-local tensor is
+    mistaken for a global one. Outside these scopes (user code between
+    steps) a plain tensor meeting a DTensor still raises torch's "mixed
+    torch.Tensor and DTensor" error. Re-entrant, unlike torch's
+    `implicit_replication`, which it enters once.
+    """
+    if _global_depth[0]:
+        _global_depth[0] += 1
+        try:
+            yield
+        finally:
+            _global_depth[0] -= 1
+        return
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    _global_depth[0] += 1
+    try:
+        with implicit_replication():
+            yield
+    finally:
+        _global_depth[0] -= 1
 
 
 def _current_distribution():
@@ -197,7 +233,9 @@ def step_function(original, attribute):
                 return step(data)
             if data_parallel.is_local_mode(distribution):
                 return _local_step(self, step, attribute, data, distribution)
-            return step(distribute_batch(data, distribution))
+            data = distribute_batch(data, distribution)
+            with plain_tensors_are_global():
+                return step(data)
 
         distributed_step._keras_dtensor_step = True
         setattr(self, attribute, distributed_step)
@@ -220,8 +258,11 @@ def _local_step(model, step, attribute, data, distribution):
     if reducer is None or reducer.step is not step:
         reducer = data_parallel.prepare_train_step(model)
         reducer.step = step
-    reducer.rows = rows
-    reducer.active = True
+    # A global batch split here: every rank knows the global row count.
+    global_rows = None
+    if distribution.auto_shard_dataset:
+        global_rows = sum(data_parallel.row_counts(batch, distribution))
+    reducer.begin(rows, global_rows)
     try:
         return step([local])
     finally:
@@ -296,9 +337,12 @@ def distribute_call_inputs(original):
         distribution = _current_distribution()
         if distribution is None or data_parallel.is_local_mode(distribution):
             return original(self, *args, **kwargs)
-        if not _in_layer_call():
+        if _in_layer_call():
+            outputs = original(self, *args, **kwargs)
+        else:
             args, kwargs = distribute_batch((args, kwargs), distribution)
-        outputs = original(self, *args, **kwargs)
+            with plain_tensors_are_global():
+                outputs = original(self, *args, **kwargs)
         return tree.map_structure(_reduce_partial, outputs)
 
     return __call__

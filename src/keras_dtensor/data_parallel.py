@@ -172,11 +172,17 @@ def gather_rows(outputs, counts):
 class GradientReducer:
     """Bucketed, overlapped gradient all-reduce for a list of parameters.
 
-    Buckets are filled in reverse registration order (roughly the order
-    backward produces gradients); a bucket's all-reduce starts from the
-    post-accumulate-grad hook of its last parameter, while backward goes on.
-    `finish()` waits, divides by the global row count and writes the result
-    into each `.grad` in place.
+    Parameters are grouped into buckets in reverse registration order
+    (roughly the order backward produces gradients), one dtype per bucket,
+    each bucket backed by one flat buffer kept across steps. When a
+    parameter's gradient is complete (post-accumulate-grad hook), it is
+    written into its slice of the buffer, already scaled by this rank's
+    share of the global batch, and `.grad` becomes a view of that slice (the
+    fresh gradient is freed); a bucket's all-reduce starts as soon as its
+    last gradient is in, while backward goes on. `finish()` waits: the
+    buffers then hold the global-batch gradient and every `.grad` already
+    points at it (DDP's `gradient_as_bucket_view`), so nothing is copied
+    back.
 
     Args:
         params: the trainable torch Parameters.
@@ -194,19 +200,31 @@ class GradientReducer:
         self.buckets = []
         bucket, size, cap = [], 0, _FIRST_BUCKET_BYTES
         for p in reversed(self.params):
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-            if size >= cap:
+            if bucket and (size >= cap or p.dtype != bucket[0].dtype):
                 self.buckets.append(bucket)
                 bucket, size, cap = [], 0, bucket_bytes
+            bucket.append(p)
+            size += p.numel() * p.element_size()
         if bucket:
             self.buckets.append(bucket)
-        self.bucket_of = {
-            id(p): i for i, bucket in enumerate(self.buckets) for p in bucket
-        }
-        self.rows = 1
+        self.buffers = [
+            torch.empty(
+                sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device
+            )
+            for b in self.buckets
+        ]
+        self.slot = {}  # id(param) -> (bucket index, view of its slice)
+        for index, bucket in enumerate(self.buckets):
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                view = self.buffers[index][offset : offset + n].view_as(p)
+                self.slot[id(p)] = (index, view)
+                offset += n
         self.step = None  # the train function this reducer was built for
         self.active = False  # only inside a DataParallel train step
+        self.weight = 1.0
+        self.rows = None
         self._reset()
         self.handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -217,6 +235,20 @@ class GradientReducer:
         self.ready = [0] * len(self.buckets)
         self.works = {}
         self.queued = False
+        self.total_rows = None
+
+    def begin(self, rows, global_rows=None):
+        """Arms the reducer for one train step.
+
+        Args:
+            rows: rows of the batch this rank computes on.
+            global_rows: rows of the global batch, when every rank knows it
+                (a global batch split here); `None` when each process feeds
+                its own rows, which then are summed with the gradients.
+        """
+        self.active = True
+        self.rows = rows
+        self.weight = None if global_rows is None else rows / global_rows
 
     def _on_grad(self, param):
         if not self.active:
@@ -229,43 +261,46 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish
             )
-        index = self.bucket_of[id(param)]
+            if self.weight is None:  # per-process rows: sum them too
+                self.total_rows = torch.tensor(
+                    [float(self.rows)], dtype=torch.float64
+                )
+                self.works["rows"] = dist.all_reduce(
+                    self.total_rows, async_op=True
+                )
+        index, view = self.slot[id(param)]
+        # Each rank's loss is a mean over its rows: weight by rows.
+        scale = float(self.rows) if self.weight is None else self.weight
+        torch.mul(param.grad, scale, out=view)
+        param.grad = view
         self.ready[index] += 1
         if self.ready[index] == len(self.buckets[index]):
             self._launch(index)
 
     def _launch(self, index):
-        bucket = self.buckets[index]
-        parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-            for p in bucket
-        ]
-        # Weight by rows (each rank's loss is a mean over its rows) and send
-        # the row count along, to divide by the global count afterwards.
-        rows = parts[0].new_tensor([float(self.rows)])
-        flat = torch.cat([*parts, rows])
-        flat[:-1].mul_(float(self.rows))
-        self.works[index] = (flat, dist.all_reduce(flat, async_op=True))
+        self.works[index] = dist.all_reduce(self.buffers[index], async_op=True)
 
     def finish(self):
         """Completes every bucket's all-reduce; `.grad` holds the result."""
         if not self.works and not any(self.ready):
             return
-        for index in range(len(self.buckets)):
-            if index not in self.works:  # parameters without gradients
-                self._launch(index)
-        for index, (flat, work) in sorted(self.works.items()):
+        for index, bucket in enumerate(self.buckets):
+            if index in self.works:
+                continue
+            # Some parameters got no gradient: they contribute zeros.
+            for p in bucket:
+                if p.grad is None or p.grad is not self.slot[id(p)][1]:
+                    self.slot[id(p)][1].zero_()
+            self._launch(index)
+        rows = self.works.pop("rows", None)
+        if rows is not None:
+            rows.wait()
+        for index, work in sorted(self.works.items()):
             work.wait()
-            flat = flat[:-1].div_(flat[-1])
-            offset = 0
+            if self.total_rows is not None:
+                self.buffers[index].div_(float(self.total_rows))
             for p in self.buckets[index]:
-                n = p.numel()
-                value = flat[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
-                offset += n
+                p.grad = self.slot[id(p)][1]
         self._reset()
 
     def remove(self):
