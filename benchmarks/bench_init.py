@@ -3,10 +3,12 @@
     PYTHONHASHSEED=0 OMP_NUM_THREADS=1 python -m torch.distributed.run \\
         --standalone --nproc_per_node=2 benchmarks/bench_init.py
 
-A 400k x 128 fp32 embedding (205 MB) sharded over the "model" axis: each
-rank should hold ~102 MB. Prints, per rank, the resident memory before the
+A 400k x 128 fp32 embedding (205 MB) sharded over the "model" axis, with
+its Adam slots (two more variables of the same layout): each rank should
+hold ~102 MB per variable. Prints, per rank, the resident memory before the
 model, the peak during initialization (ru_maxrss) and the resident memory
-after it (steady state), all in MB.
+after it (steady state), all in MB, and peak over steady for the model's
+own memory and for the whole process.
 """
 
 import gc
@@ -40,6 +42,8 @@ def main():
     before = _rss_mb()
     layer = keras.layers.Embedding(VOCAB, WIDTH)
     layer.build((None,))
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(layer.trainable_variables)
     gc.collect()
     steady = _rss_mb()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -48,10 +52,11 @@ def main():
     for rank in range(world):
         if rank == dist.get_rank():
             print(
-                f"rank {rank}: shard {shard_mb:.0f} MB, before {before:.0f}, "
-                f"peak {peak:.0f}, steady {steady:.0f} MB; init peak over "
-                f"steady (model memory only): "
-                f"{(peak - before) / (steady - before):.2f}x",
+                f"rank {rank}: shard {shard_mb:.0f} MB x 3, before "
+                f"{before:.0f}, peak {peak:.0f}, steady {steady:.0f} MB; "
+                f"peak over steady: model memory "
+                f"{(peak - before) / (steady - before):.2f}x, process "
+                f"{peak / steady:.2f}x",
                 flush=True,
             )
         dist.barrier()

@@ -96,10 +96,78 @@ def initialize_with_initializer(original):
     """
 
     def _initialize_with_initializer(self, initializer):
-        variable_layout(self)
-        return original(self, initializer)
+        from keras_dtensor.data import plain_tensors_are_global
+
+        if variable_layout(self) is None:
+            return original(self, initializer)
+        # An initializer's seed generator may be a (replicated) variable.
+        with plain_tensors_are_global():
+            if not _initialize_shard_only(self, initializer):
+                original(self, initializer)
 
     return _initialize_with_initializer
+
+
+def _initialize_shard_only(variable, initializer):
+    """Creates only this rank's shard of `variable` (see sharded_init.py).
+
+    Returns:
+        Whether it did; `False` leaves the variable to Keras's own path
+        (the full value is drawn, then sliced).
+    """
+    from keras.src.backend.torch.core import convert_to_tensor
+    from keras.src.backend.torch.core import get_device
+
+    from keras_dtensor import sharded_init
+    from keras_dtensor.distribution_lib import _as_backend_layout
+
+    layout = _as_backend_layout(
+        variable._layout, path=variable.path, shape=variable._shape
+    )
+    mesh, placements = layout.device_mesh, layout.placements
+    if all(p.is_replicate() for p in placements):
+        return False
+    if not sharded_init.supports(initializer):
+        return False
+    if not sharded_init.chunked_draws_match(str(get_device())):
+        return False
+    shape = tuple(variable._shape)
+    ranges = sharded_init.local_slices(shape, mesh, placements)
+    # An int seed (or none: Zeros, Ones, Constant) starts the same stream
+    # on every call, so the initializer can run once per block of rows; a
+    # SeedGenerator advances per call, so it runs once.
+    seed = getattr(initializer, "seed", None)
+    blockwise = seed is None or isinstance(seed, int)
+    value = sharded_init.LocalDraws(shape, ranges).run(
+        initializer, variable._dtype, blockwise
+    )
+    local_shape = tuple(n for _, n in ranges)
+    if value is not None:
+        value = convert_to_tensor(value, dtype=variable._dtype)
+    if value is None or tuple(value.shape) != local_shape:
+        raise RuntimeError(
+            f"keras-dtensor: sharded initialization of {variable.path!r} "
+            f"(shape {shape}) with {type(initializer).__name__} produced "
+            f"shape {None if value is None else tuple(value.shape)}, expected "
+            f"this rank's shard "
+            f"{local_shape}. Please report this; as a workaround, pass the "
+            "initial value as an array."
+        )
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    dtensor = DTensor.from_local(
+        value.contiguous(),
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(strides),
+    )
+    variable._value = torch.nn.Parameter(
+        dtensor, requires_grad=variable.trainable
+    )
+    return True
 
 
 def direct_assign(original):

@@ -1,0 +1,278 @@
+"""Sharded initialization: draw only this rank's shard, same values.
+
+A sharded variable must start with exactly the values single-process Keras
+would give it (same seed), yet no rank should hold its full value: for a
+large embedding, the full value plus Keras's temporaries (`rand * scale +
+min`) is several times the shard.
+
+How: Keras's built-in random initializers create their value with one
+torch creation op of the variable's shape (`torch.rand`, `torch.normal`;
+`torch.normal` of shape + (4,) for the truncated normal), followed by
+elementwise arithmetic; `Zeros`/`Ones`/`Constant` use `torch.zeros`/
+`torch.ones`. While such an initializer runs, `LocalDraws` (a
+`TorchFunctionMode`) answers each creation op of the variable's shape with
+this rank's slice only. Random draws walk the generator's stream in blocks
+of leading-dim rows and keep the rows and columns this rank owns, so peak
+memory is one block plus the shard. The elementwise rest of the initializer
+then runs on the shard.
+
+This is exact because torch's CPU generator fills a tensor element by
+element in order (normal draws in groups of 16): drawing the same stream in
+blocks gives the same numbers. `chunked_draws_match()` checks that on the
+running torch and device once; where it does not hold (CUDA's Philox
+generator is offset-based) or the initializer is not one of the known
+elementwise ones (Orthogonal, Identity, user code), the full value is drawn
+and sliced, as before.
+"""
+
+import functools
+import math
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "LocalDraws",
+    "chunked_draws_match",
+    "local_slices",
+    "supports",
+]
+
+_BLOCK_ELEMENTS = 1 << 20  # ~4 MB of fp32 per drawn block
+_DRAWS = (torch.rand, torch.normal)
+_FILLS = {torch.zeros: 0, torch.ones: 1, torch.empty: None}
+
+
+def local_slices(shape, mesh, placements):
+    """This rank's `(start, length)` along every dim of `shape`.
+
+    Follows DTensor's sharding (`torch.chunk` semantics: chunks of
+    `ceil(n / k)`, the last ones shorter or empty), mesh dims in order.
+    """
+    ranges = [(0, n) for n in shape]
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_shard():
+            continue
+        dim = placement.dim
+        start, length = ranges[dim]
+        parts = mesh.size(mesh_dim)
+        chunk = math.ceil(length / parts) if length else 0
+        offset = min(coordinate[mesh_dim] * chunk, length)
+        ranges[dim] = (start + offset, max(0, min(chunk, length - offset)))
+    return ranges
+
+
+def _block_rows(row_elements, block_elements):
+    """Rows per drawn block: ~`block_elements`, a multiple of 16 elements
+    (torch's CPU normal transforms groups of 16)."""
+    step = 16 // math.gcd(row_elements, 16)
+    rows = max(1, block_elements // max(row_elements, 1))
+    return max(step, rows - rows % step)
+
+
+def _grid(rows, row_elements, block_elements):
+    """The `(start, stop)` row blocks a whole draw is walked in: all but the
+    last a multiple of 16 elements, the last at least 16 (or the whole)."""
+    block = _block_rows(row_elements, block_elements)
+    edges = [*range(0, rows, block), rows]
+    bounds = list(zip(edges[:-1], edges[1:], strict=True))
+    if len(bounds) > 1 and (bounds[-1][1] - bounds[-1][0]) * row_elements < 16:
+        bounds[-2:] = [(bounds[-2][0], rows)]
+    return bounds
+
+
+class _Stream:
+    """One random stream, walked block by block across initializer calls."""
+
+    def __init__(self, rows, row_elements, block_elements):
+        self.grid = _grid(rows, row_elements, block_elements)
+        self.next = 0  # the next block of the grid to draw
+        self.generator = None
+        self.captured = False
+
+    def read(self, draw, rest, window, inner):
+        """Draws blocks up to the end of `window` (rows `[lo, hi)`),
+        discarding rows outside it; returns the window's rows with `inner`
+        applied to the following dims (`None` for an empty window)."""
+        lo, hi = window
+        out = None
+        while self.next < len(self.grid) and self.grid[self.next][0] < hi:
+            start, stop = self.grid[self.next]
+            values = draw((stop - start, *rest))
+            self.next += 1
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                part = values[(slice(a - start, b - start), *inner)]
+                if out is None:
+                    out = part.new_empty((hi - lo, *part.shape[1:]))
+                out[a - lo : b - lo] = part
+            del values
+        return out
+
+    def finish(self, draw, rest):
+        """Draws what is left, so a shared generator ends where one whole
+        draw would leave it."""
+        while self.next < len(self.grid):
+            start, stop = self.grid[self.next]
+            draw((stop - start, *rest))
+            self.next += 1
+
+
+class LocalDraws(TorchFunctionMode):
+    """Answers creation ops of a variable's global shape with one window of
+    this rank's rows (see the module docstring).
+
+    Args:
+        shape: the variable's global shape.
+        ranges: `local_slices(...)` for this rank.
+        block_elements: elements per drawn block (default ~1M).
+    """
+
+    def __init__(self, shape, ranges, block_elements=None):
+        super().__init__()
+        self.shape = tuple(shape)
+        self.ranges = ranges
+        self.block_elements = block_elements or _BLOCK_ELEMENTS
+        self.inner = tuple(slice(s, s + n) for s, n in ranges[1:])
+        self.window = (ranges[0][0], ranges[0][0] + ranges[0][1])
+        self.stream = None
+        self.answered = 0
+        self._last_draw = None
+
+    def _matches(self, size):
+        if size is None or not self.shape:
+            return False
+        return tuple(size)[: len(self.shape)] == self.shape
+
+    def _local_shape(self, size):
+        rows = self.window[1] - self.window[0]
+        inner = [n for _, n in self.ranges[1:]]
+        return [rows, *inner, *tuple(size)[len(self.shape) :]]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _DRAWS and self._matches(kwargs.get("size")):
+            size = tuple(kwargs.pop("size"))
+            rest = size[1:]
+            if self.stream is None:
+                self.stream = _Stream(
+                    size[0], math.prod(rest), self.block_elements
+                )
+            stream = self.stream
+            if not stream.captured:  # later calls go on with this stream
+                stream.generator = kwargs.get("generator")
+                stream.captured = True
+            kwargs["generator"] = stream.generator
+
+            def draw(shape):
+                return func(*args, size=shape, **kwargs)
+
+            self._last_draw = (draw, rest)
+            self.answered += 1
+            out = stream.read(draw, rest, self.window, self.inner)
+            if out is None:  # this rank holds no rows
+                out = torch.empty(
+                    self._local_shape(size),
+                    dtype=kwargs.get("dtype"),
+                    device=kwargs.get("device"),
+                )
+            return out
+        if func in _FILLS:
+            size = kwargs.pop("size", None)
+            if size is None and args:
+                size, args = args[0], args[1:]
+            if self._matches(size):
+                self.answered += 1
+                return func(self._local_shape(size), *args, **kwargs)
+            if size is not None:
+                kwargs["size"] = size
+        return func(*args, **kwargs)
+
+    def run(self, initializer, dtype, blockwise):
+        """This rank's shard of `initializer(shape, dtype)`.
+
+        Args:
+            initializer: a callable `(shape, dtype) -> tensor`.
+            dtype: passed to it.
+            blockwise: call the initializer once per drawn block of this
+                rank's rows, so its temporaries are block-sized. Only for
+                initializers whose calls do not advance a seed state (every
+                call must start the same stream).
+
+        Returns:
+            The local shard (a plain tensor), or `None` if the initializer
+            made no creation op of the variable's shape.
+        """
+        row_start, row_count = self.ranges[0]
+        stop = row_start + row_count
+        windows = [(row_start, stop)]
+        if blockwise:
+            rest = math.prod(self.shape[1:])
+            grid = _grid(self.shape[0], rest, self.block_elements)
+            cut = [(max(a, row_start), min(b, stop)) for a, b in grid]
+            windows = [(a, b) for a, b in cut if a < b] or windows
+        local = None
+        for lo, hi in windows:
+            self.window = (lo, hi)
+            with self:
+                value = initializer(self.shape, dtype=dtype)
+            if not self.answered:
+                return None
+            if len(windows) == 1:
+                local = value
+                break
+            if local is None:
+                local = value.new_empty((row_count, *value.shape[1:]))
+            local[lo - row_start : hi - row_start] = value
+            del value
+        if self.stream is not None and self.stream.generator is None:
+            self.stream.finish(*self._last_draw)  # the global generator
+        return local
+
+
+@functools.cache
+def chunked_draws_match(device):
+    """Whether block-wise draws reproduce one whole draw on `device`,
+    checked once per device: torch's uniform and normal, fp32 and fp64, a
+    shard that starts and ends inside blocks, one call and block-wise."""
+    shape, ranges = (257, 5), [(100, 57), (1, 3)]
+    for func, extra in ((torch.rand, ()), (torch.normal, (0.0, 2.0))):
+        for dtype in (torch.float32, torch.float64):
+
+            def initializer(shape, dtype, func=func, extra=extra):
+                g = torch.Generator(device=device).manual_seed(7)
+                return func(
+                    *extra, size=shape, generator=g, dtype=dtype, device=device
+                )
+
+            whole = initializer(shape, dtype)[100:157, 1:4]
+            for blockwise in (False, True):
+                draws = LocalDraws(shape, ranges, block_elements=64)
+                local = draws.run(initializer, dtype, blockwise)
+                if local is None or not torch.equal(local, whole):
+                    return False
+    return True
+
+
+def supports(initializer):
+    """Whether `initializer` is one of Keras's elementwise initializers
+    (its value is one creation op of the variable's shape, then
+    elementwise arithmetic)."""
+    from keras import initializers
+
+    known = (
+        initializers.RandomUniform,
+        initializers.RandomNormal,
+        initializers.TruncatedNormal,
+        initializers.Zeros,
+        initializers.Ones,
+        initializers.Constant,
+    )
+    cls = type(initializer)
+    for base in known:
+        if isinstance(initializer, base):
+            return cls.__call__ is base.__call__
+    if isinstance(initializer, initializers.VarianceScaling):
+        return cls.__call__ is initializers.VarianceScaling.__call__
+    return False
