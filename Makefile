@@ -7,16 +7,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 # CI pins the exact versions; pyproject.toml declares the supported ranges.
 PINS := torch==2.13.0 keras==3.15.1
+# The tests also feed tf.data pipelines (the `tf` extra); the demo needs none.
+TEST_PINS := tensorflow-cpu==2.21.0
 
-.PHONY: demo test setup lint bench clean
+.PHONY: demo test setup setup-test lint bench clean
 
 setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(PINS)
 	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet $(PINS) $(TEST_PINS) -e '.[test,tf]'
 	touch $@
 
 demo: setup
@@ -26,7 +33,7 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-test: setup lint
+test: setup-test lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10
 
 clean:

@@ -12,6 +12,7 @@ harness returns the list of values, by rank.
 import multiprocessing
 import os
 import queue
+import sys
 import tempfile
 import traceback
 
@@ -24,7 +25,12 @@ class RankError(RuntimeError):
     """A rank raised, or did not finish in time."""
 
 
-def _child(fn, rank, world_size, init_file, args, results):
+def _child(fn, rank, world_size, init_file, args, results, tensorflow):
+    if not tensorflow:
+        # Keras's set_random_seed imports TensorFlow whenever it is
+        # installed (to seed tf.data), seconds per rank: only the tf.data
+        # tests pay for it.
+        sys.modules.setdefault("tensorflow", None)
     os.environ.update(
         {
             "KERAS_BACKEND": "torch",
@@ -57,7 +63,7 @@ def _child(fn, rank, world_size, init_file, args, results):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT):
+def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
     """Runs `fn(*args)` on `world_size` ranks; returns their results.
 
     Args:
@@ -65,6 +71,8 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT):
         world_size: number of processes.
         *args: picklable arguments passed to every rank.
         timeout: seconds for the whole group.
+        tensorflow: let the ranks import TensorFlow (else it counts as
+            not installed).
 
     Returns:
         The list of return values, indexed by rank.
@@ -83,7 +91,15 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT):
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, init_file, args, results),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    init_file,
+                    args,
+                    results,
+                    tensorflow,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -28,7 +28,6 @@ __all__ = [
     "step_function",
 ]
 
-_PER_PROCESS = "_keras_dtensor_per_process"
 _global_depth = [0]
 
 
@@ -185,9 +184,7 @@ def epoch_iterator(original):
         distribution = _current_distribution()
         if distribution is None:
             return iterator
-        per_process = not distribution.auto_shard_dataset or getattr(
-            self.data_adapter, _PER_PROCESS, False
-        )
+        per_process = not distribution.auto_shard_dataset
         if per_process:
             iterator = _same_number_of_batches(
                 iterator, self.data_adapter.num_batches
@@ -272,16 +269,19 @@ def _local_step(model, step, attribute, data, distribution):
 def get_data_adapter(original):
     """Wraps `data_adapters.get_data_adapter`.
 
-    Keras lets only tf.data through in multi-process runs with
-    `auto_shard_dataset=True`, because JAX needs each process to read only
-    its own slice. Here every other input kind yields the global batch and
-    `epoch_iterator` keeps this process's slice, so the check is lifted for
-    them; tf.data keeps Keras's own per-process sharding.
+    With several processes and `auto_shard_dataset=True`, Keras lets only
+    tf.data through, and shards it per process itself (`rebatch` to global
+    batch / processes, then `shard`): that needs every global batch to
+    divide evenly, and gives ranks different batch counts when the last one
+    does not (60 rows in batches of 8 over 2 processes: 8 and 7 batches).
+    Here every input kind, tf.data included, yields the global batch on
+    every process and `epoch_iterator`/the step keeps this process's rows,
+    so the adapter is built as for one process. (Each process reads the
+    whole input; a pipeline that should read only its own part can shard
+    itself and pass `auto_shard_dataset=False`.)
     """
 
     def _get_data_adapter(x, *args, **kwargs):
-        from keras.src.trainers.data_adapters import is_tf_dataset
-
         distribution = _current_distribution()
         if (
             distribution is None
@@ -289,10 +289,6 @@ def get_data_adapter(original):
             or not distribution.auto_shard_dataset
         ):
             return original(x, *args, **kwargs)
-        if is_tf_dataset(x):
-            adapter = original(x, *args, **kwargs)
-            setattr(adapter, _PER_PROCESS, True)
-            return adapter
         distribution.auto_shard_dataset = False
         try:
             return original(x, *args, **kwargs)
