@@ -41,6 +41,8 @@ def _save(directory):
 
 
 def _load(directory):
+    import time
+
     import keras
     import models
     import torch
@@ -50,6 +52,17 @@ def _load(directory):
     distribution = _distribution(keras, world)
     x, _ = models.data("mlp")
     out = {}
+    # A file rank 0 cannot write: the same error on every rank, at once
+    # (not after the collective timeout).
+    with distribution.scope():
+        model = models.mlp(keras)
+        start = time.monotonic()
+        try:
+            model.save(os.path.join(directory, "missing", "mlp.keras"))
+            out["failed_save"] = None
+        except RuntimeError as e:
+            out["failed_save"] = str(e)
+        out["failed_save_s"] = time.monotonic() - start
     with distribution.scope():
         keras.utils.set_random_seed(99)  # other initial values
         model = models.mlp(keras)
@@ -113,6 +126,9 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
         np.testing.assert_allclose(
             out["outside_predict"], saved[0]["predict"], atol=1e-6
         )
+        assert "failed on rank 0 of 2" in out["failed_save"]
+        assert "missing" in out["failed_save"]
+        assert out["failed_save_s"] < 30  # not the collective timeout
     assert "must be called on every rank" in loaded[0]["lone_error"]
     assert "lone.weights.h5" in loaded[0]["lone_error"]
 

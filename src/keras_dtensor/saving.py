@@ -11,6 +11,10 @@ loads them.
 
 A save called on some ranks only would hang in the first gather; a
 monitored barrier first turns that into an error naming the missing ranks.
+A file rank 0 cannot create (missing directory, no permission) is found
+before any gather, and the outcome of the write is shared at the end: every
+rank raises the same error instead of the others waiting for the
+collective timeout.
 """
 
 import datetime
@@ -44,6 +48,26 @@ def _check_all_ranks_save(what, filepath):
         ) from None
 
 
+def _share_failure(problem):
+    """Every rank's failure (or `None`), as `[(rank, message), ...]`."""
+    failures = [None] * dist.get_world_size()
+    mine = None if problem is None else f"{type(problem).__name__}: {problem}"
+    dist.all_gather_object(failures, mine)
+    return [(rank, m) for rank, m in enumerate(failures) if m is not None]
+
+
+def _raise_if_failed(failures, what, filepath, own=None):
+    if not failures:
+        return
+    if own is not None:
+        raise own
+    rank, message = failures[0]
+    raise RuntimeError(
+        f"{what}({filepath!r}) failed on rank {rank} of "
+        f"{dist.get_world_size()}: {message}"
+    )
+
+
 def save_collectively(original, what):
     """Wraps a Keras writer `original(model, filepath, ...)`.
 
@@ -69,17 +93,28 @@ def save_collectively(original, what):
         else:
             scratch = tempfile.mkdtemp(prefix="keras_dtensor_save_")
             target = os.path.join(scratch, name)
+        problem = None
+        if scratch is None:
+            probe = f"{target}.probe"
+            try:  # can rank 0 write there at all?
+                open(probe, "wb").close()
+                os.remove(probe)
+            except OSError as e:
+                problem = e
+        _raise_if_failed(_share_failure(problem), what, final)
         try:
             result = original(model, target, *args, **kwargs)
             if scratch is None:
                 os.replace(target, final)
+        except Exception as e:
+            problem = e
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
             elif os.path.exists(target):
                 os.remove(target)
         # Nobody returns before the file is in place, so any rank may load.
-        dist.barrier()
+        _raise_if_failed(_share_failure(problem), what, final, problem)
         return result
 
     return _save
