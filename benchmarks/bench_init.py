@@ -14,6 +14,7 @@ own memory and for the whole process.
 import gc
 import os
 import resource
+import sys
 
 import keras  # noqa: I001
 import torch.distributed as dist
@@ -30,6 +31,8 @@ def _rss_mb():
 
 
 def main():
+    # A torch-only environment (see bench_step.py): no TensorFlow import.
+    sys.modules.setdefault("tensorflow", None)
     keras.distribution.initialize()
     world = keras.distribution.get_device_count()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])

@@ -344,6 +344,10 @@ def _run_keras(variant, model_name, steps, warmup):
 
 
 def worker(args):
+    # A torch-only environment: Keras's set_random_seed imports TensorFlow
+    # whenever it is installed (the test setup installs it for tf.data),
+    # which costs every process seconds and ~400 MB.
+    sys.modules.setdefault("tensorflow", None)
     import torch
 
     torch.set_num_threads(1)
