@@ -192,7 +192,18 @@ def _per_process_slices():
             error = None
         except RuntimeError as e:
             error = str(e)
-    return diff, error
+    # A global-batch pipeline seeded differently per rank (here: numpy
+    # shuffling) would silently train on the wrong rows: it raises.
+    keras.utils.set_random_seed(100 + rank)
+    with keras.distribution.DataParallel().scope():
+        model = models.mlp(keras)
+        model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(x, y, batch_size=8, shuffle=True, verbose=0)
+            diverged = None
+        except RuntimeError as e:
+            diverged = str(e)
+    return diff, error, diverged
 
 
 KINDS = ["numpy", "dataloader", "pydataset", "generator"]
@@ -277,7 +288,9 @@ def test_every_input_kind_matches_one_process(world):
 
 
 def test_auto_shard_false_means_each_process_feeds_its_rows():
-    for diff, error in run_ranks(_per_process_slices, 2):
+    for diff, error, diverged in run_ranks(_per_process_slices, 2):
         assert diff <= TOLERANCE
+        assert "first batches differ" in diverged
+        assert "ranks with equal batches: [[0], [1]]" in diverged
         assert "ranks [0] ran out after 2 batches while ranks [1]" in error
         assert "(batches per rank: [2, 3])" in error

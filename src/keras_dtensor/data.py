@@ -145,6 +145,63 @@ def _uneven_error(counts):
     )
 
 
+def _digest(batch):
+    """A checksum of a batch's numeric contents (-1 for no batch)."""
+    import zlib
+
+    from keras.src import tree
+
+    if batch is None:
+        return -1
+    crc = 0
+    for leaf in tree.flatten(batch):
+        if leaf is None:
+            continue
+        if isinstance(leaf, torch.Tensor):
+            leaf = leaf.detach().cpu().numpy()
+        leaf = np.asarray(leaf)
+        if leaf.dtype.kind not in "biufc":  # strings, objects: skipped
+            continue
+        crc = zlib.crc32(np.ascontiguousarray(leaf).tobytes(), crc)
+        crc = zlib.crc32(repr(leaf.shape).encode(), crc)
+    return crc
+
+
+def _same_global_batches(iterator):
+    """Checks that every rank sees the same first global batch.
+
+    With `auto_shard_dataset=True` every process must yield the same global
+    batches (each keeps its own rows). A pipeline that differs per process,
+    typically a shuffle seeded differently on each rank, would train on
+    overlapping and missing rows with no error: the first batch of every
+    epoch is compared (one all-gather of a checksum), and a mismatch raises.
+    """
+    iterator = iter(iterator)
+    try:
+        first = next(iterator)
+    except StopIteration:
+        first = None
+    digests = _all_gather_ints(_digest(first))
+    if len(set(digests)) > 1:
+        groups = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        raise RuntimeError(
+            "With auto_shard_dataset=True (the default) every process must "
+            "yield the same global batches, and each keeps its own rows; "
+            "here the processes' first batches differ (ranks with equal "
+            f"batches: {sorted(groups.values())}). Seed every source of "
+            "randomness in the input pipeline the same way on every rank "
+            "(keras.utils.set_random_seed(seed) before building it, or "
+            "explicit seeds), or, if each process deliberately feeds its "
+            "own rows, pass auto_shard_dataset=False."
+        )
+    if first is None:
+        return
+    yield first
+    yield from iterator
+
+
 def _same_number_of_batches(iterator, num_batches):
     """Checks that every rank yields the same number of per-process batches.
 
@@ -189,6 +246,8 @@ def epoch_iterator(original):
             iterator = _same_number_of_batches(
                 iterator, self.data_adapter.num_batches
             )
+        elif getattr(distribution, "_is_multi_process", False):
+            iterator = _same_global_batches(iterator)
         if data_parallel.is_local_mode(distribution):
             return iterator  # local mode: the step function takes its rows
         return (
