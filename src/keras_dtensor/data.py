@@ -157,8 +157,10 @@ def _digest(batch):
     for leaf in tree.flatten(batch):
         if leaf is None:
             continue
-        if isinstance(leaf, torch.Tensor):
-            leaf = leaf.detach().cpu().numpy()
+        if isinstance(leaf, torch.Tensor):  # any dtype, bfloat16 too
+            crc = zlib.crc32(repr(tuple(leaf.shape)).encode(), crc)
+            raw = leaf.detach().cpu().contiguous().reshape(-1)
+            leaf = raw.view(torch.uint8).numpy()
         leaf = np.asarray(leaf)
         if leaf.dtype.kind not in "biufc":  # strings, objects: skipped
             continue
@@ -176,7 +178,12 @@ def _same_global_batches(iterator):
     overlapping and missing rows with no error: the first batch of every
     epoch is compared (one all-gather of a checksum), and a mismatch raises.
     """
-    iterator = iter(iterator)
+    # iter() now, as Keras does when it prepares the next epoch: a
+    # DataLoader draws its seed there, and later would shift the RNG.
+    return _checked_first_batch(iter(iterator))
+
+
+def _checked_first_batch(iterator):
     try:
         first = next(iterator)
     except StopIteration:
@@ -211,13 +218,16 @@ def _same_number_of_batches(iterator, num_batches):
     datasets) the ranks exchange before each batch whether they have one,
     and all stop together or all raise naming who ran out.
     """
+    return _counted_batches(iter(iterator), num_batches)  # iter(): see above
+
+
+def _counted_batches(iterator, num_batches):
     counts = _all_gather_ints(-1 if num_batches is None else num_batches)
     if all(c >= 0 for c in counts):
         if len(set(counts)) > 1:
             raise _uneven_error(counts)
         yield from iterator
         return
-    iterator = iter(iterator)
     count = 0
     while True:
         try:
