@@ -153,16 +153,13 @@ def _initialize_shard_only(variable, initializer):
             f"{local_shape}. Please report this; as a workaround, pass the "
             "initial value as an array."
         )
-    strides = [1] * len(shape)
-    for dim in range(len(shape) - 2, -1, -1):
-        strides[dim] = strides[dim + 1] * shape[dim + 1]
     dtensor = DTensor.from_local(
         value.contiguous(),
         mesh,
         placements,
         run_check=False,
         shape=torch.Size(shape),
-        stride=tuple(strides),
+        stride=torch.empty(shape, device="meta").stride(),
     )
     variable._value = torch.nn.Parameter(
         dtensor, requires_grad=variable.trainable
