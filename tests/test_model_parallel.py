@@ -247,6 +247,21 @@ def _features():
     # Tensors a layer creates (seeded dropout and noise masks, ops.ones,
     # seed-generator increments) are global values: they meet the sharded
     # batch without "mixed torch.Tensor and DTensor".
+    # keras.random with a SeedGenerator made under the scope, in user code.
+    draws = []
+    for distribution in (None, tp()):
+        keras.utils.set_random_seed(8)
+        with distribution.scope() if distribution else _null():
+            generator = keras.random.SeedGenerator(7)
+            draws.append(
+                [
+                    keras.ops.convert_to_numpy(
+                        keras.random.normal((3,), seed=generator)
+                    )
+                    for _ in range(2)
+                ]
+            )
+    out["seed_generator"] = draws
     sharded = {".*dense/kernel": (None, "model")}
     out["created"] = [
         _train_created(keras, distribution)
@@ -345,6 +360,9 @@ def test_training_api_relayout_jit_uneven_callbacks():
         assert dist["eager_dtensor"] and not plain["eager_dtensor"]
         for key in ("eager", "train", "test", "predict", "torch_input"):
             np.testing.assert_allclose(dist[key], plain[key], atol=TOLERANCE)
+        plain, dist = out["seed_generator"]
+        np.testing.assert_array_equal(dist, plain)
+        assert not np.array_equal(plain[0], plain[1])  # the state advanced
         (plain_loss, plain_weights), *distributed = out["created"]
         for loss, weights in distributed:
             np.testing.assert_allclose(loss, plain_loss, atol=TOLERANCE)

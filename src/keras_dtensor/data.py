@@ -25,6 +25,7 @@ __all__ = [
     "epoch_iterator",
     "get_data_adapter",
     "plain_tensors_are_global",
+    "seed_generator_next",
     "step_function",
 ]
 
@@ -365,6 +366,19 @@ def get_data_adapter(original):
             distribution.auto_shard_dataset = True
 
     return _get_data_adapter
+
+
+def seed_generator_next(original):
+    """Wraps `SeedGenerator.next`: its state is a replicated variable under
+    a distribution and its increment a plain tensor, a global value (see
+    `plain_tensors_are_global`), also when user code draws outside layers
+    and steps."""
+
+    def next(self, *args, **kwargs):
+        with plain_tensors_are_global():
+            return original(self, *args, **kwargs)
+
+    return next
 
 
 def _in_layer_call():

@@ -197,8 +197,16 @@ PATCHES = (
         "keras.src.layers.layer",
         "Layer.__call__",
         "Eager model(x) outside fit gets plain inputs; the outermost call "
-        "lays them out like a fit batch.",
+        "lays them out like a fit batch, and tensors a layer creates are "
+        "global values.",
         data.distribute_call_inputs,
+    ),
+    Patch(
+        "keras.src.random.seed_generator",
+        "SeedGenerator.next",
+        "The state is a replicated DTensor under a distribution, the "
+        "increment a plain tensor: mixed, wherever keras.random draws.",
+        data.seed_generator_next,
     ),
 )
 
