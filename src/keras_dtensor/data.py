@@ -47,18 +47,12 @@ def plain_tensors_are_global():
     torch.Tensor and DTensor" error. Re-entrant, unlike torch's
     `implicit_replication`, which it enters once.
     """
-    if _global_depth[0]:
-        _global_depth[0] += 1
-        try:
-            yield
-        finally:
-            _global_depth[0] -= 1
-        return
     from torch.distributed.tensor.experimental import implicit_replication
 
+    outermost = _global_depth[0] == 0
     _global_depth[0] += 1
     try:
-        with implicit_replication():
+        with implicit_replication() if outermost else contextlib.nullcontext():
             yield
     finally:
         _global_depth[0] -= 1
@@ -328,7 +322,7 @@ def _local_step(model, step, attribute, data, distribution):
     # A global batch split here: every rank knows the global row count.
     global_rows = None
     if distribution.auto_shard_dataset:
-        global_rows = sum(data_parallel.row_counts(batch, distribution))
+        global_rows = data_parallel.leading_rows(batch)
     reducer.begin(rows, global_rows)
     try:
         return step([local])

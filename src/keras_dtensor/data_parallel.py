@@ -32,6 +32,7 @@ __all__ = [
     "row_counts",
     "world_size",
     "is_local_mode",
+    "leading_rows",
     "local_rows",
     "metrics_result",
     "prepare_train_step",
@@ -121,22 +122,26 @@ def world_size():
     return _world()[0]
 
 
+def leading_rows(batch):
+    """Rows of a batch: the leading dim of its first array."""
+    from keras.src import tree
+
+    return int(next(x for x in tree.flatten(batch) if x is not None).shape[0])
+
+
 def row_counts(batch, distribution):
     """Rows every rank computes on, in rank order, for this batch.
 
     A global batch is split by `_row_split` (no communication); with
     `auto_shard_dataset=False` each rank's own count is exchanged.
     """
-    from keras.src import tree
-
-    leaf = next(x for x in tree.flatten(batch) if x is not None)
     world, _ = _world()
     if distribution.auto_shard_dataset:
-        return [n for _, n in _row_split(int(leaf.shape[0]), world)]
+        return [n for _, n in _row_split(leading_rows(batch), world)]
     if world == 1:
-        return [int(leaf.shape[0])]
+        return [leading_rows(batch)]
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([int(leaf.shape[0])]))
+    dist.all_gather(counts, torch.tensor([leading_rows(batch)]))
     return [int(c.item()) for c in counts]
 
 
