@@ -3,19 +3,26 @@
 One command runs every variant, interleaved round by round, each in fresh
 processes launched by `torch.distributed.run` with one thread per process:
 
-    python benchmarks/bench_step.py --rounds 3 --out benchmarks/results.json
+    python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
-Variants (2 processes unless "single"): torch single, torch DDP, torch TP
+Variants (2 processes unless "single"): torch single, Keras single (the
+global batch, and "_local": one process's share of it), torch DDP, torch TP
 (`parallelize_module`, column/row split), torch FSDP2 (`fully_shard`),
-Keras single, keras-dtensor DataParallel, keras-dtensor ModelParallel (the
-TP split), keras-dtensor FSDP-style layout (weights sharded over "batch").
-Models: MLP 4 x Dense(1024), batch 64; transformer 2 blocks, d_model 256,
-4 heads, MLP 1024, seq 128, batch 8. Adam, fp32, MSE on random targets.
+keras-dtensor DataParallel, keras-dtensor ModelParallel (the TP split),
+keras-dtensor FSDP-style layout (weights sharded over "batch"). Models: MLP
+4 x Dense(1024), batch 64; transformer 2 blocks, d_model 256, 4 heads, MLP
+1024, seq 128, batch 8. Adam, fp32, MSE on random targets.
 
 Per variant: median and min ms/step over the timed steps of every round,
 peak RSS per process, parameter + optimizer bytes held per rank, and
 collectives per step (torch's CommDebugMode: DTensor/functional
 collectives and c10d ops such as DDP's `allreduce_`).
+
+Targets: each keras-dtensor variant over its torch counterpart, against
+Keras single over torch single, as a ratio and as extra milliseconds.
+The shared machine's speed drifts by more than these margins, so the two
+variants of a ratio run back to back (in alternating order) and every ratio
+is taken within each round, then summarized by its median over rounds.
 """
 
 import argparse
@@ -28,16 +35,28 @@ import sys
 import tempfile
 import time
 
+# Ordered so that each target's two variants run back to back.
 VARIANTS = {
     "torch_single": 1,
-    "torch_ddp": 2,
-    "torch_tp": 2,
-    "torch_fsdp2": 2,
     "keras_single": 1,
+    # One process on one process's share of the batch (batch / nproc): the
+    # work each rank of the 2-process variants does.
+    "torch_single_local": 1,
+    "keras_single_local": 1,
+    "torch_ddp": 2,
     "kd_dp": 2,
+    "torch_tp": 2,
     "kd_mp": 2,
+    "torch_fsdp2": 2,
     "kd_fsdp": 2,
 }
+# (target name, numerator, denominator) of the step-time ratios.
+RATIOS = (
+    ("keras_over_torch_single", "keras_single", "torch_single"),
+    ("keras_over_torch_local", "keras_single_local", "torch_single_local"),
+    ("kd_dp_over_ddp", "kd_dp", "torch_ddp"),
+    ("kd_mp_over_tp", "kd_mp", "torch_tp"),
+)
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
     "transformer": dict(
@@ -150,12 +169,19 @@ def _bytes(tensors):
     return total
 
 
+def _config(variant, model_name):
+    cfg = dict(MODELS[model_name])
+    if variant.endswith("_local"):
+        cfg["batch"] //= int(os.environ["BENCH_NPROC"])
+    return cfg
+
+
 def _run_torch(variant, model_name, steps, warmup):
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    cfg = MODELS[model_name]
+    cfg = _config(variant, model_name)
     torch.manual_seed(0)
     build = _torch_mlp if model_name == "mlp" else _torch_transformer
     model = build(cfg)
@@ -166,7 +192,7 @@ def _run_torch(variant, model_name, steps, warmup):
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         torch.cuda.set_device(device)
         model, x, y = model.to(device), x.to(device), y.to(device)
-    if variant != "torch_single":
+    if not variant.startswith("torch_single"):
         dist.init_process_group("nccl" if _cuda() else "gloo")
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -281,8 +307,8 @@ def _run_keras(variant, model_name, steps, warmup):
 
     import keras_dtensor  # noqa: F401
 
-    cfg = MODELS[model_name]
-    if variant != "keras_single":
+    cfg = _config(variant, model_name)
+    if not variant.startswith("keras_single"):
         keras.distribution.initialize()
         world = keras.distribution.get_device_count()
         if variant == "kd_dp":
@@ -365,6 +391,7 @@ def _launch(variant, model, args):
     env = dict(
         os.environ,
         BENCH_DEVICE=args.device,
+        BENCH_NPROC=str(args.nproc),
         OMP_NUM_THREADS="1",
         PYTHONHASHSEED="0",
         KERAS_BACKEND="torch",
@@ -439,12 +466,15 @@ def main(argv=None):
         return worker(args)
 
     models = args.models.split(",")
-    variants = args.variants.split(",")
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
     raw = {m: {v: [] for v in variants} for m in models}
     started = time.time()
     for round_index in range(args.rounds):
+        # Odd rounds run the variants in reverse, so neither side of a
+        # ratio always runs first.
+        order = variants if round_index % 2 == 0 else variants[::-1]
         for model in models:
-            for variant in variants:  # interleaved: every variant each round
+            for variant in order:
                 raw[model][variant].append(_launch(variant, model, args))
                 ms = 1000 * statistics.median(
                     raw[model][variant][-1][0]["times"]
@@ -464,6 +494,9 @@ def main(argv=None):
             table[model][variant] = {
                 "median_ms": 1000 * statistics.median(times),
                 "min_ms": 1000 * min(times),
+                "round_median_ms": [
+                    1000 * statistics.median(run[0]["times"]) for run in runs
+                ],
                 "rss_mb": max(r["rss_mb"] for run in runs for r in run),
                 "bytes_per_rank": max(r["bytes"] for r in last),
                 "comms_per_step": last[0]["comms"],
@@ -475,34 +508,81 @@ def main(argv=None):
         "rounds": args.rounds,
         "steps": args.steps,
         "device": args.device,
-        "targets": {},
+        "targets": {m: _targets(table[m], args) for m in models},
     }
-    for model in models:
-        t = table[model]
-        if {"keras_single", "torch_single"} <= t.keys():
-            keras_overhead = _ratio(
-                table, model, "keras_single", "torch_single"
-            )
-            targets = {"keras_over_torch_single": keras_overhead}
-            if {"kd_dp", "torch_ddp"} <= t.keys():
-                targets["kd_dp_over_ddp"] = _ratio(
-                    table, model, "kd_dp", "torch_ddp"
-                )
-            if {"kd_mp", "torch_tp"} <= t.keys():
-                targets["kd_mp_over_tp"] = _ratio(
-                    table, model, "kd_mp", "torch_tp"
-                )
-            if {"kd_fsdp", "keras_single"} <= t.keys():
-                targets["kd_fsdp_bytes_over_full_div_n"] = t["kd_fsdp"][
-                    "bytes_per_rank"
-                ] / (t["keras_single"]["bytes_per_rank"] / args.nproc)
-            summary["targets"][model] = targets
     text = json.dumps(summary, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
     print(_markdown(summary))
     return 0
+
+
+def _targets(rows, args):
+    """Step-time ratios, per round and overall, and the memory ratio.
+
+    The machine's speed drifts between rounds by more than the margins
+    being checked, so each ratio is also taken within every round (its two
+    variants ran back to back) and summarized by the median over rounds;
+    `*_holds_in_rounds` counts the rounds in which a target held.
+    """
+    targets = {}
+    for name, a, b in RATIOS:
+        if {a, b} <= rows.keys():
+            per_round = [
+                x / y
+                for x, y in zip(
+                    rows[a]["round_median_ms"],
+                    rows[b]["round_median_ms"],
+                    strict=True,
+                )
+            ]
+            extra_ms = [
+                x - y
+                for x, y in zip(
+                    rows[a]["round_median_ms"],
+                    rows[b]["round_median_ms"],
+                    strict=True,
+                )
+            ]
+            targets[name] = {
+                "pooled": rows[a]["median_ms"] / rows[b]["median_ms"],
+                "median_of_rounds": statistics.median(per_round),
+                "per_round": per_round,
+                "extra_ms_median_of_rounds": statistics.median(extra_ms),
+                "extra_ms_per_round": extra_ms,
+            }
+    # Each distributed variant against Keras's own overhead at the global
+    # batch and at the per-process batch.
+    for allowed_name, suffix in (
+        ("keras_over_torch_single", ""),
+        ("keras_over_torch_local", "_vs_local"),
+    ):
+        allowed = targets.get(allowed_name)
+        for name in ("kd_dp_over_ddp", "kd_mp_over_tp"):
+            if not allowed or name not in targets:
+                continue
+            for key, label in (
+                ("per_round", "holds_in_rounds"),
+                ("extra_ms_per_round", "extra_holds"),
+            ):
+                held = [
+                    x <= limit
+                    for x, limit in zip(
+                        targets[name][key], allowed[key], strict=True
+                    )
+                ]
+                targets[name][label + suffix] = f"{sum(held)}/{len(held)}"
+    if {"kd_fsdp", "keras_single"} <= rows.keys():
+        targets["kd_fsdp_bytes_over_full_div_n"] = rows["kd_fsdp"][
+            "bytes_per_rank"
+        ] / (rows["keras_single"]["bytes_per_rank"] / args.nproc)
+    return targets
+
+
+def _held(value, label):
+    held = [value.get(label), value.get(label + "_vs_local")]
+    return " / ".join(h or "-" for h in held) if any(held) else ""
 
 
 def _markdown(summary):
@@ -524,10 +604,25 @@ def _markdown(summary):
                 f"{row['bytes_per_rank'] / 2**20:.1f} | {comms or '-'} |"
             )
     lines.append("")
+    lines.append(
+        "| model | ratio | pooled | median of rounds | per round | "
+        "ratio held (global / per-process batch) | "
+        "extra ms (median of rounds) | extra ms held (global / per-process) |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|")
     for model, targets in summary["targets"].items():
-        lines.append(
-            f"{model}: " + ", ".join(f"{k} {v:.2f}" for k, v in targets.items())
-        )
+        for name, value in targets.items():
+            if not isinstance(value, dict):
+                lines.append(f"| {model} | {name} | {value:.2f} | | | | | |")
+                continue
+            rounds = " ".join(f"{r:.2f}" for r in value["per_round"])
+            lines.append(
+                f"| {model} | {name} | {value['pooled']:.2f} | "
+                f"{value['median_of_rounds']:.2f} | {rounds} | "
+                f"{_held(value, 'holds_in_rounds')} | "
+                f"{value['extra_ms_median_of_rounds']:.1f} | "
+                f"{_held(value, 'extra_holds')} |"
+            )
     return "\n".join(lines)
 
 
