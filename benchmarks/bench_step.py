@@ -466,6 +466,9 @@ def main(argv=None):
         return worker(args)
 
     models = args.models.split(",")
+    unknown = set(args.variants.split(",")) - VARIANTS.keys()
+    if unknown:
+        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     raw = {m: {v: [] for v in variants} for m in models}
     started = time.time()
