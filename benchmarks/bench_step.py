@@ -431,10 +431,6 @@ def _nproc(variant, args):
     return 1 if VARIANTS[variant] == 1 else args.nproc
 
 
-def _ratio(table, model, a, b):
-    return table[model][a]["median_ms"] / table[model][b]["median_ms"]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -532,22 +528,15 @@ def _targets(rows, args):
     targets = {}
     for name, a, b in RATIOS:
         if {a, b} <= rows.keys():
-            per_round = [
-                x / y
-                for x, y in zip(
+            pairs = list(
+                zip(
                     rows[a]["round_median_ms"],
                     rows[b]["round_median_ms"],
                     strict=True,
                 )
-            ]
-            extra_ms = [
-                x - y
-                for x, y in zip(
-                    rows[a]["round_median_ms"],
-                    rows[b]["round_median_ms"],
-                    strict=True,
-                )
-            ]
+            )
+            per_round = [x / y for x, y in pairs]
+            extra_ms = [x - y for x, y in pairs]
             targets[name] = {
                 "pooled": rows[a]["median_ms"] / rows[b]["median_ms"],
                 "median_of_rounds": statistics.median(per_round),
