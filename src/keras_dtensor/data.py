@@ -325,7 +325,8 @@ def _local_step(model, step, attribute, data, distribution):
         global_rows = data_parallel.leading_rows(batch)
     reducer.begin(rows, global_rows)
     try:
-        return step([local])
+        with data_parallel.splitting_updates(reducer.split):
+            return step([local])
     finally:
         reducer.active = False
 

@@ -16,11 +16,19 @@ on a width-128 MLP). Instead, in this "local" mode:
 - metric states (sums and counts in every built-in Keras metric) are
   summed across ranks each time Keras reads the results (every step, as
   Keras logs every step), so logs are global;
+- the optimizer update is split by variable (ZeRO stage 1 on whole
+  variables): each rank applies Keras's update to the variables it owns,
+  after Keras has clipped and checked the whole global gradient, and
+  broadcasts them; the optimizer slots of the variables a rank does not
+  own go stale there and are brought back from their owners when `fit`
+  returns and before every save;
 - `predict` gathers every batch's rows back into the global order.
 """
 
+import contextlib
 import functools
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -28,6 +36,7 @@ import torch.distributed as dist
 
 __all__ = [
     "GradientReducer",
+    "UpdateSplit",
     "gather_rows",
     "row_counts",
     "world_size",
@@ -36,12 +45,26 @@ __all__ = [
     "local_rows",
     "metrics_result",
     "prepare_train_step",
+    "record_slot",
+    "split_update_step",
+    "splitting_updates",
+    "sync_optimizer_state",
+    "sync_after_fit",
 ]
 
 _REDUCER = "_keras_dtensor_reducer"
 _BUCKET_ENV = "KERAS_DTENSOR_BUCKET_MB"
 _BUCKET_MB = 25  # DDP's default bucket_cap_mb
 _FIRST_BUCKET_BYTES = 1024 * 1024
+_SPLIT_ENV = "KERAS_DTENSOR_SPLIT_UPDATE"
+
+# optimizer -> [(slot variable, the model variable it was made for)]
+_SLOTS = weakref.WeakKeyDictionary()
+# optimizer -> {id(model variable): owner rank} whose slots are stale on
+# the other ranks
+_STALE = weakref.WeakKeyDictionary()
+# The UpdateSplit of the running DataParallel train step, if any.
+_ACTIVE_SPLIT = None
 
 
 @functools.cache
@@ -227,6 +250,7 @@ class GradientReducer:
                 self.slot[id(p)] = (index, view)
                 offset += n
         self.step = None  # the train function this reducer was built for
+        self.split = None  # the UpdateSplit of its optimizer updates
         self.active = False  # only inside a DataParallel train step
         self.weight = 1.0
         self.rows = None
@@ -313,21 +337,208 @@ class GradientReducer:
             handle.remove()
 
 
-def _broadcast_from_rank0(variables):
-    """Rank 0's values everywhere: one broadcast per dtype, no casts."""
-    by_dtype = {}
-    for v in variables:
-        by_dtype.setdefault(v.value.dtype, []).append(v.value)
+def _broadcast_from_owners(tensors, owners):
+    """Each tensor gets its owner rank's value, in place.
+
+    One flat broadcast per (owner, dtype), all in flight at once; no casts.
+    Every rank must pass the same shapes, dtypes and owners, in the same
+    order.
+    """
+    _, rank = _world()
+    groups = {}
+    for t, owner in zip(tensors, owners, strict=True):
+        groups.setdefault((owner, t.dtype), []).append(t)
+    pending = []
     with torch.no_grad():
-        for dtype in sorted(by_dtype, key=str):  # same order on every rank
-            tensors = by_dtype[dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            dist.broadcast(flat, src=0)
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+        for owner, dtype in sorted(groups, key=lambda k: (k[0], str(k[1]))):
+            group = groups[(owner, dtype)]
+            if owner == rank:
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+            else:
+                flat = torch.empty(
+                    sum(t.numel() for t in group),
+                    dtype=dtype,
+                    device=group[0].device,
+                )
+            work = dist.broadcast(flat, src=owner, async_op=True)
+            pending.append((owner, group, flat, work))
+        for owner, group, flat, work in pending:
+            work.wait()
+            if owner == rank:
+                continue
+            views = flat.split([t.numel() for t in group])
+            torch._foreach_copy_(
+                group,
+                [v.view_as(t) for v, t in zip(views, group, strict=True)],
+            )
+
+
+def _broadcast_from_rank0(variables):
+    """Rank 0's values everywhere (as DDP does at construction)."""
+    values = [v.value for v in variables]
+    _broadcast_from_owners(values, [0] * len(values))
+
+
+class UpdateSplit:
+    """Which rank applies the optimizer update to which variable.
+
+    Whole variables are dealt out, largest first, to the rank with the
+    fewest elements so far (the same on every rank). Splitting whole
+    variables keeps every Keras update exact, factored and per-matrix ones
+    included; with fewer variables than ranks there is no split.
+
+    Args:
+        variables: the model's trainable Keras variables.
+    """
+
+    def __init__(self, variables):
+        self.world, self.rank = _world()
+        self.owner = {}
+        self.checked = weakref.WeakKeyDictionary()  # optimizer -> bool
+        self.depth = 0
+        variables = list(variables)
+        if len(variables) < self.world:
+            return
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        load = [0] * self.world
+        for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
+            rank = load.index(min(load))
+            self.owner[id(variables[i])] = rank
+            load[rank] += sizes[i]
+
+    def splits(self, optimizer):
+        """Whether `optimizer`'s update can be split (cached)."""
+        if not self.owner:
+            return False
+        known = self.checked.get(optimizer)
+        if known is None:
+            known = self.checked[optimizer] = _splittable(optimizer)
+        return known
+
+
+def _keras_defined(cls, name):
+    function = getattr(cls, name, None)
+    return function is None or getattr(function, "__module__", "").startswith(
+        "keras."
+    )
+
+
+def _splittable(optimizer):
+    """An update splits by variable when it is Keras's own per-variable
+    update and every non-scalar optimizer variable is a slot of one model
+    variable (made by `add_variable_from_reference`), so that it can be
+    brought back from the variable's owner."""
+    if os.environ.get(_SPLIT_ENV, "1") == "0":
+        return False
+    # `update_step` is per variable by contract; a custom parallel step
+    # may couple variables.
+    if not _keras_defined(type(optimizer), "_parallel_update_step"):
+        return False
+    slots = {id(slot) for slot, _ in _SLOTS.get(optimizer, ())}
+    return all(id(v) in slots or len(v.shape) == 0 for v in optimizer.variables)
+
+
+def split_update_step(original):
+    """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`.
+
+    Inside a DataParallel train step (where every rank holds the global
+    gradient), each rank updates only the variables it owns, then the
+    updated variables are broadcast from their owners. Keras's clipping,
+    loss-scale check, weight decay and gradient accumulation ran before
+    this on the whole gradient; EMA and constraints run after it on the
+    synced variables. Otherwise the original runs unchanged.
+    """
+
+    @functools.wraps(original)
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        split = _ACTIVE_SPLIT
+        if split is None or split.depth or not split.splits(self):
+            return original(self, grads, trainable_variables, learning_rate)
+        grads, variables = list(grads), list(trainable_variables)
+        owners = [split.owner.get(id(v)) for v in variables]
+        if None in owners or len(set(owners)) < split.world:
+            # Variables from outside the model, or a rank with nothing to
+            # update (its per-call scalars would fall behind): whole update.
+            return original(self, grads, variables, learning_rate)
+        mine = [i for i, owner in enumerate(owners) if owner == split.rank]
+        split.depth += 1
+        try:
+            original(
+                self,
+                [grads[i] for i in mine],
+                [variables[i] for i in mine],
+                learning_rate,
+            )
+        finally:
+            split.depth -= 1
+        _broadcast_from_owners([v.value for v in variables], owners)
+        stale = _STALE.setdefault(self, {})
+        for v, owner in zip(variables, owners, strict=True):
+            stale[id(v)] = owner
+
+    return _backend_update_step
+
+
+@contextlib.contextmanager
+def splitting_updates(split):
+    """Optimizer updates inside this context are split by `split`."""
+    global _ACTIVE_SPLIT
+    previous, _ACTIVE_SPLIT = _ACTIVE_SPLIT, split
+    try:
+        yield
+    finally:
+        _ACTIVE_SPLIT = previous
+
+
+def record_slot(original):
+    """Wraps `BaseOptimizer.add_variable_from_reference`: remembers which
+    model variable each optimizer slot belongs to."""
+
+    @functools.wraps(original)
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        slot = original(self, reference_variable, *args, **kwargs)
+        _SLOTS.setdefault(self, []).append((slot, reference_variable))
+        return slot
+
+    return add_variable_from_reference
+
+
+def sync_optimizer_state():
+    """Brings every stale optimizer slot back from its variable's owner.
+
+    A collective when anything is stale: every rank must call it at the
+    same point (the end of `fit`, every save, a new train function).
+    """
+    if _world()[0] == 1:  # no group (any more): nothing to bring back
+        _STALE.clear()
+        return
+    for optimizer, stale in list(_STALE.items()):
+        if not stale:
+            continue
+        pairs = [
+            (slot, stale[id(ref)])
+            for slot, ref in _SLOTS.get(optimizer, ())
+            if slot is not None and id(ref) in stale
+        ]
+        if pairs:
+            _broadcast_from_owners(
+                [slot.value for slot, _ in pairs],
+                [owner for _, owner in pairs],
+            )
+        stale.clear()
+
+
+def sync_after_fit(original):
+    """Wraps `TorchTrainer.fit`: the optimizer state is whole on every rank
+    when `fit` returns (see `split_update_step`)."""
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        history = original(self, *args, **kwargs)
+        sync_optimizer_state()
+        return history
+
+    return fit
 
 
 def prepare_train_step(model):
@@ -345,8 +556,10 @@ def prepare_train_step(model):
         old.remove()
     if world == 1:
         return None
+    sync_optimizer_state()  # the owners may change
     _broadcast_from_rank0(model.variables)
     reducer = GradientReducer([v.value for v in model.trainable_weights])
+    reducer.split = UpdateSplit(model.trainable_weights)
     object.__setattr__(model, _REDUCER, reducer)
     return reducer
 

@@ -160,6 +160,37 @@ PATCHES = (
         "values must be the global ones.",
         data_parallel.metrics_result,
     ),
+    *(
+        Patch(
+            module,
+            f"{cls}._backend_update_step",
+            "DataParallel: every rank applying the whole update repeats the "
+            "same work; each updates the variables it owns, then they are "
+            "broadcast (ZeRO stage 1 on whole variables).",
+            data_parallel.split_update_step,
+        )
+        for module, cls in (
+            ("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
+            (
+                "keras.src.backend.torch.optimizers.torch_parallel_optimizer",
+                "TorchParallelOptimizer",
+            ),
+        )
+    ),
+    Patch(
+        "keras.src.optimizers.base_optimizer",
+        "BaseOptimizer.add_variable_from_reference",
+        "A split update leaves a slot stale off its variable's owner; "
+        "bringing it back needs to know its variable.",
+        data_parallel.record_slot,
+    ),
+    Patch(
+        "keras.src.backend.torch.trainer",
+        "TorchTrainer.fit",
+        "After fit, optimizer state must be whole on every rank, as on one "
+        "process (a split update leaves slots stale off their owner).",
+        data_parallel.sync_after_fit,
+    ),
     Patch(
         "keras.src.backend.torch.trainer",
         "TorchTrainer._should_torch_compile",

@@ -25,6 +25,7 @@ import uuid
 
 import torch.distributed as dist
 
+from keras_dtensor import data_parallel
 from keras_dtensor.launch import multi_process
 
 __all__ = ["save_collectively"]
@@ -83,6 +84,8 @@ def save_collectively(original, what):
         if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
         _check_all_ranks_save(what, filepath)
+        # DataParallel leaves some optimizer slots stale on non-owners.
+        data_parallel.sync_optimizer_state()
         final = os.fspath(filepath)
         name = os.path.basename(final)  # Keras checks the file suffix
         if dist.get_rank() == 0:
