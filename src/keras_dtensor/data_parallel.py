@@ -49,7 +49,7 @@ __all__ = [
     "split_update_step",
     "splitting_updates",
     "sync_optimizer_state",
-    "sync_after_fit",
+    "split_within_fit",
 ]
 
 _REDUCER = "_keras_dtensor_reducer"
@@ -65,6 +65,7 @@ _SLOTS = weakref.WeakKeyDictionary()
 _STALE = weakref.WeakKeyDictionary()
 # The UpdateSplit of the running DataParallel train step, if any.
 _ACTIVE_SPLIT = None
+_FIT_DEPTH = 0  # model.fit calls running
 
 
 @functools.cache
@@ -481,9 +482,13 @@ def split_update_step(original):
 
 @contextlib.contextmanager
 def splitting_updates(split):
-    """Optimizer updates inside this context are split by `split`."""
+    """Optimizer updates inside this context are split by `split`, if it
+    runs inside `fit` (whose end brings stale slots back): a
+    `train_on_batch` loop updates whole, and its optimizer state is whole
+    after every call."""
     global _ACTIVE_SPLIT
-    previous, _ACTIVE_SPLIT = _ACTIVE_SPLIT, split
+    previous = _ACTIVE_SPLIT
+    _ACTIVE_SPLIT = split if _FIT_DEPTH else None
     try:
         yield
     finally:
@@ -528,13 +533,19 @@ def sync_optimizer_state():
         stale.clear()
 
 
-def sync_after_fit(original):
-    """Wraps `TorchTrainer.fit`: the optimizer state is whole on every rank
-    when `fit` returns (see `split_update_step`)."""
+def split_within_fit(original):
+    """Wraps `TorchTrainer.fit`: optimizer updates split only inside `fit`,
+    and the optimizer state is whole on every rank when it returns (see
+    `split_update_step`)."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        history = original(self, *args, **kwargs)
+        global _FIT_DEPTH
+        _FIT_DEPTH += 1
+        try:
+            history = original(self, *args, **kwargs)
+        finally:
+            _FIT_DEPTH -= 1
         sync_optimizer_state()
         return history
 

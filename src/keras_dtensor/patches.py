@@ -187,9 +187,9 @@ PATCHES = (
     Patch(
         "keras.src.backend.torch.trainer",
         "TorchTrainer.fit",
-        "After fit, optimizer state must be whole on every rank, as on one "
-        "process (a split update leaves slots stale off their owner).",
-        data_parallel.sync_after_fit,
+        "DataParallel splits optimizer updates only inside fit, and its "
+        "end must bring the slots stale off their owner back.",
+        data_parallel.split_within_fit,
     ),
     Patch(
         "keras.src.backend.torch.trainer",
