@@ -16,12 +16,12 @@ on a width-128 MLP). Instead, in this "local" mode:
 - metric states (sums and counts in every built-in Keras metric) are
   summed across ranks each time Keras reads the results (every step, as
   Keras logs every step), so logs are global;
-- the optimizer update is split by variable (ZeRO stage 1 on whole
-  variables): each rank applies Keras's update to the variables it owns,
-  after Keras has clipped and checked the whole global gradient, and
-  broadcasts them; the optimizer slots of the variables a rank does not
-  own go stale there and are brought back from their owners when `fit`
-  returns and before every save;
+- inside `fit`, the optimizer update is split by variable (ZeRO stage 1
+  on whole variables): each rank applies Keras's update to the variables
+  it owns, after Keras has clipped and checked the whole global gradient,
+  and broadcasts them; the optimizer slots of the variables a rank does
+  not own go stale there and are brought back from their owners when
+  `fit` returns and before every save;
 - `predict` gathers every batch's rows back into the global order.
 """
 
