@@ -135,15 +135,13 @@ def test_every_optimizer_and_update_option():
         assert not bad, bad
 
 
-def _data_parallel_cases(names, checkpoint):
+def _adam_state_gap(train):
+    """Largest difference of the optimizer state `train(model) -> model`
+    leaves, one process against DataParallel (Adam, the MLP)."""
     import keras
     import models
     import numpy as np
 
-    diffs, split = _optimizer_cases(names, "data")
-    # A save inside fit, before fit's own sync: the file must hold the
-    # whole optimizer state (the slots each rank did not update included).
-    x, y = models.data("mlp")
     states = []
     for distributed in (False, True):
         keras.utils.set_random_seed(2)
@@ -151,40 +149,41 @@ def _data_parallel_cases(names, checkpoint):
         with distribution.scope() if distributed else _no_scope():
             model = models.mlp(keras)
             model.compile(optimizer=keras.optimizers.Adam(0.002), loss="mse")
-            path = f"{checkpoint}-{int(distributed)}.keras"
-            model.fit(
-                x,
-                y,
-                batch_size=8,
-                verbose=0,
-                callbacks=[keras.callbacks.ModelCheckpoint(path)],
-            )
-        loaded = keras.saving.load_model(path)
-        states.append([np.asarray(v) for v in loaded.optimizer.variables])
-    saved = max(
-        float(np.abs(a - b).max()) for a, b in zip(*states, strict=True)
-    )
-    # train_on_batch has no end to bring slots back at: it updates whole,
-    # and the optimizer state is whole after every call.
-    states = []
-    for distributed in (False, True):
-        keras.utils.set_random_seed(2)
-        distribution = keras.distribution.DataParallel()
-        with distribution.scope() if distributed else _no_scope():
-            model = models.mlp(keras)
-            model.compile(optimizer=keras.optimizers.Adam(0.002), loss="mse")
-            for start in range(0, 32, 8):
-                model.train_on_batch(x[start : start + 8], y[start : start + 8])
+            model = train(model, distributed)
             states.append(
-                [
-                    keras.ops.convert_to_numpy(v)
-                    for v in model.optimizer.variables
-                ]
+                [np.asarray(v.numpy()) for v in model.optimizer.variables]
             )
-    on_batch = max(
-        float(np.abs(a - b).max()) for a, b in zip(*states, strict=True)
+    return max(float(np.abs(a - b).max()) for a, b in zip(*states, strict=True))
+
+
+def _data_parallel_cases(names, checkpoint):
+    import keras
+    import models
+
+    diffs, split = _optimizer_cases(names, "data")
+    x, y = models.data("mlp")
+
+    def save_in_fit(model, distributed):
+        # A save inside fit, before fit's own sync: the file must hold the
+        # whole optimizer state (the slots this rank did not update too).
+        path = f"{checkpoint}-{int(distributed)}.keras"
+        callback = keras.callbacks.ModelCheckpoint(path)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
+        return keras.saving.load_model(path)
+
+    def on_batch(model, distributed):
+        # train_on_batch has no end to bring slots back at: it updates
+        # whole, and the optimizer state is whole after every call.
+        for start in range(0, 32, 8):
+            model.train_on_batch(x[start : start + 8], y[start : start + 8])
+        return model
+
+    return (
+        diffs,
+        split,
+        _adam_state_gap(save_in_fit),
+        _adam_state_gap(on_batch),
     )
-    return diffs, split, saved, on_batch
 
 
 def _no_scope():
