@@ -14,8 +14,11 @@ on a width-128 MLP). Instead, in this "local" mode:
   count, so the update equals the one-process update on the global batch,
   uneven last batch included;
 - metric states (sums and counts in every built-in Keras metric) are
-  summed across ranks each time Keras reads the results (every step, as
-  Keras logs every step), so logs are global;
+  summed across ranks, so logs are global. States already final when
+  backward starts (the loss tracker, updated before backward) are summed
+  by an all-reduce launched then, which completes with the gradient
+  buckets; only states that change after it (compiled metrics, updated
+  after the optimizer step) are summed when Keras reads the results;
 - inside `fit`, the optimizer update is split by variable (ZeRO stage 1
   on whole variables): each rank applies Keras's update to the variables
   it owns, after Keras has clipped and checked the whole global gradient,
@@ -252,6 +255,8 @@ class GradientReducer:
                 offset += n
         self.step = None  # the train function this reducer was built for
         self.split = None  # the UpdateSplit of its optimizer updates
+        self.model = None  # weakref to the model, whose metrics to sum
+        self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
         self.weight = 1.0
         self.rows = None
@@ -291,6 +296,9 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish
             )
+            model = self.model() if self.model is not None else None
+            if model is not None:
+                self.early = EarlyMetrics(_metric_states(model.metrics))
             if self.weight is None:  # per-process rows: sum them too
                 self.total_rows = torch.tensor(
                     [float(self.rows)], dtype=torch.float64
@@ -336,6 +344,65 @@ class GradientReducer:
     def remove(self):
         for handle in self.handles:
             handle.remove()
+
+
+class EarlyMetrics:
+    """Metric states summed over every rank by an all-reduce launched now.
+
+    Launched when a train step's backward starts, the sum travels with the
+    gradient buckets instead of making every step wait on one more
+    collective after the optimizer. `summed()` gives the sum of each state
+    that still holds the value it had at launch (same tensor, same
+    `_version`: no in-place write since) on this rank, and so, as every
+    rank runs the same step, on every rank.
+
+    Args:
+        states: the metric state tensors, in the same order on every rank.
+    """
+
+    def __init__(self, states):
+        self.states = states
+        self.versions = [s._version for s in states]
+        self.flat = _flat_double(states)
+        self.work = None
+        if states:
+            self.work = dist.all_reduce(self.flat, async_op=True)
+
+    def summed(self):
+        """`{id(state): summed value}` for the states unchanged since."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        out = {}
+        for s, version, value in zip(
+            self.states,
+            self.versions,
+            _unflatten(self.flat, self.states),
+            strict=True,
+        ):
+            if s._version == version:
+                out[id(s)] = value
+        return out
+
+
+def _metric_states(metrics):
+    return [v.value for m in metrics for v in m.variables]
+
+
+def _flat_double(tensors):
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+def _unflatten(flat, like):
+    """Views of `flat` shaped (and cast) like each tensor of `like`."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view_as(t).to(t.dtype))
+        offset += n
+    return out
 
 
 def _broadcast_from_owners(tensors, owners):
@@ -571,13 +638,16 @@ def prepare_train_step(model):
     _broadcast_from_rank0(model.variables)
     reducer = GradientReducer([v.value for v in model.trainable_weights])
     reducer.split = UpdateSplit(model.trainable_weights)
+    reducer.model = weakref.ref(model)
     object.__setattr__(model, _REDUCER, reducer)
     return reducer
 
 
 def metrics_result(original):
     """Wraps `Trainer.get_metrics_result`: in local mode, results come from
-    metric states summed over every rank (one all-reduce)."""
+    metric states summed over every rank: those the train step's early
+    all-reduce already summed (see `EarlyMetrics`), the rest by one
+    all-reduce now."""
 
     def get_metrics_result(self):
         from keras.src.backend.common import global_state
@@ -591,18 +661,18 @@ def metrics_result(original):
         flat_states = [s for group in states for s in group]
         if not flat_states:
             return original(self)
-        flat = torch.cat([s.detach().reshape(-1).double() for s in flat_states])
-        dist.all_reduce(flat)
-        summed, offset = [], 0
-        for s in flat_states:
-            n = s.numel()
-            summed.append(flat[offset : offset + n].view_as(s).to(s.dtype))
-            offset += n
-        results, offset = {}, 0
+        reducer = getattr(self, _REDUCER, None)
+        early = reducer.early if reducer is not None else None
+        summed = early.summed() if early is not None else {}
+        late = [s for s in flat_states if id(s) not in summed]
+        if late:
+            flat = _flat_double(late)
+            dist.all_reduce(flat)
+            for s, value in zip(late, _unflatten(flat, late), strict=True):
+                summed[id(s)] = value
+        results = {}
         for metric, group in zip(metrics, states, strict=True):
-            values = summed[offset : offset + len(group)]
-            offset += len(group)
-            result = metric.stateless_result(values)
+            result = metric.stateless_result([summed[id(s)] for s in group])
             if isinstance(result, dict):
                 results.update(result)
             else:
