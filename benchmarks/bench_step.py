@@ -6,7 +6,9 @@ processes launched by `torch.distributed.run` with one thread per process:
     python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
 Variants (2 processes unless "single"): torch single, Keras single (the
-global batch, and "_local": one process's share of it), torch DDP, torch TP
+global batch; "_local": one process's share of it; "_pair": that share in
+2 independent processes side by side, no communication, which loads the
+machine as the 2-process variants do), torch DDP, torch TP
 (`parallelize_module`, column/row split), torch FSDP2 (`fully_shard`),
 keras-dtensor DataParallel, keras-dtensor ModelParallel (the TP split),
 keras-dtensor FSDP-style layout (weights sharded over "batch"). Models: MLP
@@ -19,7 +21,8 @@ collectives per step (torch's CommDebugMode: DTensor/functional
 collectives and c10d ops such as DDP's `allreduce_`).
 
 Targets: each keras-dtensor variant over its torch counterpart, against
-Keras single over torch single, as a ratio and as extra milliseconds.
+Keras single over torch single (global batch, per-process batch, and
+per-process batch side by side), as a ratio and as extra milliseconds.
 The shared machine's speed drifts by more than these margins, so the two
 variants of a ratio run back to back (in alternating order) and every ratio
 is taken within each round, then summarized by its median over rounds.
@@ -43,6 +46,11 @@ VARIANTS = {
     # work each rank of the 2-process variants does.
     "torch_single_local": 1,
     "keras_single_local": 1,
+    # The same share in every process at once, each process on its own: the
+    # load every rank of the 2-process variants runs under, minus their
+    # communication.
+    "torch_single_pair": 2,
+    "keras_single_pair": 2,
     "torch_ddp": 2,
     "kd_dp": 2,
     "torch_tp": 2,
@@ -50,10 +58,14 @@ VARIANTS = {
     "torch_fsdp2": 2,
     "kd_fsdp": 2,
 }
+# Untimed steps that "_pair" processes other than rank 0 run after their
+# timed ones, so rank 0 never finishes alone.
+_PAIR_EXTRA_STEPS = 10
 # (target name, numerator, denominator) of the step-time ratios.
 RATIOS = (
     ("keras_over_torch_single", "keras_single", "torch_single"),
     ("keras_over_torch_local", "keras_single_local", "torch_single_local"),
+    ("keras_over_torch_pair", "keras_single_pair", "torch_single_pair"),
     ("kd_dp_over_ddp", "kd_dp", "torch_ddp"),
     ("kd_mp_over_tp", "kd_mp", "torch_tp"),
 )
@@ -171,9 +183,27 @@ def _bytes(tensors):
 
 def _config(variant, model_name):
     cfg = dict(MODELS[model_name])
-    if variant.endswith("_local"):
+    if variant.endswith(("_local", "_pair")):
         cfg["batch"] //= int(os.environ["BENCH_NPROC"])
     return cfg
+
+
+def _pair_start(variant):
+    """For "_pair" variants: start every process's steps together.
+
+    Returns the extra untimed steps this process runs after its timed ones
+    (ranks other than 0 keep running while rank 0, whose times are kept,
+    finishes).
+    """
+    if not variant.endswith("_pair"):
+        return 0
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return 0 if rank == 0 else _PAIR_EXTRA_STEPS
 
 
 def _run_torch(variant, model_name, steps, warmup):
@@ -232,11 +262,12 @@ def _run_torch(variant, model_name, steps, warmup):
         optimizer.step()
 
     times = []
-    for i in range(warmup + steps):
+    extra = _pair_start(variant)
+    for i in range(warmup + steps + extra):
         start = time.perf_counter()
         step()
         _sync()
-        if i >= warmup:
+        if warmup <= i < warmup + steps:
             times.append(time.perf_counter() - start)
     comm = CommDebugMode()
     with comm:
@@ -341,7 +372,7 @@ def _run_keras(variant, model_name, steps, warmup):
 
         def on_train_batch_begin(self, batch, logs=None):
             _sync()
-            if batch == warmup + steps:
+            if batch == repeats - 1:  # the last step: count collectives
                 self.comm = CommDebugMode()
                 self.comm.__enter__()
             self.start = time.perf_counter()
@@ -355,15 +386,21 @@ def _run_keras(variant, model_name, steps, warmup):
                     str(k): v for k, v in self.comm.get_comm_counts().items()
                 }
                 self.comm = None
-            elif batch >= warmup:
+            elif warmup <= batch < warmup + steps:
                 self.times.append(elapsed)
 
     timer = Timer()
-    repeats = warmup + steps + 1
+    repeats = warmup + steps + 1 + _PAIR_EXTRA_STEPS
     xs = x[None].repeat(repeats, 0).reshape(-1, *x.shape[1:])
     ys = y[None].repeat(repeats, 0).reshape(-1, *y.shape[1:])
+    repeats = warmup + steps + 1 + _pair_start(variant)
     model.fit(
-        xs, ys, batch_size=len(x), shuffle=False, verbose=0, callbacks=[timer]
+        xs[: repeats * len(x)],
+        ys[: repeats * len(x)],
+        batch_size=len(x),
+        shuffle=False,
+        verbose=0,
+        callbacks=[timer],
     )
     held = [v.value for v in model.variables + model.optimizer.variables]
     return {"times": timer.times, "bytes": _bytes(held), "comms": timer.comms}
@@ -549,6 +586,7 @@ def _targets(rows, args):
     for allowed_name, suffix in (
         ("keras_over_torch_single", ""),
         ("keras_over_torch_local", "_vs_local"),
+        ("keras_over_torch_pair", "_vs_pair"),
     ):
         allowed = targets.get(allowed_name)
         for name in ("kd_dp_over_ddp", "kd_mp_over_tp"):
@@ -573,7 +611,9 @@ def _targets(rows, args):
 
 
 def _held(value, label):
-    held = [value.get(label), value.get(label + "_vs_local")]
+    held = [
+        value.get(label + suffix) for suffix in ("", "_vs_local", "_vs_pair")
+    ]
     return " / ".join(h or "-" for h in held) if any(held) else ""
 
 
@@ -598,8 +638,8 @@ def _markdown(summary):
     lines.append("")
     lines.append(
         "| model | ratio | pooled | median of rounds | per round | "
-        "ratio held (global / per-process batch) | "
-        "extra ms (median of rounds) | extra ms held (global / per-process) |"
+        "ratio held (global / per-process / side by side) | "
+        "extra ms (median of rounds) | extra ms held (same three) |"
     )
     lines.append("|---|---|---|---|---|---|---|---|")
     for model, targets in summary["targets"].items():

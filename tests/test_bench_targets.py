@@ -57,13 +57,15 @@ def test_ratios_are_paired_within_rounds(bench):
     assert "kd_mp_over_tp" not in targets
 
 
-def test_per_process_batch_reference(bench):
+def test_per_process_batch_references(bench):
     rows = _rows(
         {
             "torch_single": [10.0, 10.0],
             "keras_single": [11.0, 11.0],
             "torch_single_local": [5.0, 5.0],
             "keras_single_local": [7.5, 7.5],
+            "torch_single_pair": [6.0, 6.0],
+            "keras_single_pair": [9.0, 10.2],
             "torch_tp": [8.0, 8.0],
             "kd_mp": [10.0, 12.8],
         }
@@ -72,4 +74,11 @@ def test_per_process_batch_reference(bench):
     mp = targets["kd_mp_over_tp"]
     assert mp["holds_in_rounds"] == "0/2"  # 1.25, 1.6 vs 1.1
     assert mp["holds_in_rounds_vs_local"] == "1/2"  # 1.25, 1.6 vs 1.5
-    assert bench._held(mp, "holds_in_rounds") == "0/2 / 1/2"
+    assert mp["holds_in_rounds_vs_pair"] == "2/2"  # 1.25, 1.6 vs 1.5, 1.7
+    assert mp["extra_holds_vs_pair"] == "1/2"  # 2, 4.8 vs 3, 4.2
+    assert bench._held(mp, "holds_in_rounds") == "0/2 / 1/2 / 2/2"
+    del rows["torch_single_pair"], rows["keras_single_pair"]
+    targets = bench._targets(rows, types.SimpleNamespace(nproc=2))
+    assert bench._held(targets["kd_mp_over_tp"], "holds_in_rounds") == (
+        "0/2 / 1/2 / -"
+    )
