@@ -99,6 +99,29 @@ def _fit(keras, distribution, kind, verbose=0, optimizer="adam"):
         }
 
 
+def _late_tracker(keras, distribution):
+    """A train step that writes the loss tracker again after backward: the
+    tracker's sum launched when backward started is stale by then, and
+    the logged loss must still be the one-process one."""
+    import models
+
+    class Late(keras.Model):
+        def train_step(self, data):
+            super().train_step(data)
+            rows = keras.tree.flatten(data)[0].shape[0]
+            self._loss_tracker.update_state(7.0, sample_weight=rows)
+            return self.get_metrics_result()
+
+    keras.utils.set_random_seed(6)
+    scope = distribution.scope() if distribution else contextlib.nullcontext()
+    x, y = _arrays()
+    with scope:
+        base = models.mlp(keras)
+        model = Late(base.inputs, base.outputs)
+        model.compile(optimizer="adam", loss="mse")
+        return model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+
+
 def _input_kinds(kinds):
     import keras
     import models
@@ -119,6 +142,9 @@ def _input_kinds(kinds):
         optimizer="loss_scale",
     )
     out["loss_scale"] = models.max_diff(reference, result)
+    reference = _late_tracker(keras, None)["loss"]
+    result = _late_tracker(keras, keras.distribution.DataParallel())["loss"]
+    out["late_tracker"] = float(np.abs(np.subtract(reference, result)).max())
     # Progress bars print on rank 0 only.
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -281,6 +307,7 @@ def test_every_input_kind_matches_one_process(world):
             )
             assert out[kind]["history"] == results[0][kind]["history"]
         assert out["loss_scale"] <= TOLERANCE
+        assert out["late_tracker"] <= TOLERANCE
         if rank == 0:
             assert "loss" in out["stdout"] and "Epoch 2/2" in out["stdout"]
         else:

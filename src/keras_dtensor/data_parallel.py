@@ -14,11 +14,11 @@ on a width-128 MLP). Instead, in this "local" mode:
   count, so the update equals the one-process update on the global batch,
   uneven last batch included;
 - metric states (sums and counts in every built-in Keras metric) are
-  summed across ranks, so logs are global. States already final when
-  backward starts (the loss tracker, updated before backward) are summed
-  by an all-reduce launched then, which completes with the gradient
-  buckets; only states that change after it (compiled metrics, updated
-  after the optimizer step) are summed when Keras reads the results;
+  summed across ranks, so logs are global. The loss tracker, which Keras
+  updates before backward, is summed by an all-reduce launched when
+  backward starts, which completes with the gradient buckets; every other
+  metric (compiled metrics are updated after the optimizer step) is
+  summed by one all-reduce when Keras reads the results;
 - inside `fit`, the optimizer update is split by variable (ZeRO stage 1
   on whole variables): each rank applies Keras's update to the variables
   it owns, after Keras has clipped and checked the whole global gradient,
@@ -255,7 +255,7 @@ class GradientReducer:
                 offset += n
         self.step = None  # the train function this reducer was built for
         self.split = None  # the UpdateSplit of its optimizer updates
-        self.model = None  # weakref to the model, whose metrics to sum
+        self.model = None  # weakref to the model, whose loss tracker to sum
         self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
         self.weight = 1.0
@@ -297,8 +297,9 @@ class GradientReducer:
                 self.finish
             )
             model = self.model() if self.model is not None else None
-            if model is not None:
-                self.early = EarlyMetrics(_metric_states(model.metrics))
+            tracker = getattr(model, "_loss_tracker", None)
+            if tracker is not None:
+                self.early = EarlyMetrics(_metric_states([tracker]))
             if self.weight is None:  # per-process rows: sum them too
                 self.total_rows = torch.tensor(
                     [float(self.rows)], dtype=torch.float64
@@ -349,12 +350,14 @@ class GradientReducer:
 class EarlyMetrics:
     """Metric states summed over every rank by an all-reduce launched now.
 
-    Launched when a train step's backward starts, the sum travels with the
-    gradient buckets instead of making every step wait on one more
-    collective after the optimizer. `summed()` gives the sum of each state
-    that still holds the value it had at launch (same tensor, same
-    `_version`: no in-place write since) on this rank, and so, as every
-    rank runs the same step, on every rank.
+    Launched when a train step's backward starts (for the loss tracker,
+    which Keras's train step updates before backward), the sum travels
+    with the gradient buckets instead of making every step wait on one
+    more collective after the optimizer. `summed()` gives the sum of each
+    state that still holds the value it had at launch (same tensor, same
+    `_version`: no in-place write since, as when a custom train step
+    updates the tracker after backward: then it is summed when read, on
+    every rank alike).
 
     Args:
         states: the metric state tensors, in the same order on every rank.
@@ -652,6 +655,9 @@ def metrics_result(original):
     def get_metrics_result(self):
         from keras.src.backend.common import global_state
 
+        # Which states are summed now is decided by structure (every metric
+        # but the loss tracker, whose early sum is still current), never by
+        # data, so every rank joins the same all-reduce.
         distribution = global_state.get_global_attribute("distribution")
         world, _ = _world()
         if world == 1 or not is_local_mode(distribution):
