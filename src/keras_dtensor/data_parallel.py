@@ -298,8 +298,8 @@ class GradientReducer:
             )
             model = self.model() if self.model is not None else None
             tracker = getattr(model, "_loss_tracker", None)
-            if tracker is not None:
-                self.early = EarlyMetrics(_metric_states([tracker]))
+            if tracker is not None and tracker.variables:
+                self.early = EarlyMetrics([v.value for v in tracker.variables])
             if self.weight is None:  # per-process rows: sum them too
                 self.total_rows = torch.tensor(
                     [float(self.rows)], dtype=torch.float64
@@ -367,9 +367,7 @@ class EarlyMetrics:
         self.states = states
         self.versions = [s._version for s in states]
         self.flat = _flat_double(states)
-        self.work = None
-        if states:
-            self.work = dist.all_reduce(self.flat, async_op=True)
+        self.work = dist.all_reduce(self.flat, async_op=True)
 
     def summed(self):
         """`{id(state): summed value}` for the states unchanged since."""
@@ -388,13 +386,7 @@ class EarlyMetrics:
         return out
 
 
-def _metric_states(metrics):
-    return [v.value for m in metrics for v in m.variables]
-
-
 def _flat_double(tensors):
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64)
     return torch.cat([t.detach().reshape(-1).double() for t in tensors])
 
 
