@@ -12,11 +12,14 @@ from packaging.specifiers import SpecifierSet
 import keras_dtensor
 from keras_dtensor import compat
 from keras_dtensor import distribution_lib
+from keras_dtensor import patch_rows
 from keras_dtensor import patches
+
+ATTRIBUTES = [p for p in patches.PATCHES if isinstance(p, patch_rows.Patch)]
 
 
 def _current(patch):
-    return patch.owner().__dict__.get(patch.name, patches._MISSING)
+    return patch.owner().__dict__.get(patch.name, patch_rows.MISSING)
 
 
 @pytest.fixture
@@ -39,27 +42,31 @@ def test_import_installs_every_row():
     assert keras.distribution.list_devices() == ["cpu:0"]
 
 
-def test_table_matches_installed_keras():
-    version = compat.keras_version()
-    for patch in patches.PATCHES:
-        assert version in SpecifierSet(patch.keras), patch.target
-        assert patch.why, patch.target
+def test_table_matches_installed_versions():
+    versions = {
+        "keras": compat.keras_version(),
+        "torch": compat.torch_version(),
+    }
+    for row in patches.PATCHES:
+        assert versions[row.package] in SpecifierSet(row.versions), row.target
+        assert row.why, row.target
+    for patch in ATTRIBUTES:
         # Wrapped functions keep the original they replaced.
         current = _current(patch)
         if callable(current) and hasattr(current, "__wrapped__"):
-            assert getattr(current, patches._TAG) == patch.target
+            assert getattr(current, patch_rows.TAG) == patch.target
 
 
 def test_uninstall_restores_originals_exactly(reinstall):
-    before = {p.target: patches._ORIGINALS[p.target] for p in patches.PATCHES}
+    before = {p.target: patches._ORIGINALS[p.target] for p in ATTRIBUTES}
     keras_dtensor.uninstall()
     assert not keras_dtensor.is_installed()
-    for patch in patches.PATCHES:
+    for patch in ATTRIBUTES:
         owner, own, original, _ = before[patch.target]
         if own:
             assert _current(patch) is original, patch.target
         else:
-            assert _current(patch) is patches._MISSING, patch.target
+            assert _current(patch) is patch_rows.MISSING, patch.target
     assert importlib.import_module("keras.src.backend").distribution_lib is None
     keras_dtensor.uninstall()  # a second uninstall does nothing
     keras_dtensor.install()
@@ -70,7 +77,7 @@ def test_uninstall_restores_originals_exactly(reinstall):
 
 
 def test_uninstall_leaves_a_later_wrapper_alone(reinstall):
-    patch = next(p for p in patches.PATCHES if p.name == "_direct_assign")
+    patch = next(p for p in ATTRIBUTES if p.name == "_direct_assign")
     ours = _current(patch)
 
     def theirs(self, value):
@@ -109,3 +116,122 @@ def test_non_torch_backend_is_a_clear_error():
     assert proc.returncode != 0
     assert "KERAS_BACKEND is 'jax'" in proc.stderr
     assert "Set KERAS_BACKEND=torch" in proc.stderr
+
+
+_EXACT_RESTORE = r"""
+import inspect
+import sys
+
+import keras
+import torch.distributed.tensor  # noqa: F401
+from torch.distributed.tensor import DTensor
+
+
+def snapshot():
+    # Every function and class attribute of Keras and DTensor, by identity,
+    # and DTensor's sharding-rule tables. (Other parts of torch fill lazy
+    # caches of their own as the workload runs.)
+    seen = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(
+            ("keras", "torch.distributed.tensor")
+        ):
+            continue
+        for attr, value in list(vars(module).items()):
+            if callable(value) or value is None:
+                seen[(name, attr)] = id(value)
+            if inspect.isclass(value) and value.__module__ == name:
+                for key, member in list(vars(value).items()):
+                    seen[(name, attr, key)] = id(member)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for table in ("op_strategy_funcs", "op_to_schema_info", "op_to_rules"):
+        for op, rule in getattr(propagator, table).items():
+            seen[(table, str(op))] = id(rule)
+    return seen
+
+
+before = snapshot()
+before_modules = {k[0] for k in before}
+import numpy as np
+
+import keras_dtensor
+from keras_dtensor import instance_patches
+from keras_dtensor import jit
+
+x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+mesh = keras.distribution.DeviceMesh((1,), ["model"])
+layouts = keras.distribution.LayoutMap(mesh)
+layouts[".*kernel"] = (None, "model")
+models = []
+for distribution in (
+    keras.distribution.ModelParallel(layout_map=layouts),
+    keras.distribution.DataParallel(),
+):
+    with distribution.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, x[:, :2], epochs=1, verbose=0)
+        jit._compile_forward(model)
+    models.append(model)
+assert instance_patches.status(), "the workload set no per-object attribute"
+keras_dtensor.uninstall()
+after = snapshot()
+changed = sorted(
+    str(k) for k in before.keys() | after.keys()
+    if after.get(k) != before.get(k) and (k in before or k[0] in before_modules)
+)
+assert not changed, changed
+for model in models:
+    ours = [a for a in vars(model) if "keras_dtensor" in a]
+    assert not ours and "call" not in vars(model), ours
+    assert not hasattr(model.train_function, "__keras_dtensor_patch__")
+assert not instance_patches.status()
+print("EXACT")
+"""
+
+
+def test_uninstall_leaves_keras_and_torch_as_before_install():
+    # A fresh process: the snapshot is taken before keras_dtensor is
+    # imported, then a workload runs under ModelParallel and DataParallel
+    # (per-object attributes, compiled forward), then uninstall().
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXACT_RESTORE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "EXACT" in proc.stdout
+
+
+def test_a_bad_environment_variable_is_a_clear_error_at_import():
+    env = dict(os.environ, KERAS_BACKEND="torch", KERAS_DTENSOR_TIMEOUT="soon")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import keras_dtensor"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "KERAS_DTENSOR_TIMEOUT='soon' is not valid" in proc.stderr
+    assert "seconds > 0" in proc.stderr
+
+
+def test_config_parses_every_variable(monkeypatch):
+    from keras_dtensor import config
+
+    for variable in config.VARIABLES:
+        monkeypatch.delenv(variable.env, raising=False)
+        assert config.get(variable.name) == variable.default
+    monkeypatch.setenv("KERAS_DTENSOR_LOG_ALL_RANKS", "yes")
+    monkeypatch.setenv("KERAS_DTENSOR_SPLIT_UPDATE", "0")
+    monkeypatch.setenv("KERAS_DTENSOR_BUCKET_MB", "0.5")
+    assert config.get("LOG_ALL_RANKS") is True
+    assert config.get("SPLIT_UPDATE") is False
+    assert config.get("BUCKET_MB") == 0.5
+    monkeypatch.setenv("KERAS_DTENSOR_SPLIT_UPDATE", "maybe")
+    with pytest.raises(ValueError, match="KERAS_DTENSOR_SPLIT_UPDATE="):
+        config.check()

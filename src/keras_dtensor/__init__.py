@@ -41,10 +41,11 @@ def install():
     >>> keras_dtensor.uninstall(); keras_dtensor.install()
     """
     from keras_dtensor import compat
-    from keras_dtensor import ops
+    from keras_dtensor import config
     from keras_dtensor import patches
 
     compat.check_environment()
+    config.check()
     if patches.is_applied():
         warnings.warn(
             "keras_dtensor is already installed; nothing to do.", stacklevel=2
@@ -57,24 +58,23 @@ def install():
             "back).",
             stacklevel=2,
         )
-    ops.stable_placement_hashes()
-    ops.register_strategies()
     patches.apply()
 
 
 def uninstall():
-    """Restores every Keras attribute keras_dtensor replaced.
+    """Restores everything keras_dtensor replaced in Keras and torch.
+
+    Every row of the `PATCHES` table (attributes and sharding strategies)
+    and every attribute a hook set on a model, optimizer or distribution.
 
     Example:
     >>> keras_dtensor.uninstall()
     >>> keras_dtensor.is_installed()
     False
     """
-    from keras_dtensor import ops
     from keras_dtensor import patches
 
     patches.restore()
-    ops.restore_placement_hashes()
 
 
 def is_installed() -> bool:

@@ -14,18 +14,15 @@
    `KERAS_DTENSOR_LOG_ALL_RANKS=1` to print on every rank.
 """
 
-import os
-
 import torch.distributed as dist
 
+from keras_dtensor import config
 from keras_dtensor.launch import multi_process
 
-__all__ = ["configure_async_dispatch", "print_msg"]
-
-_ALL_RANKS_ENV = "KERAS_DTENSOR_LOG_ALL_RANKS"
+__all__ = ["wrap_configure_async_dispatch", "wrap_print_msg"]
 
 
-def configure_async_dispatch(original):
+def wrap_configure_async_dispatch(original):
     """Wraps `CallbackList._configure_async_dispatch` (see 1. above)."""
 
     def _configure_async_dispatch(self, callbacks):
@@ -42,11 +39,11 @@ def _silent():
     return (
         multi_process()
         and dist.get_rank() != 0
-        and os.environ.get(_ALL_RANKS_ENV, "0") in ("", "0", "false")
+        and not config.get("LOG_ALL_RANKS")
     )
 
 
-def print_msg(original):
+def wrap_print_msg(original):
     """Wraps `io_utils.print_msg`: a no-op on ranks other than 0."""
 
     def _print_msg(message, line_break=True):

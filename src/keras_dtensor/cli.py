@@ -24,6 +24,8 @@ def _info(args):
 
     import keras_dtensor
     from keras_dtensor import compat
+    from keras_dtensor import config
+    from keras_dtensor import instance_patches
     from keras_dtensor import launch
     from keras_dtensor import patches
 
@@ -42,9 +44,18 @@ def _info(args):
     print(f"devices       {keras.distribution.list_devices()}")
     if compat.upstream_torch_distribution_lib():
         print("upstream      Keras's own torch distribution_lib: replaced")
-    print("\nhooks into Keras (src/keras_dtensor/patches.py):")
+    print("\nhooks into Keras and torch (src/keras_dtensor/patches.py):")
     for target, state, why in patches.status():
         print(f"  [{state}] {target}\n      {why}")
+    attached = instance_patches.status()
+    print(
+        "\nattributes set on single objects (undone by uninstall()): "
+        + (", ".join(f"{t}.{n}" for t, n in attached) or "none")
+    )
+    print("\nenvironment (src/keras_dtensor/config.py):")
+    for env, raw, default, what in config.rows():
+        value = "unset" if raw is None else repr(raw)
+        print(f"  {env}={value} (default {default!r})\n      {what}")
     return 0
 
 

@@ -11,6 +11,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "check_environment",
     "keras_version",
+    "torch_version",
     "upstream_torch_distribution_lib",
 ]
 
@@ -25,7 +26,8 @@ def keras_version() -> Version:
     return Version(version("keras"))
 
 
-def _torch_version() -> Version:
+def torch_version() -> Version:
+    """The installed torch version, without its local part (`+cpu`)."""
     import torch
 
     return Version(torch.__version__.split("+")[0])
@@ -56,10 +58,10 @@ def check_environment():
             f"Keras is {version}. Install a supported Keras "
             "(pip install 'keras==3.15.1')."
         )
-    if _torch_version() not in SUPPORTED_TORCH:
+    if torch_version() not in SUPPORTED_TORCH:
         raise RuntimeError(
             f"keras_dtensor supports torch{SUPPORTED_TORCH}; the installed "
-            f"torch is {_torch_version()}."
+            f"torch is {torch_version()}."
         )
 
 

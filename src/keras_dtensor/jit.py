@@ -17,31 +17,30 @@ run eagerly on DTensors.
 
 import torch
 
-__all__ = ["should_torch_compile"]
+from keras_dtensor import context
+from keras_dtensor import instance_patches
 
-_COMPILED = "_keras_dtensor_compiled_call"
+__all__ = ["wrap_should_torch_compile"]
 
 
 def _compile_forward(model):
-    if model.__dict__.get(_COMPILED):
+    if instance_patches.get_on(model, "call") is not None:
         return
-    # An instance attribute shadows the class's `call` for this model only.
-    object.__setattr__(model, "call", torch.compile(model.call, dynamic=False))
-    object.__setattr__(model, _COMPILED, True)
+    # An instance attribute shadows the class's `call` for this model only
+    # (`uninstall()` removes it).
+    instance_patches.set_on(
+        model, "call", torch.compile(model.call, dynamic=False)
+    )
 
 
-def should_torch_compile(original):
+def wrap_should_torch_compile(original):
     """Wraps `TorchTrainer._should_torch_compile` (see module docstring)."""
 
     def _should_torch_compile(self):
-        from keras.src.backend.common import global_state
-
         if not original(self):
             return False
-        from keras_dtensor.data_parallel import is_local_mode
-
-        distribution = global_state.get_global_attribute("distribution")
-        if distribution is None or is_local_mode(distribution):
+        distribution = context.current()
+        if distribution is None or context.is_data_parallel(distribution):
             return True  # plain tensors: Keras's own whole-step compile
         _compile_forward(self)
         return False

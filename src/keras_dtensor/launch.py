@@ -15,8 +15,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from keras_dtensor import config
+
 __all__ = [
-    "DEFAULT_TIMEOUT_SECONDS",
     "device_type",
     "ensure_process_group",
     "init_process_group",
@@ -26,12 +27,8 @@ __all__ = [
     "process_id",
     "num_processes",
     "under_launcher",
+    "world",
 ]
-
-DEFAULT_TIMEOUT_SECONDS = 300
-_TIMEOUT_ENV = "KERAS_DTENSOR_TIMEOUT"
-_BACKEND_ENV = "KERAS_DTENSOR_BACKEND"
-_INIT_METHOD_ENV = "KERAS_DTENSOR_INIT_METHOD"
 
 
 def under_launcher() -> bool:
@@ -42,7 +39,7 @@ def under_launcher() -> bool:
     e.g. a file on a shared filesystem).
     """
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and (
-        "MASTER_ADDR" in os.environ or _INIT_METHOD_ENV in os.environ
+        "MASTER_ADDR" in os.environ or config.get("INIT_METHOD") is not None
     )
 
 
@@ -66,15 +63,16 @@ def local_device() -> torch.device:
 
 def _timeout(timeout):
     if timeout is None:
-        timeout = float(os.environ.get(_TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
+        timeout = config.get("TIMEOUT")
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
     return timeout
 
 
 def _backend():
-    if _BACKEND_ENV in os.environ:
-        return os.environ[_BACKEND_ENV]
+    backend = config.get("BACKEND")
+    if backend is not None:
+        return backend
     return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
 
 
@@ -126,7 +124,7 @@ def init_process_group(
             )
         )
     elif under_launcher():
-        url = os.environ.get(_INIT_METHOD_ENV, "env://")
+        url = config.get("INIT_METHOD") or "env://"
         kwargs = {}
         if url != "env://":
             kwargs = dict(
@@ -209,6 +207,16 @@ def ensure_process_group():
     """Starts the process group if a mesh or collective needs one."""
     if not dist.is_initialized():
         init_process_group()
+
+
+def world() -> tuple[int, int]:
+    """`(world size, rank)` of the running group; `(1, 0)` without one.
+
+    Never starts a group (unlike `num_processes`/`process_id`).
+    """
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def multi_process() -> bool:

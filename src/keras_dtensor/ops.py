@@ -1,5 +1,8 @@
 """DTensor fixes that distributed Keras programs need from torch 2.13.
 
+Only the functions live here; the `PATCHES` table (`patches.py`) installs
+them, shows them in `keras-dtensor info` and takes them off again.
+
 1. Every rank must choose the same sharding strategy for an op, or the
    ranks run different collectives and the job dies ("Received data size
    doesn't match expected size ... collective mismatch") or hangs.
@@ -7,12 +10,12 @@
    Python sets of placements, which follows their hashes. String hashes
    must agree across ranks (one PYTHONHASHSEED; `launch._check_hash_seed`
    checks it at start); `_MaskPartial.__hash__` also hashes `id(mask_buffer)`,
-   a memory address that differs between processes.
-   `stable_placement_hashes()` leaves the address out (a hash may be
-   coarser than `__eq__`, which compares the buffer by identity). Seen here
-   as a vocabulary-sharded Embedding allgathering its table on one rank.
+   a memory address that differs between processes. `mask_partial_hash`
+   leaves the address out (a hash may be coarser than `__eq__`, which
+   compares the buffer by identity). Without it, a vocabulary-sharded
+   Embedding allgathered its table on one rank only.
 
-2. Sharding strategies for ops DTensor lacks, registered once through the
+2. Sharding strategies for ops DTensor lacks, registered through the
    public experimental `register_sharding`; they only affect ops whose
    inputs are DTensors.
 
@@ -37,39 +40,22 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 __all__ = [
+    "elementwise",
+    "flash_cpu",
+    "flash_cpu_backward",
+    "flash_cpu_backward_ops",
+    "flash_cpu_ops",
+    "mask_partial_hash",
     "missing_comparisons",
     "register_elementwise",
-    "register_strategies",
-    "restore_placement_hashes",
-    "stable_placement_hashes",
 ]
 
 _aten = torch.ops.aten
-_registered = []
-_original_hashes = {}
 
 
-def _mask_partial_hash(self):
+def mask_partial_hash(self):
+    """`_MaskPartial.__hash__` without a memory address in it."""
     return 1 + hash((self.reduce_op, tuple(self.offset_shape), self.offset_dim))
-
-
-def stable_placement_hashes():
-    """Gives `_MaskPartial` a hash without a memory address in it."""
-    try:
-        from torch.distributed.tensor.placement_types import _MaskPartial
-    except ImportError:  # torch < 2.10 keeps it with the embedding ops
-        from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
-
-    if _MaskPartial not in _original_hashes:
-        _original_hashes[_MaskPartial] = _MaskPartial.__dict__["__hash__"]
-        _MaskPartial.__hash__ = _mask_partial_hash
-
-
-def restore_placement_hashes():
-    """Puts back torch's own `__hash__` methods."""
-    for cls, original in list(_original_hashes.items()):
-        cls.__hash__ = original
-        del _original_hashes[cls]
 
 
 def _per_row_or_head(num_outputs, num_tensors, num_scalars, attn_mask):
@@ -88,19 +74,19 @@ def _per_row_or_head(num_outputs, num_tensors, num_scalars, attn_mask):
     return strategies
 
 
-def _flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, **kwargs):
+def flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, **kwargs):
     # -> (output, logsumexp); inputs q, k, v; scalars dropout_p, is_causal.
     return _per_row_or_head(2, 3, 2, kwargs.get("attn_mask"))
 
 
-def _flash_cpu_backward(
+def flash_cpu_backward(
     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, **kw
 ):
     # -> (grad_q, grad_k, grad_v); inputs grad_out, q, k, v, out, lse.
     return _per_row_or_head(3, 6, 2, kw.get("attn_mask"))
 
 
-def _elementwise(self, other=None, **kwargs):
+def elementwise(self, other=None, **kwargs):
     # -> one output; inputs self and, for `.Tensor` overloads, other.
     tensors = [self] + ([other] if hasattr(other, "shape") else [])
     scalars = 0 if len(tensors) == 2 else 1
@@ -143,25 +129,21 @@ def missing_comparisons():
     return ops
 
 
-def register_elementwise(ops):
-    """Gives each op in `ops` the elementwise strategy above.
+def flash_cpu_ops():
+    """The CPU flash-attention forward op."""
+    return [_aten._scaled_dot_product_flash_attention_for_cpu.default]
 
-    `register_strategies()` passes `missing_comparisons()`; tests pass ops
-    torch already covers, to run the fallback on a torch that needs none.
+
+def flash_cpu_backward_ops():
+    """The CPU flash-attention backward op."""
+    return [_aten._scaled_dot_product_flash_attention_for_cpu_backward.default]
+
+
+def register_elementwise(ops):
+    """Gives each op in `ops` the elementwise strategy, outside the table.
+
+    For tests only: they pass ops torch already covers, to run the fallback
+    on a torch that needs none (in a process of their own).
     """
     for op in ops:
-        register_sharding(op)(_elementwise)
-
-
-def register_strategies():
-    """Registers the strategies above (idempotent)."""
-    if _registered:
-        return
-    register_elementwise(missing_comparisons())
-    register_sharding(
-        _aten._scaled_dot_product_flash_attention_for_cpu.default
-    )(_flash_cpu)
-    register_sharding(
-        _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    )(_flash_cpu_backward)
-    _registered.append(True)
+        register_sharding(op)(elementwise)

@@ -1,68 +1,47 @@
-"""The only code that touches Keras internals: the `PATCHES` table.
+"""The only code that touches Keras or torch internals: the `PATCHES` table.
 
-Each row names one attribute of Keras (`module`, dotted `attribute`), why
-it is replaced, the Keras versions it was checked against, and a factory
-that builds the replacement from the original. `apply()` checks the Keras
-version before touching anything, is idempotent, and tags every
-replacement; `restore()` puts back only attributes that still hold our
-tagged replacement (someone else's later wrapper is left alone, with a
-warning), so `keras_dtensor.uninstall()` restores the originals exactly.
+Two kinds of rows:
+
+- `Patch`: one attribute of Keras or torch (`module`, dotted
+  `attribute`), why it is replaced, the versions of its package it was
+  checked against, and a factory that builds the replacement from the
+  original.
+- `Registration`: a DTensor sharding strategy registered for torch ops
+  (through the public `register_sharding`), with the rule it replaces
+  saved.
+
+`apply()` checks every row's versions before touching anything, is
+idempotent, and tags every replacement; `restore()` puts back only what
+still holds our replacement (someone else's later wrapper is left alone,
+with a warning), then takes off the attributes hooks set on single
+objects (`instance_patches`), so `keras_dtensor.uninstall()` leaves Keras
+and torch as they were.
 """
 
-import dataclasses
 import functools
-import importlib
-import types
-import warnings
-from collections.abc import Callable
-from typing import Any
 
 from keras_dtensor import callbacks
 from keras_dtensor import data
 from keras_dtensor import data_parallel
+from keras_dtensor import instance_patches
 from keras_dtensor import jit
+from keras_dtensor import layer_call
+from keras_dtensor import ops
 from keras_dtensor import saving
 from keras_dtensor import variables
-from keras_dtensor.compat import SUPPORTED_KERAS
+from keras_dtensor.compat import SUPPORTED_TORCH
+from keras_dtensor.patch_rows import Patch
+from keras_dtensor.patch_rows import Registration
 
-__all__ = ["PATCHES", "Patch", "apply", "is_applied", "restore", "status"]
-
-_TAG = "__keras_dtensor_patch__"
-_MISSING = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    """One replaced attribute of Keras.
-
-    Attributes:
-        module: module that holds the attribute (or the class holding it).
-        attribute: attribute name; `Class.method` for a class attribute.
-        why: what breaks without it.
-        factory: `original -> replacement`; `None` original when absent.
-        keras: the Keras versions this row was checked against.
-    """
-
-    module: str
-    attribute: str
-    why: str
-    factory: Callable[[Any], Any]
-    keras: str = str(SUPPORTED_KERAS)
-
-    @property
-    def target(self) -> str:
-        return f"{self.module}.{self.attribute}"
-
-    def owner(self):
-        owner = importlib.import_module(self.module)
-        *path, _ = self.attribute.split(".")
-        for name in path:
-            owner = getattr(owner, name)
-        return owner
-
-    @property
-    def name(self) -> str:
-        return self.attribute.rsplit(".", 1)[-1]
+__all__ = [
+    "PATCHES",
+    "Patch",
+    "Registration",
+    "apply",
+    "is_applied",
+    "restore",
+    "status",
+]
 
 
 def _backend_module(original):
@@ -93,55 +72,55 @@ PATCHES = (
         "Variable._initialize",
         "A variable created under a distribution must hold a DTensor laid "
         "out by Distribution.get_variable_layout, as on JAX.",
-        variables.initialize,
+        variables.wrap_initialize,
     ),
     Patch(
         _TORCH_CORE,
         "Variable._initialize_with_initializer",
         "The layout (and with it the process group and the agreed seed) "
         "must exist before the initializer draws the value.",
-        variables.initialize_with_initializer,
+        variables.wrap_initialize_with_initializer,
     ),
     Patch(
         _TORCH_CORE,
         "Variable._direct_assign",
         "assign/set_weights/load_weights pass global values; copy_ into a "
         "DTensor needs them laid out first.",
-        variables.direct_assign,
+        variables.wrap_direct_assign,
     ),
     Patch(
         _TORCH_CORE,
         "convert_to_numpy",
         "Variable.__array__ and the optimizers convert through this "
         "binding; a DTensor must be gathered to its global value.",
-        variables.convert_to_numpy,
+        variables.wrap_convert_to_numpy,
     ),
     Patch(
         "keras.src.backend.torch",
         "convert_to_numpy",
         "Second binding of convert_to_numpy (package re-export).",
-        variables.convert_to_numpy,
+        variables.wrap_convert_to_numpy,
     ),
     Patch(
         _BACKEND,
         "convert_to_numpy",
         "Third binding: keras.ops, saving and predict call "
         "backend.convert_to_numpy.",
-        variables.convert_to_numpy,
+        variables.wrap_convert_to_numpy,
     ),
     Patch(
         "keras.src.trainers.data_adapters",
         "get_data_adapter",
         "Keras rejects every input but tf.data in multi-process runs; "
         "here every input yields the global batch and is sliced per rank.",
-        data.get_data_adapter,
+        data.wrap_get_data_adapter,
     ),
     Patch(
         "keras.src.backend.torch.trainer",
         "TorchEpochIterator._get_iterator",
         "Batches must enter the step as DTensors sharded along the batch "
         "axis (else: 'got mixed torch.Tensor and DTensor').",
-        data.epoch_iterator,
+        data.wrap_get_iterator,
     ),
     *(
         Patch(
@@ -149,7 +128,7 @@ PATCHES = (
             f"TorchTrainer.make_{kind}_function",
             f"{kind}_on_batch passes the user's arrays straight to the "
             "step; y and sample_weight must be DTensors like y_pred.",
-            functools.partial(data.step_function, attribute=f"{kind}_function"),
+            functools.partial(data.wrap_make_function, kind=kind),
         )
         for kind in ("train", "test", "predict")
     ),
@@ -158,7 +137,7 @@ PATCHES = (
         "Trainer.get_metrics_result",
         "DataParallel: each rank's metric states cover its rows; logged "
         "values must be the global ones.",
-        data_parallel.metrics_result,
+        data_parallel.wrap_get_metrics_result,
     ),
     *(
         Patch(
@@ -167,7 +146,7 @@ PATCHES = (
             "DataParallel: every rank applying the whole update repeats the "
             "same work; each updates the variables it owns, then they are "
             "broadcast (ZeRO stage 1 on whole variables).",
-            data_parallel.split_update_step,
+            data_parallel.wrap_backend_update_step,
         )
         for module, cls in (
             ("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
@@ -182,47 +161,47 @@ PATCHES = (
         "BaseOptimizer.add_variable_from_reference",
         "A split update leaves a slot stale off its variable's owner; "
         "bringing it back needs to know its variable.",
-        data_parallel.record_slot,
+        data_parallel.wrap_add_variable_from_reference,
     ),
     Patch(
         "keras.src.backend.torch.trainer",
         "TorchTrainer.fit",
         "DataParallel splits optimizer updates only inside fit, and its "
         "end must bring the slots stale off their owner back.",
-        data_parallel.split_within_fit,
+        data_parallel.wrap_fit,
     ),
     Patch(
         "keras.src.backend.torch.trainer",
         "TorchTrainer._should_torch_compile",
         "torch.compile of the whole train_step fails on DTensor tangents "
         "after the graph break at loss.backward(); compile the forward.",
-        jit.should_torch_compile,
+        jit.wrap_should_torch_compile,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "save_weights_only",
         "Every rank must gather sharded weights; only rank 0 may write "
         "(h5py's lock), atomically.",
-        lambda original: saving.save_collectively(original, "save_weights"),
+        functools.partial(saving.wrap_save, what="save_weights"),
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "save_model",
         "model.save: as save_weights_only.",
-        lambda original: saving.save_collectively(original, "save"),
+        functools.partial(saving.wrap_save, what="save"),
     ),
     Patch(
         "keras.src.utils.io_utils",
         "print_msg",
         "Progress bars and callback messages print once, from rank 0.",
-        callbacks.print_msg,
+        callbacks.wrap_print_msg,
     ),
     Patch(
         "keras.src.callbacks.callback_list",
         "CallbackList._configure_async_dispatch",
         "Batch-end callbacks on a worker thread gather DTensors out of "
         "order with the main thread's collectives: rank-divergent.",
-        callbacks.configure_async_dispatch,
+        callbacks.wrap_configure_async_dispatch,
     ),
     Patch(
         "keras.src.layers.layer",
@@ -230,18 +209,48 @@ PATCHES = (
         "Eager model(x) outside fit gets plain inputs; the outermost call "
         "lays them out like a fit batch, and tensors a layer creates are "
         "global values.",
-        data.distribute_call_inputs,
+        layer_call.wrap_call,
     ),
     Patch(
         "keras.src.random.seed_generator",
         "SeedGenerator.next",
         "The state is a replicated DTensor under a distribution, the "
         "increment a plain tensor: mixed, wherever keras.random draws.",
-        data.seed_generator_next,
+        layer_call.wrap_seed_generator_next,
+    ),
+    Patch(
+        "torch.distributed.tensor.placement_types",
+        "_MaskPartial.__hash__",
+        "It hashes a memory address, which differs between processes; "
+        "DTensor orders strategies by hash, so ranks could choose "
+        "different collectives (vocabulary-sharded Embedding).",
+        lambda original: ops.mask_partial_hash,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Registration(
+        "comparison ops torch lacks (eq, ne, lt, le, gt, ge)",
+        ops.missing_comparisons,
+        ops.elementwise,
+        "Keras's optimizer EMA compares `iterations`; torch 2.11 has no "
+        "DTensor rule for aten.ne.Tensor (2.13 has all: nothing registered).",
+    ),
+    Registration(
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        ops.flash_cpu_ops,
+        ops.flash_cpu,
+        "CPU attention has no DTensor rule: head- or batch-sharded "
+        "MultiHeadAttention would crash.",
+    ),
+    Registration(
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+        ops.flash_cpu_backward_ops,
+        ops.flash_cpu_backward,
+        "Its backward, likewise.",
     ),
 )
 
-# Saved originals: {target: (owner, had_own, original, replacement)}.
+# Saved originals: {target: what the row's apply() returned}.
 _ORIGINALS = {}
 
 
@@ -250,60 +259,45 @@ def is_applied() -> bool:
     return bool(_ORIGINALS)
 
 
-def _current(patch):
-    return patch.owner().__dict__.get(patch.name, _MISSING)
+def _installed_versions():
+    from keras_dtensor.compat import keras_version
+    from keras_dtensor.compat import torch_version
+
+    return {"keras": keras_version(), "torch": torch_version()}
 
 
 def apply():
     """Applies every row of `PATCHES`, once.
 
     Raises:
-        RuntimeError: the installed Keras is outside a row's range (checked
-            for all rows before any attribute is replaced).
+        RuntimeError: the installed Keras or torch is outside a row's
+            range (checked for all rows before anything is replaced).
     """
     from packaging.specifiers import SpecifierSet
 
-    from keras_dtensor.compat import keras_version
-
     if is_applied():
         return
-    version = keras_version()
-    for patch in PATCHES:
-        if version not in SpecifierSet(patch.keras):
+    versions = _installed_versions()
+    for row in PATCHES:
+        version = versions[row.package]
+        if version not in SpecifierSet(row.versions):
             raise RuntimeError(
-                f"keras_dtensor's hook on {patch.target} was checked against "
-                f"keras{patch.keras}; the installed Keras is {version}."
+                f"keras_dtensor's hook on {row.target} was checked against "
+                f"{row.package}{row.versions}; the installed {row.package} "
+                f"is {version}."
             )
-    for patch in PATCHES:
-        owner = patch.owner()
-        own = patch.name in owner.__dict__
-        original = getattr(owner, patch.name, None)
-        replacement = patch.factory(original)
-        if isinstance(replacement, types.FunctionType):
-            replacement.__wrapped__ = original
-            setattr(replacement, _TAG, patch.target)
-        _ORIGINALS[patch.target] = (owner, own, original, replacement)
-        setattr(owner, patch.name, replacement)
+    for row in PATCHES:
+        _ORIGINALS[row.target] = row.apply()
 
 
 def restore():
-    """Restores the originals of every attribute we still own."""
-    for patch in reversed(PATCHES):
-        entry = _ORIGINALS.pop(patch.target, None)
-        if entry is None:
-            continue
-        owner, own, original, replacement = entry
-        if owner.__dict__.get(patch.name, _MISSING) is not replacement:
-            warnings.warn(
-                f"{patch.target} was replaced again after keras_dtensor "
-                "installed its hook; leaving the newer value in place.",
-                stacklevel=3,
-            )
-            continue
-        if own:
-            setattr(owner, patch.name, original)
-        else:
-            delattr(owner, patch.name)
+    """Restores the originals of every row we still own, and the attributes
+    set on single objects."""
+    for row in reversed(PATCHES):
+        saved = _ORIGINALS.pop(row.target, None)
+        if saved is not None:
+            row.restore(saved)
+    instance_patches.restore()
 
 
 def status():
@@ -314,13 +308,13 @@ def status():
         `"original"` or `"replaced by another library"`.
     """
     rows = []
-    for patch in PATCHES:
-        entry = _ORIGINALS.get(patch.target)
-        if entry is None:
+    for row in PATCHES:
+        saved = _ORIGINALS.get(row.target)
+        if saved is None:
             state = "original"
-        elif _current(patch) is entry[3]:
+        elif row.is_current(saved):
             state = "applied"
         else:
             state = "replaced by another library"
-        rows.append((patch.target, state, patch.why))
+        rows.append((row.target, state, row.why))
     return rows

@@ -25,16 +25,15 @@ import uuid
 
 import torch.distributed as dist
 
+from keras_dtensor import config
 from keras_dtensor import data_parallel
 from keras_dtensor.launch import multi_process
 
-__all__ = ["save_collectively"]
-
-_TIMEOUT_ENV = "KERAS_DTENSOR_SAVE_TIMEOUT"
+__all__ = ["wrap_save"]
 
 
 def _check_all_ranks_save(what, filepath):
-    timeout = float(os.environ.get(_TIMEOUT_ENV, "60"))
+    timeout = config.get("SAVE_TIMEOUT")
     try:
         dist.monitored_barrier(
             timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
@@ -44,8 +43,8 @@ def _check_all_ranks_save(what, filepath):
             f"{what}({str(filepath)!r}) must be called on every rank: it "
             "gathers sharded variables, a collective. Rank "
             f"{dist.get_rank()} of {dist.get_world_size()} waited {timeout:g}"
-            f" s for the others ({_TIMEOUT_ENV} sets this). Call it on all "
-            f"ranks; only rank 0 writes the file. Details: {e}"
+            " s for the others (KERAS_DTENSOR_SAVE_TIMEOUT sets this). "
+            f"Call it on all ranks; only rank 0 writes the file. Details: {e}"
         ) from None
 
 
@@ -69,7 +68,7 @@ def _raise_if_failed(failures, what, filepath, own=None):
     )
 
 
-def save_collectively(original, what):
+def wrap_save(original, what):
     """Wraps a Keras writer `original(model, filepath, ...)`.
 
     Args:
@@ -85,7 +84,7 @@ def save_collectively(original, what):
             return original(model, filepath, *args, **kwargs)
         _check_all_ranks_save(what, filepath)
         # DataParallel leaves some optimizer slots stale on non-owners.
-        data_parallel.sync_optimizer_state()
+        data_parallel.sync_optimizer_state(model)
         final = os.fspath(filepath)
         name = os.path.basename(final)  # Keras checks the file suffix
         if dist.get_rank() == 0:

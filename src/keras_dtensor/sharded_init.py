@@ -22,7 +22,7 @@ blocks gives the same numbers. `chunked_draws_match()` checks that on the
 running torch and device once; where it does not hold (CUDA's Philox
 generator is offset-based) or the initializer is not one of the known
 elementwise ones (Orthogonal, Identity, user code), the full value is drawn
-and sliced, as before.
+and sliced.
 """
 
 import functools

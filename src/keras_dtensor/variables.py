@@ -10,13 +10,14 @@ these; each receives the original method it replaces.
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import context
+
 __all__ = [
-    "convert_to_numpy",
-    "warn_unmatched_layout_keys",
-    "direct_assign",
-    "initialize",
-    "initialize_with_initializer",
     "variable_layout",
+    "wrap_convert_to_numpy",
+    "wrap_direct_assign",
+    "wrap_initialize",
+    "wrap_initialize_with_initializer",
 ]
 
 
@@ -30,13 +31,9 @@ def variable_layout(variable):
         The `TensorLayout`, or `None` outside any distribution and under
         `DataParallel`.
     """
-    from keras.src.backend.common import global_state
-
-    from keras_dtensor.data_parallel import is_local_mode
-
-    distribution = global_state.get_global_attribute("distribution")
-    if is_local_mode(distribution):
-        return None  # plain replicated Parameters (see data_parallel.py)
+    distribution = context.current()
+    if context.is_data_parallel(distribution):
+        return None  # plain replicated Parameters (see data_parallel/)
     if variable._layout is None and distribution is not None:
         variable._layout = distribution.get_variable_layout(variable)
     return variable._layout
@@ -72,7 +69,7 @@ def _owned(dtensor):
     )
 
 
-def initialize(original):
+def wrap_initialize(original):
     """Wraps `Variable._initialize`: shard the initial value by layout."""
 
     def _initialize(self, value):
@@ -88,7 +85,7 @@ def initialize(original):
     return _initialize
 
 
-def initialize_with_initializer(original):
+def wrap_initialize_with_initializer(original):
     """Wraps `Variable._initialize_with_initializer`.
 
     The layout is resolved before the initializer runs, so the process
@@ -96,12 +93,10 @@ def initialize_with_initializer(original):
     """
 
     def _initialize_with_initializer(self, initializer):
-        from keras_dtensor.data import plain_tensors_are_global
-
         if variable_layout(self) is None:
             return original(self, initializer)
         # An initializer's seed generator may be a (replicated) variable.
-        with plain_tensors_are_global():
+        with context.global_values():
             if not _initialize_shard_only(self, initializer):
                 original(self, initializer)
 
@@ -167,7 +162,7 @@ def _initialize_shard_only(variable, initializer):
     return True
 
 
-def direct_assign(original):
+def wrap_direct_assign(original):
     """Wraps `Variable._direct_assign`: lay the value out, then copy."""
 
     def _direct_assign(self, value):
@@ -179,7 +174,7 @@ def direct_assign(original):
     return _direct_assign
 
 
-def convert_to_numpy(original):
+def wrap_convert_to_numpy(original):
     """Wraps `convert_to_numpy`: a DTensor is gathered to its global value.
 
     Every rank must convert the same DTensors in the same order (the
@@ -198,38 +193,3 @@ def convert_to_numpy(original):
         return original(x)
 
     return _convert_to_numpy
-
-
-def warn_unmatched_layout_keys(model, distribution):
-    """Warns (rank 0, once per key) about LayoutMap keys no weight matched.
-
-    A key is a regex full-matched against `variable.path`, so
-    `"dense.*kernel"` does not match `"sequential/dense/kernel"`; the weight
-    then silently stays replicated. Keys ending in `/output` name layer
-    outputs, not weights, and are skipped.
-    """
-    import re
-    import warnings
-
-    import torch.distributed as dist
-
-    layout_map = getattr(distribution, "_layout_map", None)
-    if layout_map is None or (dist.is_initialized() and dist.get_rank() != 0):
-        return
-    warned = distribution.__dict__.setdefault("_keras_dtensor_warned", set())
-    paths = [v.path for v in model.weights]
-    for key in layout_map:
-        if key in warned or key.endswith("/output"):
-            continue
-        if not any(key == p or re.fullmatch(key, p) for p in paths):
-            warned.add(key)
-            example = paths[0] if paths else "<none>"
-            warnings.warn(
-                f"LayoutMap key {key!r} matches none of the weights of "
-                f"model {model.name!r}; the weights it was meant for stay "
-                "replicated. Keys are "
-                "regular expressions matched against the whole "
-                f"`variable.path` (e.g. {example!r}); prefix '.*' to match "
-                "any parent path.",
-                stacklevel=2,
-            )

@@ -1,0 +1,167 @@
+"""Every `KERAS_DTENSOR_*` environment variable, parsed in one place.
+
+Each variable has one row in `VARIABLES`: its parser, default and what it
+does. `get(name)` reads the environment and parses it (the process that
+reads a setting is the one that runs, so a value set before a call
+counts); `check()` parses every variable once at `install()`, so a bad
+value is an error at import, naming the variable and what it accepts.
+`keras-dtensor info` and the README list the same table.
+
+Example:
+>>> config.get("TIMEOUT")
+300.0
+"""
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["VARIABLES", "Variable", "check", "get", "rows"]
+
+_PREFIX = "KERAS_DTENSOR_"
+
+
+def _positive_float(raw):
+    value = float(raw)
+    if not value > 0:
+        raise ValueError
+    return value
+
+
+def _flag(raw):
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _backend(raw):
+    if not raw.strip():
+        raise ValueError
+    return raw.strip()
+
+
+def _url(raw):
+    if not raw.startswith(("file://", "tcp://", "env://")):
+        raise ValueError
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One environment variable.
+
+    Attributes:
+        name: the name without the `KERAS_DTENSOR_` prefix.
+        parse: `str -> value`; raises `ValueError` on a bad value.
+        default: the value when unset (`None`: no default).
+        accepts: what `parse` accepts, for error messages.
+        what: what it does.
+    """
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    accepts: str
+    what: str
+
+    @property
+    def env(self) -> str:
+        return _PREFIX + self.name
+
+
+VARIABLES = (
+    Variable(
+        "TIMEOUT",
+        _positive_float,
+        300.0,
+        "seconds > 0",
+        "timeout of the process group's collectives",
+    ),
+    Variable(
+        "BACKEND",
+        _backend,
+        None,
+        "a torch.distributed backend string, e.g. 'gloo'",
+        "process group backend (default: gloo on CPU, "
+        "'cpu:gloo,cuda:nccl' on GPUs)",
+    ),
+    Variable(
+        "INIT_METHOD",
+        _url,
+        None,
+        "a 'file://', 'tcp://' or 'env://' URL",
+        "rendezvous URL instead of torchrun's MASTER_ADDR/MASTER_PORT",
+    ),
+    Variable(
+        "SAVE_TIMEOUT",
+        _positive_float,
+        60.0,
+        "seconds > 0",
+        "how long a save waits for every rank to join it",
+    ),
+    Variable(
+        "LOG_ALL_RANKS",
+        _flag,
+        False,
+        "1/0, true/false, yes/no, on/off",
+        "print Keras's progress and messages on every rank, not only 0",
+    ),
+    Variable(
+        "BUCKET_MB",
+        _positive_float,
+        25.0,
+        "MiB > 0",
+        "DataParallel gradient bucket size (DDP's bucket_cap_mb)",
+    ),
+    Variable(
+        "SPLIT_UPDATE",
+        _flag,
+        True,
+        "1/0, true/false, yes/no, on/off",
+        "DataParallel: split the optimizer update by variable inside fit",
+    ),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def _parse(variable):
+    raw = os.environ.get(variable.env)
+    if raw is None:
+        return variable.default
+    try:
+        return variable.parse(raw)
+    except ValueError:
+        raise ValueError(
+            f"{variable.env}={raw!r} is not valid: expected "
+            f"{variable.accepts} ({variable.what})."
+        ) from None
+
+
+def get(name):
+    """The parsed value of `KERAS_DTENSOR_<name>`, or its default.
+
+    Args:
+        name: the variable's name without the prefix, e.g. `"TIMEOUT"`.
+
+    Raises:
+        ValueError: the variable is set to a value it does not accept.
+    """
+    return _parse(_BY_NAME[name])
+
+
+def check():
+    """Parses every variable; raises on the first bad value."""
+    for variable in VARIABLES:
+        _parse(variable)
+
+
+def rows():
+    """`(env name, current value, default, what)` for every variable."""
+    return [
+        (v.env, os.environ.get(v.env), v.default, v.what) for v in VARIABLES
+    ]

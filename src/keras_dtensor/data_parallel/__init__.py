@@ -1,0 +1,42 @@
+"""`DataParallel` the DDP way: plain tensors, bucketed gradient all-reduce.
+
+Under `keras.distribution.DataParallel` every variable is replicated, so
+DTensor would only add per-op dispatch cost. Instead:
+
+- variables are ordinary torch Parameters (rank 0's values are broadcast
+  once, when training starts);
+- each step computes on this process's rows of the global batch
+  (`rows`: a balanced split, sizes differ by at most one);
+- gradients are all-reduced in buckets overlapped with backward, and
+  metric states summed across ranks, so updates and logs are those of
+  one process on the global batch (`reducer`);
+- inside `fit`, the optimizer update is split by variable (ZeRO stage 1
+  on whole variables), and stale optimizer slots are brought back when
+  `fit` returns and before every save (`update_split`);
+- `predict` gathers every batch's rows back into the global order.
+
+The package is entered through `run_step` (`step`) and the hooks the
+`PATCHES` table installs; its per-model state lives on the model (`state`).
+`sync_optimizer_state(model)` is public: a save or checkpoint of a model
+trained with DataParallel calls it first.
+"""
+
+from keras_dtensor.data_parallel.reducer import wrap_get_metrics_result
+from keras_dtensor.data_parallel.step import run_step
+from keras_dtensor.data_parallel.step import update_is_split
+from keras_dtensor.data_parallel.step import wrap_fit
+from keras_dtensor.data_parallel.update_split import sync_optimizer_state
+from keras_dtensor.data_parallel.update_split import (
+    wrap_add_variable_from_reference,
+)
+from keras_dtensor.data_parallel.update_split import wrap_backend_update_step
+
+__all__ = [
+    "run_step",
+    "sync_optimizer_state",
+    "update_is_split",
+    "wrap_add_variable_from_reference",
+    "wrap_backend_update_step",
+    "wrap_fit",
+    "wrap_get_metrics_result",
+]

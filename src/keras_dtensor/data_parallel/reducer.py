@@ -1,0 +1,268 @@
+"""Gradient and metric reduction of a DataParallel train step.
+
+Gradients are all-reduced in buckets, launched from post-accumulate-grad
+hooks while backward is still running (DDP's overlap) and completed when
+backward ends, weighted by each rank's row count, so the update equals the
+one-process update on the global batch, uneven last batch included.
+
+Metric states (sums and counts in every built-in Keras metric) are summed
+across ranks, so logs are global. The loss tracker, which Keras updates
+before backward, is summed by an all-reduce launched when backward starts,
+which completes with the gradient buckets; every other metric (compiled
+metrics are updated after the optimizer step) is summed by one all-reduce
+when Keras reads the results.
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from keras_dtensor import config
+from keras_dtensor import context
+from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.launch import world
+
+__all__ = ["EarlyMetrics", "GradientReducer", "wrap_get_metrics_result"]
+
+_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+class GradientReducer:
+    """Bucketed, overlapped gradient all-reduce for a list of parameters.
+
+    Parameters are grouped into buckets in reverse registration order
+    (roughly the order backward produces gradients), one dtype per bucket,
+    each bucket backed by one flat buffer kept across steps. When a
+    parameter's gradient is complete (post-accumulate-grad hook), it is
+    written into its slice of the buffer, already scaled by this rank's
+    share of the global batch, and `.grad` becomes a view of that slice (the
+    fresh gradient is freed); a bucket's all-reduce starts as soon as its
+    last gradient is in, while backward goes on. `finish()` waits: the
+    buffers then hold the global-batch gradient and every `.grad` already
+    points at it (DDP's `gradient_as_bucket_view`), so nothing is copied
+    back.
+
+    Args:
+        params: the trainable torch Parameters.
+        model: the Keras model, whose loss tracker is summed early.
+        bucket_bytes: bucket capacity; defaults to
+            `$KERAS_DTENSOR_BUCKET_MB` or 25 MiB, DDP's default (the first
+            bucket is 1 MiB, so the first all-reduce starts early).
+    """
+
+    def __init__(self, params, model=None, bucket_bytes=None):
+        if bucket_bytes is None:
+            bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
+        self.params = list(params)
+        self.buckets = []
+        bucket, size, cap = [], 0, _FIRST_BUCKET_BYTES
+        for p in reversed(self.params):
+            if bucket and (size >= cap or p.dtype != bucket[0].dtype):
+                self.buckets.append(bucket)
+                bucket, size, cap = [], 0, bucket_bytes
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+        if bucket:
+            self.buckets.append(bucket)
+        self.buffers = [
+            torch.empty(
+                sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device
+            )
+            for b in self.buckets
+        ]
+        self.slot = {}  # id(param) -> (bucket index, view of its slice)
+        for index, bucket in enumerate(self.buckets):
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                view = self.buffers[index][offset : offset + n].view_as(p)
+                self.slot[id(p)] = (index, view)
+                offset += n
+        # the model whose loss tracker to sum early
+        self.model = None if model is None else weakref.ref(model)
+        self.early = None  # the EarlyMetrics of the latest train step
+        self.active = False  # only inside a DataParallel train step
+        self.weight = 1.0
+        self.rows = None
+        self._reset()
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for p in self.params
+        ]
+
+    def _reset(self):
+        self.ready = [0] * len(self.buckets)
+        self.works = {}
+        self.queued = False
+        self.total_rows = None
+
+    def begin(self, rows, global_rows=None):
+        """Arms the reducer for one train step.
+
+        Args:
+            rows: rows of the batch this rank computes on.
+            global_rows: rows of the global batch, when every rank knows it
+                (a global batch split here); `None` when each process feeds
+                its own rows, which then are summed with the gradients.
+        """
+        self.active = True
+        self.rows = rows
+        self.weight = None if global_rows is None else rows / global_rows
+
+    def end(self):
+        """Disarms the reducer when the train step returns."""
+        self.active = False
+
+    def _on_grad(self, param):
+        if not self.active:
+            return
+        if not self.queued:
+            # Like DDP: finish the reductions when backward completes, so
+            # `.grad` is global before any optimizer (LossScaleOptimizer's
+            # finiteness check included) or user code reads it.
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self.finish
+            )
+            model = self.model() if self.model is not None else None
+            tracker = getattr(model, "_loss_tracker", None)
+            if tracker is not None and tracker.variables:
+                self.early = EarlyMetrics([v.value for v in tracker.variables])
+            if self.weight is None:  # per-process rows: sum them too
+                self.total_rows = torch.tensor(
+                    [float(self.rows)], dtype=torch.float64
+                )
+                self.works["rows"] = dist.all_reduce(
+                    self.total_rows, async_op=True
+                )
+        index, view = self.slot[id(param)]
+        # Each rank's loss is a mean over its rows: weight by rows.
+        scale = float(self.rows) if self.weight is None else self.weight
+        torch.mul(param.grad, scale, out=view)
+        param.grad = view
+        self.ready[index] += 1
+        if self.ready[index] == len(self.buckets[index]):
+            self._launch(index)
+
+    def _launch(self, index):
+        self.works[index] = dist.all_reduce(self.buffers[index], async_op=True)
+
+    def finish(self):
+        """Completes every bucket's all-reduce; `.grad` holds the result."""
+        if not self.works and not any(self.ready):
+            return
+        for index, bucket in enumerate(self.buckets):
+            if index in self.works:
+                continue
+            # Some parameters got no gradient: they contribute zeros.
+            for p in bucket:
+                if p.grad is None or p.grad is not self.slot[id(p)][1]:
+                    self.slot[id(p)][1].zero_()
+            self._launch(index)
+        rows = self.works.pop("rows", None)
+        if rows is not None:
+            rows.wait()
+        for index, work in sorted(self.works.items()):
+            work.wait()
+            if self.total_rows is not None:
+                self.buffers[index].div_(float(self.total_rows))
+            for p in self.buckets[index]:
+                p.grad = self.slot[id(p)][1]
+        self._reset()
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+class EarlyMetrics:
+    """Metric states summed over every rank by an all-reduce launched now.
+
+    Launched when a train step's backward starts (for the loss tracker,
+    which Keras's train step updates before backward), the sum travels
+    with the gradient buckets instead of making every step wait on one
+    more collective after the optimizer. `summed()` gives the sum of each
+    state that still holds the value it had at launch (same tensor, same
+    `_version`: no in-place write since, as when a custom train step
+    updates the tracker after backward: then it is summed when read, on
+    every rank alike).
+
+    Args:
+        states: the metric state tensors, in the same order on every rank.
+    """
+
+    def __init__(self, states):
+        self.states = states
+        self.versions = [s._version for s in states]
+        self.flat = _flat_double(states)
+        self.work = dist.all_reduce(self.flat, async_op=True)
+
+    def summed(self):
+        """`{id(state): summed value}` for the states unchanged since."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        out = {}
+        for s, version, value in zip(
+            self.states,
+            self.versions,
+            _unflatten(self.flat, self.states),
+            strict=True,
+        ):
+            if s._version == version:
+                out[id(s)] = value
+        return out
+
+
+def _flat_double(tensors):
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+def _unflatten(flat, like):
+    """Views of `flat` shaped (and cast) like each tensor of `like`."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view_as(t).to(t.dtype))
+        offset += n
+    return out
+
+
+def wrap_get_metrics_result(original):
+    """Wraps `Trainer.get_metrics_result`: in local mode, results come from
+    metric states summed over every rank: those the train step's early
+    all-reduce already summed (see `EarlyMetrics`), the rest by one
+    all-reduce now."""
+
+    def get_metrics_result(self):
+        # Which states are summed now is decided by structure (every metric
+        # but the loss tracker, whose early sum is still current), never by
+        # data, so every rank joins the same all-reduce.
+        if not context.is_data_parallel() or world()[0] == 1:
+            return original(self)
+        metrics = list(self.metrics)
+        states = [[v.value for v in m.variables] for m in metrics]
+        flat_states = [s for group in states for s in group]
+        if not flat_states:
+            return original(self)
+        state = state_of(self, create=False)
+        reducer = None if state is None else state.reducer
+        early = None if reducer is None else reducer.early
+        summed = {} if early is None else early.summed()
+        late = [s for s in flat_states if id(s) not in summed]
+        if late:
+            flat = _flat_double(late)
+            dist.all_reduce(flat)
+            for s, value in zip(late, _unflatten(flat, late), strict=True):
+                summed[id(s)] = value
+        results = {}
+        for metric, group in zip(metrics, states, strict=True):
+            result = metric.stateless_result([summed[id(s)] for s in group])
+            if isinstance(result, dict):
+                results.update(result)
+            else:
+                results[metric.name] = result
+        return results
+
+    return get_metrics_result

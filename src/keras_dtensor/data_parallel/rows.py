@@ -1,0 +1,114 @@
+"""Splitting a batch into per-rank rows, and gathering them back.
+
+A global batch is split into balanced contiguous row ranges (sizes differ
+by at most one), the same on every rank without communication.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keras_dtensor.launch import world
+
+__all__ = ["gather_rows", "leading_rows", "local_rows", "row_counts"]
+
+
+def _row_split(total, size):
+    sizes = [len(part) for part in np.array_split(np.arange(total), size)]
+    starts = np.cumsum([0] + sizes[:-1]).tolist()
+    return list(zip(starts, sizes, strict=True))
+
+
+def _to_tensor(x):
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    return None if x is None else convert_to_tensor(x)
+
+
+def local_rows(batch, distribution, require_rows=True):
+    """This process's rows of a batch, and how many there are.
+
+    Args:
+        batch: a nested structure of arrays/tensors (the global batch, or
+            this process's own rows when `auto_shard_dataset=False`).
+        distribution: the active `DataParallel`.
+        require_rows: raise if a rank would get no rows (train/evaluate:
+            an empty batch has no mean loss).
+
+    Returns:
+        `(local_batch, rows)`.
+    """
+    from keras.src import tree
+
+    leaves = [x for x in tree.flatten(batch) if x is not None]
+    if not leaves:
+        return batch, 0
+    total = int(leaves[0].shape[0])
+    if not distribution.auto_shard_dataset:
+        return tree.map_structure(_to_tensor, batch), total
+    size, rank = world()
+    if require_rows and total < size:
+        raise ValueError(
+            f"A global batch of {total} rows cannot be split over {size} "
+            "processes (some would get no rows, and an empty batch has no "
+            "mean loss). Use a batch size of at least the number of "
+            "processes, or drop the last partial batch."
+        )
+    start, length = _row_split(total, size)[rank]
+
+    def cut(x):
+        return None if x is None else _to_tensor(x)[start : start + length]
+
+    return tree.map_structure(cut, batch), length
+
+
+def leading_rows(batch):
+    """Rows of a batch: the leading dim of its first array."""
+    from keras.src import tree
+
+    return int(next(x for x in tree.flatten(batch) if x is not None).shape[0])
+
+
+def row_counts(batch, distribution):
+    """Rows every rank computes on, in rank order, for this batch.
+
+    A global batch is split by `_row_split` (no communication); with
+    `auto_shard_dataset=False` each rank's own count is exchanged.
+    """
+    size, _ = world()
+    if distribution.auto_shard_dataset:
+        return [n for _, n in _row_split(leading_rows(batch), size)]
+    if size == 1:
+        return [leading_rows(batch)]
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(counts, torch.tensor([leading_rows(batch)]))
+    return [int(c.item()) for c in counts]
+
+
+def gather_rows(outputs, counts):
+    """All-gathers each rank's rows of `outputs` back into global order.
+
+    Args:
+        outputs: nested structure of tensors holding this rank's rows.
+        counts: rows held by each rank, in rank order.
+
+    Returns:
+        The structure with the global rows, identical on every rank.
+    """
+    from keras.src import tree
+
+    size, _ = world()
+    if size == 1:
+        return outputs
+    widest = max(counts)
+
+    def gather(x):
+        padded = x.new_zeros((widest, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat(
+            [part[:n] for part, n in zip(parts, counts, strict=True)]
+        )
+
+    return tree.map_structure(gather, outputs)

@@ -1,0 +1,44 @@
+"""The DataParallel state a model carries between steps.
+
+Kept on the model itself (through `instance_patches`, so `uninstall()`
+takes it off and removes the gradient hooks): no module-level state.
+"""
+
+from keras_dtensor import instance_patches
+
+__all__ = ["ModelState", "state_of"]
+
+_ATTRIBUTE = "_keras_dtensor_data_parallel"
+
+
+class ModelState:
+    """One model's DataParallel machinery.
+
+    Attributes:
+        step: the train function the reducer and split were built for.
+        reducer: its `GradientReducer` (`None` at world size 1).
+        split: its `UpdateSplit` of the optimizer update.
+        fit_depth: how many `fit` calls of this model are running.
+    """
+
+    def __init__(self):
+        self.step = None
+        self.reducer = None
+        self.split = None
+        self.fit_depth = 0
+
+    def close(self):
+        """Removes the reducer's gradient hooks."""
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+
+
+def state_of(model, create=True):
+    """The model's `ModelState` (made on first use when `create`)."""
+    state = instance_patches.get_on(model, _ATTRIBUTE)
+    if state is None and create:
+        state = instance_patches.set_on(
+            model, _ATTRIBUTE, ModelState(), undo=ModelState.close
+        )
+    return state

@@ -1,0 +1,119 @@
+"""The one entry of DataParallel: a step on this process's rows.
+
+`run_step` is called by the step functions (`keras_dtensor.data`) for every
+train, test and predict step under `DataParallel`, in this order:
+
+1. take this process's rows of the batch (`rows.local_rows`);
+2. train: on a new train function, bring stale optimizer slots back,
+   broadcast rank 0's weights (as DDP does at construction) and build the
+   gradient reducer and the update split (`_prepare`);
+3. run Keras's own step on the rows, the reducer armed (gradients are
+   global when backward ends) and, inside `fit`, the optimizer update
+   split by variable;
+4. predict: gather every rank's outputs back into the global order.
+"""
+
+import functools
+
+from keras_dtensor import context
+from keras_dtensor.data_parallel.reducer import GradientReducer
+from keras_dtensor.data_parallel.rows import gather_rows
+from keras_dtensor.data_parallel.rows import leading_rows
+from keras_dtensor.data_parallel.rows import local_rows
+from keras_dtensor.data_parallel.rows import row_counts
+from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.data_parallel.update_split import UpdateSplit
+from keras_dtensor.data_parallel.update_split import broadcast_from_rank0
+from keras_dtensor.data_parallel.update_split import splitting_updates
+from keras_dtensor.data_parallel.update_split import sync_optimizer_state
+from keras_dtensor.launch import world
+
+__all__ = ["run_step", "update_is_split", "wrap_fit"]
+
+
+def _prepare(model, step):
+    """The model's state for train function `step`, built on its first
+    call."""
+    state = state_of(model)
+    if state.step is step:
+        return state
+    sync_optimizer_state(model)  # the owners may change
+    state.close()
+    broadcast_from_rank0(model.variables)
+    state.reducer = GradientReducer(
+        [v.value for v in model.trainable_weights], model
+    )
+    state.split = UpdateSplit(model.trainable_weights)
+    state.step = step
+    return state
+
+
+def run_step(model, step, kind, data, distribution):
+    """Runs Keras's `step` under `DataParallel` on this process's rows.
+
+    Args:
+        model: the Keras model.
+        step: Keras's train/test/predict function for one batch.
+        kind: `"train"`, `"test"` or `"predict"`.
+        data: the step's argument, `(batch,)`: the global batch, or this
+            process's rows with `auto_shard_dataset=False`.
+        distribution: the active `DataParallel`.
+
+    Returns:
+        What `step` returns; for predict, the outputs of the global batch.
+    """
+    (batch,) = data
+    if kind == "predict":
+        counts = row_counts(batch, distribution)
+        local, _ = local_rows(batch, distribution, require_rows=False)
+        return gather_rows(step([local]), counts)
+    local, rows = local_rows(batch, distribution)
+    if kind != "train" or world()[0] == 1:
+        return step([local])
+    state = _prepare(model, step)
+    # A global batch split here: every rank knows the global row count.
+    global_rows = None
+    if distribution.auto_shard_dataset:
+        global_rows = leading_rows(batch)
+    state.reducer.begin(rows, global_rows)
+    try:
+        with splitting_updates(state.split if state.fit_depth else None):
+            return step([local])
+    finally:
+        state.reducer.end()
+
+
+def wrap_fit(original):
+    """Wraps `TorchTrainer.fit`: optimizer updates split only inside `fit`,
+    and the optimizer state is whole on every rank when it returns (see
+    `update_split`)."""
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        if not context.is_data_parallel():
+            return original(self, *args, **kwargs)
+        state = state_of(self)
+        state.fit_depth += 1
+        try:
+            history = original(self, *args, **kwargs)
+        finally:
+            state.fit_depth -= 1
+        sync_optimizer_state(self)
+        return history
+
+    return fit
+
+
+def update_is_split(model):
+    """Whether `model`'s DataParallel training splits its optimizer update
+    by variable (see `update_split`).
+
+    Returns:
+        `True`/`False` once the model trained under `DataParallel` on
+        several processes, else `None`.
+    """
+    state = state_of(model, create=False)
+    if state is None or state.split is None:
+        return None
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    return bool(state.split.checked.get(optimizer, False))

@@ -1,0 +1,247 @@
+"""The optimizer update split by variable (ZeRO stage 1 on whole variables).
+
+Inside `fit`, once every rank holds the global gradient, each rank applies
+Keras's update to the variables it owns and broadcasts them. The optimizer
+slots of the variables a rank does not own go stale there; they are
+brought back from their owners by `sync_optimizer_state`, at the end of
+`fit`, before every save and before a new train function.
+"""
+
+import contextlib
+import contextvars
+import functools
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keras_dtensor import config
+from keras_dtensor import instance_patches
+from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.launch import world
+
+__all__ = [
+    "UpdateSplit",
+    "broadcast_from_rank0",
+    "splitting_updates",
+    "sync_optimizer_state",
+    "wrap_add_variable_from_reference",
+    "wrap_backend_update_step",
+]
+
+_SLOTS = "_keras_dtensor_slots"
+# The UpdateSplit of the running DataParallel train step, if any.
+_ACTIVE = contextvars.ContextVar("keras_dtensor_update_split", default=None)
+
+
+def _broadcast_from_owners(tensors, owners):
+    """Each tensor gets its owner rank's value, in place.
+
+    One flat broadcast per (owner, dtype), all in flight at once; no casts.
+    Every rank must pass the same shapes, dtypes and owners, in the same
+    order.
+    """
+    _, rank = world()
+    groups = {}
+    for t, owner in zip(tensors, owners, strict=True):
+        groups.setdefault((owner, t.dtype), []).append(t)
+    pending = []
+    with torch.no_grad():
+        for owner, dtype in sorted(groups, key=lambda k: (k[0], str(k[1]))):
+            group = groups[(owner, dtype)]
+            if owner == rank:
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+            else:
+                flat = torch.empty(
+                    sum(t.numel() for t in group),
+                    dtype=dtype,
+                    device=group[0].device,
+                )
+            work = dist.broadcast(flat, src=owner, async_op=True)
+            pending.append((owner, group, flat, work))
+        for owner, group, flat, work in pending:
+            work.wait()
+            if owner == rank:
+                continue
+            views = flat.split([t.numel() for t in group])
+            torch._foreach_copy_(
+                group,
+                [v.view_as(t) for v, t in zip(views, group, strict=True)],
+            )
+
+
+def broadcast_from_rank0(variables):
+    """Rank 0's values everywhere (as DDP does at construction)."""
+    values = [v.value for v in variables]
+    _broadcast_from_owners(values, [0] * len(values))
+
+
+class UpdateSplit:
+    """Which rank applies the optimizer update to which variable.
+
+    Whole variables are dealt out, largest first, to the rank with the
+    fewest elements so far (the same on every rank). Splitting whole
+    variables keeps every Keras update exact, factored and per-matrix ones
+    included; with fewer variables than ranks there is no split.
+
+    Args:
+        variables: the model's trainable Keras variables.
+    """
+
+    def __init__(self, variables):
+        self.world, self.rank = world()
+        self.owner = {}
+        self.checked = weakref.WeakKeyDictionary()  # optimizer -> bool
+        # optimizer -> {id(model variable): owner} of stale slots
+        self.stale = weakref.WeakKeyDictionary()
+        self.depth = 0
+        variables = list(variables)
+        if len(variables) < self.world:
+            return
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        load = [0] * self.world
+        for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
+            rank = load.index(min(load))
+            self.owner[id(variables[i])] = rank
+            load[rank] += sizes[i]
+
+    def splits(self, optimizer):
+        """Whether `optimizer`'s update can be split (cached)."""
+        if not self.owner:
+            return False
+        known = self.checked.get(optimizer)
+        if known is None:
+            known = self.checked[optimizer] = _splittable(optimizer)
+        return known
+
+
+def _keras_defined(cls, name):
+    function = getattr(cls, name, None)
+    return function is None or getattr(function, "__module__", "").startswith(
+        "keras."
+    )
+
+
+def _slots(optimizer):
+    """`[(slot, the model variable it was made for)]` of `optimizer`."""
+    return instance_patches.get_on(optimizer, _SLOTS, [])
+
+
+def _splittable(optimizer):
+    """An update splits by variable when it is Keras's own per-variable
+    update and every non-scalar optimizer variable is a slot of one model
+    variable (made by `add_variable_from_reference`), so that it can be
+    brought back from the variable's owner."""
+    if not config.get("SPLIT_UPDATE"):
+        return False
+    # `update_step` is per variable by contract; a custom parallel step
+    # may couple variables.
+    if not _keras_defined(type(optimizer), "_parallel_update_step"):
+        return False
+    slots = {id(slot) for slot, _ in _slots(optimizer)}
+    return all(id(v) in slots or len(v.shape) == 0 for v in optimizer.variables)
+
+
+def wrap_backend_update_step(original):
+    """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`.
+
+    Inside a DataParallel train step in `fit` (where every rank holds the
+    global gradient), each rank updates only the variables it owns, then
+    the updated variables are broadcast from their owners. Keras's
+    clipping, loss-scale check, weight decay and gradient accumulation ran
+    before this on the whole gradient; EMA and constraints run after it on
+    the synced variables. Otherwise the original runs unchanged.
+    """
+
+    @functools.wraps(original)
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        split = _ACTIVE.get()
+        if split is None or split.depth or not split.splits(self):
+            return original(self, grads, trainable_variables, learning_rate)
+        grads, variables = list(grads), list(trainable_variables)
+        owners = [split.owner.get(id(v)) for v in variables]
+        if None in owners or len(set(owners)) < split.world:
+            # Variables from outside the model, or a rank with nothing to
+            # update (its per-call scalars would fall behind): whole update.
+            return original(self, grads, variables, learning_rate)
+        mine = [i for i, owner in enumerate(owners) if owner == split.rank]
+        split.depth += 1
+        try:
+            original(
+                self,
+                [grads[i] for i in mine],
+                [variables[i] for i in mine],
+                learning_rate,
+            )
+        finally:
+            split.depth -= 1
+        _broadcast_from_owners([v.value for v in variables], owners)
+        stale = split.stale.setdefault(self, {})
+        for v, owner in zip(variables, owners, strict=True):
+            stale[id(v)] = owner
+
+    return _backend_update_step
+
+
+@contextlib.contextmanager
+def splitting_updates(split):
+    """Optimizer updates inside this context are split by `split` (`None`:
+    whole, as in a `train_on_batch` loop, whose optimizer state is then
+    whole after every call)."""
+    token = _ACTIVE.set(split)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def wrap_add_variable_from_reference(original):
+    """Wraps `BaseOptimizer.add_variable_from_reference`: remembers which
+    model variable each optimizer slot belongs to."""
+
+    @functools.wraps(original)
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        slot = original(self, reference_variable, *args, **kwargs)
+        slots = instance_patches.get_on(self, _SLOTS)
+        if slots is None:
+            slots = instance_patches.set_on(self, _SLOTS, [])
+        slots.append((slot, reference_variable))
+        return slot
+
+    return add_variable_from_reference
+
+
+def sync_optimizer_state(model):
+    """Brings `model`'s stale optimizer slots back from their owners.
+
+    A collective when anything is stale: every rank must call it at the
+    same point (the end of `fit`, every save, a new train function).
+
+    Args:
+        model: the Keras model whose DataParallel `fit` split its updates.
+
+    Example:
+    >>> keras_dtensor.data_parallel.sync_optimizer_state(model)
+    """
+    state = state_of(model, create=False)
+    split = None if state is None else state.split
+    if split is None:
+        return
+    if world()[0] == 1:  # no group (any more): nothing to bring back
+        split.stale.clear()
+        return
+    for optimizer, stale in list(split.stale.items()):
+        if not stale:
+            continue
+        pairs = [
+            (slot, stale[id(ref)])
+            for slot, ref in _slots(optimizer)
+            if slot is not None and id(ref) in stale
+        ]
+        if pairs:
+            _broadcast_from_owners(
+                [slot.value for slot, _ in pairs],
+                [owner for _, owner in pairs],
+            )
+        stale.clear()

@@ -1,0 +1,75 @@
+"""Attributes keras_dtensor sets on individual Keras objects.
+
+Besides the class and module attributes of the `PATCHES` table, hooks
+keep a little state on the objects it belongs to: a model's wrapped step
+function, its compiled `call`, its DataParallel state, an optimizer's
+slot records, a distribution's layout caches. Every such attribute is set
+through `set_on`, which remembers what it replaced; `keras_dtensor.
+uninstall()` calls `restore()`, which puts back the previous value (or
+removes the attribute) and runs the attribute's `undo` (e.g. removing
+gradient hooks), on every object still alive.
+
+Attributes are set with `object.__setattr__`: Keras's tracking (layers,
+optimizers) must not see them.
+"""
+
+import weakref
+
+__all__ = ["get_on", "restore", "set_on", "status"]
+
+_MISSING = object()
+# object -> {name: (previous value, our value, undo)}; the saved originals.
+_SAVED = weakref.WeakKeyDictionary()
+
+
+def set_on(obj, name, value, undo=None):
+    """Sets `obj.<name> = value`, recorded for `restore()`.
+
+    Args:
+        obj: the Keras object (model, optimizer, distribution).
+        name: the attribute.
+        value: the new value.
+        undo: called with `value` when `restore()` takes it off.
+
+    Returns:
+        `value`.
+    """
+    saved = _SAVED.setdefault(obj, {})
+    previous = obj.__dict__.get(name, _MISSING)
+    entry = saved.get(name)
+    if entry is not None and previous is entry[1]:
+        previous = entry[0]  # replacing our own value: keep what it hid
+    saved[name] = (previous, value, undo)
+    object.__setattr__(obj, name, value)
+    return value
+
+
+def get_on(obj, name, default=None):
+    """`obj.<name>` if keras_dtensor set it (else `default`)."""
+    entry = _SAVED.get(obj, {}).get(name)
+    if entry is None or obj.__dict__.get(name, _MISSING) is not entry[1]:
+        return default
+    return entry[1]
+
+
+def restore():
+    """Puts back every attribute `set_on` replaced that still holds ours."""
+    for obj, saved in list(_SAVED.items()):
+        for name, (previous, value, undo) in saved.items():
+            if obj.__dict__.get(name, _MISSING) is value:
+                if previous is _MISSING:
+                    object.__delattr__(obj, name)
+                else:
+                    object.__setattr__(obj, name, previous)
+            if undo is not None:
+                undo(value)
+    _SAVED.clear()
+
+
+def status():
+    """`(type name, attribute)` of every attribute currently set."""
+    return sorted(
+        (type(obj).__name__, name)
+        for obj, saved in list(_SAVED.items())
+        for name in saved
+    )

@@ -1,0 +1,77 @@
+"""The outermost layer call: plain inputs in, reduced outputs out.
+
+`model(x)` outside `fit` under a distribution gets the global batch as
+numpy or plain tensors; the outermost `Layer.__call__` lays them out like
+a `fit` batch and runs inside the global-values scope. Layer outputs that
+are pending sums are reduced at the layer boundary. `SeedGenerator.next`
+runs in the global-values scope too.
+"""
+
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+
+from keras_dtensor import context
+from keras_dtensor.data import distribute_batch
+
+__all__ = ["wrap_call", "wrap_seed_generator_next"]
+
+
+def wrap_seed_generator_next(original):
+    """Wraps `SeedGenerator.next`: its state is a replicated variable under
+    a distribution and its increment a plain tensor, a global value (see
+    `context.global_values`), also when user code draws outside layers
+    and steps."""
+
+    def next(self, *args, **kwargs):
+        if context.current() is None:
+            return original(self, *args, **kwargs)
+        with context.global_values():
+            return original(self, *args, **kwargs)
+
+    return next
+
+
+def _in_layer_call():
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("current_call_ctx") is not None
+
+
+def _reduce_partial(x):
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        placements = [
+            Replicate() if p.is_partial() else p for p in x.placements
+        ]
+        return x.redistribute(x.device_mesh, placements)
+    return x
+
+
+def wrap_call(original):
+    """Wraps `Layer.__call__`: inputs of the outermost call, and outputs.
+
+    `model(x)` outside `fit` under a distribution gets the global batch as
+    numpy or plain tensors; they become batch-sharded DTensors here, once,
+    like the batches of `fit`. Nested layer calls and symbolic (functional
+    API) calls are left alone.
+
+    A layer's output that is a pending sum (`Partial`, e.g. after a
+    row-parallel matmul) is reduced at the layer boundary, as torch's
+    `RowwiseParallel` does: one all-reduce in forward, and backward then
+    receives replicated gradients instead of reducing them again.
+    """
+
+    def __call__(self, *args, **kwargs):
+        from keras.src import tree
+
+        distribution = context.current()
+        if distribution is None or context.is_data_parallel(distribution):
+            return original(self, *args, **kwargs)
+        if _in_layer_call():
+            outputs = original(self, *args, **kwargs)
+        else:
+            args, kwargs = distribute_batch((args, kwargs), distribution)
+            with context.global_values():
+                outputs = original(self, *args, **kwargs)
+        return tree.map_structure(_reduce_partial, outputs)
+
+    return __call__

@@ -1,0 +1,158 @@
+"""The two kinds of rows of the `PATCHES` table (see `patches.py`).
+
+Each row knows how to apply itself (returning what it saved), restore
+what it saved, and tell whether its replacement is still in place.
+"""
+
+import dataclasses
+import importlib
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from keras_dtensor.compat import SUPPORTED_KERAS
+from keras_dtensor.compat import SUPPORTED_TORCH
+
+__all__ = ["MISSING", "TAG", "Patch", "Registration"]
+
+TAG = "__keras_dtensor_patch__"
+MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One replaced attribute of Keras or torch.
+
+    Attributes:
+        module: module that holds the attribute (or the class holding it).
+        attribute: attribute name; `Class.method` for a class attribute.
+        why: what breaks without it.
+        factory: `original -> replacement`; `None` original when absent.
+        package: `"keras"` or `"torch"`, whose versions `versions` names.
+        versions: the versions this row was checked against.
+    """
+
+    module: str
+    attribute: str
+    why: str
+    factory: Callable[[Any], Any]
+    package: str = "keras"
+    versions: str = str(SUPPORTED_KERAS)
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+    def owner(self):
+        owner = importlib.import_module(self.module)
+        *path, _ = self.attribute.split(".")
+        for name in path:
+            owner = getattr(owner, name)
+        return owner
+
+    @property
+    def name(self) -> str:
+        return self.attribute.rsplit(".", 1)[-1]
+
+    def apply(self):
+        owner = self.owner()
+        own = self.name in owner.__dict__
+        original = getattr(owner, self.name, None)
+        replacement = self.factory(original)
+        if isinstance(replacement, types.FunctionType):
+            replacement.__wrapped__ = original
+            setattr(replacement, TAG, self.target)
+        setattr(owner, self.name, replacement)
+        return (owner, own, original, replacement)
+
+    def restore(self, saved):
+        owner, own, original, replacement = saved
+        if owner.__dict__.get(self.name, MISSING) is not replacement:
+            warnings.warn(
+                f"{self.target} was replaced again after keras_dtensor "
+                "installed its hook; leaving the newer value in place.",
+                stacklevel=4,
+            )
+            return
+        if own:
+            setattr(owner, self.name, original)
+        else:
+            delattr(owner, self.name)
+
+    def is_current(self, saved):
+        return self.owner().__dict__.get(self.name, MISSING) is saved[3]
+
+
+def _propagator():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """A DTensor sharding strategy registered for some torch ops.
+
+    Attributes:
+        name: a short name for the ops, shown by `keras-dtensor info`.
+        ops: `() -> [OpOverload]`, resolved when applied (an empty list
+            registers nothing).
+        strategy: the `register_sharding` strategy function.
+        why: what breaks without it.
+        package: `"torch"`.
+        versions: the torch versions this row was checked against.
+    """
+
+    name: str
+    ops: Callable[[], list]
+    strategy: Callable[..., Any]
+    why: str
+    package: str = "torch"
+    versions: str = str(SUPPORTED_TORCH)
+
+    @property
+    def target(self) -> str:
+        return f"DTensor sharding strategy: {self.name}"
+
+    def apply(self):
+        from torch.distributed.tensor.experimental import register_sharding
+
+        propagator = _propagator()
+        saved = []
+        for op in self.ops():
+            before = (
+                propagator.op_strategy_funcs.get(op, MISSING),
+                propagator.op_to_schema_info.get(op, MISSING),
+            )
+            register_sharding(op)(self.strategy)
+            saved.append((op, *before, propagator.op_strategy_funcs[op]))
+        propagator.propagate_op_sharding.cache_clear()
+        return saved
+
+    def restore(self, saved):
+        propagator = _propagator()
+        for op, strategy, schema, ours in saved:
+            if propagator.op_strategy_funcs.get(op) is not ours:
+                warnings.warn(
+                    f"The sharding strategy of {op} was registered again "
+                    "after keras_dtensor's; leaving the newer one in place.",
+                    stacklevel=4,
+                )
+                continue
+            for table, value in (
+                (propagator.op_strategy_funcs, strategy),
+                (propagator.op_to_schema_info, schema),
+            ):
+                if value is MISSING:
+                    table.pop(op, None)
+                else:
+                    table[op] = value
+        propagator.propagate_op_sharding.cache_clear()
+
+    def is_current(self, saved):
+        propagator = _propagator()
+        return all(
+            propagator.op_strategy_funcs.get(op) is ours
+            for op, _, _, ours in saved
+        )

@@ -1,0 +1,46 @@
+"""Checks of a layout plan against a model, before anything is sharded.
+
+Nothing here allocates or communicates.
+"""
+
+import re
+import warnings
+
+from keras_dtensor import instance_patches
+from keras_dtensor.launch import world
+
+__all__ = ["warn_unmatched_layout_keys"]
+
+_WARNED = "_keras_dtensor_warned_keys"
+
+
+def warn_unmatched_layout_keys(model, distribution):
+    """Warns (rank 0, once per key) about LayoutMap keys no weight matched.
+
+    A key is a regex full-matched against `variable.path`, so
+    `"dense.*kernel"` does not match `"sequential/dense/kernel"`; the weight
+    then silently stays replicated. Keys ending in `/output` name layer
+    outputs, not weights, and are skipped.
+    """
+    layout_map = getattr(distribution, "_layout_map", None)
+    if layout_map is None or world()[1] != 0:
+        return
+    warned = instance_patches.get_on(distribution, _WARNED)
+    if warned is None:
+        warned = instance_patches.set_on(distribution, _WARNED, set())
+    paths = [v.path for v in model.weights]
+    for key in layout_map:
+        if key in warned or key.endswith("/output"):
+            continue
+        if not any(key == p or re.fullmatch(key, p) for p in paths):
+            warned.add(key)
+            example = paths[0] if paths else "<none>"
+            warnings.warn(
+                f"LayoutMap key {key!r} matches none of the weights of "
+                f"model {model.name!r}; the weights it was meant for stay "
+                "replicated. Keys are "
+                "regular expressions matched against the whole "
+                f"`variable.path` (e.g. {example!r}); prefix '.*' to match "
+                "any parent path.",
+                stacklevel=2,
+            )
