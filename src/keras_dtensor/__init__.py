@@ -72,9 +72,11 @@ def uninstall():
     >>> keras_dtensor.is_installed()
     False
     """
+    from keras_dtensor import context
     from keras_dtensor import patches
 
     patches.restore()
+    context.set_global_values(None)
 
 
 def is_installed() -> bool:

@@ -6,19 +6,23 @@
   way on plain tensors (see `keras_dtensor.data_parallel`) instead of on
   DTensors.
 - `global_values()`: the scope in which a plain tensor meeting a DTensor
-  counts as replicated.
+  counts as replicated; `wrap_set_distribution` extends it to all code
+  while a distribution other than `DataParallel` is set.
 
-Nothing here communicates or keeps state of its own: the scope's depth is
-a context variable.
+Nothing here communicates or keeps state of its own: the scope is DTensor's
+own (thread-local) implicit-replication setting.
 """
 
 import contextlib
-import contextvars
 import functools
 
-__all__ = ["current", "global_values", "is_data_parallel"]
-
-_GLOBAL_DEPTH = contextvars.ContextVar("keras_dtensor_global_depth", default=0)
+__all__ = [
+    "current",
+    "global_values",
+    "is_data_parallel",
+    "set_global_values",
+    "wrap_set_distribution",
+]
 
 
 def current():
@@ -63,16 +67,47 @@ def global_values():
     slice is not the global value), and every data path becomes DTensors
     before entering here (`data.distribute_batch`), so no rank-local tensor
     is mistaken for a global one. Outside these scopes (user code between
-    steps) a plain tensor meeting a DTensor still raises torch's "mixed
-    torch.Tensor and DTensor" error. Re-entrant, unlike torch's
-    `implicit_replication`, which it enters once.
+    steps) under `DataParallel` or no distribution a plain tensor meeting
+    a DTensor still raises torch's "mixed torch.Tensor and DTensor" error.
+    Re-entrant: it restores the setting it found (torch's
+    `implicit_replication` resets it to off).
     """
-    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor import DTensor
 
-    depth = _GLOBAL_DEPTH.get()
-    token = _GLOBAL_DEPTH.set(depth + 1)
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
     try:
-        with implicit_replication() if depth == 0 else contextlib.nullcontext():
-            yield
+        yield
     finally:
-        _GLOBAL_DEPTH.reset(token)
+        dispatcher._allow_implicit_replication = before
+
+
+def set_global_values(distribution):
+    """Plain tensors count as global values under `distribution`, if it
+    is not `None` or `DataParallel`."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._allow_implicit_replication = (
+        distribution is not None and not is_data_parallel(distribution)
+    )
+
+
+def wrap_set_distribution(original):
+    """Wraps `keras.distribution.set_distribution` (which `scope()` calls).
+
+    While a distribution other than `DataParallel` is set, every plain
+    tensor is a global value, as every plain array is on JAX: data enters
+    as DTensors (`data.distribute_batch`), so a plain tensor that meets a
+    DTensor anywhere (a sampler's prompt and index in keras_hub's
+    `generate`, a mask built between calls) holds the same value on every
+    process and counts as replicated. Setting or clearing the distribution
+    sets DTensor's implicit replication on or off (it is thread-local, like
+    Keras's current distribution).
+    """
+
+    def set_distribution(value):
+        original(value)
+        set_global_values(value)
+
+    return set_distribution

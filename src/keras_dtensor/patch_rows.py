@@ -5,6 +5,7 @@ what it saved, and tell whether its replacement is still in place.
 """
 
 import dataclasses
+import functools
 import importlib
 import types
 import warnings
@@ -84,6 +85,10 @@ class Patch:
         return self.owner().__dict__.get(self.name, MISSING) is saved[3]
 
 
+def _refined(strategy_func, refine, op_schema):
+    return refine(strategy_func(op_schema), op_schema)
+
+
 def _propagator():
     from torch.distributed.tensor import DTensor
 
@@ -100,6 +105,8 @@ class Registration:
             registers nothing).
         strategy: the `register_sharding` strategy function.
         why: what breaks without it.
+        refine: `(OpStrategy, OpSchema) -> OpStrategy`, applied to what
+            the strategy expands to (e.g. to drop invalid combinations).
         package: `"torch"`.
         versions: the torch versions this row was checked against.
     """
@@ -108,6 +115,7 @@ class Registration:
     ops: Callable[[], list]
     strategy: Callable[..., Any]
     why: str
+    refine: Callable[..., Any] | None = None
     package: str = "torch"
     versions: str = str(SUPPORTED_TORCH)
 
@@ -126,6 +134,10 @@ class Registration:
                 propagator.op_to_schema_info.get(op, MISSING),
             )
             register_sharding(op)(self.strategy)
+            if self.refine is not None:
+                propagator.op_strategy_funcs[op] = functools.partial(
+                    _refined, propagator.op_strategy_funcs[op], self.refine
+                )
             saved.append((op, *before, propagator.op_strategy_funcs[op]))
         propagator.propagate_op_sharding.cache_clear()
         return saved

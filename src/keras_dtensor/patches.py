@@ -21,6 +21,7 @@ and torch as they were.
 import functools
 
 from keras_dtensor import callbacks
+from keras_dtensor import context
 from keras_dtensor import data
 from keras_dtensor import data_parallel
 from keras_dtensor import instance_patches
@@ -218,6 +219,21 @@ PATCHES = (
         "increment a plain tensor: mixed, wherever keras.random draws.",
         layer_call.wrap_seed_generator_next,
     ),
+    *(
+        Patch(
+            module,
+            "set_distribution",
+            "Plain tensors are global values while a distribution is set, as "
+            "on JAX: keras_hub's generate loop or user code between calls "
+            "would raise 'got mixed torch.Tensor and DTensor'.",
+            context.wrap_set_distribution,
+        )
+        for module in (
+            "keras.src.distribution.distribution_lib",
+            "keras.src.distribution",
+            "keras.distribution",
+        )
+    ),
     Patch(
         "torch.distributed.tensor.placement_types",
         "_MaskPartial.__hash__",
@@ -225,6 +241,27 @@ PATCHES = (
         "DTensor orders strategies by hash, so ranks could choose "
         "different collectives (vocabulary-sharded Embedding).",
         lambda original: ops.mask_partial_hash,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
+        "torch.distributed.tensor._redistribute",
+        "_redistribute_backward",
+        "A vocabulary-sharded embedding's masked partial output meets a "
+        "plain partial gradient from a column-parallel layer: 'Redistribution"
+        " from one partial type (P(sum)) to another (MaskP(...)) is "
+        "unsupported' in backward. The gradient is summed first.",
+        ops.wrap_redistribute_backward,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
+        "torch.distributed.tensor._dispatch",
+        "redistribute_local_tensor",
+        "Indices that must be both gathered (batch-sharded input) and "
+        "masked (vocabulary-sharded table) record their mask before the "
+        "gather: a wrong-shape mask (keras_hub Gemma on a 2 x 2 mesh).",
+        ops.wrap_redistribute_local_tensor,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),
@@ -241,12 +278,14 @@ PATCHES = (
         ops.flash_cpu,
         "CPU attention has no DTensor rule: head- or batch-sharded "
         "MultiHeadAttention would crash.",
+        refine=ops.keep_kwargs_in_place,
     ),
     Registration(
         "aten._scaled_dot_product_flash_attention_for_cpu_backward",
         ops.flash_cpu_backward_ops,
         ops.flash_cpu_backward,
         "Its backward, likewise.",
+        refine=ops.keep_kwargs_in_place,
     ),
 )
 

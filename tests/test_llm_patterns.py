@@ -1,0 +1,160 @@
+"""The patterns every LLM layout has, without keras_hub: same numbers as one
+process.
+
+- a vocabulary-parallel embedding (`("model", None)`) feeding a
+  column-parallel layer (Megatron's layout: its masked partial output meets
+  a plain partial gradient in backward);
+- attention with a mask built inside `call` from integer inputs (a padding
+  mask and a causal `arange` mask), after row-parallel q/k/v projections,
+  so the attention backward meets a replicated mask it cannot move;
+- `ops.where` with a boolean mask, integer inputs, sample weights;
+- user code between calls mixing plain tensors with a model's outputs (a
+  greedy decoding loop).
+"""
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+TOLERANCE = 2e-5
+VOCAB, SEQ, WIDTH, HEADS = 24, 6, 16, 4
+
+LAYOUTS = {
+    ".*embedding/embeddings": ("model", None),
+    ".*(query|key|value)/kernel": ("model", None),
+    ".*up/kernel": (None, "model"),
+    ".*down/kernel": ("model", None),
+    ".*head/kernel": (None, "model"),
+}
+
+
+def _model(keras):
+    from keras import ops
+
+    class MaskedSelfAttention(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.query = keras.layers.Dense(WIDTH, name="query")
+            self.key = keras.layers.Dense(WIDTH, name="key")
+            self.value = keras.layers.Dense(WIDTH, name="value")
+
+        def call(self, x, padding_mask):
+            shape = (-1, SEQ, HEADS, WIDTH // HEADS)
+            q, k, v = (
+                ops.reshape(layer(x), shape)
+                for layer in (self.query, self.key, self.value)
+            )
+            positions = ops.arange(SEQ)
+            causal = ops.greater_equal(positions[:, None], positions[None, :])
+            mask = ops.logical_and(causal[None], padding_mask[:, None, :])
+            out = ops.dot_product_attention(q, k, v, mask=mask[:, None])
+            return ops.reshape(out, (-1, SEQ, WIDTH))
+
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    padding = keras.Input((SEQ,), dtype="bool", name="padding_mask")
+    h = keras.layers.Embedding(VOCAB, WIDTH, name="embedding")(tokens)
+    h = h + MaskedSelfAttention(name="attention")(h, padding)
+    f = keras.layers.Dense(2 * WIDTH, activation="gelu", name="up")(h)
+    h = h + keras.layers.Dense(WIDTH, name="down")(f)
+    # Masked mean over the real tokens: ops.where with a boolean mask.
+    keep = ops.expand_dims(padding, -1)
+    total = ops.sum(ops.where(keep, h, ops.zeros_like(h)), axis=1)
+    count = ops.sum(ops.cast(keep, h.dtype), axis=1)
+    logits = keras.layers.Dense(VOCAB, name="head")(total / count)
+    return keras.Model([tokens, padding], logits)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, VOCAB, size=(32, SEQ)).astype("int32")
+    lengths = rng.integers(2, SEQ + 1, size=32)
+    padding = np.arange(SEQ)[None, :] < lengths[:, None]
+    labels = tokens[:, 0].astype("int32")
+    weights = rng.uniform(0.5, 1.5, size=32).astype("float32")
+    return [tokens, padding], labels, weights
+
+
+def _greedy(keras, model, prompt, steps):
+    """A decoding loop written against the model's outputs (DTensors under
+    a distribution) with plain tensors, as keras_hub's samplers do."""
+    import torch
+
+    tokens = torch.as_tensor(prompt)
+    padding = torch.ones(tokens.shape, dtype=torch.bool)
+    for _ in range(steps):
+        logits = model([tokens, padding])
+        chosen = keras.ops.argmax(logits, axis=-1)
+        tokens = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)
+        tokens = keras.ops.where(
+            torch.arange(SEQ) == SEQ - 1, chosen[:, None], tokens
+        )
+    return keras.ops.convert_to_numpy(tokens)
+
+
+def _run(keras, distribution):
+    import contextlib
+
+    keras.utils.set_random_seed(5)
+    x, y, w = _data()
+    scope = distribution.scope() if distribution else contextlib.nullcontext()
+    with scope:
+        model = _model(keras)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=["sparse_categorical_accuracy"],
+        )
+        history = model.fit(
+            x, y, sample_weight=w, batch_size=8, epochs=2, verbose=0
+        )
+        return model, {
+            "history": history.history,
+            "evaluate": model.evaluate(x, y, sample_weight=w, verbose=0),
+            "predict": model.predict(x, batch_size=16, verbose=0),
+            "weights": model.get_weights(),
+            "greedy": _greedy(keras, model, x[0][:4], 3),
+        }
+
+
+def _patterns(mesh_shape):
+    import keras
+    import models
+
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    layouts = dict(LAYOUTS)
+    if mesh_shape[0] > 1:
+        # Gemma's: the table's features also sharded over the batch axis.
+        layouts[".*embedding/embeddings"] = ("model", "batch")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=models.layout_map(keras, mesh, layouts),
+        batch_dim_name="batch",
+    )
+    _, reference = _run(keras, None)
+    model, result = _run(keras, distribution)
+    greedy = np.abs(reference.pop("greedy") - result.pop("greedy")).max()
+    local = {
+        v.path: tuple(v.value.to_local().shape)
+        for v in model.weights
+        if v.path.endswith(("embeddings", "query/kernel", "up/kernel"))
+    }
+    return models.max_diff(reference, result), int(greedy), local
+
+
+@pytest.mark.parametrize(
+    "world, mesh_shape", [(2, (1, 2)), (4, (1, 4)), (4, (2, 2))]
+)
+def test_llm_patterns_match_one_process(world, mesh_shape):
+    model_axis = mesh_shape[1]
+    for diff, greedy, local in run_ranks(_patterns, world, mesh_shape):
+        assert diff <= TOLERANCE, diff
+        assert greedy == 0
+        # The layout really shards: vocabulary rows, q/k/v input rows,
+        # MLP columns.
+        assert local["embedding/embeddings"] == (
+            VOCAB // model_axis,
+            WIDTH // mesh_shape[0],
+        )
+        assert local["attention/query/kernel"] == (WIDTH // model_axis, WIDTH)
+        assert local["up/kernel"] == (WIDTH, 2 * WIDTH // model_axis)
