@@ -7,8 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # CI pins the exact versions; pyproject.toml declares the supported ranges.
 PINS := torch==2.13.0 keras==3.15.1
-# The tests also feed tf.data pipelines (the `tf` extra); the demo needs none.
-TEST_PINS := tensorflow-cpu==2.21.0
+# The tests also feed tf.data pipelines (the `tf` extra) and train keras_hub
+# models (the `hub` extra); the demo needs neither.
+TEST_PINS := tensorflow-cpu==2.21.0 keras-hub==0.32.0
 
 .PHONY: demo test setup setup-test lint bench clean
 
@@ -23,15 +24,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install --quiet $(PINS) $(TEST_PINS) -e '.[test,tf]'
+	$(BIN)/pip install --quiet $(PINS) $(TEST_PINS) -e '.[test,tf,hub]'
 	touch $@
 
 demo: setup
 	$(BIN)/keras-dtensor demo --nproc 2 --epochs 3
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 test: setup-test lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10

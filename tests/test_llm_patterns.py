@@ -9,7 +9,7 @@ process.
   so the attention backward meets a replicated mask it cannot move;
 - `ops.where` with a boolean mask, integer inputs, sample weights;
 - user code between calls mixing plain tensors with a model's outputs (a
-  greedy decoding loop).
+  decoding loop, top-k with a new k each step).
 """
 
 import numpy as np
@@ -83,9 +83,11 @@ def _greedy(keras, model, prompt, steps):
 
     tokens = torch.as_tensor(prompt)
     padding = torch.ones(tokens.shape, dtype=torch.bool)
-    for _ in range(steps):
+    for step in range(steps):
         logits = model([tokens, padding])
-        chosen = keras.ops.argmax(logits, axis=-1)
+        # top-k with a different k each step (DTensor caches by shape)
+        _, best = keras.ops.top_k(logits, k=step + 2, sorted=True)
+        chosen = best[:, -1]
         tokens = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)
         tokens = keras.ops.where(
             torch.arange(SEQ) == SEQ - 1, chosen[:, None], tokens

@@ -50,6 +50,7 @@ __all__ = [
     "missing_comparisons",
     "register_elementwise",
     "wrap_redistribute_backward",
+    "wrap_slice_update",
     "wrap_redistribute_local_tensor",
 ]
 
@@ -214,6 +215,28 @@ def wrap_redistribute_local_tensor(original):
         return original(local_tensor, between, target_spec, **kw)
 
     return redistribute_local_tensor
+
+
+def wrap_slice_update(original):
+    """Wraps Keras's torch `slice_update(inputs, start_indices, updates)`.
+
+    With tensor start indices Keras writes through advanced indexing
+    (`index_put_` with index grids), which DTensor cannot run in place on
+    a sharded tensor ("in-place operations that require placement changes
+    are not supported"): a KV cache sharded by batch or heads, updated at
+    the decoding position. For DTensors the start indices are read as
+    Python ints, Keras's own basic-slicing path, which DTensor runs on
+    each shard.
+    """
+
+    def slice_update(inputs, start_indices, updates):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(inputs, DTensor) or isinstance(updates, DTensor):
+            start_indices = [int(i) for i in start_indices]
+        return original(inputs, start_indices, updates)
+
+    return slice_update
 
 
 def keep_kwargs_in_place(strategy, op_schema):

@@ -15,7 +15,7 @@ from typing import Any
 from keras_dtensor.compat import SUPPORTED_KERAS
 from keras_dtensor.compat import SUPPORTED_TORCH
 
-__all__ = ["MISSING", "TAG", "Patch", "Registration"]
+__all__ = ["MISSING", "TAG", "CacheKey", "Patch", "Registration"]
 
 TAG = "__keras_dtensor_patch__"
 MISSING = object()
@@ -168,3 +168,56 @@ class Registration:
             propagator.op_strategy_funcs.get(op) is ours
             for op, _, _, ours in saved
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """Arguments DTensor must hash into an op's sharding-propagation key.
+
+    DTensor caches an op's sharding by the arguments from `static_argnum`
+    on; an op registered with too large a `static_argnum` gets another
+    call's output shape back from the cache.
+
+    Attributes:
+        op: `() -> OpOverload`.
+        static_argnum: the first argument that must be part of the key.
+        why: what breaks without it.
+        package: `"torch"`.
+        versions: the torch versions this row was checked against.
+    """
+
+    op: Callable[[], Any]
+    static_argnum: int
+    why: str
+    package: str = "torch"
+    versions: str = str(SUPPORTED_TORCH)
+
+    @property
+    def target(self) -> str:
+        return f"DTensor sharding cache key: {self.op()} from argument " + str(
+            self.static_argnum
+        )
+
+    def apply(self):
+        propagator = _propagator()
+        op = self.op()
+        before = propagator.op_to_schema_info.get(op, MISSING)
+        if before is MISSING or before.static_argnum <= self.static_argnum:
+            return (op, before, before)  # nothing to fix on this torch
+        ours = dataclasses.replace(before, static_argnum=self.static_argnum)
+        propagator.op_to_schema_info[op] = ours
+        propagator.propagate_op_sharding.cache_clear()
+        return (op, before, ours)
+
+    def restore(self, saved):
+        op, before, ours = saved
+        if ours is before:
+            return
+        propagator = _propagator()
+        if propagator.op_to_schema_info.get(op) is ours:
+            propagator.op_to_schema_info[op] = before
+            propagator.propagate_op_sharding.cache_clear()
+
+    def is_current(self, saved):
+        op, _, ours = saved
+        return _propagator().op_to_schema_info.get(op, MISSING) is ours

@@ -20,6 +20,8 @@ and torch as they were.
 
 import functools
 
+import torch
+
 from keras_dtensor import callbacks
 from keras_dtensor import context
 from keras_dtensor import data
@@ -31,6 +33,7 @@ from keras_dtensor import ops
 from keras_dtensor import saving
 from keras_dtensor import variables
 from keras_dtensor.compat import SUPPORTED_TORCH
+from keras_dtensor.patch_rows import CacheKey
 from keras_dtensor.patch_rows import Patch
 from keras_dtensor.patch_rows import Registration
 
@@ -219,6 +222,13 @@ PATCHES = (
         "increment a plain tensor: mixed, wherever keras.random draws.",
         layer_call.wrap_seed_generator_next,
     ),
+    Patch(
+        _TORCH_CORE,
+        "slice_update",
+        "With tensor start indices it writes by index_put_, which DTensor "
+        "cannot run in place on a sharded tensor (a KV cache in generate).",
+        ops.wrap_slice_update,
+    ),
     *(
         Patch(
             module,
@@ -264,6 +274,13 @@ PATCHES = (
         ops.wrap_redistribute_local_tensor,
         package="torch",
         versions=str(SUPPORTED_TORCH),
+    ),
+    CacheKey(
+        lambda: torch.ops.aten.topk.default,
+        1,
+        "torch 2.13 keys topk's sharding cache from `dim` on, without `k`: "
+        "a later topk with another k gets the first one's output shape "
+        "(keras_hub's TopKSampler in generate).",
     ),
     Registration(
         "comparison ops torch lacks (eq, ne, lt, le, gt, ge)",
