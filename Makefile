@@ -11,7 +11,7 @@ PINS := torch==2.13.0 keras==3.15.1
 # models (the `hub` extra); the demo needs neither.
 TEST_PINS := tensorflow-cpu==2.21.0 keras-hub==0.32.0
 
-.PHONY: demo test setup setup-test lint bench clean
+.PHONY: demo test test-slow setup setup-test lint bench clean
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -35,7 +35,10 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks examples
 
 test: setup-test lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10 -m "not slow"
+
+test-slow: setup-test
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10 -m slow
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

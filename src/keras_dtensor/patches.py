@@ -232,6 +232,21 @@ PATCHES = (
     *(
         Patch(
             module,
+            "distribute_tensor",
+            "DataParallel keeps tensors plain; a tensor laid out by hand (the "
+            "inputs of keras_hub's generate) would be a DTensor meeting plain "
+            "variables.",
+            data_parallel.wrap_distribute_tensor,
+        )
+        for module in (
+            "keras.src.distribution.distribution_lib",
+            "keras.src.distribution",
+            "keras.distribution",
+        )
+    ),
+    *(
+        Patch(
+            module,
             "set_distribution",
             "Plain tensors are global values while a distribution is set, as "
             "on JAX: keras_hub's generate loop or user code between calls "

@@ -24,6 +24,7 @@ trained with DataParallel calls it first.
 from keras_dtensor.data_parallel.reducer import wrap_get_metrics_result
 from keras_dtensor.data_parallel.step import run_step
 from keras_dtensor.data_parallel.step import update_is_split
+from keras_dtensor.data_parallel.step import wrap_distribute_tensor
 from keras_dtensor.data_parallel.step import wrap_fit
 from keras_dtensor.data_parallel.update_split import sync_optimizer_state
 from keras_dtensor.data_parallel.update_split import (
@@ -37,6 +38,7 @@ __all__ = [
     "update_is_split",
     "wrap_add_variable_from_reference",
     "wrap_backend_update_step",
+    "wrap_distribute_tensor",
     "wrap_fit",
     "wrap_get_metrics_result",
 ]

@@ -28,7 +28,12 @@ from keras_dtensor.data_parallel.update_split import splitting_updates
 from keras_dtensor.data_parallel.update_split import sync_optimizer_state
 from keras_dtensor.launch import world
 
-__all__ = ["run_step", "update_is_split", "wrap_fit"]
+__all__ = [
+    "run_step",
+    "update_is_split",
+    "wrap_distribute_tensor",
+    "wrap_fit",
+]
 
 
 def _prepare(model, step):
@@ -117,3 +122,23 @@ def update_is_split(model):
         return None
     optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
     return bool(state.split.checked.get(optimizer, False))
+
+
+def wrap_distribute_tensor(original):
+    """Wraps `keras.distribution.distribute_tensor(tensor, layout)`.
+
+    Under `DataParallel` every tensor stays a plain global tensor (the
+    variables are plain Parameters); code that lays out its inputs itself,
+    as keras_hub's `generate` does, gets the tensor back unchanged instead
+    of a DTensor that would meet the plain variables.
+    """
+
+    @functools.wraps(original)
+    def distribute_tensor(tensor, layout):
+        if context.is_data_parallel():
+            from keras.src.backend.torch.core import convert_to_tensor
+
+            return convert_to_tensor(tensor)
+        return original(tensor, layout)
+
+    return distribute_tensor
