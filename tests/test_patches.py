@@ -104,15 +104,19 @@ def test_unsupported_keras_touches_nothing(reinstall, monkeypatch):
     assert importlib.import_module("keras.src.backend").distribution_lib is None
 
 
-def test_non_torch_backend_is_a_clear_error():
-    env = dict(os.environ, KERAS_BACKEND="jax")
-    proc = subprocess.run(
+def _import_with(**env):
+    """`import keras_dtensor` in a fresh process with `env` set."""
+    return subprocess.run(
         [sys.executable, "-c", "import keras_dtensor"],
-        env=env,
+        env=dict(os.environ, **env),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_non_torch_backend_is_a_clear_error():
+    proc = _import_with(KERAS_BACKEND="jax")
     assert proc.returncode != 0
     assert "KERAS_BACKEND is 'jax'" in proc.stderr
     assert "Set KERAS_BACKEND=torch" in proc.stderr
@@ -207,14 +211,7 @@ def test_uninstall_leaves_keras_and_torch_as_before_install():
 
 
 def test_a_bad_environment_variable_is_a_clear_error_at_import():
-    env = dict(os.environ, KERAS_BACKEND="torch", KERAS_DTENSOR_TIMEOUT="soon")
-    proc = subprocess.run(
-        [sys.executable, "-c", "import keras_dtensor"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _import_with(KERAS_BACKEND="torch", KERAS_DTENSOR_TIMEOUT="soon")
     assert proc.returncode != 0
     assert "KERAS_DTENSOR_TIMEOUT='soon' is not valid" in proc.stderr
     assert "seconds > 0" in proc.stderr
