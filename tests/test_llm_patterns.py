@@ -141,6 +141,20 @@ def _patterns(mesh_shape):
         for v in model.weights
         if v.path.endswith(("embeddings", "query/kernel", "up/kernel"))
     }
+    # top_k on the same DTensor with another k: its own output shape
+    # (torch 2.13 and 2.14 key topk's sharding cache without k).
+    import torch
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh_2d = mesh.backend_mesh
+    scores = distribute_tensor(
+        torch.arange(24.0).reshape(4, 6), mesh_2d, [Replicate()] * mesh_2d.ndim
+    )
+    local["top_k"] = [
+        tuple(keras.ops.top_k(scores, k, sorted=False)[1].to_local().shape)
+        for k in (5, 4)
+    ]
     return models.max_diff(reference, result), int(greedy), local
 
 
@@ -160,3 +174,4 @@ def test_llm_patterns_match_one_process(world, mesh_shape):
         )
         assert local["attention/query/kernel"] == (WIDTH // model_axis, WIDTH)
         assert local["up/kernel"] == (WIDTH, 2 * WIDTH // model_axis)
+        assert local["top_k"] == [(4, 5), (4, 4)]

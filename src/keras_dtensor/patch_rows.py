@@ -198,14 +198,27 @@ class CacheKey:
             self.static_argnum
         )
 
+    def _table(self, propagator, op):
+        """The schema-info table that holds `op` (torch 2.14 keeps
+        single-dimension strategies' in a table of their own)."""
+        for name in (
+            "op_to_schema_info",
+            "op_to_schema_info_for_single_dim_strategy",
+        ):
+            table = getattr(propagator, name, {})
+            if op in table:
+                return table
+        return None
+
     def apply(self):
         propagator = _propagator()
         op = self.op()
-        before = propagator.op_to_schema_info.get(op, MISSING)
+        table = self._table(propagator, op)
+        before = MISSING if table is None else table[op]
         if before is MISSING or before.static_argnum <= self.static_argnum:
             return (op, before, before)  # nothing to fix on this torch
         ours = dataclasses.replace(before, static_argnum=self.static_argnum)
-        propagator.op_to_schema_info[op] = ours
+        table[op] = ours
         propagator.propagate_op_sharding.cache_clear()
         return (op, before, ours)
 
@@ -214,10 +227,12 @@ class CacheKey:
         if ours is before:
             return
         propagator = _propagator()
-        if propagator.op_to_schema_info.get(op) is ours:
-            propagator.op_to_schema_info[op] = before
+        table = self._table(propagator, op)
+        if table is not None and table.get(op) is ours:
+            table[op] = before
             propagator.propagate_op_sharding.cache_clear()
 
     def is_current(self, saved):
         op, _, ours = saved
-        return _propagator().op_to_schema_info.get(op, MISSING) is ours
+        table = self._table(_propagator(), op)
+        return table is not None and table.get(op) is ours
