@@ -25,17 +25,25 @@ __all__ = [
 ]
 
 
+@functools.cache
+def _distribution_getter():
+    # Looked up once: an import statement in a hook costs every layer call.
+    from keras.distribution import distribution
+
+    return distribution
+
+
 def current():
     """The active Keras distribution, or `None`.
+
+    Called by every hook first, on every layer call: one cached lookup.
 
     Example:
     >>> with keras.distribution.DataParallel().scope():
     ...     context.current()
     <DataParallel ...>
     """
-    from keras.distribution import distribution
-
-    return distribution()
+    return _distribution_getter()()
 
 
 @functools.cache

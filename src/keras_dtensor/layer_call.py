@@ -23,7 +23,9 @@ def wrap_seed_generator_next(original):
     and steps."""
 
     def next(self, *args, **kwargs):
-        if context.current() is None:
+        # Only a DTensor state (made under a distribution) meets the plain
+        # increment; a plain state has nothing to do here.
+        if not isinstance(getattr(self.state, "_value", None), DTensor):
             return original(self, *args, **kwargs)
         with context.global_values():
             return original(self, *args, **kwargs)
@@ -61,11 +63,11 @@ def wrap_call(original):
     """
 
     def __call__(self, *args, **kwargs):
-        from keras.src import tree
-
         distribution = context.current()
         if distribution is None or context.is_data_parallel(distribution):
             return original(self, *args, **kwargs)
+        from keras.src import tree
+
         if _in_layer_call():
             outputs = original(self, *args, **kwargs)
         else:

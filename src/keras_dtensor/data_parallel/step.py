@@ -67,13 +67,15 @@ def run_step(model, step, kind, data, distribution):
     Returns:
         What `step` returns; for predict, the outputs of the global batch.
     """
+    if world()[0] == 1:
+        return step(data)  # one process: its rows are the whole batch
     (batch,) = data
     if kind == "predict":
         counts = row_counts(batch, distribution)
         local, _ = local_rows(batch, distribution, require_rows=False)
         return gather_rows(step([local]), counts)
     local, rows = local_rows(batch, distribution)
-    if kind != "train" or world()[0] == 1:
+    if kind != "train":
         return step([local])
     state = _prepare(model, step)
     # A global batch split here: every rank knows the global row count.
