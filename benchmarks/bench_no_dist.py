@@ -61,13 +61,18 @@ import subprocess
 import sys
 import time
 
+# The models and the TP layout of the step benchmark (run as scripts from
+# benchmarks/, so the sibling module is importable).
+from bench_step import _keras_layouts
+from bench_step import _keras_model
+
 VARIANTS = ("plain", "kd", "kd_dp1", "kd_mp1")
 METHODS = ("fit", "train_on_batch", "predict")
 TARGETS = {"kd": 1.03, "kd_dp1": 1.05, "kd_mp1": 1.05}
 MODELS = {
     "mlp": dict(width=256, layers=4, batch=64),
     "transformer": dict(
-        d_model=128, heads=4, mlp=256, seq=32, batch=16, blocks=2
+        d_model=128, heads=4, mlp=256, seq=32, batch=16, blocks=2, dropout=0.1
     ),
 }
 # name: (untimed setup, statement timed inside the process too)
@@ -83,53 +88,13 @@ _MARK = "BENCH_RESULT "
 
 
 # ---------------------------------------------------------------- worker
-def _keras_model(keras, model_name, cfg):
-    if model_name == "mlp":
-        inputs = keras.Input((cfg["width"],))
-        h = inputs
-        for i in range(cfg["layers"]):
-            last = i == cfg["layers"] - 1
-            h = keras.layers.Dense(
-                cfg["width"],
-                activation=None if last else "relu",
-                name=f"dense_{i}",
-            )(h)
-        return keras.Model(inputs, h)
-    d = cfg["d_model"]
-    inputs = keras.Input((cfg["seq"], d))
-    h = inputs
-    for i in range(cfg["blocks"]):
-        a = keras.layers.MultiHeadAttention(
-            cfg["heads"], d // cfg["heads"], dropout=0.1, name=f"mha_{i}"
-        )(h, h)
-        h = keras.layers.LayerNormalization(name=f"ln1_{i}")(h + a)
-        f = keras.layers.Dense(cfg["mlp"], activation="relu", name=f"up_{i}")(h)
-        f = keras.layers.Dense(d, name=f"down_{i}")(f)
-        h = keras.layers.LayerNormalization(name=f"ln2_{i}")(h + f)
-    return keras.Model(inputs, h)
-
-
-def _layouts(model_name):
-    if model_name == "mlp":
-        return {
-            "dense_[02]/kernel": (None, "model"),
-            "dense_[13]/kernel": ("model", None),
-        }
-    return {
-        "mha_.*/(query|key|value)/kernel": (None, "model", None),
-        "mha_.*/attention_output/kernel": ("model", None, None),
-        "up_.*/kernel": (None, "model"),
-        "down_.*/kernel": ("model", None),
-    }
-
-
 def _set_distribution(keras, variant, model_name):
     if variant == "kd_dp1":
         distribution = keras.distribution.DataParallel()
     else:
         mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"])
         layout_map = keras.distribution.LayoutMap(mesh)
-        for key, axes in _layouts(model_name).items():
+        for key, axes in _keras_layouts(model_name, "kd_mp").items():
             layout_map[key] = axes
         distribution = keras.distribution.ModelParallel(layout_map=layout_map)
     keras.distribution.set_distribution(distribution)

@@ -298,7 +298,10 @@ def _keras_model(keras, model_name, cfg):
     h = inputs
     for i in range(cfg["blocks"]):
         a = keras.layers.MultiHeadAttention(
-            cfg["heads"], d // cfg["heads"], name=f"mha_{i}"
+            cfg["heads"],
+            d // cfg["heads"],
+            dropout=cfg.get("dropout", 0.0),
+            name=f"mha_{i}",
         )(h, h)
         h = keras.layers.LayerNormalization(name=f"ln1_{i}")(h + a)
         f = keras.layers.Dense(cfg["mlp"], activation="relu", name=f"up_{i}")(h)

@@ -9,20 +9,10 @@ forever: these checks turn both into an error on every rank.
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from keras_dtensor.launch import world
+from keras_dtensor.launch import all_gather_ints
 
 __all__ = ["same_global_batches", "same_number_of_batches"]
-
-
-def _all_gather_ints(value):
-    size, _ = world()
-    if size == 1:
-        return [value]
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(gathered, torch.tensor([value]))
-    return [int(g.item()) for g in gathered]
 
 
 def _uneven_error(counts):
@@ -81,7 +71,7 @@ def _checked_first_batch(iterator):
         first = next(iterator)
     except StopIteration:
         first = None
-    digests = _all_gather_ints(_digest(first))
+    digests = all_gather_ints(_digest(first))
     if len(set(digests)) > 1:
         groups = {}
         for rank, digest in enumerate(digests):
@@ -115,7 +105,7 @@ def same_number_of_batches(iterator, num_batches):
 
 
 def _counted_batches(iterator, num_batches):
-    counts = _all_gather_ints(-1 if num_batches is None else num_batches)
+    counts = all_gather_ints(-1 if num_batches is None else num_batches)
     if all(c >= 0 for c in counts):
         if len(set(counts)) > 1:
             raise _uneven_error(counts)
@@ -127,7 +117,7 @@ def _counted_batches(iterator, num_batches):
             batch, has = next(iterator), 1
         except StopIteration:
             batch, has = None, 0
-        flags = _all_gather_ints(has)
+        flags = all_gather_ints(has)
         if not any(flags):
             return
         if not all(flags):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from keras_dtensor import config
 
 __all__ = [
+    "all_gather_ints",
     "device_type",
     "ensure_process_group",
     "init_process_group",
@@ -217,6 +218,21 @@ def world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
+
+
+def all_gather_ints(value: int) -> list[int]:
+    """Every rank's `value`, in rank order (a collective; `[value]` alone).
+
+    Example:
+    >>> launch.all_gather_ints(rows)  # on 2 ranks with 3 and 4 rows
+    [3, 4]
+    """
+    size, _ = world()
+    if size == 1:
+        return [value]
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(gathered, torch.tensor([value]))
+    return [int(g.item()) for g in gathered]
 
 
 def multi_process() -> bool:

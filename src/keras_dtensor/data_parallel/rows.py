@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from keras_dtensor.launch import all_gather_ints
 from keras_dtensor.launch import world
 
 __all__ = ["gather_rows", "leading_rows", "local_rows", "row_counts"]
@@ -75,14 +76,9 @@ def row_counts(batch, distribution):
     A global batch is split by `_row_split` (no communication); with
     `auto_shard_dataset=False` each rank's own count is exchanged.
     """
-    size, _ = world()
     if distribution.auto_shard_dataset:
-        return [n for _, n in _row_split(leading_rows(batch), size)]
-    if size == 1:
-        return [leading_rows(batch)]
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(counts, torch.tensor([leading_rows(batch)]))
-    return [int(c.item()) for c in counts]
+        return [n for _, n in _row_split(leading_rows(batch), world()[0])]
+    return all_gather_ints(leading_rows(batch))
 
 
 def gather_rows(outputs, counts):
