@@ -7,7 +7,7 @@ keras-dtensor: a (1, N) mesh, keras_hub's own layout map, `enable_lora`,
 
 ```
 pip install 'keras-dtensor[hub]'
-PYTHONHASHSEED=0 OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 \\
+OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 \\
     examples/gemma_lora.py
 ```
 

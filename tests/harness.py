@@ -81,9 +81,8 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
         RankError: naming the failing rank and its traceback, or the
             ranks that did not finish in time.
     """
-    # Children inherit the environment at start: one string-hash seed for
-    # all ranks (see keras_dtensor.launch._check_hash_seed).
-    os.environ.setdefault("PYTHONHASHSEED", "0")
+    # No PYTHONHASHSEED: ranks hash strings differently, as under plain
+    # torchrun (keras_dtensor.placement_order makes that safe).
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

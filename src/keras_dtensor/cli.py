@@ -61,7 +61,6 @@ def _info(args):
 
 def _demo(args):
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
-    env.setdefault("PYTHONHASHSEED", "0")  # see launch._check_hash_seed
     command = [
         sys.executable,
         "-m",

@@ -147,7 +147,7 @@ def init_process_group(
         _backend(), store=store, rank=rank, world_size=world, timeout=timeout
     )
     atexit.register(_destroy)
-    _check_hash_seed()
+    _check_placement_order()
     agree_on_seed()
     return True
 
@@ -175,32 +175,25 @@ def agree_on_seed():
     rng_utils.set_random_seed(int(seed.item()))
 
 
-def _check_hash_seed():
-    """Raises unless every rank hashes strings the same way.
+def _check_placement_order():
+    """Raises unless every rank orders sets of placements the same way.
 
-    torch 2.13's DTensor breaks cost ties between sharding strategies by
-    the iteration order of Python sets, which follows string hashes (the
-    mesh axis names, `Partial`'s reduce op). With per-process hash
-    randomization, ranks can pick different strategies for the same op and
-    run different collectives: a crash or a hang mid-training (seen with a
-    vocabulary-sharded Embedding). Failing here, at start, is better.
+    DTensor breaks ties between equally cheap sharding strategies in that
+    order; `placement_order` makes it independent of `PYTHONHASHSEED`.
+    Ranks that disagree (its hashes taken off by `uninstall()` on some
+    ranks only) could run different collectives and hang: fail at start.
     """
-    if dist.get_world_size() == 1:
-        return
-    mine = torch.tensor(
-        [hash("keras_dtensor") & 0x7FFFFFFFFFFFFFFF], device=local_device()
-    )
-    seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(seen, mine)
-    if len({int(t.item()) for t in seen}) > 1:
+    from keras_dtensor import placement_order
+
+    digests = all_gather_ints(placement_order.order_digest())
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(
-            "keras_dtensor: the processes hash strings differently (Python "
-            "hash randomization), so DTensor may choose different sharding "
-            "strategies on different ranks and hang. Launch every process "
-            "with the same PYTHONHASHSEED, e.g. "
-            "`PYTHONHASHSEED=0 torchrun --nproc_per_node=2 train.py` (the "
-            f"`keras-dtensor` CLI does). PYTHONHASHSEED here: "
-            f"{os.environ.get('PYTHONHASHSEED', 'unset')}."
+            "keras_dtensor: ranks order DTensor placements differently "
+            f"(ranks {odd} differ from rank 0 of {len(digests)}), so they "
+            "may choose different sharding strategies and hang. Import "
+            "keras_dtensor on every rank before the first DTensor op, and "
+            "do not call keras_dtensor.uninstall() on some ranks only."
         )
 
 

@@ -3,17 +3,7 @@
 Only the functions live here; the `PATCHES` table (`patches.py`) installs
 them, shows them in `keras-dtensor info` and takes them off again.
 
-1. Every rank must choose the same sharding strategy for an op, or the
-   ranks run different collectives and the job dies ("Received data size
-   doesn't match expected size ... collective mismatch") or hangs.
-   DTensor's strategy search breaks cost ties by the iteration order of
-   Python sets of placements, which follows their hashes. String hashes
-   must agree across ranks (one PYTHONHASHSEED; `launch._check_hash_seed`
-   checks it at start); `_MaskPartial.__hash__` also hashes `id(mask_buffer)`,
-   a memory address that differs between processes. `mask_partial_hash`
-   leaves the address out (a hash may be coarser than `__eq__`, which
-   compares the buffer by identity). Without it, a vocabulary-sharded
-   Embedding allgathered its table on one rank only.
+1. Sharding choices that agree across ranks are in `placement_order.py`.
 
 2. Sharding strategies for ops DTensor lacks, registered through the
    public experimental `register_sharding`; they only affect ops whose
@@ -46,7 +36,6 @@ __all__ = [
     "flash_cpu_backward_ops",
     "flash_cpu_ops",
     "keep_kwargs_in_place",
-    "mask_partial_hash",
     "missing_comparisons",
     "register_elementwise",
     "wrap_redistribute_backward",
@@ -55,11 +44,6 @@ __all__ = [
 ]
 
 _aten = torch.ops.aten
-
-
-def mask_partial_hash(self):
-    """`_MaskPartial.__hash__` without a memory address in it."""
-    return 1 + hash((self.reduce_op, tuple(self.offset_shape), self.offset_dim))
 
 
 def _per_row_or_head(num_outputs, num_tensors, num_scalars, attn_mask):

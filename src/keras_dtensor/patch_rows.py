@@ -15,7 +15,16 @@ from typing import Any
 from keras_dtensor.compat import SUPPORTED_KERAS
 from keras_dtensor.compat import SUPPORTED_TORCH
 
-__all__ = ["MISSING", "TAG", "CacheKey", "Patch", "Registration"]
+__all__ = [
+    "MISSING",
+    "TAG",
+    "CacheKey",
+    "Patch",
+    "Registration",
+    "apply_rows",
+    "restore_rows",
+    "row_status",
+]
 
 TAG = "__keras_dtensor_patch__"
 MISSING = object()
@@ -236,3 +245,53 @@ class CacheKey:
         op, _, ours = saved
         table = self._table(_propagator(), op)
         return table is not None and table.get(op) is ours
+
+
+def _installed_versions():
+    from keras_dtensor.compat import keras_version
+    from keras_dtensor.compat import torch_version
+
+    return {"keras": keras_version(), "torch": torch_version()}
+
+
+def apply_rows(rows, saved):
+    """Applies `rows`, recording each original in `saved[row.target]`.
+
+    Every row's version range is checked before anything is replaced.
+    """
+    from packaging.specifiers import SpecifierSet
+
+    versions = _installed_versions()
+    for row in rows:
+        version = versions[row.package]
+        if version not in SpecifierSet(row.versions):
+            raise RuntimeError(
+                f"keras_dtensor's hook on {row.target} was checked against "
+                f"{row.package}{row.versions}; the installed {row.package} "
+                f"is {version}."
+            )
+    for row in rows:
+        saved[row.target] = row.apply()
+
+
+def restore_rows(rows, saved):
+    """Restores, in reverse order, every row whose original is in `saved`."""
+    for row in reversed(rows):
+        original = saved.pop(row.target, None)
+        if original is not None:
+            row.restore(original)
+
+
+def row_status(rows, saved):
+    """`[(target, state, why)]`, state `applied`, `original` or replaced."""
+    result = []
+    for row in rows:
+        original = saved.get(row.target)
+        if original is None:
+            state = "original"
+        elif row.is_current(original):
+            state = "applied"
+        else:
+            state = "replaced by another library"
+        result.append((row.target, state, row.why))
+    return result

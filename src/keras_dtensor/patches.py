@@ -30,6 +30,8 @@ from keras_dtensor import instance_patches
 from keras_dtensor import jit
 from keras_dtensor import layer_call
 from keras_dtensor import ops
+from keras_dtensor import patch_rows
+from keras_dtensor import placement_order
 from keras_dtensor import saving
 from keras_dtensor import variables
 from keras_dtensor.compat import SUPPORTED_TORCH
@@ -261,11 +263,40 @@ PATCHES = (
     ),
     Patch(
         "torch.distributed.tensor.placement_types",
+        "Partial.__hash__",
+        "It hashes the reduce-op string, salted per process "
+        "(PYTHONHASHSEED); DTensor breaks strategy ties in set order, so "
+        "ranks launched by plain torchrun could choose different "
+        "collectives and hang.",
+        lambda original: placement_order.partial_hash,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
+        "torch.distributed.tensor.placement_types",
         "_MaskPartial.__hash__",
         "It hashes a memory address, which differs between processes; "
         "DTensor orders strategies by hash, so ranks could choose "
         "different collectives (vocabulary-sharded Embedding).",
-        lambda original: ops.mask_partial_hash,
+        lambda original: placement_order.mask_partial_hash,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
+        "torch.distributed.tensor._ops._math_ops",
+        "_NormPartial.__hash__",
+        "Its norm type may be a string ('fro'), salted per process.",
+        lambda original: placement_order.norm_partial_hash,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
+        "torch.distributed.tensor._redistribute",
+        "DTensorRedistributePlanner.__init__",
+        "Its sets of target reduce-op strings iterate in per-process "
+        "string-hash order; insertion-ordered sets make the planned "
+        "collectives agree across ranks.",
+        placement_order.wrap_planner_init,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),
@@ -330,13 +361,6 @@ def is_applied() -> bool:
     return bool(_ORIGINALS)
 
 
-def _installed_versions():
-    from keras_dtensor.compat import keras_version
-    from keras_dtensor.compat import torch_version
-
-    return {"keras": keras_version(), "torch": torch_version()}
-
-
 def apply():
     """Applies every row of `PATCHES`, once.
 
@@ -344,48 +368,18 @@ def apply():
         RuntimeError: the installed Keras or torch is outside a row's
             range (checked for all rows before anything is replaced).
     """
-    from packaging.specifiers import SpecifierSet
-
-    if is_applied():
-        return
-    versions = _installed_versions()
-    for row in PATCHES:
-        version = versions[row.package]
-        if version not in SpecifierSet(row.versions):
-            raise RuntimeError(
-                f"keras_dtensor's hook on {row.target} was checked against "
-                f"{row.package}{row.versions}; the installed {row.package} "
-                f"is {version}."
-            )
-    for row in PATCHES:
-        _ORIGINALS[row.target] = row.apply()
+    if not is_applied():
+        patch_rows.apply_rows(PATCHES, _ORIGINALS)
 
 
 def restore():
     """Restores the originals of every row we still own, and the attributes
     set on single objects."""
-    for row in reversed(PATCHES):
-        saved = _ORIGINALS.pop(row.target, None)
-        if saved is not None:
-            row.restore(saved)
+    patch_rows.restore_rows(PATCHES, _ORIGINALS)
     instance_patches.restore()
 
 
 def status():
-    """One row per patch: target, whether our hook is in place, why.
-
-    Returns:
-        A list of `(target, state, why)`; state is `"applied"`,
-        `"original"` or `"replaced by another library"`.
-    """
-    rows = []
-    for row in PATCHES:
-        saved = _ORIGINALS.get(row.target)
-        if saved is None:
-            state = "original"
-        elif row.is_current(saved):
-            state = "applied"
-        else:
-            state = "replaced by another library"
-        rows.append((row.target, state, row.why))
-    return rows
+    """One row per patch: `(target, state, why)`; state is `"applied"`,
+    `"original"` or `"replaced by another library"`."""
+    return patch_rows.row_status(PATCHES, _ORIGINALS)
