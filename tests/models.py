@@ -53,7 +53,18 @@ def odd(keras):
     return keras.Model(inputs, outputs, name="odd")
 
 
+def narrow(keras):
+    """Widths (3, 1) smaller than or uneven over the mesh axis, under the
+    README's own `.*dense.*kernel` -> `(None, "model")` layout."""
+    inputs = keras.Input((WIDTH,), name="features")
+    h = keras.layers.Dense(3, activation="tanh", name="dense_a")(inputs)
+    h = keras.layers.Dense(1, name="dense_b")(h)
+    outputs = keras.layers.Dense(4, name="out")(h)
+    return keras.Model(inputs, outputs, name="narrow")
+
+
 MODELS = {
+    "narrow": narrow,
     "mlp": mlp,
     "transformer": transformer,
     "embedding": embedding,
@@ -76,6 +87,7 @@ TP_LAYOUTS = {
         ".*ffn_down/kernel": ("model", None),
         ".*embed/embeddings": (None, "model"),
     },
+    "narrow": {".*dense.*kernel": (None, "model"), ".*dense.*bias": ("model",)},
     # Vocabulary-parallel embedding.
     "embedding": {".*embed/embeddings": ("model", None)},
 }
@@ -98,7 +110,7 @@ def fsdp_layouts(model_name, axis="batch"):
 
 def data(model_name, n=64, seed=0):
     rng = np.random.default_rng(seed)
-    if model_name in ("mlp", "odd"):
+    if model_name in ("mlp", "odd", "narrow"):
         x = rng.normal(size=(n, WIDTH)).astype("float32")
     else:
         x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")

@@ -112,6 +112,9 @@ CASES_2 = (
     ]
     + [((2,), ("model",), "tp", m, "adam") for m in MODELS]
     + [((2,), ("batch",), "fsdp", m, "adam") for m in MODELS]
+    # Dims smaller than the axis: gradients must reach the optimizer in
+    # their variable's layout (Dense(1) under the README's layout map).
+    + [((1, 2), ("batch", "model"), "tp", "narrow", o) for o in ("sgd", "adam")]
 )
 
 CASES_4 = (
@@ -122,6 +125,7 @@ CASES_4 = (
     ]
     + [((4,), ("batch",), "fsdp", m, "adamw") for m in MODELS]
     + [((1, 4), ("batch", "model"), "tp", "mlp", "rmsprop")]
+    + [((1, 4), ("batch", "model"), "tp", "narrow", "adamw")]
 )
 
 

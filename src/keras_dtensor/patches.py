@@ -164,6 +164,14 @@ PATCHES = (
     ),
     Patch(
         "keras.src.optimizers.base_optimizer",
+        "BaseOptimizer._filter_empty_gradients",
+        "Backward can leave a gradient partial or sharded along another "
+        "dim (Dense(1) under (None, 'model')); the optimizer's in-place "
+        "update then fails. Gradients are laid out as their variables.",
+        variables.wrap_filter_empty_gradients,
+    ),
+    Patch(
+        "keras.src.optimizers.base_optimizer",
         "BaseOptimizer.add_variable_from_reference",
         "A split update leaves a slot stale off its variable's owner; "
         "bringing it back needs to know its variable.",

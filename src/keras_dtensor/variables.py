@@ -17,6 +17,7 @@ __all__ = [
     "variable_layout",
     "wrap_convert_to_numpy",
     "wrap_direct_assign",
+    "wrap_filter_empty_gradients",
     "wrap_initialize",
     "wrap_initialize_with_initializer",
 ]
@@ -196,3 +197,40 @@ def wrap_convert_to_numpy(original):
         return original(x)
 
     return _convert_to_numpy
+
+
+def _in_layout_of(grad, variable):
+    """`grad` laid out as `variable`'s value (the same object if it is)."""
+    value = getattr(variable, "value", None)
+    if not isinstance(value, DTensor):
+        return grad
+    if isinstance(grad, DTensor):
+        if grad.placements == value.placements:
+            return grad
+        return grad.redistribute(value.device_mesh, value.placements)
+    return _to_dtensor(variable, grad)  # a plain tensor is a global value
+
+
+def wrap_filter_empty_gradients(original):
+    """Wraps `BaseOptimizer._filter_empty_gradients(grads, variables)`.
+
+    The first thing `optimizer.apply` does with the pairs. Backward leaves
+    a gradient in whatever placement the last op's strategy produced: a
+    partial sum, or sharded along another dim (a layout that shards a
+    dimension smaller than the mesh axis, as `Dense(1)` under
+    `(None, "model")`). The optimizer's in-place updates then fail ("in-place
+    operations that require placement changes"). Each gradient is laid out
+    as its variable here, once, for every optimizer.
+    """
+
+    def _filter_empty_gradients(self, grads, variables):
+        grads, variables = original(self, grads, variables)
+        if context.current() is None:
+            return grads, variables
+        grads = [
+            g if g is None else _in_layout_of(g, v)
+            for g, v in zip(grads, variables, strict=True)
+        ]
+        return grads, variables
+
+    return _filter_empty_gradients
