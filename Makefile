@@ -7,9 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # CI pins the exact versions; pyproject.toml declares the supported ranges.
 PINS := torch==2.13.0 keras==3.15.1
-# The tests also feed tf.data pipelines (the `tf` extra) and train keras_hub
+# The tests also feed tf.data pipelines and TensorBoard (the `tf` extra), train keras_hub
 # models (the `hub` extra); the demo needs neither.
-TEST_PINS := tensorflow-cpu==2.21.0 keras-hub==0.32.0
+TEST_PINS := tensorflow-cpu==2.21.0 tensorboard==2.21.0 keras-hub==0.32.0
 
 .PHONY: demo test test-slow setup setup-test lint bench clean
 

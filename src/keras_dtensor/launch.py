@@ -18,7 +18,9 @@ import torch.distributed as dist
 from keras_dtensor import config
 
 __all__ = [
+    "all_gather_bytes",
     "all_gather_ints",
+    "broadcast_bytes",
     "device_type",
     "ensure_process_group",
     "init_process_group",
@@ -226,6 +228,40 @@ def all_gather_ints(value: int) -> list[int]:
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(gathered, torch.tensor([value]))
     return [int(g.item()) for g in gathered]
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """`src`'s `data` on every rank (a collective; `data` alone at size 1).
+
+    Bytes travel as uint8 tensors: nothing from a peer is unpickled.
+    """
+    size, rank = world()
+    if size == 1:
+        return data
+    length = torch.tensor([len(data) if rank == src else 0])
+    dist.broadcast(length, src=src)
+    if rank == src:
+        buffer = torch.tensor(list(data), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, src=src)
+    return data if rank == src else bytes(buffer.tolist())
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's `data`, in rank order (a collective; as uint8 tensors)."""
+    size, _ = world()
+    if size == 1:
+        return [data]
+    lengths = all_gather_ints(len(data))
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(gathered, padded)
+    return [
+        bytes(g[:n].tolist()) for g, n in zip(gathered, lengths, strict=True)
+    ]
 
 
 def multi_process() -> bool:

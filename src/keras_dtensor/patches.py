@@ -33,6 +33,7 @@ from keras_dtensor import ops
 from keras_dtensor import patch_rows
 from keras_dtensor import placement_order
 from keras_dtensor import saving
+from keras_dtensor import shared_files
 from keras_dtensor import variables
 from keras_dtensor.compat import SUPPORTED_TORCH
 from keras_dtensor.patch_rows import CacheKey
@@ -181,8 +182,40 @@ PATCHES = (
         "keras.src.backend.torch.trainer",
         "TorchTrainer.fit",
         "DataParallel splits optimizer updates only inside fit, and its "
-        "end must bring the slots stale off their owner back.",
-        data_parallel.wrap_fit,
+        "end must bring the slots stale off their owner back; callbacks' "
+        "file operations are shared (as evaluate/predict below).",
+        lambda original: shared_files.wrap_trainer_call(
+            data_parallel.wrap_fit(original)
+        ),
+    ),
+    *(
+        Patch(
+            "keras.src.backend.torch.trainer",
+            f"TorchTrainer.{method}",
+            "Callbacks' file operations on N processes: rank 0 performs "
+            "each, every rank gets its outcome (shared_files.py).",
+            shared_files.wrap_trainer_call,
+        )
+        for method in ("evaluate", "predict")
+    ),
+    *(
+        Patch(
+            "keras.src.utils.file_utils",
+            name,
+            "Every rank ran BackupAndRestore/ModelCheckpoint/CSVLogger's "
+            "directory creation, copies and deletes on shared paths: "
+            "FileExistsError/FileNotFoundError, then a hang. Inside fit/"
+            "evaluate/predict, rank 0 acts and every rank gets its outcome.",
+            functools.partial(shared_files.wrap_file_operation, name=name),
+        )
+        for name in shared_files.FILE_OPERATIONS
+    ),
+    Patch(
+        "keras.src.callbacks.tensorboard",
+        "TensorBoard.set_model",
+        "Every rank wrote its own event files into the shared log_dir "
+        "(one run per rank); the others write to a scratch directory.",
+        shared_files.wrap_tensorboard_set_model,
     ),
     Patch(
         "keras.src.backend.torch.trainer",

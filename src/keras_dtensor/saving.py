@@ -17,16 +17,21 @@ rank raises the same error instead of the others waiting for the
 collective timeout.
 """
 
+import contextlib
 import datetime
+import glob
 import os
 import shutil
 import tempfile
+import time
 import uuid
 
 import torch.distributed as dist
 
 from keras_dtensor import config
 from keras_dtensor import data_parallel
+from keras_dtensor import launch
+from keras_dtensor import shared_files
 from keras_dtensor.launch import multi_process
 
 __all__ = ["wrap_save"]
@@ -34,26 +39,36 @@ __all__ = ["wrap_save"]
 
 def _check_all_ranks_save(what, filepath):
     timeout = config.get("SAVE_TIMEOUT")
+    start = time.monotonic()
     try:
         dist.monitored_barrier(
             timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
         )
     except RuntimeError as e:
+        waited = time.monotonic() - start
         raise RuntimeError(
             f"{what}({str(filepath)!r}) must be called on every rank: it "
             "gathers sharded variables, a collective. Rank "
-            f"{dist.get_rank()} of {dist.get_world_size()} waited {timeout:g}"
-            " s for the others (KERAS_DTENSOR_SAVE_TIMEOUT sets this). "
-            f"Call it on all ranks; only rank 0 writes the file. Details: {e}"
+            f"{dist.get_rank()} of {dist.get_world_size()} waited "
+            f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
+            "for the others, which did not arrive or died. Call it on all "
+            f"ranks; only rank 0 writes the file. Details: {e}"
         ) from None
+
+
+def _remove_leftovers(directory, name):
+    """Rank 0's temporary files of this target left by a killed save."""
+    pattern = os.path.join(glob.escape(directory), f".{'[0-9a-f]' * 32}.")
+    for path in glob.glob(pattern + glob.escape(name)):
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _share_failure(problem):
     """Every rank's failure (or `None`), as `[(rank, message), ...]`."""
-    failures = [None] * dist.get_world_size()
-    mine = None if problem is None else f"{type(problem).__name__}: {problem}"
-    dist.all_gather_object(failures, mine)
-    return [(rank, m) for rank, m in enumerate(failures) if m is not None]
+    mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
+    failures = launch.all_gather_bytes(mine.encode())
+    return [(r, m.decode()) for r, m in enumerate(failures) if m]
 
 
 def _raise_if_failed(failures, what, filepath, own=None):
@@ -66,6 +81,45 @@ def _raise_if_failed(failures, what, filepath, own=None):
         f"{what}({filepath!r}) failed on rank {rank} of "
         f"{dist.get_world_size()}: {message}"
     )
+
+
+def _gather_and_write(original, what, model, filepath, *args, **kwargs):
+    _check_all_ranks_save(what, filepath)
+    # DataParallel leaves some optimizer slots stale on non-owners.
+    data_parallel.sync_optimizer_state(model)
+    final = os.fspath(filepath)
+    name = os.path.basename(final)  # Keras checks the file suffix
+    if dist.get_rank() == 0:
+        scratch = None
+        directory = os.path.dirname(final) or "."
+        _remove_leftovers(directory, name)
+        target = os.path.join(directory, f".{uuid.uuid4().hex}.{name}")
+    else:
+        scratch = tempfile.mkdtemp(prefix="keras_dtensor_save_")
+        target = os.path.join(scratch, name)
+    problem = None
+    if scratch is None:
+        probe = f"{target}.probe"
+        try:  # can rank 0 write there at all?
+            open(probe, "wb").close()
+            os.remove(probe)
+        except OSError as e:
+            problem = e
+    _raise_if_failed(_share_failure(problem), what, final)
+    try:
+        result = original(model, target, *args, **kwargs)
+        if scratch is None:
+            os.replace(target, final)
+    except Exception as e:
+        problem = e
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        elif os.path.exists(target):
+            os.remove(target)
+    # Nobody returns before the file is in place, so any rank may load.
+    _raise_if_failed(_share_failure(problem), what, final, problem)
+    return result
 
 
 def wrap_save(original, what):
@@ -82,41 +136,11 @@ def wrap_save(original, what):
     def _save(model, filepath, *args, **kwargs):
         if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
-        _check_all_ranks_save(what, filepath)
-        # DataParallel leaves some optimizer slots stale on non-owners.
-        data_parallel.sync_optimizer_state(model)
-        final = os.fspath(filepath)
-        name = os.path.basename(final)  # Keras checks the file suffix
-        if dist.get_rank() == 0:
-            scratch = None
-            target = os.path.join(
-                os.path.dirname(final) or ".", f".{uuid.uuid4().hex}.{name}"
+        # Every rank runs Keras's writer on its own target: not the shared
+        # file operations of callbacks.
+        with shared_files.suspended():
+            return _gather_and_write(
+                original, what, model, filepath, *args, **kwargs
             )
-        else:
-            scratch = tempfile.mkdtemp(prefix="keras_dtensor_save_")
-            target = os.path.join(scratch, name)
-        problem = None
-        if scratch is None:
-            probe = f"{target}.probe"
-            try:  # can rank 0 write there at all?
-                open(probe, "wb").close()
-                os.remove(probe)
-            except OSError as e:
-                problem = e
-        _raise_if_failed(_share_failure(problem), what, final)
-        try:
-            result = original(model, target, *args, **kwargs)
-            if scratch is None:
-                os.replace(target, final)
-        except Exception as e:
-            problem = e
-        finally:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
-            elif os.path.exists(target):
-                os.remove(target)
-        # Nobody returns before the file is in place, so any rank may load.
-        _raise_if_failed(_share_failure(problem), what, final, problem)
-        return result
 
     return _save

@@ -1,0 +1,130 @@
+"""Faults and shared files: Keras callbacks with the same arguments on every
+process, interrupted and resumed runs, against one process."""
+
+import os
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+EPOCHS = 4
+
+
+def _callbacks(keras, root):
+    return [
+        keras.callbacks.BackupAndRestore(os.path.join(root, "backup")),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(root, "ckpt", "w-{epoch}.weights.h5"),
+            save_weights_only=True,
+        ),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(root, "best", "best.keras"),
+            monitor="loss",
+            save_best_only=True,
+        ),
+        keras.callbacks.CSVLogger(os.path.join(root, "log.csv")),
+        keras.callbacks.TensorBoard(os.path.join(root, "tb"), histogram_freq=1),
+    ]
+
+
+def _listing(root):
+    files = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.relpath(os.path.join(folder, name), root)
+            # TensorBoard names event files after the host and process.
+            files.append(path.split(".out.tfevents.")[0])
+    return sorted(files)
+
+
+def _train_with_callbacks(root, strategy):
+    """Interrupted at epoch 2 and resumed (in `root/a`); uninterrupted (in
+    `root/b`). Every rank passes the same paths, as a script would."""
+    import keras
+    import models
+
+    world = len(keras.distribution.list_devices())
+    if strategy == "model_parallel":
+        mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=models.layout_map(
+                    keras, mesh, models.TP_LAYOUTS["mlp"]
+                )
+            )
+        )
+    elif strategy == "data_parallel":
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+    x, y = models.data("mlp")
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = models.MODELS["mlp"](keras)
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        return model
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("interrupted on purpose")
+
+    fit = dict(x=x, y=y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0)
+    a = os.path.join(root, "a")
+    with pytest.raises(RuntimeError, match="on purpose"):
+        build().fit(callbacks=_callbacks(keras, a) + [Interrupt()], **fit)
+    resumed = build()
+    history = resumed.fit(callbacks=_callbacks(keras, a), **fit).history
+    uninterrupted = build()
+    uninterrupted.fit(
+        callbacks=_callbacks(keras, os.path.join(root, "b")), **fit
+    )
+    best = keras.saving.load_model(os.path.join(a, "best", "best.keras"))
+    last = build()
+    last.load_weights(os.path.join(a, "ckpt", f"w-{EPOCHS}.weights.h5"))
+    with open(os.path.join(a, "log.csv")) as f:
+        csv = f.read()
+    return {
+        "history": history,
+        "weights": [np.asarray(w) for w in resumed.get_weights()],
+        "uninterrupted": [np.asarray(w) for w in uninterrupted.get_weights()],
+        "best": [np.asarray(w) for w in best.get_weights()],
+        "last_checkpoint": [np.asarray(w) for w in last.get_weights()],
+        "files": _listing(a),
+        "csv_rows": csv.splitlines(),
+    }
+
+
+def _same(a, b, tolerance=0.0):
+    assert len(a) == len(b)
+    for p, q in zip(a, b, strict=True):
+        np.testing.assert_allclose(p, q, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("strategy", ["model_parallel", "data_parallel"])
+def test_callbacks_on_two_processes_equal_one_process(tmp_path, strategy):
+    (one,) = run_ranks(
+        _train_with_callbacks, 1, str(tmp_path / "one"), None, tensorflow=True
+    )
+    ranks = run_ranks(
+        _train_with_callbacks,
+        2,
+        str(tmp_path / "two"),
+        strategy,
+        tensorflow=True,
+    )
+    for got in ranks:
+        # A resumed fit equals an uninterrupted one, bit for bit.
+        _same(got["weights"], got["uninterrupted"])
+        # Files written once, as by one process (no backup left behind;
+        # TensorBoard: one event file per fit, not per rank).
+        assert got["files"] == one["files"], (got["files"], one["files"])
+        _same(got["weights"], one["weights"], 1e-5)
+        _same(got["last_checkpoint"], got["weights"])
+        _same(got["best"], got["weights"])
+        assert got["csv_rows"][0] == one["csv_rows"][0]
+        assert len(got["csv_rows"]) == len(one["csv_rows"])
+        for key, values in one["history"].items():
+            np.testing.assert_allclose(got["history"][key], values, atol=1e-5)
+    assert ranks[0]["history"] == ranks[1]["history"]
