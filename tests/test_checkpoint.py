@@ -30,6 +30,11 @@ def _save(directory):
     world = keras.distribution.get_device_count()
     distribution = _distribution(keras, world)
     model, result = models.train(keras, "mlp", "adam", distribution)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:  # what a save killed mid-write leaves behind
+        leftover = os.path.join(directory, f".{'0' * 32}.mlp.weights.h5")
+        open(leftover, "wb").close()
     with distribution.scope():
         model.save_weights(os.path.join(directory, "mlp.weights.h5"))
         model.save(os.path.join(directory, "mlp.keras"))
@@ -104,7 +109,8 @@ def _load(directory):
 
 def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
     saved = run_ranks(_save, 4, str(tmp_path), timeout=300)
-    # One writer, atomic rename: no temp files left behind.
+    # One writer, atomic rename: no temp files left behind, not even those
+    # of an earlier killed save.
     assert saved[0]["files"] == ["mlp.keras", "mlp.weights.h5"]
     weights = saved[0]["weights"]
 
