@@ -317,7 +317,7 @@ def test_every_input_kind_matches_one_process(world):
 def test_auto_shard_false_means_each_process_feeds_its_rows():
     for diff, error, diverged in run_ranks(_per_process_slices, 2):
         assert diff <= TOLERANCE
-        assert "first batches differ" in diverged
+        assert "batch 0 of this epoch differs" in diverged
         assert "ranks with equal batches: [[0], [1]]" in diverged
-        assert "ranks [0] ran out after 2 batches while ranks [1]" in error
+        assert "ranks [0] have 2 batches this epoch while ranks [1]" in error
         assert "(batches per rank: [2, 3])" in error

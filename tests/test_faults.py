@@ -128,3 +128,88 @@ def test_callbacks_on_two_processes_equal_one_process(tmp_path, strategy):
         for key, values in one["history"].items():
             np.testing.assert_allclose(got["history"][key], values, atol=1e-5)
     assert ranks[0]["history"] == ranks[1]["history"]
+
+
+def _divergence_cases():
+    """Each case returns (error message, seconds until the error)."""
+    import time
+
+    import keras
+    import models
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    x, y = models.data("mlp")
+    out = {}
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = models.MODELS["mlp"](keras)
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    def error_of(fit_args, **kwargs):
+        model = build()
+        start = time.monotonic()
+        try:
+            model.fit(*fit_args, batch_size=4, epochs=1, verbose=0, **kwargs)
+        except RuntimeError as e:
+            return str(e), time.monotonic() - start
+        return None, time.monotonic() - start
+
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    # Batches 0-9 equal, then rank 1's rows differ: found at batch 10
+    # (KERAS_DTENSOR_CHECK_EVERY=10).
+    x_late = x.copy()
+    if rank == 1:
+        x_late[40:] += 1.0
+    out["late"] = error_of((x_late, y), shuffle=False)
+    # One rank has one more batch (a known count): raised up front.
+    n = 64 if rank == 0 else 68
+    out["count"] = error_of(
+        (
+            x[:n] if n <= 64 else np.concatenate([x, x[:4]]),
+            y[:n] if n <= 64 else np.concatenate([y, y[:4]]),
+        )
+    )
+
+    # A generator (unknown count) with one more batch on rank 1.
+    def batches():
+        for i in range(5 + rank):
+            yield x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4]
+
+    out["generator"] = error_of((batches(),))
+
+    # Replicated weights diverge: a callback that acts on one rank only.
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=models.layout_map(keras, mesh, models.TP_LAYOUTS["mlp"])
+        )
+    )
+
+    class OnRankOne(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if rank == 1:
+                bias = self.model.get_layer("out").bias
+                bias.assign(bias + 1e-3)
+
+    out["replicas"] = error_of((x, y), callbacks=[OnRankOne()])
+    return out
+
+
+def test_divergence_and_uneven_data_raise_on_every_rank_within_seconds():
+    for out in run_ranks(_divergence_cases, 2):
+        late, seconds = out["late"]
+        assert "batch 10 of this epoch differs" in late, late
+        assert "ranks with equal batches: [[0], [1]]" in late
+        assert seconds < 20
+        count, seconds = out["count"]
+        assert "(batches per rank: [16, 17])" in count, count
+        assert seconds < 20
+        generator, seconds = out["generator"]
+        assert "ranks [0] have 5 batches this epoch" in generator, generator
+        assert "(batches per rank: [5, 6])" in generator
+        replicas, seconds = out["replicas"]
+        assert "rank 1's copy of 1 weight(s) differs from rank 0's" in replicas
+        assert "mlp/out/bias" in replicas or "out/bias" in replicas, replicas

@@ -29,6 +29,13 @@ def _positive_float(raw):
     return value
 
 
+def _non_negative_int(raw):
+    value = int(raw)
+    if value < 0:
+        raise ValueError(raw)
+    return value
+
+
 def _flag(raw):
     lowered = raw.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -116,6 +123,14 @@ VARIABLES = (
         25.0,
         "MiB > 0",
         "DataParallel gradient bucket size (DDP's bucket_cap_mb)",
+    ),
+    Variable(
+        "CHECK_EVERY",
+        _non_negative_int,
+        10,
+        "an integer >= 0 (0: first batch of each epoch only)",
+        "compare a checksum of the global batch across ranks every N "
+        "batches (auto_shard_dataset=True)",
     ),
     Variable(
         "SPLIT_UPDATE",

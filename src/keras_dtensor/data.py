@@ -97,7 +97,9 @@ def wrap_get_iterator(original):
                 iterator, self.data_adapter.num_batches
             )
         elif getattr(distribution, "_is_multi_process", False):
-            iterator = input_checks.same_global_batches(iterator)
+            iterator = input_checks.same_global_batches(
+                iterator, self.data_adapter.num_batches
+            )
         if context.is_data_parallel(distribution):
             return iterator  # local mode: the step function takes its rows
         return (

@@ -10,22 +10,45 @@ forever: these checks turn both into an error on every rank.
 import numpy as np
 import torch
 
+from keras_dtensor import config
 from keras_dtensor.launch import all_gather_ints
 
 __all__ = ["same_global_batches", "same_number_of_batches"]
 
 
-def _uneven_error(counts):
+def _uneven_error(counts, global_batches=False):
     low = min(counts)
     done = [r for r, c in enumerate(counts) if c == low]
     more = [r for r, c in enumerate(counts) if c != low]
+    if global_batches:
+        how = (
+            "With auto_shard_dataset=True (the default) every process must "
+            "yield the same global batches"
+        )
+        fix = "Give every process the same dataset"
+    else:
+        how = (
+            "With auto_shard_dataset=False each process feeds its own data, "
+            "and every process must yield the same number of batches"
+        )
+        fix = (
+            "Even out the per-process data, or let keras-dtensor shard one "
+            "global dataset"
+        )
     return RuntimeError(
-        "With auto_shard_dataset=False each process feeds its own data, and "
-        "every process must yield the same number of batches: ranks "
-        f"{done} ran out after {low} batches while ranks {more} had more "
-        f"(batches per rank: {counts}). Even out the per-process data, or "
-        "let keras-dtensor shard one global dataset."
+        f"{how}: ranks {done} have {low} batches this epoch while ranks "
+        f"{more} have more (batches per rank: {counts}). {fix}."
     )
+
+
+_SAMPLE = 1 << 16
+
+
+def _sample(flat):
+    """At most ~64K evenly spaced elements: a reordered or different batch
+    changes them, and a large batch costs no more than a small one."""
+    step = max(1, len(flat) // _SAMPLE)
+    return flat[::step]
 
 
 def _digest(batch):
@@ -42,54 +65,86 @@ def _digest(batch):
             continue
         if isinstance(leaf, torch.Tensor):  # any dtype, bfloat16 too
             crc = zlib.crc32(repr(tuple(leaf.shape)).encode(), crc)
-            raw = leaf.detach().cpu().contiguous().reshape(-1)
-            leaf = raw.view(torch.uint8).numpy()
+            raw = _sample(leaf.detach().reshape(-1)).contiguous()
+            leaf = raw.cpu().view(torch.uint8).numpy()
         leaf = np.asarray(leaf)
         if leaf.dtype.kind not in "biufc":  # strings, objects: skipped
             continue
-        crc = zlib.crc32(np.ascontiguousarray(leaf).tobytes(), crc)
+        raw = np.ascontiguousarray(_sample(leaf.reshape(-1)))
+        crc = zlib.crc32(raw.tobytes(), crc)
         crc = zlib.crc32(repr(leaf.shape).encode(), crc)
     return crc
 
 
-def same_global_batches(iterator):
-    """Checks that every rank sees the same first global batch.
+def same_global_batches(iterator, num_batches=None):
+    """Checks that every rank sees the same global batches, as many of them.
 
     With `auto_shard_dataset=True` every process must yield the same global
     batches (each keeps its own rows). A pipeline that differs per process,
     typically a shuffle seeded differently on each rank, would train on
-    overlapping and missing rows with no error: the first batch of every
-    epoch is compared (one all-gather of a checksum), and a mismatch raises.
+    overlapping and missing rows with no error; one that yields more
+    batches on one rank would leave the others waiting in a collective.
+    Known batch counts are compared once per epoch; a checksum of the
+    batch is compared on the first batch and then every
+    `KERAS_DTENSOR_CHECK_EVERY` batches (one all-gather of one integer).
+    With an unknown count (a generator) the ranks also exchange, with every
+    batch, whether they have one, and all stop together or all raise.
     """
     # iter() now, as Keras does when it prepares the next epoch: a
     # DataLoader draws its seed there, and later would shift the RNG.
-    return _checked_first_batch(iter(iterator))
+    return _checked_batches(iter(iterator), num_batches)
 
 
-def _checked_first_batch(iterator):
-    try:
-        first = next(iterator)
-    except StopIteration:
-        first = None
-    digests = all_gather_ints(_digest(first))
-    if len(set(digests)) > 1:
-        groups = {}
-        for rank, digest in enumerate(digests):
-            groups.setdefault(digest, []).append(rank)
-        raise RuntimeError(
-            "With auto_shard_dataset=True (the default) every process must "
-            "yield the same global batches, and each keeps its own rows; "
-            "here the processes' first batches differ (ranks with equal "
-            f"batches: {sorted(groups.values())}). Seed every source of "
-            "randomness in the input pipeline the same way on every rank "
-            "(keras.utils.set_random_seed(seed) before building it, or "
-            "explicit seeds), or, if each process deliberately feeds its "
-            "own rows, pass auto_shard_dataset=False."
-        )
-    if first is None:
+def _raise_if_batches_differ(digests, index):
+    if len(set(digests)) == 1:
         return
-    yield first
-    yield from iterator
+    groups = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    raise RuntimeError(
+        "With auto_shard_dataset=True (the default) every process must "
+        "yield the same global batches, and each keeps its own rows; here "
+        f"the processes' batch {index} of this epoch differs (ranks with "
+        f"equal batches: {sorted(groups.values())}). Seed every source of "
+        "randomness in the input pipeline the same way on every rank "
+        "(keras.utils.set_random_seed(seed) before building it, or explicit "
+        "seeds), or, if each process deliberately feeds its own rows, pass "
+        "auto_shard_dataset=False."
+    )
+
+
+def _checked_batches(iterator, num_batches):
+    counts = all_gather_ints(-1 if num_batches is None else num_batches)
+    known = all(c >= 0 for c in counts)
+    if known and len(set(counts)) > 1:
+        raise _uneven_error(counts, global_batches=True)
+    every = config.get("CHECK_EVERY")
+    index = 0
+    while True:
+        checked = index == 0 or (every and index % every == 0)
+        if known and not checked:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+        else:
+            try:
+                batch = next(iterator)
+                mine = _digest(batch) if checked else 0
+            except StopIteration:
+                batch, mine = None, -1
+            digests = all_gather_ints(mine)
+            ended = [d == -1 for d in digests]
+            if all(ended):
+                return
+            if any(ended):
+                raise _uneven_error(
+                    [index + (not e) for e in ended], global_batches=True
+                )
+            if checked:
+                _raise_if_batches_differ(digests, index)
+        index += 1
+        yield batch
 
 
 def same_number_of_batches(iterator, num_batches):

@@ -19,6 +19,7 @@ from keras_dtensor import config
 
 __all__ = [
     "all_gather_bytes",
+    "all_gather_int_lists",
     "all_gather_ints",
     "broadcast_bytes",
     "device_type",
@@ -228,6 +229,17 @@ def all_gather_ints(value: int) -> list[int]:
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(gathered, torch.tensor([value]))
     return [int(g.item()) for g in gathered]
+
+
+def all_gather_int_lists(values: list[int]) -> list[list[int]]:
+    """Every rank's list of ints (the same length on every rank), by rank."""
+    size, _ = world()
+    if size == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine)
+    return [g.tolist() for g in gathered]
 
 
 def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:

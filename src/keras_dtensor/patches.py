@@ -32,6 +32,7 @@ from keras_dtensor import layer_call
 from keras_dtensor import ops
 from keras_dtensor import patch_rows
 from keras_dtensor import placement_order
+from keras_dtensor import replica_check
 from keras_dtensor import saving
 from keras_dtensor import shared_files
 from keras_dtensor import variables
@@ -183,9 +184,10 @@ PATCHES = (
         "TorchTrainer.fit",
         "DataParallel splits optimizer updates only inside fit, and its "
         "end must bring the slots stale off their owner back; callbacks' "
-        "file operations are shared (as evaluate/predict below).",
+        "file operations are shared (as evaluate/predict below); replicas "
+        "of the weights are compared when it returns (silent divergence).",
         lambda original: shared_files.wrap_trainer_call(
-            data_parallel.wrap_fit(original)
+            replica_check.wrap_fit(data_parallel.wrap_fit(original))
         ),
     ),
     *(

@@ -1,0 +1,102 @@
+"""At the end of `fit`, every replica of every trainable weight is equal.
+
+Replicated weights (all of them under `DataParallel`; under `ModelParallel`
+those not sharded, and every shard across the axes it is not sharded on)
+are updated by the same code from the same global values on each rank, so
+they stay bit-identical, unless the ranks saw different data or ran
+different code (a rank-dependent callback, a per-rank random op). Then
+they drift apart silently and each rank logs its own loss. When `fit`
+returns on several processes, each rank takes a checksum of each of its
+local weights, on its device (the integer sum of the bit patterns), and
+one all-gather compares them between the ranks that hold the same shards.
+"""
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor import launch
+
+__all__ = ["check_replicas", "wrap_fit"]
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(value):
+    local = value.to_local() if isinstance(value, DTensor) else value
+    flat = local.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
+    return bits.sum(dtype=torch.int64)
+
+
+def _replica_of(value, world):
+    """For each rank, the first rank that holds the same local values."""
+    if not isinstance(value, DTensor):
+        return [0] * world  # a plain tensor: every rank is a replica
+    ranks = value.device_mesh.mesh
+    sharded = [
+        i for i, p in enumerate(value.placements) if not p.is_replicate()
+    ]
+    first_of_key, replica = {}, [None] * world
+    for index in (
+        torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape])
+        .reshape(-1, ranks.dim())
+        .tolist()
+    ):
+        rank = int(ranks[tuple(index)])
+        key = tuple(index[d] for d in sharded)
+        replica[rank] = first_of_key.setdefault(key, rank)
+    return replica
+
+
+def check_replicas(model):
+    """Raises on every rank if replicas of `model`'s trainable weights differ.
+
+    A collective: every rank calls it (`fit` does, when it returns).
+    """
+    world, _ = launch.world()
+    variables = list(model.trainable_weights)
+    if world == 1 or not variables:
+        return
+    values = [v.value for v in variables]
+    sums = torch.stack([_checksum(v).cpu() for v in values]).tolist()
+    gathered = launch.all_gather_int_lists(sums)
+    layouts = {}
+    differ = {}  # (rank, its replica) -> paths
+    for i, value in enumerate(values):
+        key = (
+            (id(value.device_mesh), tuple(value.placements))
+            if isinstance(value, DTensor)
+            else None
+        )
+        if key not in layouts:
+            layouts[key] = _replica_of(value, world)
+        for rank, first in enumerate(layouts[key]):
+            if gathered[rank][i] != gathered[first][i]:
+                differ.setdefault((rank, first), []).append(variables[i].path)
+    if differ:
+        (rank, first), paths = next(iter(differ.items()))
+        raise RuntimeError(
+            f"After fit, rank {rank}'s copy of {len(paths)} weight(s) "
+            f"differs from rank {first}'s, which should hold the same values "
+            f"(first: {paths[:3]}; {world} processes). The ranks trained on "
+            "different data or ran different code: check that every rank "
+            "feeds the same global batches and seeds, and that callbacks "
+            "do the same on every rank."
+        )
+
+
+def wrap_fit(original):
+    """Wraps `TorchTrainer.fit`: `check_replicas` when it returns."""
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        history = original(self, *args, **kwargs)
+        if launch.multi_process():
+            check_replicas(self)
+        return history
+
+    return fit
