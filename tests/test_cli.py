@@ -141,3 +141,64 @@ def test_plain_torchrun_without_a_hash_seed_trains_model_parallel(tmp_path):
     for r in results:
         assert r["loss"] == r["reference_loss"]
         assert r["max_weight_diff"] < 1e-6
+
+
+def test_run_launcher_restarts_a_failed_job(tmp_path):
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "keras_dtensor.cli",
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            "1",
+            os.path.join(HERE, "scripts", "lazy_train.py"),
+        ],
+        env={"RESULT_DIR": str(tmp_path), "FAIL_FIRST_ATTEMPT": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+    ]
+    assert [r["restart"] for r in results] == [1, 1]
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def test_two_nodes_of_two_processes_on_loopback(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=two-nodes",
+        os.path.join(HERE, "scripts", "lazy_train.py"),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESULT_DIR=str(tmp_path))
+    nodes = [
+        subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    results = [
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)
+    ]
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["devices"] == [f"cpu:{i}" for i in range(4)] for r in results)
+    assert all(r["loss"] == results[0]["loss"] for r in results)

@@ -180,6 +180,24 @@ def _divergence_cases():
 
     out["generator"] = error_of((batches(),))
 
+    # Ranks that build different models (a rank-dependent width).
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((models.WIDTH,))
+    odd = keras.Model(inputs, keras.layers.Dense(4 + rank)(inputs))
+    odd.compile(optimizer="sgd", loss="mse")
+    start = time.monotonic()
+    try:
+        odd.fit(x, y[:, : 4 + rank], batch_size=4, verbose=0)
+        out["models"] = None, 0.0
+    except RuntimeError as e:
+        out["models"] = str(e), time.monotonic() - start
+    # A DataParallel mesh that does not hold every process.
+    try:
+        keras.distribution.DataParallel(devices=["cpu:0"]).scope().__enter__()
+        out["devices"] = None
+    except ValueError as e:
+        out["devices"] = str(e)
+
     # Replicated weights diverge: a callback that acts on one rank only.
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
     keras.distribution.set_distribution(
@@ -210,6 +228,10 @@ def test_divergence_and_uneven_data_raise_on_every_rank_within_seconds():
         generator, seconds = out["generator"]
         assert "ranks [0] have 5 batches this epoch" in generator, generator
         assert "(batches per rank: [5, 6])" in generator
+        models, seconds = out["models"]
+        assert "built different models: ranks [1] of 2" in models, models
+        assert seconds < 20
+        assert "has 1 devices ['cpu:0'], but this job has 2" in out["devices"]
         replicas, seconds = out["replicas"]
         assert "rank 1's copy of 1 weight(s) differs from rank 0's" in replicas
         assert "mlp/out/bias" in replicas or "out/bias" in replicas, replicas

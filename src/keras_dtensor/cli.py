@@ -1,9 +1,10 @@
-"""`keras-dtensor` command line: `info` and `demo`.
+"""`keras-dtensor` command line: `info`, `demo` and `run`.
 
 Example:
 ```
 keras-dtensor info
 keras-dtensor demo --nproc 2 --epochs 3
+keras-dtensor run -n 2 train.py --epochs 3
 ```
 """
 
@@ -74,6 +75,36 @@ def _demo(args):
     return subprocess.call(command, env=env)
 
 
+def _run(args):
+    """`keras-dtensor run -n N script.py ...`: torchrun on one machine.
+
+    torch's own elastic launcher (`torch.distributed.run`): a free port,
+    the rendezvous on the loopback address, every rank started with the
+    same environment (one OpenMP thread per rank on CPU unless set), and
+    `--max-restarts` passed through.
+    """
+    import torch.distributed.run as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    launcher_args = [
+        "--nnodes=1",
+        f"--nproc-per-node={args.nproc}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        f"--max-restarts={args.max_restarts}",
+        *(["-m"] if args.module else []),
+        args.script,
+        *args.script_args,
+    ]
+    try:
+        torchrun.run(torchrun.parse_args(launcher_args))
+    except Exception as e:  # ChildFailedError: torch printed the details
+        print(f"keras-dtensor run: {e.__class__.__name__}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None):
     """Entry point of the `keras-dtensor` script."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -93,6 +124,16 @@ def main(argv=None):
     demo.add_argument("--nproc", type=int, default=2)
     demo.add_argument("--epochs", type=int, default=3)
     demo.set_defaults(run=_demo)
+    run = commands.add_parser(
+        "run",
+        help="run a script on N local processes (torch's elastic launcher)",
+    )
+    run.add_argument("-n", "--nproc", type=int, required=True)
+    run.add_argument("--max-restarts", type=int, default=0)
+    run.add_argument("-m", "--module", action="store_true")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(run=_run)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -16,6 +16,8 @@ own (thread-local) implicit-replication setting.
 import contextlib
 import functools
 
+from keras_dtensor.launch import multi_process
+
 __all__ = [
     "current",
     "global_values",
@@ -115,6 +117,12 @@ def wrap_set_distribution(original):
     """
 
     def set_distribution(value):
+        if value is not None and is_data_parallel(value) and multi_process():
+            # DataParallel never builds its mesh on torch: check it here,
+            # or `DataParallel(devices=...)` of the wrong length is ignored.
+            from keras_dtensor.distribution_lib import device_ranks
+
+            device_ranks(value.device_mesh)
         original(value)
         set_global_values(value)
 

@@ -28,6 +28,7 @@ __all__ = [
     "get_device_count",
     "initialize",
     "initialize_rng",
+    "device_ranks",
     "list_devices",
     "num_processes",
     "process_id",
@@ -124,7 +125,7 @@ def process_id():
     return launch.process_id()
 
 
-def _device_ranks(device_mesh):
+def device_ranks(device_mesh):
     """Global ranks of the mesh's devices, checked without communication."""
     world = launch.num_processes()
     names = [str(d) for d in np.asarray(device_mesh.devices).flatten()]
@@ -175,7 +176,7 @@ def _to_backend_mesh(device_mesh):
     from keras.src.backend.common import global_state
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = _device_ranks(device_mesh)
+    ranks = device_ranks(device_mesh)
     launch.ensure_process_group()
     kept = _kept_axes(device_mesh)
     shape = tuple(device_mesh.shape[i] for i in kept)

@@ -1,4 +1,4 @@
-"""At the end of `fit`, every replica of every trainable weight is equal.
+"""Around `fit`: the same model on every rank, equal replicas at the end.
 
 Replicated weights (all of them under `DataParallel`; under `ModelParallel`
 those not sharded, and every shard across the axes it is not sharded on)
@@ -12,13 +12,14 @@ one all-gather compares them between the ranks that hold the same shards.
 """
 
 import functools
+import zlib
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import launch
 
-__all__ = ["check_replicas", "wrap_fit"]
+__all__ = ["check_replicas", "check_same_model", "wrap_fit"]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -89,11 +90,36 @@ def check_replicas(model):
         )
 
 
+def check_same_model(model):
+    """Raises on every rank unless all ranks built the same weights.
+
+    Ranks with different models would run different collectives: gloo
+    aborts the process (SIGABRT, no traceback) or the job hangs. One
+    all-gather of a checksum of the weights' paths, shapes and dtypes.
+    """
+    world, _ = launch.world()
+    if world == 1:
+        return
+    signature = [(w.path, tuple(w.shape), str(w.dtype)) for w in model.weights]
+    digests = launch.all_gather_ints(zlib.crc32(repr(signature).encode()))
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(
+            f"The processes built different models: ranks {odd} of {world} "
+            "differ from rank 0 in their weights' paths, shapes or dtypes "
+            f"(this rank has {len(signature)} weights). Build the same "
+            "model with the same arguments on every process."
+        )
+
+
 def wrap_fit(original):
-    """Wraps `TorchTrainer.fit`: `check_replicas` when it returns."""
+    """Wraps `TorchTrainer.fit`: `check_same_model` before, `check_replicas`
+    when it returns."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
+        if launch.multi_process():
+            check_same_model(self)
         history = original(self, *args, **kwargs)
         if launch.multi_process():
             check_replicas(self)
