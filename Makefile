@@ -31,8 +31,8 @@ demo: setup
 	$(BIN)/keras-dtensor demo --nproc 2 --epochs 3
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples scripts
+	$(BIN)/ruff format --check src tests benchmarks examples scripts
 
 test: setup-test lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10 -m "not slow"

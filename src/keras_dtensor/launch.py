@@ -10,6 +10,7 @@ started in memory when a mesh needs one.
 import atexit
 import datetime
 import os
+import time
 import warnings
 
 import torch
@@ -301,7 +302,22 @@ def process_id() -> int:
     return 0
 
 
+# How long `_destroy` lets go of the GIL at exit; see there.
+_EXIT_GRACE_S = 0.05
+
+
 def _destroy():
+    # A gloo worker thread drops its last reference to a finished collective
+    # after the waiter has already woken up, and for tensors Python has seen
+    # that drop needs the GIL. Once the interpreter is finalizing, a thread
+    # asking for the GIL is ended with `pthread_exit`, whose unwinding through
+    # gloo's `noexcept` frames calls `std::terminate` ("terminate called
+    # without an active exception", SIGABRT, a failed torchrun job). Main
+    # holds the GIL from the last collective to here, so a worker may still
+    # be queued for it: sleeping hands it over while Python is still alive.
+    # `destroy_process_group` does not join gloo's threads (the group lives on
+    # in Python references), so it cannot do this.
+    time.sleep(_EXIT_GRACE_S)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

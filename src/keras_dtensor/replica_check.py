@@ -17,6 +17,7 @@ import zlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import context
 from keras_dtensor import launch
 
 __all__ = ["check_replicas", "check_same_model", "wrap_fit"]
@@ -90,26 +91,55 @@ def check_replicas(model):
         )
 
 
+def _signature(weight):
+    value = weight.value
+    placements = (
+        tuple(str(p) for p in value.placements)
+        if isinstance(value, DTensor)
+        else None
+    )
+    return (tuple(weight.shape), str(weight.dtype), placements)
+
+
 def check_same_model(model):
     """Raises on every rank unless all ranks built the same weights.
 
     Ranks with different models would run different collectives: gloo
     aborts the process (SIGABRT, no traceback) or the job hangs. One
-    all-gather of a checksum of the weights' paths, shapes and dtypes.
+    all-gather of a checksum of the weights' shapes, dtypes and layouts
+    (not their paths: Keras numbers auto-named layers per process, so a
+    rank that built another model first has other names).
     """
     world, _ = launch.world()
     if world == 1:
         return
-    signature = [(w.path, tuple(w.shape), str(w.dtype)) for w in model.weights]
-    digests = launch.all_gather_ints(zlib.crc32(repr(signature).encode()))
-    if len(set(digests)) > 1:
-        odd = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise RuntimeError(
-            f"The processes built different models: ranks {odd} of {world} "
-            "differ from rank 0 in their weights' paths, shapes or dtypes "
-            f"(this rank has {len(signature)} weights). Build the same "
-            "model with the same arguments on every process."
+    signatures = [_signature(w) for w in model.weights]
+    digests = launch.all_gather_ints(zlib.crc32(repr(signatures).encode()))
+    if len(set(digests)) == 1:
+        return
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    counts = launch.all_gather_ints(len(signatures))
+    detail = f"weights per rank: {counts}"
+    if len(set(counts)) == 1:
+        per_weight = launch.all_gather_int_lists(
+            [zlib.crc32(repr(s).encode()) for s in signatures]
         )
+        index = next(
+            i
+            for i in range(counts[0])
+            if len({row[i] for row in per_weight}) > 1
+        )
+        shape, dtype, placements = signatures[index]
+        detail = (
+            f"first difference: weight #{index}, here "
+            f"{model.weights[index].path} {shape} {dtype} {placements}"
+        )
+    raise RuntimeError(
+        f"The processes built different models: ranks {odd} of {world} "
+        "differ from rank 0 in their weights' shapes, dtypes or layouts "
+        f"({detail}). Build the same model with the same arguments and "
+        "layout map on every process."
+    )
 
 
 def wrap_fit(original):
@@ -118,10 +148,12 @@ def wrap_fit(original):
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        if launch.multi_process():
+        # Without a distribution each process trains alone: no collective.
+        checked = context.current() is not None and launch.multi_process()
+        if checked:
             check_same_model(self)
         history = original(self, *args, **kwargs)
-        if launch.multi_process():
+        if checked:
             check_replicas(self)
         return history
 

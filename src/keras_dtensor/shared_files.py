@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 
+from keras_dtensor import context
 from keras_dtensor import instance_patches
 from keras_dtensor import launch
 
@@ -92,12 +93,17 @@ def suspended():
 def wrap_trainer_call(original):
     """Wraps `fit`/`evaluate`/`predict`: callbacks' file operations shared.
 
-    Without several processes it only calls `original`.
+    Only under a distribution on several processes (then every rank runs
+    the call); without one, each process's Keras is its own.
     """
 
     @functools.wraps(original)
     def call(self, *args, **kwargs):
-        if _ACTIVE.get() or not launch.multi_process():
+        if (
+            _ACTIVE.get()
+            or context.current() is None
+            or not launch.multi_process()
+        ):
             return original(self, *args, **kwargs)
         with _scope(True):
             return original(self, *args, **kwargs)

@@ -1,0 +1,84 @@
+"""One training job for `scripts/fault_matrix.py`, launched by torchrun.
+
+Environment: `ROOT` (a fresh directory), `STRATEGY` (`model_parallel` or
+`data_parallel`), `KILL_RANK` (optional: that rank SIGKILLs itself in the
+middle of epoch 3 on the first attempt). Every rank passes the same
+callback arguments, as a one-process script would. Rank 0 writes the final
+weights to `ROOT/final.npz`.
+"""
+
+import os
+import signal
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import keras_dtensor  # noqa: E402, F401
+
+ROOT = os.environ["ROOT"]
+world = len(keras.distribution.list_devices())
+if os.environ["STRATEGY"] == "model_parallel":
+    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+else:
+    distribution = keras.distribution.DataParallel()
+keras.distribution.set_distribution(distribution)
+
+keras.utils.set_random_seed(5)
+model = keras.Sequential(
+    [
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(1),
+    ]
+)
+model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(128, 16)).astype("float32")
+y = rng.normal(size=(128, 1)).astype("float32")
+
+
+class KillMidEpoch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        kill_rank = os.environ.get("KILL_RANK")
+        if (
+            first_attempt
+            and kill_rank is not None
+            and dist.get_rank() == int(kill_rank)
+            and self._epoch == 2
+            and batch == 5
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+
+callbacks = [
+    keras.callbacks.BackupAndRestore(os.path.join(ROOT, "backup")),
+    keras.callbacks.ModelCheckpoint(
+        os.path.join(ROOT, "ckpt", "w-{epoch}.weights.h5"),
+        save_weights_only=True,
+    ),
+    keras.callbacks.ModelCheckpoint(
+        os.path.join(ROOT, "best", "best.keras"),
+        monitor="loss",
+        save_best_only=True,
+    ),
+    keras.callbacks.CSVLogger(os.path.join(ROOT, "log.csv"), append=True),
+    keras.callbacks.TensorBoard(os.path.join(ROOT, "tb")),
+    KillMidEpoch(),
+]
+model.fit(
+    x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks
+)
+weights = model.get_weights()
+if dist.get_rank() == 0:
+    np.savez(os.path.join(ROOT, "final.npz"), *weights)
