@@ -213,11 +213,28 @@ def _divergence_cases():
                 bias.assign(bias + 1e-3)
 
     out["replicas"] = error_of((x, y), callbacks=[OnRankOne()])
+
+    # Last (the group does not survive it): rank 1 stops in the middle of
+    # fit and its process ends; rank 0 is left in a collective.
+    class StopOnRankOne(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 1 and batch == 2:
+                raise KeyboardInterrupt
+
+    start = time.monotonic()
+    try:
+        build().fit(x, y, batch_size=4, verbose=0, callbacks=[StopOnRankOne()])
+        out["peer"] = None, 0.0
+    except KeyboardInterrupt:
+        out["peer"] = "stopped", 0.0
+    except RuntimeError as e:
+        out["peer"] = str(e), time.monotonic() - start
     return out
 
 
 def test_divergence_and_uneven_data_raise_on_every_rank_within_seconds():
-    for out in run_ranks(_divergence_cases, 2):
+    results = run_ranks(_divergence_cases, 2)
+    for out in results:
         late, seconds = out["late"]
         assert "batch 10 of this epoch differs" in late, late
         assert "ranks with equal batches: [[0], [1]]" in late
@@ -235,3 +252,7 @@ def test_divergence_and_uneven_data_raise_on_every_rank_within_seconds():
         replicas, seconds = out["replicas"]
         assert "rank 1's copy of 1 weight(s) differs from rank 0's" in replicas
         assert "mlp/out/bias" in replicas or "out/bias" in replicas, replicas
+    assert results[1]["peer"][0] == "stopped"
+    peer, seconds = results[0]["peer"]
+    assert "fit on rank 0 of 2 stopped: a collective" in peer, peer
+    assert seconds < 30

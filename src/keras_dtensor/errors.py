@@ -1,6 +1,6 @@
 """Message builders: every error names the tensor path, axes and the mesh."""
 
-__all__ = ["describe_mesh", "layout_error"]
+__all__ = ["collective_failure", "describe_mesh", "layout_error"]
 
 
 def describe_mesh(mesh_shape, axis_names) -> str:
@@ -36,4 +36,50 @@ axis_names ('model',): unknown axis 'x'."
     return ValueError(
         f"Cannot shard {what} with axes {tuple(axes)} on "
         f"{describe_mesh(mesh_shape, axis_names)}: {reason}."
+    )
+
+
+# Fragments of torch.distributed's own messages when a peer is gone.
+_PEER_FAILURE = (
+    "gloo",
+    "nccl",
+    "connection reset",
+    "connection closed",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "collective mismatch",
+    "received data size",
+)
+
+
+def collective_failure(error, *, operation, rank, world, timeout):
+    """A clearer error for a collective that failed because of a peer.
+
+    Args:
+        error: the exception torch raised.
+        operation: what this rank was running, e.g. `"fit"`.
+        rank: this process's rank.
+        world: number of processes.
+        timeout: the group's collective timeout, in seconds.
+
+    Returns:
+        A `RuntimeError` to raise from `error`, or `None` when `error` is
+        not a failed collective.
+
+    Example:
+    >>> str(collective_failure(RuntimeError("gloo: Connection closed by peer"),
+    ...     operation="fit", rank=0, world=2, timeout=300)).split(":")[0]
+    'fit on rank 0 of 2 stopped'
+    """
+    message = str(error)
+    if not any(f in message.lower() for f in _PEER_FAILURE):
+        return None
+    first_line = message.strip().splitlines()[0][:300]
+    return RuntimeError(
+        f"{operation} on rank {rank} of {world} stopped: a collective with "
+        "the other processes failed. Another process died, stalled or ran "
+        "different code: its log (torchrun prints which rank failed first) "
+        "has the cause. Collectives wait at most "
+        f"{timeout:g} s (KERAS_DTENSOR_TIMEOUT). torch said: {first_line}"
     )

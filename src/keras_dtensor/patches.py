@@ -35,6 +35,7 @@ from keras_dtensor import placement_order
 from keras_dtensor import replica_check
 from keras_dtensor import saving
 from keras_dtensor import shared_files
+from keras_dtensor import trainer_calls
 from keras_dtensor import variables
 from keras_dtensor.compat import SUPPORTED_TORCH
 from keras_dtensor.patch_rows import CacheKey
@@ -186,7 +187,7 @@ PATCHES = (
         "end must bring the slots stale off their owner back; callbacks' "
         "file operations are shared (as evaluate/predict below); replicas "
         "of the weights are compared when it returns (silent divergence).",
-        lambda original: shared_files.wrap_trainer_call(
+        lambda original: trainer_calls.wrap_trainer_call(
             replica_check.wrap_fit(data_parallel.wrap_fit(original))
         ),
     ),
@@ -195,8 +196,9 @@ PATCHES = (
             "keras.src.backend.torch.trainer",
             f"TorchTrainer.{method}",
             "Callbacks' file operations on N processes: rank 0 performs "
-            "each, every rank gets its outcome (shared_files.py).",
-            shared_files.wrap_trainer_call,
+            "each, every rank gets its outcome (shared_files.py); a failed "
+            "collective says a peer died or stalled (trainer_calls.py).",
+            trainer_calls.wrap_trainer_call,
         )
         for method in ("evaluate", "predict")
     ),

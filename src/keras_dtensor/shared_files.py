@@ -35,16 +35,16 @@ import os
 import shutil
 import tempfile
 
-from keras_dtensor import context
 from keras_dtensor import instance_patches
 from keras_dtensor import launch
 
 __all__ = [
     "FILE_OPERATIONS",
+    "active",
+    "shared",
     "suspended",
     "wrap_file_operation",
     "wrap_tensorboard_set_model",
-    "wrap_trainer_call",
 ]
 
 # The `keras.src.utils.file_utils` functions made collective.
@@ -90,25 +90,14 @@ def suspended():
     return _scope(False)
 
 
-def wrap_trainer_call(original):
-    """Wraps `fit`/`evaluate`/`predict`: callbacks' file operations shared.
+def shared():
+    """The scope where `file_utils` calls are shared (`trainer_calls`)."""
+    return _scope(True)
 
-    Only under a distribution on several processes (then every rank runs
-    the call); without one, each process's Keras is its own.
-    """
 
-    @functools.wraps(original)
-    def call(self, *args, **kwargs):
-        if (
-            _ACTIVE.get()
-            or context.current() is None
-            or not launch.multi_process()
-        ):
-            return original(self, *args, **kwargs)
-        with _scope(True):
-            return original(self, *args, **kwargs)
-
-    return call
+def active() -> bool:
+    """Whether this thread is inside `shared()`."""
+    return _ACTIVE.get()
 
 
 def _on_rank_0(name, operation):
