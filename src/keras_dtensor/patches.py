@@ -181,6 +181,20 @@ PATCHES = (
         data_parallel.wrap_add_variable_from_reference,
     ),
     Patch(
+        "keras.src.layers.normalization.batch_normalization",
+        "BatchNormalization.__init__",
+        "synchronized=True raised 'only supported with the TensorFlow "
+        "backend'; under DataParallel it now means global-batch statistics.",
+        data_parallel.wrap_batch_norm_init,
+    ),
+    Patch(
+        "keras.src.backend.torch.nn",
+        "moments",
+        "Its synchronized=True raised; under DataParallel on N processes it "
+        "computes the global batch's mean and variance (one all-reduce).",
+        data_parallel.wrap_moments,
+    ),
+    Patch(
         "keras.src.backend.torch.trainer",
         "TorchTrainer.fit",
         "DataParallel splits optimizer updates only inside fit, and its "

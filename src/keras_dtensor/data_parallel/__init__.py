@@ -13,7 +13,9 @@ DTensor would only add per-op dispatch cost. Instead:
 - inside `fit`, the optimizer update is split by variable (ZeRO stage 1
   on whole variables), and stale optimizer slots are brought back when
   `fit` returns and before every save (`update_split`);
-- `predict` gathers every batch's rows back into the global order.
+- `predict` gathers every batch's rows back into the global order;
+- `BatchNormalization(synchronized=True)` normalizes with the global
+  batch's statistics (`sync_batch_norm`).
 
 The package is entered through `run_step` (`step`) and the hooks the
 `PATCHES` table installs; its per-model state lives on the model (`state`).
@@ -26,6 +28,8 @@ from keras_dtensor.data_parallel.step import run_step
 from keras_dtensor.data_parallel.step import update_is_split
 from keras_dtensor.data_parallel.step import wrap_distribute_tensor
 from keras_dtensor.data_parallel.step import wrap_fit
+from keras_dtensor.data_parallel.sync_batch_norm import wrap_batch_norm_init
+from keras_dtensor.data_parallel.sync_batch_norm import wrap_moments
 from keras_dtensor.data_parallel.update_split import sync_optimizer_state
 from keras_dtensor.data_parallel.update_split import (
     wrap_add_variable_from_reference,
@@ -38,7 +42,9 @@ __all__ = [
     "update_is_split",
     "wrap_add_variable_from_reference",
     "wrap_backend_update_step",
+    "wrap_batch_norm_init",
     "wrap_distribute_tensor",
     "wrap_fit",
     "wrap_get_metrics_result",
+    "wrap_moments",
 ]

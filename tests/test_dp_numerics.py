@@ -1,0 +1,102 @@
+"""DataParallel gives one process's numbers for batch-dependent layers:
+BatchNormalization(synchronized=True) at 2 and 4 processes, numpy and
+DataLoader input, an uneven last batch."""
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+TOLERANCE = 2e-5
+ROWS, BATCH = 58, 16  # last batch: 10 rows (uneven over 4 processes)
+
+
+def _convnet(keras, synchronized):
+    keras.utils.set_random_seed(11)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(6, 3, padding="same", name="conv")(inputs)
+    h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn")(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.Dense(8, name="hidden")(h)
+    h = keras.layers.BatchNormalization(
+        synchronized=synchronized, name="bn_dense"
+    )(h)
+    outputs = keras.layers.Dense(3, name="out")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss="mse",
+        metrics=["mae"],
+    )
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(ROWS, 8, 8, 3)).astype("float32") * 2 + 0.5
+    y = rng.normal(size=(ROWS, 3)).astype("float32")
+    return x, y
+
+
+def _train(input_kind, synchronized=True):
+    import keras
+    import torch
+
+    world = len(keras.distribution.list_devices())
+    if world > 1:
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+    x, y = _data()
+    model = _convnet(keras, synchronized)
+    if input_kind == "numpy":
+        data = dict(x=x, y=y, batch_size=BATCH, shuffle=False)
+    else:
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y)),
+            batch_size=BATCH,
+        )
+        data = dict(x=loader)
+    history = model.fit(epochs=2, verbose=0, **data)
+    return {
+        "weights": [np.asarray(w) for w in model.get_weights()],
+        "paths": [w.path for w in model.weights],
+        "history": history.history,
+        "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
+        "predict": model.predict(x, batch_size=BATCH, verbose=0),
+    }
+
+
+def _compare(got, want):
+    diffs = {
+        path: float(np.abs(a - b).max())
+        for path, a, b in zip(
+            want["paths"], got["weights"], want["weights"], strict=True
+        )
+    }
+    diffs["predict"] = float(np.abs(got["predict"] - want["predict"]).max())
+    diffs["evaluate"] = float(
+        np.abs(np.subtract(got["evaluate"], want["evaluate"])).max()
+    )
+    for key, values in want["history"].items():
+        diffs[key] = float(
+            np.abs(np.subtract(got["history"][key], values)).max()
+        )
+    return diffs
+
+
+def _cases():
+    return {kind: _train(kind) for kind in ("numpy", "loader")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_synchronized_batch_norm_equals_one_process(world):
+    (one,) = run_ranks(_cases, 1)
+    for out in run_ranks(_cases, world, timeout=400):
+        for kind in ("numpy", "loader"):
+            diffs = _compare(out[kind], one[kind])
+            worst = max(diffs, key=diffs.get)
+            assert diffs[worst] <= TOLERANCE, (kind, worst, diffs)
+            # The moving statistics moved (the test can fail).
+            moving = out[kind]["paths"].index("bn/moving_mean")
+            assert np.abs(out[kind]["weights"][moving]).max() > 1e-3
