@@ -1,6 +1,6 @@
 """DataParallel gives one process's numbers for batch-dependent layers:
-BatchNormalization(synchronized=True) at 2 and 4 processes, numpy and
-DataLoader input, an uneven last batch."""
+BatchNormalization(synchronized=True) and seeded random layers at 2 and 4
+processes, numpy and DataLoader input, an uneven last batch."""
 
 import numpy as np
 import pytest
@@ -18,8 +18,12 @@ def _convnet(keras, synchronized):
     h = keras.layers.Conv2D(6, 3, padding="same", name="conv")(inputs)
     h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn")(h)
     h = keras.layers.Activation("relu")(h)
+    h = keras.layers.SpatialDropout2D(0.3, seed=1)(h)
+    h = keras.layers.GaussianNoise(0.1, seed=2)(h)
     h = keras.layers.GlobalAveragePooling2D()(h)
     h = keras.layers.Dense(8, name="hidden")(h)
+    h = keras.layers.Dropout(0.3, seed=3)(h)
+    h = keras.layers.GaussianDropout(0.2, seed=4)(h)
     h = keras.layers.BatchNormalization(
         synchronized=synchronized, name="bn_dense"
     )(h)
@@ -90,7 +94,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_synchronized_batch_norm_equals_one_process(world):
+def test_synchronized_batch_norm_and_seeded_noise_equal_one_process(world):
     (one,) = run_ranks(_cases, 1)
     for out in run_ranks(_cases, world, timeout=400):
         for kind in ("numpy", "loader"):

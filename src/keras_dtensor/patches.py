@@ -181,6 +181,25 @@ PATCHES = (
         data_parallel.wrap_add_variable_from_reference,
     ),
     Patch(
+        "keras.src.backend.torch.random",
+        "dropout",
+        "Under DataParallel a seeded Dropout drew its mask for this rank's "
+        "rows only: every rank got the first rows of one process's mask. "
+        "It draws the global mask and keeps this rank's rows.",
+        data_parallel.wrap_dropout,
+    ),
+    *(
+        Patch(
+            "keras.src.backend.torch.random",
+            name,
+            "Seeded draws shaped like the batch (GaussianNoise, "
+            "augmentation layers, keras.random in call) under DataParallel: "
+            "this rank's rows of the global draw, as for dropout.",
+            data_parallel.wrap_shaped_draw,
+        )
+        for name in data_parallel.SHAPED_DRAWS
+    ),
+    Patch(
         "keras.src.layers.normalization.batch_normalization",
         "BatchNormalization.__init__",
         "synchronized=True raised 'only supported with the TensorFlow "

@@ -15,7 +15,9 @@ DTensor would only add per-op dispatch cost. Instead:
   `fit` returns and before every save (`update_split`);
 - `predict` gathers every batch's rows back into the global order;
 - `BatchNormalization(synchronized=True)` normalizes with the global
-  batch's statistics (`sync_batch_norm`).
+  batch's statistics (`sync_batch_norm`);
+- seeded random layers use this rank's rows of the global draw
+  (`random_rows`).
 
 The package is entered through `run_step` (`step`) and the hooks the
 `PATCHES` table installs; its per-model state lives on the model (`state`).
@@ -23,6 +25,9 @@ The package is entered through `run_step` (`step`) and the hooks the
 trained with DataParallel calls it first.
 """
 
+from keras_dtensor.data_parallel.random_rows import SHAPED_DRAWS
+from keras_dtensor.data_parallel.random_rows import wrap_dropout
+from keras_dtensor.data_parallel.random_rows import wrap_shaped_draw
 from keras_dtensor.data_parallel.reducer import wrap_get_metrics_result
 from keras_dtensor.data_parallel.step import run_step
 from keras_dtensor.data_parallel.step import update_is_split
@@ -37,6 +42,7 @@ from keras_dtensor.data_parallel.update_split import (
 from keras_dtensor.data_parallel.update_split import wrap_backend_update_step
 
 __all__ = [
+    "SHAPED_DRAWS",
     "run_step",
     "sync_optimizer_state",
     "update_is_split",
@@ -44,7 +50,9 @@ __all__ = [
     "wrap_backend_update_step",
     "wrap_batch_norm_init",
     "wrap_distribute_tensor",
+    "wrap_dropout",
     "wrap_fit",
     "wrap_get_metrics_result",
     "wrap_moments",
+    "wrap_shaped_draw",
 ]

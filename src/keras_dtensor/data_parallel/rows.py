@@ -63,6 +63,12 @@ def local_rows(batch, distribution, require_rows=True):
     return tree.map_structure(cut, batch), length
 
 
+def row_range(total):
+    """`(start, length)` of this process's rows of a global batch."""
+    size, rank = world()
+    return _row_split(total, size)[rank]
+
+
 def leading_rows(batch):
     """Rows of a batch: the leading dim of its first array."""
     from keras.src import tree

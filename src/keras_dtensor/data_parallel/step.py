@@ -13,14 +13,17 @@ train, test and predict step under `DataParallel`, in this order:
 4. predict: gather every rank's outputs back into the global order.
 """
 
+import contextlib
 import functools
 
 from keras_dtensor import context
+from keras_dtensor.data_parallel.random_rows import split_rows
 from keras_dtensor.data_parallel.reducer import GradientReducer
 from keras_dtensor.data_parallel.rows import gather_rows
 from keras_dtensor.data_parallel.rows import leading_rows
 from keras_dtensor.data_parallel.rows import local_rows
 from keras_dtensor.data_parallel.rows import row_counts
+from keras_dtensor.data_parallel.rows import row_range
 from keras_dtensor.data_parallel.state import state_of
 from keras_dtensor.data_parallel.update_split import UpdateSplit
 from keras_dtensor.data_parallel.update_split import broadcast_from_rank0
@@ -80,11 +83,17 @@ def run_step(model, step, kind, data, distribution):
     state = _prepare(model, step)
     # A global batch split here: every rank knows the global row count.
     global_rows = None
+    random_rows = contextlib.nullcontext()
     if distribution.auto_shard_dataset:
         global_rows = leading_rows(batch)
+        start, _ = row_range(global_rows)
+        random_rows = split_rows(start, rows, global_rows)
     state.reducer.begin(rows, global_rows)
     try:
-        with splitting_updates(state.split if state.fit_depth else None):
+        with (
+            random_rows,
+            splitting_updates(state.split if state.fit_depth else None),
+        ):
             return step([local])
     finally:
         state.reducer.end()

@@ -1,0 +1,122 @@
+"""Seeded random draws under DataParallel: this rank's rows of the global draw.
+
+A seeded random layer (`Dropout(seed=...)`, `SpatialDropout*`,
+`GaussianNoise`, `GaussianDropout`, augmentation layers, `keras.random.*`
+with a `SeedGenerator` inside `call`) draws a tensor shaped like its
+batch. One process draws it for the global batch; under DataParallel each
+process holds only its rows, and drawing for those would give every rank
+the first rows of the draw. During a DataParallel train step on a split
+global batch, a seeded draw whose leading dimension is this rank's row
+count is drawn for the global row count with the same seed state, then
+cut to this rank's rows: exactly the values one process would use. The
+cost is drawing the global batch's random numbers on every rank
+(BENCHMARKS.md). Unseeded draws use torch's global generator, which no
+two processes share; they are left alone.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+
+import torch
+
+__all__ = [
+    "SHAPED_DRAWS",
+    "split_rows",
+    "wrap_dropout",
+    "wrap_shaped_draw",
+]
+
+# `keras.src.backend.torch.random` functions whose first argument is a shape.
+SHAPED_DRAWS = (
+    "normal",
+    "uniform",
+    "randint",
+    "truncated_normal",
+    "gamma",
+    "binomial",
+    "beta",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    start: int
+    length: int
+    total: int
+
+
+_ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
+
+
+@contextlib.contextmanager
+def split_rows(start, length, total):
+    """The scope of a train step on rows `[start, start + length)` of
+    `total` (`step.run_step` enters it)."""
+    token = _ROWS.set(_Rows(start, length, total) if length != total else None)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def _seeded(seed):
+    from keras.src.random.seed_generator import SeedGenerator
+
+    if seed is None:
+        return False
+    return not (isinstance(seed, SeedGenerator) and seed._initial_seed is None)
+
+
+def _rows_for(shape, seed):
+    rows = _ROWS.get()
+    if rows is None or not _seeded(seed) or not shape:
+        return None
+    return rows if shape[0] == rows.length else None
+
+
+def wrap_shaped_draw(original):
+    """Wraps `random.<draw>(shape, ..., seed=None)` (see above)."""
+
+    @functools.wraps(original)
+    def draw(shape, *args, **kwargs):
+        rows = _rows_for(tuple(shape), kwargs.get("seed"))
+        if rows is None:
+            return original(shape, *args, **kwargs)
+        whole = original((rows.total, *tuple(shape)[1:]), *args, **kwargs)
+        return whole[rows.start : rows.start + rows.length]
+
+    return draw
+
+
+def wrap_dropout(original):
+    """Wraps `random.dropout(inputs, rate, noise_shape=None, seed=None)`."""
+
+    @functools.wraps(original)
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        if rate in (0.0, 1.0) or not _seeded(seed):
+            return original(inputs, rate, noise_shape, seed)
+        shape = tuple(inputs.shape)
+        if noise_shape is not None:
+            shape = tuple(
+                n if d is None else d
+                for n, d in zip(shape, noise_shape, strict=True)
+            )
+        rows = _rows_for(shape, seed)
+        if rows is None:
+            return original(inputs, rate, noise_shape, seed)
+        # The global mask, drawn as one process draws it, then this
+        # rank's rows; applied as Keras applies it.
+        ones = torch.ones(
+            (rows.total, *shape[1:]), dtype=inputs.dtype, device=inputs.device
+        )
+        keep = original(ones, rate, None, seed) != 0
+        keep = torch.broadcast_to(
+            keep[rows.start : rows.start + rows.length], inputs.shape
+        )
+        return torch.where(
+            keep, inputs / (1.0 - rate), torch.zeros_like(inputs)
+        )
+
+    return dropout
