@@ -104,19 +104,23 @@ def wrap_dropout(original):
                 for n, d in zip(shape, noise_shape, strict=True)
             )
         rows = _rows_for(shape, seed)
-        if rows is None:
+        if rows is None or inputs.device.type == "meta":
             return original(inputs, rate, noise_shape, seed)
-        # The global mask, drawn as one process draws it, then this
-        # rank's rows; applied as Keras applies it.
-        ones = torch.ones(
-            (rows.total, *shape[1:]), dtype=inputs.dtype, device=inputs.device
+        # The global mask, drawn from the same seed state as one process
+        # draws it (a Bernoulli tensor of the noise shape), then this rank's
+        # rows, applied as Keras applies it.
+        from keras.src.backend.torch.random import torch_seed_generator
+
+        keep_prob = 1.0 - rate
+        whole = torch.full(
+            (rows.total, *shape[1:]), keep_prob, device=inputs.device
         )
-        keep = original(ones, rate, None, seed) != 0
-        keep = torch.broadcast_to(
-            keep[rows.start : rows.start + rows.length], inputs.shape
-        )
+        mask = torch.bernoulli(whole, generator=torch_seed_generator(seed))
+        mask = mask[rows.start : rows.start + rows.length].bool()
         return torch.where(
-            keep, inputs / (1.0 - rate), torch.zeros_like(inputs)
+            torch.broadcast_to(mask, inputs.shape),
+            inputs / keep_prob,
+            torch.zeros_like(inputs, dtype=inputs.dtype),
         )
 
     return dropout
