@@ -96,6 +96,31 @@ def _load(directory):
     )
     out["outside_predict"] = loaded.predict(x, verbose=0)
 
+    # Loading reads only this rank's slices of a sharded weight.
+    import tracemalloc
+
+    table_map = keras.distribution.LayoutMap(distribution.device_mesh)
+    table_map[".*table/embeddings"] = ("model", None)
+    with keras.distribution.ModelParallel(layout_map=table_map).scope():
+
+        def table():
+            tokens = keras.Input((4,), dtype="int32")
+            layer = keras.layers.Embedding(40_000, 32, name="table")
+            return keras.Model(tokens, layer(tokens))
+
+        path = os.path.join(directory, "table.weights.h5")
+        saved = table()
+        saved.save_weights(path)
+        fresh = table()
+        tracemalloc.start()
+        fresh.load_weights(path)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        out["load_peak_fraction"] = peak / (40_000 * 32 * 4)
+        out["table_loaded"] = bool(
+            np.array_equal(fresh.get_weights()[0], saved.get_weights()[0])
+        )
+
     # A save on one rank only would hang in its gather: it raises instead.
     os.environ["KERAS_DTENSOR_SAVE_TIMEOUT"] = "2"
     if torch.distributed.get_rank() == 0:
@@ -135,6 +160,9 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
         assert "failed on rank 0 of 2" in out["failed_save"]
         assert "missing" in out["failed_save"]
         assert out["failed_save_s"] < 30  # not the collective timeout
+        assert out["table_loaded"]
+        # Each of 2 ranks read half of the table (whole: 1.0 or more).
+        assert out["load_peak_fraction"] < 0.75, out["load_peak_fraction"]
     assert "must be called on every rank" in loaded[0]["lone_error"]
     assert "lone.weights.h5" in loaded[0]["lone_error"]
 

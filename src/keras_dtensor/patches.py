@@ -29,6 +29,7 @@ from keras_dtensor import data_parallel
 from keras_dtensor import instance_patches
 from keras_dtensor import jit
 from keras_dtensor import layer_call
+from keras_dtensor import lazy_load
 from keras_dtensor import ops
 from keras_dtensor import patch_rows
 from keras_dtensor import placement_order
@@ -260,6 +261,21 @@ PATCHES = (
         "torch.compile of the whole train_step fails on DTensor tangents "
         "after the graph break at loss.backward(); compile the forward.",
         jit.wrap_should_torch_compile,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "H5IOStore.__getitem__",
+        "load_weights/load_model read every variable whole on every rank: "
+        "a model that fits only sharded could not be loaded. Under a "
+        "distribution the store hands out the dataset, read lazily.",
+        lazy_load.wrap_h5_store_getitem,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "Variable._convert_to_tensor",
+        "A sharded variable assigned from the lazy dataset reads only this "
+        "rank's slices of it (lazy_load.py).",
+        lazy_load.wrap_convert_variable_value,
     ),
     Patch(
         "keras.src.saving.saving_lib",
