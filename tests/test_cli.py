@@ -202,3 +202,30 @@ def test_two_nodes_of_two_processes_on_loopback(tmp_path):
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert all(r["devices"] == [f"cpu:{i}" for i in range(4)] for r in results)
     assert all(r["loss"] == results[0]["loss"] for r in results)
+
+
+def test_plan_a_keras_hub_backbone_without_allocating():
+    config = (
+        '{"vocabulary_size": 1000, "num_layers": 2, "num_query_heads": 4, '
+        '"num_key_value_heads": 4, "hidden_dim": 64, "intermediate_dim": 256, '
+        '"head_dim": 16}'
+    )
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "keras_dtensor.cli",
+            "plan",
+            "--keras-hub",
+            "GemmaBackbone",
+            "--config",
+            config,
+            "--mesh",
+            "1,2",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr
+    # (1000, 64) over "model" (2): 500 rows of 64 float32 per rank.
+    assert "| token_embedding/embeddings | (1000, 64) |" in proc.stdout
+    assert "(500, 64) | 0.12 |" in proc.stdout
+    assert "weights + optimizer slots per rank:" in proc.stdout

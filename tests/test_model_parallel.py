@@ -21,6 +21,8 @@ def _parity_cases(cases):
     import keras
     import models
 
+    import keras_dtensor
+
     out = {}
     for mesh_shape, axis_names, kind, model_name, optimizer in cases:
         mesh = keras.distribution.DeviceMesh(mesh_shape, axis_names)
@@ -47,7 +49,15 @@ def _parity_cases(cases):
             if v.path.endswith(("momentum", "velocity"))
         }
         key = (mesh_shape, axis_names, kind, model_name, optimizer)
+        # keras_dtensor.plan, built on meta, predicts the largest shards.
+        planned = keras_dtensor.plan(
+            lambda name=model_name: models.MODELS[name](keras),
+            distribution,
+            optimizer=models.OPTIMIZERS[optimizer](keras),
+        )
         out[key] = {
+            "planned": {v.path: v.local_shape for v in planned.variables},
+            "planned_slot_bytes": planned.slot_bytes_per_rank,
             "diff": models.max_diff(reference, result),
             "weights": weights,
             "slots": slots,
@@ -90,6 +100,9 @@ def _check(results, world, cases):
                 assert local == expected, (key, path, local, expected)
                 sharded += local != shape
             assert sharded > 0, key  # the layout map applied
+            if rank == 0:  # the first shards are the largest (torch.chunk)
+                for path, (_, local, _) in got["weights"].items():
+                    assert got["planned"][path] == local, (key, path)
             # Optimizer slots are laid out like their variable.
             locals_by_name = {
                 p.replace("/", "_"): local

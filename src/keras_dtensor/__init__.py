@@ -22,7 +22,7 @@ import sys
 import warnings
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "install", "is_installed", "uninstall"]
+__all__ = ["__version__", "install", "is_installed", "plan", "uninstall"]
 
 if "keras" not in sys.modules:
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -87,3 +87,13 @@ def is_installed() -> bool:
 
 
 install()
+
+
+def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
+    """Per-rank memory of `distribution`'s layouts, built on `meta`.
+
+    See `keras_dtensor.memory_plan.plan`.
+    """
+    from keras_dtensor.memory_plan import plan as _plan
+
+    return _plan(model_or_build_fn, distribution, optimizer, **kwargs)

@@ -1,10 +1,11 @@
-"""`keras-dtensor` command line: `info`, `demo` and `run`.
+"""`keras-dtensor` command line: `info`, `demo`, `run` and `plan`.
 
 Example:
 ```
 keras-dtensor info
 keras-dtensor demo --nproc 2 --epochs 3
 keras-dtensor run -n 2 train.py --epochs 3
+keras-dtensor plan --keras-hub GemmaBackbone --config '{...}' --mesh 1,8
 ```
 """
 
@@ -105,6 +106,44 @@ def _run(args):
     return 0
 
 
+def _plan(args):
+    """`keras-dtensor plan`: bytes per rank of a layout, nothing allocated."""
+    import importlib
+    import json
+
+    import keras
+    import numpy as np
+
+    import keras_dtensor
+
+    shape = tuple(int(n) for n in args.mesh.split(","))
+    names = args.axis_names.split(",")
+    devices = [f"cpu:{i}" for i in range(int(np.prod(shape)))]
+    mesh = keras.distribution.DeviceMesh(shape, names, devices)
+    config = json.loads(args.config) if args.config else {}
+    if args.keras_hub:
+        import keras_hub
+
+        backbone = getattr(keras_hub.models, args.keras_hub)
+        layout_map = backbone.get_layout_map(mesh)
+
+        def build():
+            return backbone(**config)
+
+    else:
+        module, _, name = args.model.partition(":")
+        build_fn = getattr(importlib.import_module(module), name)
+
+        def build():
+            return build_fn(**config)
+
+        module, _, name = args.layout_map.partition(":")
+        layout_map = getattr(importlib.import_module(module), name)(mesh)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+    print(keras_dtensor.plan(build, distribution, optimizer=args.optimizer))
+    return 0
+
+
 def main(argv=None):
     """Entry point of the `keras-dtensor` script."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -124,6 +163,23 @@ def main(argv=None):
     demo.add_argument("--nproc", type=int, default=2)
     demo.add_argument("--epochs", type=int, default=3)
     demo.set_defaults(run=_demo)
+    plan = commands.add_parser(
+        "plan",
+        help="per-rank bytes of a ModelParallel layout, built on meta",
+    )
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--keras-hub", help="a keras_hub backbone class, e.g. GemmaBackbone"
+    )
+    source.add_argument("--model", help="module:function building the model")
+    plan.add_argument(
+        "--layout-map", help="module:function(mesh) -> LayoutMap (--model)"
+    )
+    plan.add_argument("--config", help="JSON keyword arguments of the model")
+    plan.add_argument("--mesh", default="1,8", help="mesh shape, e.g. 2,4")
+    plan.add_argument("--axis-names", default="batch,model")
+    plan.add_argument("--optimizer", default="adamw")
+    plan.set_defaults(run=_plan)
     run = commands.add_parser(
         "run",
         help="run a script on N local processes (torch's elastic launcher)",

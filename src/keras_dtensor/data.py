@@ -18,7 +18,7 @@ from keras_dtensor import context
 from keras_dtensor import data_parallel
 from keras_dtensor import input_checks
 from keras_dtensor import instance_patches
-from keras_dtensor import plan
+from keras_dtensor import layout_plan
 
 __all__ = [
     "distribute_batch",
@@ -132,7 +132,7 @@ def wrap_make_function(original, kind):
             return result
         distribution = context.current()
         if distribution is not None and kind == "train":
-            plan.warn_unmatched_layout_keys(self, distribution)
+            layout_plan.warn_unmatched_layout_keys(self, distribution)
 
         def distributed_step(data):
             distribution = context.current()

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import context
-from keras_dtensor import plan
+from keras_dtensor import layout_plan
 
 __all__ = [
     "variable_layout",
@@ -37,7 +37,7 @@ def variable_layout(variable):
     if context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
     if variable._layout is None and distribution is not None:
-        variable._layout = plan.lora_layout(
+        variable._layout = layout_plan.lora_layout(
             distribution, variable
         ) or distribution.get_variable_layout(variable)
     return variable._layout

@@ -40,7 +40,7 @@ def lora_layout(distribution, variable):
 
     Example:
     >>> layout_map["dense/kernel"] = (None, "model")
-    >>> plan.lora_layout(distribution, dense.lora_kernel_b).axes
+    >>> layout_plan.lora_layout(distribution, dense.lora_kernel_b).axes
     (None, 'model')
     """
     from keras.distribution import TensorLayout
