@@ -81,6 +81,8 @@ def wrap_shaped_draw(original):
 
     @functools.wraps(original)
     def draw(shape, *args, **kwargs):
+        if _ROWS.get() is None:  # not in a DataParallel train step
+            return original(shape, *args, **kwargs)
         rows = _rows_for(tuple(shape), kwargs.get("seed"))
         if rows is None:
             return original(shape, *args, **kwargs)
@@ -95,7 +97,7 @@ def wrap_dropout(original):
 
     @functools.wraps(original)
     def dropout(inputs, rate, noise_shape=None, seed=None):
-        if rate in (0.0, 1.0) or not _seeded(seed):
+        if _ROWS.get() is None or rate in (0.0, 1.0) or not _seeded(seed):
             return original(inputs, rate, noise_shape, seed)
         shape = tuple(inputs.shape)
         if noise_shape is not None:
