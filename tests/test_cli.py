@@ -73,23 +73,6 @@ def test_torchrun_without_initialize_starts_the_group_lazily(tmp_path):
     assert results[0]["loss"] == results[1]["loss"]
 
 
-def test_torchrun_restart_gets_a_fresh_store_prefix(tmp_path):
-    proc = _torchrun(
-        os.path.join(HERE, "scripts", "lazy_train.py"),
-        {
-            "RESULT_DIR": str(tmp_path),
-            "FAIL_FIRST_ATTEMPT": "1",
-        },
-        "--max-restarts=1",
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = [
-        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
-    ]
-    assert [r["restart"] for r in results] == [1, 1]
-    assert results[0]["loss"] == results[1]["loss"]
-
-
 def _placement_order(hash_seed, uninstall):
     code = (
         "import keras_dtensor\n"
@@ -143,7 +126,9 @@ def test_plain_torchrun_without_a_hash_seed_trains_model_parallel(tmp_path):
         assert r["max_weight_diff"] < 1e-6
 
 
-def test_run_launcher_restarts_a_failed_job(tmp_path):
+def test_run_launcher_restarts_a_failed_job_with_a_fresh_store_prefix(
+    tmp_path,
+):
     proc = _run(
         [
             sys.executable,
