@@ -224,12 +224,7 @@ def all_gather_ints(value: int) -> list[int]:
     >>> launch.all_gather_ints(rows)  # on 2 ranks with 3 and 4 rows
     [3, 4]
     """
-    size, _ = world()
-    if size == 1:
-        return [value]
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(gathered, torch.tensor([value]))
-    return [int(g.item()) for g in gathered]
+    return [row[0] for row in all_gather_int_lists([value])]
 
 
 def all_gather_int_lists(values: list[int]) -> list[list[int]]:

@@ -23,6 +23,7 @@ across ranks when the process group starts, in case the hashes are not
 in effect.
 """
 
+import functools
 import zlib
 
 from torch.distributed.tensor import Partial
@@ -50,9 +51,17 @@ def stable_hash(value) -> int:
     return zlib.crc32(repr(value).encode())
 
 
+@functools.cache
+def _reduce_op_hash(reduce_op):
+    return 1 + stable_hash(reduce_op)
+
+
 def partial_hash(self):
-    """`Partial.__hash__` from the reduce op's value, not its string hash."""
-    return 1 + stable_hash(self.reduce_op)
+    """`Partial.__hash__` from the reduce op's value, not its string hash.
+
+    Cached per reduce op: DTensor hashes placements on every dispatch.
+    """
+    return _reduce_op_hash(self.reduce_op)
 
 
 def mask_partial_hash(self):

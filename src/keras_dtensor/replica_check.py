@@ -12,13 +12,13 @@ one all-gather compares them between the ranks that hold the same shards.
 """
 
 import functools
-import zlib
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import context
 from keras_dtensor import launch
+from keras_dtensor.placement_order import stable_hash
 
 __all__ = ["check_replicas", "check_same_model", "wrap_fit"]
 
@@ -114,7 +114,7 @@ def check_same_model(model):
     if world == 1:
         return
     signatures = [_signature(w) for w in model.weights]
-    digests = launch.all_gather_ints(zlib.crc32(repr(signatures).encode()))
+    digests = launch.all_gather_ints(stable_hash(signatures))
     if len(set(digests)) == 1:
         return
     odd = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -122,7 +122,7 @@ def check_same_model(model):
     detail = f"weights per rank: {counts}"
     if len(set(counts)) == 1:
         per_weight = launch.all_gather_int_lists(
-            [zlib.crc32(repr(s).encode()) for s in signatures]
+            [stable_hash(s) for s in signatures]
         )
         index = next(
             i
