@@ -50,6 +50,10 @@ def _backend_checks():
     glob = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
     layout = keras.distribution.TensorLayout((None, "model"), mesh)
     sharded = keras.distribution.distribute_tensor(glob, layout)
+    # One process computes on plain tensors: the global value itself.
+    out["plain"] = not isinstance(sharded, DTensor)
+    if out["plain"]:
+        sharded = DTensor.from_local(sharded, torch_mesh, [Replicate()])
     out["placements"] = tuple(sharded.placements)
     out["local"] = sharded.to_local().numpy()
     out["full_equal"] = bool(torch.equal(sharded.full_tensor(), glob))
@@ -93,7 +97,14 @@ def _backend_checks():
         out["err_variable"] = _expect_value_error(
             lambda: keras.Variable(np.zeros((4, 4)), name="w")
         )
-    out["isinstance_dtensor"] = isinstance(sharded, DTensor)
+    column_map = keras.distribution.LayoutMap(mesh)
+    column_map["v"] = (None, "model")
+    with keras.distribution.ModelParallel(layout_map=column_map).scope():
+        variable = keras.Variable(np.zeros((4, 8)), name="v")
+    out["variable_plain"] = not isinstance(variable.value, DTensor)
+    out["err_plain_input"] = _expect_value_error(
+        lambda: keras.distribution.distribute_tensor(glob, too_many)
+    )
     out["shard_types"] = (Shard(1), Replicate())
 
     keras.utils.set_random_seed(7)
@@ -121,6 +132,9 @@ def test_backend_module(world):
         assert out["mesh_ranks"] == list(range(world))
         assert out["mesh_cached"]
         assert out["mesh_2d"] == (("model",) if world > 1 else ("batch",))
+        # A job of one process runs on plain tensors, checked all the same.
+        assert out["plain"] == out["variable_plain"] == (world == 1)
+        assert "with axes (None, None, 'model')" in out["err_plain_input"]
         # Sharding over one device is replication.
         sharded = out["shard_types"][0] if world > 1 else Replicate()
         assert out["layout_2d"] == (sharded,)

@@ -2,6 +2,9 @@
 
 - `current()`: the active `keras.distribution.Distribution` (Keras keeps
   it, `set_distribution`/`Distribution.scope()` set it), or `None`.
+- `active()`: the same, but only when it spans several processes: over
+  one process a distribution computes what plain Keras computes, on plain
+  tensors, so every hook that asks `active()` returns at once.
 - `is_data_parallel()`: whether it is `DataParallel`, which runs the DDP
   way on plain tensors (see `keras_dtensor.data_parallel`) instead of on
   DTensors.
@@ -19,6 +22,7 @@ import functools
 from keras_dtensor.launch import multi_process
 
 __all__ = [
+    "active",
     "current",
     "global_values",
     "is_data_parallel",
@@ -46,6 +50,31 @@ def current():
     <DataParallel ...>
     """
     return _distribution_getter()()
+
+
+def active():
+    """The current distribution if it spans several processes, else `None`.
+
+    A job of one process (plain `python`, or `torchrun` with one process)
+    under `ModelParallel` or `DataParallel` has a one-device mesh: every
+    layout is replication, so it runs as plain Keras (plain tensors, Keras's
+    own step and compile) and costs what plain Keras costs. Layouts are
+    still checked when variables are created (see `variables.py`), so a
+    layout error shows at one process too. Keras decides once, when the
+    distribution is built (`Distribution._is_multi_process`, from the
+    backend's `num_processes()`).
+
+    Example:
+    >>> with keras.distribution.DataParallel().scope():  # plain python
+    ...     context.active()
+    None
+    """
+    distribution = current()
+    if distribution is None or not getattr(
+        distribution, "_is_multi_process", True
+    ):
+        return None
+    return distribution
 
 
 @functools.cache

@@ -88,7 +88,7 @@ def wrap_get_iterator(original):
 
     def _get_iterator(self):
         iterator = original(self)
-        distribution = context.current()
+        distribution = context.active()
         if distribution is None:
             return iterator
         per_process = not distribution.auto_shard_dataset
@@ -96,7 +96,7 @@ def wrap_get_iterator(original):
             iterator = input_checks.same_number_of_batches(
                 iterator, self.data_adapter.num_batches
             )
-        elif getattr(distribution, "_is_multi_process", False):
+        else:
             iterator = input_checks.same_global_batches(
                 iterator, self.data_adapter.num_batches
             )
@@ -135,7 +135,7 @@ def wrap_make_function(original, kind):
             layout_plan.warn_unmatched_layout_keys(self, distribution)
 
         def distributed_step(data):
-            distribution = context.current()
+            distribution = context.active()
             if distribution is None:
                 return step(data)
             if context.is_data_parallel(distribution):

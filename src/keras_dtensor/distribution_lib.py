@@ -286,14 +286,17 @@ def distribute_tensor(tensor, layout):
 
     A plain tensor is the global value: each rank keeps its shard. A
     `DTensor` with other placements is redistributed (differentiably). A
-    tensor already in place is returned unchanged.
+    tensor already in place is returned unchanged. In a job of one process
+    every layout is replication: a plain tensor is checked against the
+    layout and returned as a plain tensor, as plain Keras computes.
 
     Args:
         tensor: `torch.Tensor` or `DTensor`.
         layout: `TensorLayout` or `DTensorLayout`.
 
     Returns:
-        A `DTensor` with the layout's placements.
+        A `DTensor` with the layout's placements (a plain tensor in a job
+        of one process).
 
     Example:
     >>> layout = keras.distribution.TensorLayout((None, "model"), mesh)
@@ -310,8 +313,23 @@ def distribute_tensor(tensor, layout):
         from keras.src.backend.torch.core import convert_to_tensor
 
         tensor = convert_to_tensor(tensor)
+    if launch.num_processes() == 1:
+        _check_only(layout, tuple(tensor.shape))
+        return tensor
     layout = _as_backend_layout(layout, shape=tuple(tensor.shape))
     return shard_global_tensor(tensor, layout)
+
+
+def _check_only(layout, shape):
+    """Raises for `layout` what `_as_backend_layout` would, building no
+    torch mesh (a job of one process computes on plain tensors)."""
+    from keras.src.distribution import TensorLayout
+
+    if isinstance(layout, TensorLayout) and layout.device_mesh is not None:
+        mesh = layout.device_mesh
+        to_placements(layout.axes, mesh.shape, mesh.axis_names, shape=shape)
+    elif not isinstance(layout, (TensorLayout, DTensorLayout)):
+        _as_backend_layout(layout)
 
 
 def distribute_variable(value, layout):
@@ -322,7 +340,8 @@ def distribute_variable(value, layout):
         layout: `TensorLayout` or `DTensorLayout`.
 
     Returns:
-        A `torch.nn.Parameter` holding a `DTensor`.
+        A `torch.nn.Parameter` holding a `DTensor` (a plain tensor in a job
+        of one process).
     """
     return torch.nn.Parameter(distribute_tensor(value, layout))
 
@@ -340,15 +359,19 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
         batch_dim_name: name of the mesh axis that shards the batch.
 
     Returns:
-        A global batch `DTensor` distributed according to `layout`.
+        A global batch `DTensor` distributed according to `layout` (the
+        plain batch in a job of one process, where it is the global one).
     """
-    layout = _as_backend_layout(layout)
     if isinstance(per_process_batch, DTensor):
         return distribute_tensor(per_process_batch, layout)
     if not isinstance(per_process_batch, torch.Tensor):
         from keras.src.backend.torch.core import convert_to_tensor
 
         per_process_batch = convert_to_tensor(per_process_batch)
+    if launch.num_processes() == 1:
+        _check_only(layout, tuple(per_process_batch.shape))
+        return per_process_batch
+    layout = _as_backend_layout(layout)
     mesh = layout.device_mesh
     parts = 1
     for size, placement in zip(mesh.shape, layout.placements, strict=True):

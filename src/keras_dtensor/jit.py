@@ -39,7 +39,7 @@ def wrap_should_torch_compile(original):
     def _should_torch_compile(self):
         if not original(self):
             return False
-        distribution = context.current()
+        distribution = context.active()
         if distribution is None or context.is_data_parallel(distribution):
             return True  # plain tensors: Keras's own whole-step compile
         _compile_forward(self)

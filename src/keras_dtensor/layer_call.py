@@ -63,7 +63,7 @@ def wrap_call(original):
     """
 
     def __call__(self, *args, **kwargs):
-        distribution = context.current()
+        distribution = context.active()
         if distribution is None or context.is_data_parallel(distribution):
             return original(self, *args, **kwargs)
         from keras.src import tree

@@ -30,17 +30,38 @@ def variable_layout(variable):
         variable: a Keras torch `Variable` whose shape is known.
 
     Returns:
-        The `TensorLayout`, or `None` outside any distribution and under
-        `DataParallel`.
+        The `TensorLayout`, or `None` outside any distribution, under
+        `DataParallel` and in a job of one process (plain Parameters; the
+        layout is still checked against the variable, so a layout error
+        shows at one process as it would at N).
     """
     distribution = context.current()
-    if context.is_data_parallel(distribution):
+    if distribution is None or context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
-    if variable._layout is None and distribution is not None:
+    if variable._layout is None:
         variable._layout = layout_plan.lora_layout(
             distribution, variable
         ) or distribution.get_variable_layout(variable)
+    if context.active() is None and variable._layout is not None:
+        _check_layout(variable)
+        return None
     return variable._layout
+
+
+def _check_layout(variable):
+    """Raises the error a job of N processes would raise for its layout."""
+    from keras_dtensor.layout import to_placements
+
+    layout = variable._layout
+    mesh = layout.device_mesh
+    if mesh is not None:
+        to_placements(
+            layout.axes,
+            mesh.shape,
+            mesh.axis_names,
+            path=variable.path,
+            shape=variable.shape,
+        )
 
 
 def _to_dtensor(variable, value):
@@ -225,7 +246,7 @@ def wrap_filter_empty_gradients(original):
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)
-        if context.current() is None:
+        if context.active() is None:
             return grads, variables
         grads = [
             g if g is None else _in_layout_of(g, v)

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.launch import world
 
 __all__ = ["EarlyMetrics", "GradientReducer", "wrap_get_metrics_result"]
 
@@ -239,7 +238,8 @@ def wrap_get_metrics_result(original):
         # Which states are summed now is decided by structure (every metric
         # but the loss tracker, whose early sum is still current), never by
         # data, so every rank joins the same all-reduce.
-        if not context.is_data_parallel() or world()[0] == 1:
+        distribution = context.active()
+        if distribution is None or not context.is_data_parallel(distribution):
             return original(self)
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
