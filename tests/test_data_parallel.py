@@ -122,6 +122,25 @@ def _late_tracker(keras, distribution):
         return model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
 
 
+def _collectives_per_train_step(keras, metrics):
+    """Collectives of one `train_on_batch` under DataParallel, by kind."""
+    import models
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x, y = _arrays()
+    with keras.distribution.DataParallel().scope():
+        model = models.mlp(keras)
+        model.compile(optimizer="adam", loss="mse", metrics=list(metrics))
+        model.train_on_batch(x[:8], y[:8])  # builds, broadcasts weights
+        comm = CommDebugMode()
+        with comm:
+            logs = model.train_on_batch(x[:8], y[:8], return_dict=True)
+    return (
+        {str(k): v for k, v in comm.get_comm_counts().items()},
+        sorted(logs),
+    )
+
+
 def _input_kinds(kinds):
     import keras
     import models
@@ -145,6 +164,10 @@ def _input_kinds(kinds):
     reference = _late_tracker(keras, None)["loss"]
     result = _late_tracker(keras, keras.distribution.DataParallel())["loss"]
     out["late_tracker"] = float(np.abs(np.subtract(reference, result)).max())
+    out["collectives"] = {
+        metrics: _collectives_per_train_step(keras, metrics)
+        for metrics in ((), ("mae", "mse"))
+    }
     # Progress bars print on rank 0 only.
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -308,6 +331,12 @@ def test_every_input_kind_matches_one_process(world):
             assert out[kind]["history"] == results[0][kind]["history"]
         assert out["loss_scale"] <= TOLERANCE
         assert out["late_tracker"] <= TOLERANCE
+        # Compiled metrics are summed with the loss while backward runs:
+        # they add no collective to a step.
+        (plain, _), (metrics, logs) = out["collectives"].values()
+        assert plain == metrics, out["collectives"]
+        assert sum(plain.values()) >= 2, plain  # the buckets, the loss
+        assert logs == ["loss", "mae", "mse"], logs
         if rank == 0:
             assert "loss" in out["stdout"] and "Epoch 2/2" in out["stdout"]
         else:

@@ -149,6 +149,21 @@ PATCHES = (
         "values must be the global ones.",
         data_parallel.wrap_get_metrics_result,
     ),
+    Patch(
+        "keras.src.trainers.trainer",
+        "Trainer._compute_loss",
+        "DataParallel: Keras updates compiled metrics after the optimizer "
+        "step, so summing them was one more collective every step; they "
+        "are updated with the loss and summed while backward runs.",
+        data_parallel.wrap_compute_loss,
+    ),
+    Patch(
+        "keras.src.trainers.trainer",
+        "Trainer.compute_metrics",
+        "DataParallel: the compiled metrics of this train step were "
+        "already updated with the loss; only their results are read.",
+        data_parallel.wrap_compute_metrics,
+    ),
     *(
         Patch(
             module,

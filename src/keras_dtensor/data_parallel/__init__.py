@@ -28,6 +28,8 @@ trained with DataParallel calls it first.
 from keras_dtensor.data_parallel.random_rows import SHAPED_DRAWS
 from keras_dtensor.data_parallel.random_rows import wrap_dropout
 from keras_dtensor.data_parallel.random_rows import wrap_shaped_draw
+from keras_dtensor.data_parallel.reducer import wrap_compute_loss
+from keras_dtensor.data_parallel.reducer import wrap_compute_metrics
 from keras_dtensor.data_parallel.reducer import wrap_get_metrics_result
 from keras_dtensor.data_parallel.step import run_step
 from keras_dtensor.data_parallel.step import update_is_split
@@ -49,6 +51,8 @@ __all__ = [
     "wrap_add_variable_from_reference",
     "wrap_backend_update_step",
     "wrap_batch_norm_init",
+    "wrap_compute_loss",
+    "wrap_compute_metrics",
     "wrap_distribute_tensor",
     "wrap_dropout",
     "wrap_fit",

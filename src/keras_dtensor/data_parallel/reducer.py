@@ -8,11 +8,16 @@ one-process update on the global batch, uneven last batch included.
 Metric states (sums and counts in every built-in Keras metric) are summed
 across ranks, so logs are global. The loss tracker, which Keras updates
 before backward, is summed by an all-reduce launched when backward starts,
-which completes with the gradient buckets; every other metric (compiled
-metrics are updated after the optimizer step) is summed by one all-reduce
-when Keras reads the results.
+which completes with the gradient buckets. Keras's own train step updates
+the compiled metrics after the optimizer step, but they depend only on `y`
+and `y_pred`: here they are updated right after the loss instead
+(`wrap_compute_loss`), so they travel in the same all-reduce, and
+`compute_metrics` only reads the results (`wrap_compute_metrics`). Metrics
+still changed after that (a custom `train_step` or `compute_metrics`) are
+summed by one all-reduce when Keras reads the results.
 """
 
+import functools
 import weakref
 
 import torch
@@ -22,7 +27,13 @@ from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor.data_parallel.state import state_of
 
-__all__ = ["EarlyMetrics", "GradientReducer", "wrap_get_metrics_result"]
+__all__ = [
+    "EarlyMetrics",
+    "GradientReducer",
+    "wrap_compute_loss",
+    "wrap_compute_metrics",
+    "wrap_get_metrics_result",
+]
 
 _FIRST_BUCKET_BYTES = 1024 * 1024
 
@@ -82,6 +93,8 @@ class GradientReducer:
         self.model = None if model is None else weakref.ref(model)
         self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
+        # Keras's own train step updated the compiled metrics with the loss
+        self.metrics_updated = False
         self.weight = 1.0
         self.rows = None
         self._reset()
@@ -106,6 +119,7 @@ class GradientReducer:
                 its own rows, which then are summed with the gradients.
         """
         self.active = True
+        self.metrics_updated = False
         self.rows = rows
         self.weight = None if global_rows is None else rows / global_rows
 
@@ -126,8 +140,18 @@ class GradientReducer:
             )
             model = self.model() if self.model is not None else None
             tracker = getattr(model, "_loss_tracker", None)
-            if tracker is not None and tracker.variables:
-                self.early = EarlyMetrics([v.value for v in tracker.variables])
+            states = []
+            if tracker is not None:
+                states = [v.value for v in tracker.variables]
+                if self.metrics_updated:
+                    states += [
+                        v.value
+                        for metric in model.metrics
+                        if metric is not tracker
+                        for v in metric.variables
+                    ]
+            if states:
+                self.early = EarlyMetrics(states)
             if self.weight is None:  # per-process rows: sum them too
                 self.total_rows = torch.tensor(
                     [float(self.rows)], dtype=torch.float64
@@ -266,3 +290,70 @@ def wrap_get_metrics_result(original):
         return results
 
     return get_metrics_result
+
+
+@functools.cache
+def _keras_steps():
+    from keras.src.backend.torch.trainer import TorchTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    return TorchTrainer.train_step, Trainer.compute_metrics
+
+
+def _armed_reducer(model):
+    """The model's reducer while a DataParallel train step runs Keras's own
+    `train_step` and `compute_metrics` (else `None`)."""
+    state = state_of(model, create=False)
+    reducer = None if state is None else state.reducer
+    if reducer is None or not reducer.active:
+        return None
+    train_step, compute_metrics = _keras_steps()
+    cls = type(model)
+    if cls.train_step is not train_step:
+        return None
+    if cls.compute_metrics is not compute_metrics:
+        return None
+    return reducer
+
+
+def wrap_compute_loss(original):
+    """Wraps `Trainer._compute_loss`: in a DataParallel train step of
+    Keras's own `train_step`, the compiled metrics are updated right after
+    the loss, from the same `y`, `y_pred` and `sample_weight` (no gradient
+    recorded), so their states are summed with the loss tracker's while
+    backward runs (see `GradientReducer._on_grad`)."""
+
+    @functools.wraps(original)
+    def _compute_loss(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        if args or not kwargs.get("training", True):
+            return loss
+        reducer = _armed_reducer(self)
+        if reducer is None or self._compile_metrics is None:
+            return loss
+        with torch.no_grad():
+            self._compile_metrics.update_state(
+                kwargs.get("y"),
+                kwargs.get("y_pred"),
+                kwargs.get("sample_weight"),
+            )
+        reducer.metrics_updated = True
+        return loss
+
+    return _compute_loss
+
+
+def wrap_compute_metrics(original):
+    """Wraps `Trainer.compute_metrics`: when `wrap_compute_loss` already
+    updated the compiled metrics of this train step, only read the results
+    (the states were summed while backward ran)."""
+
+    @functools.wraps(original)
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        reducer = _armed_reducer(self)
+        if reducer is not None and reducer.metrics_updated:
+            reducer.metrics_updated = False
+            return self.get_metrics_result()
+        return original(self, x, y, y_pred, sample_weight)
+
+    return compute_metrics
