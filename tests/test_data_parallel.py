@@ -141,6 +141,26 @@ def _collectives_per_train_step(keras, metrics):
     )
 
 
+def _rows_computed(keras):
+    """Rows a layer computes on in the first `train_on_batch` calls of a
+    model built by them (a pass on `meta` only infers shapes)."""
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            if x.device.type != "meta":
+                seen.append(int(x.shape[0]))
+            return x
+
+    x, y = _arrays()
+    with keras.distribution.DataParallel().scope():
+        model = keras.Sequential([Probe(), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        model.train_on_batch(x[:32], y[:32])
+        model.train_on_batch(x[:32], y[:32])
+    return seen
+
+
 def _input_kinds(kinds):
     import keras
     import models
@@ -168,6 +188,7 @@ def _input_kinds(kinds):
         metrics: _collectives_per_train_step(keras, metrics)
         for metrics in ((), ("mae", "mse"))
     }
+    out["rows_computed"] = _rows_computed(keras)
     # Progress bars print on rank 0 only.
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -337,6 +358,8 @@ def test_every_input_kind_matches_one_process(world):
         assert plain == metrics, out["collectives"]
         assert sum(plain.values()) >= 2, plain  # the buckets, the loss
         assert logs == ["loss", "mae", "mse"], logs
+        # Even the first train_on_batch computes only this rank's rows.
+        assert out["rows_computed"] == [32 // world] * 2, out["rows_computed"]
         if rank == 0:
             assert "loss" in out["stdout"] and "Epoch 2/2" in out["stdout"]
         else:
