@@ -22,7 +22,17 @@ import sys
 import warnings
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "install", "is_installed", "plan", "uninstall"]
+__all__ = [
+    "ShardedCheckpoint",
+    "__version__",
+    "install",
+    "is_installed",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "plan",
+    "save_checkpoint",
+    "uninstall",
+]
 
 if "keras" not in sys.modules:
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -97,3 +107,20 @@ def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
     from keras_dtensor.memory_plan import plan as _plan
 
     return _plan(model_or_build_fn, distribution, optimizer, **kwargs)
+
+
+_LAZY = {
+    "save_checkpoint": "keras_dtensor.checkpoint",
+    "load_checkpoint": "keras_dtensor.checkpoint",
+    "latest_checkpoint": "keras_dtensor.checkpoint",
+    "ShardedCheckpoint": "keras_dtensor.checkpoint_callback",
+}
+
+
+def __getattr__(name):
+    # Imported on first use: `import keras_dtensor` stays as cheap as it was.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'keras_dtensor' has no attribute {name!r}")
