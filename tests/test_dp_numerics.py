@@ -1,6 +1,7 @@
 """DataParallel gives one process's numbers for batch-dependent layers:
-BatchNormalization(synchronized=True) and seeded random layers at 2 and 4
-processes, numpy and DataLoader input, an uneven last batch."""
+BatchNormalization(synchronized=True), seeded random and augmentation
+layers (which need TensorFlow), at 2 and 4 processes, numpy and DataLoader
+input, an uneven last batch."""
 
 import numpy as np
 import pytest
@@ -15,7 +16,10 @@ ROWS, BATCH = 58, 16  # last batch: 10 rows (uneven over 4 processes)
 def _convnet(keras, synchronized):
     keras.utils.set_random_seed(11)
     inputs = keras.Input((8, 8, 3))
-    h = keras.layers.Conv2D(6, 3, padding="same", name="conv")(inputs)
+    # Augmentation draws one value per image from the layer's seed.
+    h = keras.layers.RandomFlip(seed=5)(inputs)
+    h = keras.layers.RandomContrast(0.3, seed=6)(h)
+    h = keras.layers.Conv2D(6, 3, padding="same", name="conv")(h)
     h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn")(h)
     h = keras.layers.Activation("relu")(h)
     h = keras.layers.SpatialDropout2D(0.3, seed=1)(h)
@@ -95,8 +99,8 @@ def _cases():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_synchronized_batch_norm_and_seeded_noise_equal_one_process(world):
-    (one,) = run_ranks(_cases, 1)
-    for out in run_ranks(_cases, world, timeout=400):
+    (one,) = run_ranks(_cases, 1, tensorflow=True)
+    for out in run_ranks(_cases, world, timeout=400, tensorflow=True):
         for kind in ("numpy", "loader"):
             diffs = _compare(out[kind], one[kind])
             worst = max(diffs, key=diffs.get)
