@@ -219,6 +219,10 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     """
     import torch.distributed.checkpoint as dcp
 
+    launch.every_rank_joins(
+        f"save_checkpoint({os.fspath(directory)!r})",
+        "every rank writes its shards",
+    )
     world, rank = launch.world()
     names = _Names(directory)
     problem = None
@@ -290,6 +294,9 @@ def load_checkpoint(model, directory):
     import torch.distributed.checkpoint as dcp
 
     directory = os.path.abspath(os.fspath(directory))
+    launch.every_rank_joins(
+        f"load_checkpoint({directory!r})", "the ranks check the files together"
+    )
     manifest = checkpoint_files.read_manifest(directory)
     checkpoint_files.verify(directory, manifest)
     state = _state_dict(model)

@@ -28,6 +28,7 @@ __all__ = [
     "init_process_group",
     "local_device",
     "agree_on_seed",
+    "every_rank_joins",
     "multi_process",
     "process_id",
     "num_processes",
@@ -320,3 +321,33 @@ def _destroy():
             warnings.warn(
                 f"keras_dtensor: process group teardown: {e}", stacklevel=1
             )
+
+
+def every_rank_joins(what: str, why: str) -> None:
+    """Raises on the ranks that arrived if some rank does not join `what`.
+
+    A collective called on some ranks only waits for the others until the
+    process group's timeout; a monitored barrier first (gloo, up to
+    `$KERAS_DTENSOR_SAVE_TIMEOUT` seconds) turns that into an error naming
+    the call. No-op without a group of several processes.
+
+    Args:
+        what: the call, e.g. `"save_checkpoint('ckpt/3')"`.
+        why: what makes it collective, for the message.
+    """
+    if not multi_process():
+        return
+    timeout = config.get("SAVE_TIMEOUT")
+    start = time.monotonic()
+    try:
+        dist.monitored_barrier(
+            timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
+        )
+    except RuntimeError as e:
+        waited = time.monotonic() - start
+        raise RuntimeError(
+            f"{what} must be called on every rank: {why}. Rank "
+            f"{dist.get_rank()} of {dist.get_world_size()} waited "
+            f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
+            f"for the others, which did not arrive or died. Details: {e}"
+        ) from None
