@@ -9,11 +9,17 @@ directory, rank 1 kills itself in epoch 3, torchrun restarts the job, and
 BackupAndRestore resumes it. A run survives when the job exits 0, its final
 weights equal the reference bit for bit, and the files are those of one
 process (checkpoints for epochs 1-4, best.keras, log.csv with 4 epochs, no
-backup left, no temporary files). Prints a markdown table.
+backup left, no temporary files). Then the same with `ShardedCheckpoint`
+(every epoch, keep 2) and rank 1 killed at a random moment of `fit`
+(`--sharded-runs`), sometimes in the middle of a save: it survives when
+it resumes from the newest complete checkpoint to the same weights and
+files.
+Prints a markdown table.
 """
 
 import argparse
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -25,17 +31,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "fault_worker.py")
 
 
-def _job(root, strategy, kill):
+def _job(root, strategy, kill, callbacks="keras", kill_after=None):
     env = dict(
         os.environ,
         ROOT=root,
         STRATEGY=strategy,
+        CALLBACKS=callbacks,
         OMP_NUM_THREADS="1",
         KERAS_BACKEND="torch",
     )
     env.pop("PYTHONHASHSEED", None)
     if kill:
         env["KILL_RANK"] = "1"
+    if kill_after is not None:
+        env["KILL_AFTER"] = f"{kill_after:.3f}"
     start = time.monotonic()
     proc = subprocess.run(
         [
@@ -72,19 +81,32 @@ def _weights(root):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--sharded-runs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    random.seed(args.seed)
     rows = []
-    for strategy in ("model_parallel", "data_parallel"):
+    strategies = ("model_parallel", "data_parallel")
+    cases = [(s, "keras", args.runs) for s in strategies]
+    cases += [(s, "sharded", args.sharded_runs) for s in strategies]
+    for strategy, callbacks, runs in cases:
         with tempfile.TemporaryDirectory() as root:
-            proc, _ = _job(root, strategy, kill=False)
+            proc, _ = _job(root, strategy, kill=False, callbacks=callbacks)
             if proc.returncode != 0:
                 raise SystemExit(proc.stderr[-3000:])
             reference = _weights(root)
+            with open(os.path.join(root, "fit_seconds.txt")) as f:
+                fit_seconds = float(f.read())
             expected = [f for f in _files(root) if not f.startswith("tb")]
         survived, seconds, lost = 0, [], 0
-        for run in range(args.runs):
+        for run in range(runs):
+            kill_after = None
+            if callbacks == "sharded":
+                kill_after = random.uniform(0.0, fit_seconds)
             with tempfile.TemporaryDirectory() as root:
-                proc, elapsed = _job(root, strategy, kill=True)
+                proc, elapsed = _job(
+                    root, strategy, True, callbacks, kill_after=kill_after
+                )
                 seconds.append(elapsed)
                 ok = proc.returncode == 0 and os.path.exists(
                     os.path.join(root, "final.npz")
@@ -101,14 +123,21 @@ def main():
                 if not ok:
                     print(f"run {run} {strategy}: rc={proc.returncode}")
                     print(proc.stderr[-2000:])
-        rows.append((strategy, args.runs, survived, np.median(seconds), lost))
+        rows.append(
+            (strategy, callbacks, runs, survived, np.median(seconds), lost)
+        )
     print("| fault | runs | survived | job time (median s) | data lost |")
     print("|---|---|---|---|---|")
-    for strategy, runs, survived, median, lost in rows:
+    for strategy, callbacks, runs, survived, median, lost in rows:
+        fault = (
+            "mid-epoch 3, 5 Keras callbacks"
+            if callbacks == "keras"
+            else "at a random moment, ShardedCheckpoint every epoch"
+        )
         print(
-            f"| rank 1 SIGKILLed mid-epoch 3, {strategy}, fresh dir, 5 "
-            f"callbacks, --max-restarts=1 | {runs} | {survived} | "
-            f"{median:.1f} | {lost} |"
+            f"| rank 1 SIGKILLed {fault}, {strategy}, fresh dir, "
+            f"--max-restarts=1 | {runs} | {survived} | {median:.1f} | "
+            f"{lost} |"
         )
 
 

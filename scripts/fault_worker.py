@@ -2,13 +2,18 @@
 
 Environment: `ROOT` (a fresh directory), `STRATEGY` (`model_parallel` or
 `data_parallel`), `KILL_RANK` (optional: that rank SIGKILLs itself in the
-middle of epoch 3 on the first attempt). Every rank passes the same
-callback arguments, as a one-process script would. Rank 0 writes the final
-weights to `ROOT/final.npz`.
+middle of epoch 3 on the first attempt), `CALLBACKS` (`keras`: five Keras
+callbacks with BackupAndRestore; `sharded`: `ShardedCheckpoint` every
+epoch, keep 2), `KILL_AFTER` (with `sharded`: the kill comes that many
+seconds after `fit` starts instead, at any moment, during a save or not).
+Every rank passes the same callback arguments, as a one-process script
+would. Rank 0 writes the final weights to `ROOT/final.npz`.
 """
 
 import os
 import signal
+import threading
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -16,7 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import keras_dtensor  # noqa: E402, F401
+import keras_dtensor  # noqa: E402
 
 ROOT = os.environ["ROOT"]
 world = len(keras.distribution.list_devices())
@@ -61,7 +66,21 @@ class KillMidEpoch(keras.callbacks.Callback):
         self._epoch = epoch
 
 
-callbacks = [
+class KillAfter(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and dist.get_rank() == int(os.environ["KILL_RANK"]):
+            delay = float(os.environ["KILL_AFTER"])
+            kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+            threading.Timer(delay, kill).start()
+
+
+sharded = [
+    keras_dtensor.ShardedCheckpoint(os.path.join(ROOT, "sharded"), keep=2),
+]
+if os.environ.get("KILL_AFTER") and os.environ.get("KILL_RANK"):
+    sharded.append(KillAfter())
+keras_callbacks = [
     keras.callbacks.BackupAndRestore(os.path.join(ROOT, "backup")),
     keras.callbacks.ModelCheckpoint(
         os.path.join(ROOT, "ckpt", "w-{epoch}.weights.h5"),
@@ -76,9 +95,16 @@ callbacks = [
     keras.callbacks.TensorBoard(os.path.join(ROOT, "tb")),
     KillMidEpoch(),
 ]
+callbacks = {"keras": keras_callbacks, "sharded": sharded}[
+    os.environ.get("CALLBACKS", "keras")
+]
+start = time.monotonic()
 model.fit(
     x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks
 )
+seconds = time.monotonic() - start
 weights = model.get_weights()
 if dist.get_rank() == 0:
     np.savez(os.path.join(ROOT, "final.npz"), *weights)
+    with open(os.path.join(ROOT, "fit_seconds.txt"), "w") as f:
+        f.write(f"{seconds:.3f}")

@@ -7,6 +7,9 @@ names sort), keeps the newest `keep`, and when `fit` starts it loads the
 newest complete checkpoint and resumes at its epoch, as Keras's
 `BackupAndRestore` does: a job killed at any moment and started again
 (`torchrun --max-restarts`, or by hand) continues from the last commit.
+With `save_freq="epoch"` the resumed run equals an uninterrupted one; a
+checkpoint from the middle of an epoch restarts that epoch from its first
+batch with the weights it holds (Keras's `BackupAndRestore` semantics).
 """
 
 import os
@@ -64,6 +67,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self.resume = resume
         self._batches = 0
         self._epoch = 0
+        self._epoch_start = 0  # batches trained when this epoch began
         self._pending = None
 
     def on_train_begin(self, logs=None):
@@ -77,29 +81,36 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             return
         manifest = checkpoint.load_checkpoint(self.model, latest)
         extra = manifest.get("extra") or {}
-        self._batches = int(extra.get("batches", 0))
+        # fit resumes at the start of `epoch`: count batches from there.
+        self._batches = int(extra.get("resume_batches", 0))
         self._epoch = int(extra.get("epoch", 0))
         self.model._initial_epoch = self._epoch
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._epoch_start = self._batches
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
         if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
-            self._save(epoch=self._epoch)  # resumes at this epoch's start
+            # As BackupAndRestore: fit resumes at this epoch's start.
+            self._save(epoch=self._epoch, resume_batches=self._epoch_start)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
-            self._save(epoch=epoch + 1)
+            self._save(epoch=epoch + 1, resume_batches=self._batches)
 
     def on_train_end(self, logs=None):
         self._finish()
 
-    def _save(self, epoch):
+    def _save(self, epoch, resume_batches):
         self._finish()
         path = os.path.join(self.directory, f"{_PREFIX}{self._batches:010d}")
-        extra = {"epoch": epoch, "batches": self._batches}
+        extra = {
+            "epoch": epoch,
+            "batches": self._batches,
+            "resume_batches": resume_batches,
+        }
         result = checkpoint.save_checkpoint(
             self.model, path, async_save=self.async_save, extra=extra
         )
