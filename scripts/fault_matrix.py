@@ -90,6 +90,8 @@ def main():
     cases = [(s, "keras", args.runs) for s in strategies]
     cases += [(s, "sharded", args.sharded_runs) for s in strategies]
     for strategy, callbacks, runs in cases:
+        if not runs:
+            continue
         with tempfile.TemporaryDirectory() as root:
             proc, _ = _job(root, strategy, kill=False, callbacks=callbacks)
             if proc.returncode != 0:
