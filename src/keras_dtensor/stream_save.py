@@ -1,34 +1,26 @@
 """Writing a sharded variable into a Keras `.h5` store without gathering it.
 
-Keras's `H5IOStore.__setitem__` converts each variable to numpy; for a
-sharded variable that is an all-gather, so during a save every rank held
-each whole variable (and a numpy copy of it). Inside a save run by
-`saving.py` on several processes (`scope()`), a variable that holds a
-DTensor is written instead as follows, by every rank in the same order
-(Keras walks the same model on every rank):
+Keras's `H5IOStore.__setitem__` converts each variable to numpy: for a
+sharded variable an all-gather, so every rank held each whole variable
+(and a numpy copy) while saving. Inside a save on several processes
+(`scope()`, entered by `saving.py`), every rank writes a DTensor-backed
+value as follows, in the same order (Keras walks the same model):
 
-- rank 0 creates the dataset with the variable's global shape and dtype
-  (bfloat16 as Keras stores it: 2-byte opaque values, `dtype` attribute)
-  and fills it in pieces: blocks of the global array, each contiguous in
-  the file and at most `$KERAS_DTENSOR_SAVE_PIECE_MB` MiB;
-- each distinct shard is sent by one rank that holds it (rank 0 itself
-  when it holds one: no communication), as point-to-point messages to
-  rank 0, one per piece it intersects; what a rank sends is a view of its
-  shard, never a copy;
-- rank 0 receives the next piece while it writes the current one, so it
-  holds at most about four pieces, and the other ranks nothing extra;
-- the other ranks create the dataset in their scratch file without
-  writing into it.
+- rank 0 creates the dataset (global shape and dtype; bfloat16 as Keras
+  stores it) and fills it in blocks, each contiguous in the file and at
+  most `$KERAS_DTENSOR_SAVE_PIECE_MB` MiB;
+- one rank per distinct shard (rank 0 when it holds one: no message)
+  sends rank 0 its part of each block point to point, a view of its
+  shard; rank 0 receives the next block while it writes the current one
+  (about four pieces held), the others hold nothing extra and leave the
+  dataset of their scratch file empty.
 
-Optimizer variables take the same way (Keras's optimizer stores
-`variable.numpy()`, a gather: inside the scope it stores the variable).
-A replicated variable is one shard that rank 0 holds: it writes its own
-copy, in pieces, without communication. Plain values (DataParallel's
-variables, arrays a layer saves) go through Keras's writer unchanged.
-
-If a write fails on a rank (a full disk), that rank keeps taking part in
-every later transfer without writing, so no peer is left waiting; the
-save raises the first such error once Keras's writer returns.
+Optimizer variables too (Keras's optimizer stores `variable.numpy()`, a
+gather; inside the scope it stores the variable). A replicated variable is
+one shard rank 0 holds. Plain values (DataParallel) go through Keras.
+A rank whose write fails (a full disk) keeps taking part in every later
+transfer without writing, so no peer waits on it; the save raises that
+error once Keras's writer returns.
 """
 
 import contextlib
@@ -38,6 +30,7 @@ import functools
 import itertools
 import math
 
+import ml_dtypes  # a Keras dependency
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -70,9 +63,9 @@ def _carve(flat, offset, shape, dtype):
 
 @dataclasses.dataclass
 class _Save:
-    """One save on this rank: its piece size, its first write error and
-    rank 0's buffers (allocated once per save and reused: freeing and
-    allocating a piece per block grew glibc's heap without reuse)."""
+    """One save on this rank: piece size, first write error, rank 0's
+    buffers (allocated once per save: a piece allocated and freed per
+    block grew glibc's heap without reuse)."""
 
     piece_bytes: int
     error: BaseException | None = None
@@ -129,9 +122,8 @@ def active() -> bool:
 def pieces(shape, itemsize, piece_bytes):
     """Blocks of a C-order array, each contiguous and at most `piece_bytes`.
 
-    Trailing dims are taken whole while they fit; the next dim is cut into
-    runs; the dims before it one index at a time. A single element is one
-    block even if larger than `piece_bytes`.
+    Trailing dims whole while they fit, the next one cut into runs, those
+    before it one index at a time; at least one element per block.
 
     Args:
         shape: the array's shape.
@@ -210,8 +202,6 @@ def _overlap(block, ranges):
 
 def _numpy_dtype(dtype):
     if dtype == torch.bfloat16:
-        import ml_dtypes
-
         return np.dtype(ml_dtypes.bfloat16)
     return torch.empty((), dtype=dtype).numpy().dtype
 
@@ -219,8 +209,6 @@ def _numpy_dtype(dtype):
 def _to_numpy(tensor):
     """A CPU tensor's values as numpy, sharing memory (bfloat16 bitwise)."""
     if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
         return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return tensor.numpy()
 
@@ -387,20 +375,16 @@ def wrap_is_memory_sufficient(original):
 
     @functools.wraps(original)
     def is_memory_sufficient(model):
-        if active():
-            return False
-        return original(model)
+        return False if active() else original(model)
 
     return is_memory_sufficient
 
 
 def wrap_optimizer_save_own_variables(original):
-    """Wraps `BaseOptimizer.save_own_variables(store)`.
-
-    Keras stores `variable.numpy()` for each optimizer variable: a gather
-    before the store sees it. Inside a save's `scope()`, into an
-    `H5IOStore`, each variable is stored itself (the store converts a
-    plain one exactly as `.numpy()` does, and streams a sharded one).
+    """Wraps `BaseOptimizer.save_own_variables(store)`: Keras stores
+    `variable.numpy()`, a gather before the store sees it; inside a save's
+    `scope()`, into an `H5IOStore`, each variable is stored itself (the
+    store converts a plain one as `.numpy()` does, streams a sharded one).
     """
 
     @functools.wraps(original)
