@@ -9,6 +9,7 @@ import os
 import keras
 import numpy as np
 import pytest
+import torch
 from harness import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -21,6 +22,130 @@ def _distribution(keras, world):
     return keras.distribution.ModelParallel(
         layout_map=models.layout_map(keras, mesh, models.TP_LAYOUTS["mlp"])
     )
+
+
+# A table large enough that a whole copy of it on a rank stands out from
+# the process's own noise: 32 MiB of float32.
+TABLE = (65_536, 128)
+TABLE_MB = TABLE[0] * TABLE[1] * 4 / 2**20
+
+
+def _table_model(keras):
+    """A sharded table and a bfloat16 head (Keras stores bfloat16 apart)."""
+    tokens = keras.Input((4,), dtype="int32")
+    h = keras.layers.Embedding(*TABLE, name="table")(tokens)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(7, dtype="bfloat16", name="head")(h)
+    model = keras.Model(tokens, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _variables(model):
+    return [*model.weights, *model.optimizer.variables]
+
+
+def _checksum(array):
+    import zlib
+
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _shard_checksums(model):
+    """This rank's `(ranges, crc32)` of every weight and optimizer
+    variable: what it holds, without gathering anything."""
+    from keras_dtensor.sharded_init import local_slices
+
+    out = []
+    for variable in _variables(model):
+        value = variable.value
+        ranges = local_slices(value.shape, value.device_mesh, value.placements)
+        local = value.to_local().detach().reshape(-1).view(torch.uint8)
+        out.append((ranges, _checksum(local.numpy())))
+    return out
+
+
+def _peak_mb(run):
+    """This rank's resident high-water mark during `run()` over its
+    resident memory before it, in MiB (Linux `/proc/self/status`)."""
+    import gc
+
+    def status_mb(field):
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(field + ":"))
+        return int(line.split()[1]) / 1024
+
+    gc.collect()
+    before = status_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident memory
+    run()
+    return status_mb("VmHWM") - before
+
+
+def _full_disk_save(model, path):
+    """`save_weights` whose writes on rank 0 fail past 8 MiB (as on a full
+    disk): the error every rank raises, and how long it took."""
+    import resource
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if dist.get_rank() == 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limit[1]))
+    start = time.monotonic()
+    try:
+        model.save_weights(path)
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        if dist.get_rank() == 0:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    return error, time.monotonic() - start
+
+
+def _streamed_saves(directory):
+    """Saves of the table on a 2 x 2 mesh (two replicas of each shard)."""
+    import keras
+
+    from keras_dtensor import stream_save
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*table/embeddings"] = (None, "model")
+    layout_map[".*head/kernel"] = ("model", None)
+    layout_map[".*head/bias"] = ("model",)  # 7 over 2: uneven
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        model = _table_model(keras)
+        # One Adam step (the weights as gradients): slots that are not 0.
+        model.optimizer.apply_gradients(
+            [(v.value, v) for v in model.trainable_variables]
+        )
+        os.environ["KERAS_DTENSOR_SAVE_PIECE_MB"] = "1"
+        out = {
+            "peak_save_weights": _peak_mb(
+                lambda: model.save_weights(
+                    os.path.join(directory, "table.weights.h5")
+                )
+            ),
+            "peak_save": _peak_mb(
+                lambda: model.save(os.path.join(directory, "table.keras"))
+            ),
+        }
+        table = model.get_layer("table").embeddings.value
+        out["owners"] = stream_save.shard_owners(
+            table.shape, table.device_mesh, table.placements
+        )
+        out["full_disk"], out["full_disk_s"] = _full_disk_save(
+            model, os.path.join(directory, "full_disk.weights.h5")
+        )
+        out["checksums"] = _shard_checksums(model)
+    return out
 
 
 def _save(directory):
@@ -41,6 +166,7 @@ def _save(directory):
     return {
         "predict": result["predict"],
         "weights": result["weights"],
+        **_streamed_saves(directory),
         "files": sorted(os.listdir(directory)),
     }
 
@@ -135,9 +261,15 @@ def _load(directory):
 def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
     saved = run_ranks(_save, 4, str(tmp_path), timeout=300)
     # One writer, atomic rename: no temp files left behind, not even those
-    # of an earlier killed save.
-    assert saved[0]["files"] == ["mlp.keras", "mlp.weights.h5"]
+    # of an earlier killed save or of a failed one.
+    assert saved[0]["files"] == [
+        "mlp.keras",
+        "mlp.weights.h5",
+        "table.keras",
+        "table.weights.h5",
+    ]
     weights = saved[0]["weights"]
+    _check_streamed_saves(saved, tmp_path)
 
     loaded = run_ranks(_load, 2, str(tmp_path))
     for out in loaded:
@@ -179,3 +311,64 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
     plain_weights.load_weights(str(tmp_path / "mlp.weights.h5"))
     for got, want in zip(plain_weights.get_weights(), weights, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-7)
+
+
+def _check_streamed_saves(saved, tmp_path):
+    # Only one replica of each shard sends it: rank 0 holds the first.
+    assert [rank for rank, _ in saved[0]["owners"]] == [0, 1]
+    assert [ranges for _, ranges in saved[0]["owners"]] == [
+        ((0, TABLE[0]), (0, 64)),
+        ((0, TABLE[0]), (64, 64)),
+    ]
+    for rank, out in enumerate(saved):
+        # No rank held a whole copy of the table (gathering it: 2x).
+        for what in ("peak_save_weights", "peak_save"):
+            assert out[what] < 0.3 * TABLE_MB, (rank, what, out[what])
+        # A write failing on rank 0 mid-variable: no peer left waiting.
+        assert out["full_disk_s"] < 30, out["full_disk_s"]
+        if rank == 0:
+            assert out["full_disk"].startswith("OSError"), out["full_disk"]
+        else:
+            assert "failed on rank 0 of 4: OSError" in out["full_disk"]
+        assert "File too large" in out["full_disk"]
+
+    # Plain Keras reads the same values, bfloat16 and optimizer included:
+    # every rank's shards, replicas too.
+    plain = keras.saving.load_model(str(tmp_path / "table.keras"))
+    fresh = _table_model(keras)
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(str(tmp_path / "table.weights.h5"))
+    for loaded in (plain, fresh):
+        values = [keras.ops.convert_to_numpy(v) for v in _variables(loaded)]
+        for out in saved:
+            for value, (ranges, crc) in zip(
+                values, out["checksums"], strict=True
+            ):
+                index = tuple(slice(a, a + n) for a, n in ranges)
+                assert _checksum(value[index]) == crc
+
+
+@pytest.mark.parametrize(
+    "shape, itemsize, piece_bytes",
+    [
+        ((), 4, 16),
+        ((0, 5), 4, 16),
+        ((7,), 2, 6),
+        ((5, 3), 4, 24),
+        ((3, 4, 5), 4, 12),
+        ((3, 4, 5), 8, 4),  # less than one element: one element each
+        ((2, 3, 4), 4, 1000),
+    ],
+)
+def test_pieces_are_contiguous_bounded_and_in_file_order(
+    shape, itemsize, piece_bytes
+):
+    from keras_dtensor.stream_save import pieces
+
+    flat = np.arange(int(np.prod(shape))).reshape(shape)
+    covered = []
+    for block in pieces(shape, itemsize, piece_bytes):
+        part = flat[tuple(slice(a, b) for a, b in block)].reshape(-1)
+        assert part.size * itemsize <= max(piece_bytes, itemsize)
+        covered.extend(part.tolist())
+    assert covered == list(range(flat.size))  # each once, in file order

@@ -111,6 +111,14 @@ VARIABLES = (
         "how long a save waits for every rank to join it",
     ),
     Variable(
+        "SAVE_PIECE_MB",
+        _positive_float,
+        16.0,
+        "MiB > 0",
+        "a saved sharded variable goes to rank 0 and into the file in "
+        "pieces of at most this size (rank 0 holds about 4 at a time)",
+    ),
+    Variable(
         "LOG_ALL_RANKS",
         _flag,
         False,

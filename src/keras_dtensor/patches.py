@@ -36,6 +36,7 @@ from keras_dtensor import placement_order
 from keras_dtensor import replica_check
 from keras_dtensor import saving
 from keras_dtensor import shared_files
+from keras_dtensor import stream_save
 from keras_dtensor import trainer_calls
 from keras_dtensor import variables
 from keras_dtensor.compat import SUPPORTED_TORCH
@@ -295,8 +296,8 @@ PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "save_weights_only",
-        "Every rank must gather sharded weights; only rank 0 may write "
-        "(h5py's lock), atomically.",
+        "Every rank must take part (shards travel to rank 0); only rank 0 "
+        "may write (h5py's lock), atomically.",
         functools.partial(saving.wrap_save, what="save_weights"),
     ),
     Patch(
@@ -304,6 +305,29 @@ PATCHES = (
         "save_model",
         "model.save: as save_weights_only.",
         functools.partial(saving.wrap_save, what="save"),
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "H5IOStore.__setitem__",
+        "Converting a sharded variable to numpy gathered it whole on every "
+        "rank (2x the model per rank while saving); inside a save rank 0 "
+        "writes it in pieces from the shards' owners (stream_save.py).",
+        stream_save.wrap_h5_store_setitem,
+    ),
+    Patch(
+        "keras.src.optimizers.base_optimizer",
+        "BaseOptimizer.save_own_variables",
+        "It stores variable.numpy(), a whole gather of every sharded slot "
+        "on every rank; inside a save the store gets the variable.",
+        stream_save.wrap_optimizer_save_own_variables,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "is_memory_sufficient",
+        "model.save built the whole weights file in memory on rank 0 (a "
+        "BytesIO, then a copy of it); inside a save it goes to a temporary "
+        "file that is zipped in pieces.",
+        stream_save.wrap_is_memory_sufficient,
     ),
     Patch(
         "keras.src.utils.io_utils",

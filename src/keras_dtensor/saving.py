@@ -1,19 +1,20 @@
-"""Saving under a distribution: every rank gathers, rank 0 writes, atomically.
+"""Saving under a distribution: rank 0 writes, from every rank's shards.
 
-Keras's `save_weights` and `model.save` convert every variable to numpy;
-for a sharded variable that is an all-gather, so every rank must run the
-save, in the same order. Each rank runs Keras's own writer; rank 0 writes
-next to the target and renames into place (a reader never sees half a
-file), the other ranks write to a private scratch directory that is then
-deleted (all ranks writing one `.weights.h5` would also collide on h5py's
-file lock). Files are ordinary Keras files: plain single-process Keras
-loads them.
+Every rank runs Keras's own writer (`save_weights`, `model.save`), in the
+same order; rank 0 writes next to the target and renames into place (a
+reader never sees half a file), the other ranks write to a private
+scratch directory that is then deleted (all ranks writing one
+`.weights.h5` would also collide on h5py's file lock). Inside the writer,
+a sharded variable is not gathered: rank 0 writes it in pieces while the
+ranks holding its shards send them (`stream_save.py`), so no rank holds a
+whole sharded variable. Files are ordinary Keras files: plain
+single-process Keras loads them.
 
-A save called on some ranks only would hang in the first gather; a
+A save called on some ranks only would hang in the first transfer; a
 monitored barrier first turns that into an error naming the missing ranks.
 A file rank 0 cannot create (missing directory, no permission) is found
-before any gather, and the outcome of the write is shared at the end: every
-rank raises the same error instead of the others waiting for the
+before any transfer, and the outcome of the write is shared at the end:
+every rank raises the same error instead of the others waiting for the
 collective timeout.
 """
 
@@ -32,6 +33,7 @@ from keras_dtensor import config
 from keras_dtensor import data_parallel
 from keras_dtensor import launch
 from keras_dtensor import shared_files
+from keras_dtensor import stream_save
 from keras_dtensor.launch import multi_process
 
 __all__ = ["wrap_save"]
@@ -47,8 +49,8 @@ def _check_all_ranks_save(what, filepath):
     except RuntimeError as e:
         waited = time.monotonic() - start
         raise RuntimeError(
-            f"{what}({str(filepath)!r}) must be called on every rank: it "
-            "gathers sharded variables, a collective. Rank "
+            f"{what}({str(filepath)!r}) must be called on every rank: the "
+            "ranks send rank 0 their shards of sharded variables. Rank "
             f"{dist.get_rank()} of {dist.get_world_size()} waited "
             f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
             "for the others, which did not arrive or died. Call it on all "
@@ -83,7 +85,7 @@ def _raise_if_failed(failures, what, filepath, own=None):
     )
 
 
-def _gather_and_write(original, what, model, filepath, *args, **kwargs):
+def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
     _check_all_ranks_save(what, filepath)
     # DataParallel leaves some optimizer slots stale on non-owners.
     data_parallel.sync_optimizer_state(model)
@@ -107,8 +109,15 @@ def _gather_and_write(original, what, model, filepath, *args, **kwargs):
             problem = e
     _raise_if_failed(_share_failure(problem), what, final)
     try:
-        result = original(model, target, *args, **kwargs)
-        if scratch is None:
+        with stream_save.scope() as streamed:
+            try:
+                result = original(model, target, *args, **kwargs)
+            except Exception as e:
+                problem = e
+        # A write that failed while shards kept arriving is the cause of
+        # any later error (h5py's close of the same file).
+        problem = streamed.error or problem
+        if problem is None and scratch is None:
             os.replace(target, final)
     except Exception as e:
         problem = e
@@ -139,7 +148,7 @@ def wrap_save(original, what):
         # Every rank runs Keras's writer on its own target: not the shared
         # file operations of callbacks.
         with shared_files.suspended():
-            return _gather_and_write(
+            return _write_on_rank_0(
                 original, what, model, filepath, *args, **kwargs
             )
 

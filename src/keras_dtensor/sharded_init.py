@@ -43,14 +43,16 @@ _DRAWS = (torch.rand, torch.normal)
 _FILLS = {torch.zeros: 0, torch.ones: 1, torch.empty: None}
 
 
-def local_slices(shape, mesh, placements):
+def local_slices(shape, mesh, placements, coordinate=None):
     """This rank's `(start, length)` along every dim of `shape`.
 
     Follows DTensor's sharding (`torch.chunk` semantics: chunks of
     `ceil(n / k)`, the last ones shorter or empty), mesh dims in order.
+    `coordinate` (a mesh coordinate) asks for another rank's slices.
     """
     ranges = [(0, n) for n in shape]
-    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        coordinate = mesh.get_coordinate()
     for mesh_dim, placement in enumerate(placements):
         if not placement.is_shard():
             continue
