@@ -19,17 +19,14 @@ collective timeout.
 """
 
 import contextlib
-import datetime
 import glob
 import os
 import shutil
 import tempfile
-import time
 import uuid
 
 import torch.distributed as dist
 
-from keras_dtensor import config
 from keras_dtensor import data_parallel
 from keras_dtensor import launch
 from keras_dtensor import shared_files
@@ -37,25 +34,6 @@ from keras_dtensor import stream_save
 from keras_dtensor.launch import multi_process
 
 __all__ = ["wrap_save"]
-
-
-def _check_all_ranks_save(what, filepath):
-    timeout = config.get("SAVE_TIMEOUT")
-    start = time.monotonic()
-    try:
-        dist.monitored_barrier(
-            timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
-        )
-    except RuntimeError as e:
-        waited = time.monotonic() - start
-        raise RuntimeError(
-            f"{what}({str(filepath)!r}) must be called on every rank: the "
-            "ranks send rank 0 their shards of sharded variables. Rank "
-            f"{dist.get_rank()} of {dist.get_world_size()} waited "
-            f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
-            "for the others, which did not arrive or died. Call it on all "
-            f"ranks; only rank 0 writes the file. Details: {e}"
-        ) from None
 
 
 def _remove_leftovers(directory, name):
@@ -86,7 +64,11 @@ def _raise_if_failed(failures, what, filepath, own=None):
 
 
 def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
-    _check_all_ranks_save(what, filepath)
+    launch.every_rank_joins(
+        f"{what}({str(filepath)!r})",
+        "the ranks send rank 0 their shards of sharded variables; call it "
+        "on all ranks, only rank 0 writes the file",
+    )
     # DataParallel leaves some optimizer slots stale on non-owners.
     data_parallel.sync_optimizer_state(model)
     final = os.fspath(filepath)
