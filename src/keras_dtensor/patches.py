@@ -31,6 +31,7 @@ from keras_dtensor import jit
 from keras_dtensor import layer_call
 from keras_dtensor import lazy_load
 from keras_dtensor import ops
+from keras_dtensor import optimizer_update
 from keras_dtensor import patch_rows
 from keras_dtensor import placement_order
 from keras_dtensor import replica_check
@@ -173,6 +174,15 @@ PATCHES = (
         "dim (Dense(1) under (None, 'model')); the optimizer's in-place "
         "update then fails. Gradients are laid out as their variables.",
         variables.wrap_filter_empty_gradients,
+    ),
+    Patch(
+        "keras.src.backend.torch.optimizers.torch_adam",
+        "Adam._parallel_update_step",
+        "Keras's Adam (and AdamW) holds three temporaries the size of all "
+        "weights at once: on sharded weights, 3 extra shards per rank at "
+        "each step's peak (torch's Adam: 1). Under a distribution it runs "
+        "on local shards in bounded pieces, the same arithmetic.",
+        optimizer_update.wrap_adam_update,
     ),
     Patch(
         "keras.src.optimizers.base_optimizer",
