@@ -25,8 +25,10 @@ lays it out, `to_empty` materializes the shards only, `torch.optim.Adam`
 and optimizer state (`get_state_dict` / `set_state_dict`). keras-dtensor
 side: the Keras model under `ModelParallel` with a `LayoutMap` (sharded
 variables created shard-only), `fit`, `save_weights` to `.weights.h5` and
-`load_weights` into a fresh sharded model (weights only: Keras's weight
-files hold no optimizer state; the bytes each side wrote are reported).
+`load_weights` into a fresh sharded model whose optimizer is built (a
+compiled model's `.weights.h5` holds the optimizer's variables too: both
+sides write weights and Adam's slots; the bytes written and the optimizer
+step found after the load are reported).
 
 Per rank, from `/proc/self/status`, in MiB above a baseline taken after
 imports and the process group's start:
@@ -86,6 +88,7 @@ METRICS = (
     ("load_peak", "load peak"),
     ("load_s", "load s"),
     ("written", "MiB written"),
+    ("loaded_step", "optimizer step after load"),
 )
 
 
@@ -349,6 +352,8 @@ def _run_native(cfg, args, workdir):
         optim_state_dict=state["optim"],
     )
     probe.timed("load", start)
+    steps = [s["step"] for s in optimizer.state.values() if "step" in s]
+    probe.figures["loaded_step"] = int(max(steps)) if steps else None
     return probe
 
 
@@ -421,9 +426,13 @@ def _run_kd(cfg, args, workdir):
     probe.libc.trim()
     probe.start()
     model = build()
+    # Slots to load into, as torch's get_state_dict makes for DCP: Keras
+    # skips a saved optimizer state that an unbuilt optimizer cannot take.
+    model.optimizer.build(model.trainable_variables)
     start = time.perf_counter()
     model.load_weights(path)
     probe.timed("load", start)
+    probe.figures["loaded_step"] = int(model.optimizer.iterations.numpy())
     return probe
 
 
@@ -453,6 +462,11 @@ def _launch(side, model, args):
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
+        **(
+            {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}
+            if args.mmap_threshold
+            else {}
+        ),
         KERAS_BACKEND="torch",
         KERAS_DTENSOR_LOG_ALL_RANKS="0",
         CUDA_VISIBLE_DEVICES="",
@@ -544,6 +558,14 @@ def main(argv=None):
     parser.add_argument(
         "--no-checkpoint", action="store_true", help="training figures only"
     )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=0,
+        help="MALLOC_MMAP_THRESHOLD_ for every worker (bytes; 0: glibc's "
+        "dynamic default). A fixed threshold gives every allocation above "
+        "it back to the OS when freed, so RSS follows live tensors.",
+    )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=sorted(MODELS), help="(worker)")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -567,6 +589,7 @@ def main(argv=None):
         "nproc": args.nproc,
         "batch": args.batch,
         "steps": args.steps,
+        "mmap_threshold": args.mmap_threshold,
         "seconds": time.time() - started,
     }
     if args.json:

@@ -92,8 +92,9 @@ def _step_size(optimizer, learning_rate, dtype):
     """
     from keras.src.backend.torch.core import convert_to_tensor
 
+    # Variables, tensors or DTensors (replicated): their local values.
     lr = _local(convert_to_tensor(learning_rate)).to(dtype)
-    t = (_local(optimizer.iterations.value) + 1).to(dtype)
+    t = (_local(convert_to_tensor(optimizer.iterations)) + 1).to(dtype)
     decay_1 = torch.pow(torch.tensor(optimizer.beta_1, dtype=dtype), t)
     decay_2 = torch.pow(torch.tensor(optimizer.beta_2, dtype=dtype), t)
     return lr * torch.sqrt(1 - decay_2) / (1 - decay_1)
