@@ -26,6 +26,7 @@ from keras_dtensor import callbacks
 from keras_dtensor import context
 from keras_dtensor import data
 from keras_dtensor import data_parallel
+from keras_dtensor import embedding_grad
 from keras_dtensor import instance_patches
 from keras_dtensor import jit
 from keras_dtensor import layer_call
@@ -422,6 +423,17 @@ PATCHES = (
         "masked (vocabulary-sharded table) record their mask before the "
         "gather: a wrong-shape mask (keras_hub Gemma on a 2 x 2 mesh).",
         ops.wrap_redistribute_local_tensor,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
+        "torch.nn.functional",
+        "embedding",
+        "A table sharded on its rows (vocabulary-parallel) gets its "
+        "gradient from DTensor's embedding_dense_backward replicated: the "
+        "whole table's gradient on every rank. Its lookup goes through an "
+        "autograd function whose backward computes this rank's rows only.",
+        embedding_grad.wrap_embedding,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),
