@@ -85,6 +85,7 @@ METRICS = (
     ("state", "state p+g+2 slots"),
     ("save_peak", "save peak"),
     ("save_s", "save s"),
+    ("load_start", "before load (trained model dropped)"),
     ("load_peak", "load peak"),
     ("load_s", "load s"),
     ("written", "MiB written"),
@@ -340,6 +341,7 @@ def _run_native(cfg, args, workdir):
     del model, optimizer, params, slots, model_state, optim_state
     probe.libc.trim()
     probe.start()
+    probe.figures["load_start"] = probe.rss()
     model, optimizer = _torch_build(cfg, mesh)
     start = time.perf_counter()
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -421,10 +423,11 @@ def _run_kd(cfg, args, workdir):
     probe.timed("save", start)
     probe.figures["written"] = _dir_bytes(path) / _MIB
 
+    # (Not keras.backend.clear_session(): it would drop the distribution.)
     del model
-    keras.backend.clear_session()
     probe.libc.trim()
     probe.start()
+    probe.figures["load_start"] = probe.rss()
     model = build()
     # Slots to load into, as torch's get_state_dict makes for DCP: Keras
     # skips a saved optimizer state that an unbuilt optimizer cannot take.
