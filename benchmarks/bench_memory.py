@@ -321,6 +321,8 @@ def _run_native(cfg, args, workdir):
         loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
         loss.backward()
         optimizer.step()
+    # The last loss's graph holds the parameters (AccumulateGrad nodes).
+    del loss
     dist.barrier()
     probe.end_fit()
     params = list(model.parameters())
