@@ -36,9 +36,9 @@ imports and the process group's start:
 - build: RSS once the model (and torch's optimizer) exist;
 - fit peak: VmHWM over the training steps (the peak is reset before the
   phase by writing "5" to `/proc/self/clear_refs`);
-- steady: VmRSS after the steps (both sides still hold the last step's
-  gradients: Keras's `train_step` and the torch loop free them at the
-  start of the next step); "steady trimmed": the same after
+- steady: VmRSS after the steps (the torch loop still holds the last
+  step's gradients, freed at the start of the next step as usual;
+  keras-dtensor drops them once applied); "steady trimmed": the same after
   `malloc_trim(0)`, and "malloc free": bytes glibc's arenas hold free
   (`mallinfo2().fordblks`) before the trim. RSS counts memory glibc
   keeps after `free` (arenas, the heap top below the trim threshold);
@@ -49,8 +49,9 @@ imports and the process group's start:
   Before the load, the trained model and optimizer are dropped and a fresh
   one is built; its build is inside the load peak, not its time.
 
-Also per rank: "state", the bytes of the local parameter shards, their
-gradients and Adam's two slots, which the steady figure should approach.
+Also per rank: "state", the bytes of the local parameter shards, the
+gradients still held after the steps and Adam's two slots, which the steady
+figure should approach.
 """
 
 import argparse
@@ -82,7 +83,7 @@ METRICS = (
     ("steady", "steady after fit"),
     ("steady_trimmed", "steady, malloc_trim"),
     ("malloc_free", "malloc free (arenas)"),
-    ("state", "state p+g+2 slots"),
+    ("state", "state: params + held grads + 2 slots"),
     ("save_peak", "save peak"),
     ("save_s", "save s"),
     ("load_start", "before load (trained model dropped)"),
@@ -527,6 +528,8 @@ def _markdown(summary):
         for key, label in METRICS:
             native = _worst(sides["native"], key)
             kd = _worst(sides["kd"], key)
+            if native is None and kd is None:
+                continue  # not measured (--no-checkpoint)
             ratio = (
                 f"{kd / native:.2f}"
                 if native and kd is not None and native > 0
