@@ -232,3 +232,27 @@ def test_config_parses_every_variable(monkeypatch):
     monkeypatch.setenv("KERAS_DTENSOR_SPLIT_UPDATE", "maybe")
     with pytest.raises(ValueError, match="KERAS_DTENSOR_SPLIT_UPDATE="):
         config.check()
+
+
+def test_per_object_attributes_do_not_keep_their_object_alive():
+    # A model's wrapped step function refers back to the model: the record
+    # of what it replaced must not keep a dropped model (and its weights)
+    # alive.
+    import functools
+    import gc
+    import weakref
+
+    from keras_dtensor import instance_patches
+
+    class Model:
+        pass
+
+    model = Model()
+    instance_patches.set_on(model, "step", functools.partial(id, model))
+    assert ("Model", "step") in instance_patches.status()
+    assert instance_patches.get_on(model, "step") is model.step
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+    assert ("Model", "step") not in instance_patches.status()

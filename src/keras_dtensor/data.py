@@ -144,7 +144,13 @@ def wrap_make_function(original, kind):
                 )
             data = distribute_batch(data, distribution)
             with context.global_values():
-                return step(data)
+                logs = step(data)
+            if kind == "train":
+                # Keras's train_step clears gradients after the next
+                # step's forward: they would sit through it (and between
+                # steps) beside its activations. Applied, they are dropped.
+                self.zero_grad(set_to_none=True)
+            return logs
 
         return instance_patches.set_on(self, attribute, distributed_step)
 

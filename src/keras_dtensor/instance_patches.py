@@ -18,8 +18,18 @@ import weakref
 __all__ = ["get_on", "restore", "set_on", "status"]
 
 _MISSING = object()
-# object -> {name: (previous value, our value, undo)}; the saved originals.
-_SAVED = weakref.WeakKeyDictionary()
+# On each object: {name: (previous value, our value, undo)}, the saved
+# originals. Kept on the object itself, not in a registry keyed by it: the
+# values (a model's step functions) refer back to the object, so a
+# WeakKeyDictionary entry would keep every model that ever trained alive,
+# with its weights and optimizer state, after the program dropped it.
+_RECORD = "_keras_dtensor_saved"
+# The objects that hold a record, for `restore()` and `status()`.
+_OBJECTS = weakref.WeakSet()
+
+
+def _record(obj):
+    return obj.__dict__.get(_RECORD, {})
 
 
 def set_on(obj, name, value, undo=None):
@@ -34,7 +44,11 @@ def set_on(obj, name, value, undo=None):
     Returns:
         `value`.
     """
-    saved = _SAVED.setdefault(obj, {})
+    saved = obj.__dict__.get(_RECORD)
+    if saved is None:
+        saved = {}
+        object.__setattr__(obj, _RECORD, saved)
+        _OBJECTS.add(obj)
     previous = obj.__dict__.get(name, _MISSING)
     entry = saved.get(name)
     if entry is not None and previous is entry[1]:
@@ -46,7 +60,7 @@ def set_on(obj, name, value, undo=None):
 
 def get_on(obj, name, default=None):
     """`obj.<name>` if keras_dtensor set it (else `default`)."""
-    entry = _SAVED.get(obj, {}).get(name)
+    entry = _record(obj).get(name)
     if entry is None or obj.__dict__.get(name, _MISSING) is not entry[1]:
         return default
     return entry[1]
@@ -54,7 +68,8 @@ def get_on(obj, name, default=None):
 
 def restore():
     """Puts back every attribute `set_on` replaced that still holds ours."""
-    for obj, saved in list(_SAVED.items()):
+    for obj in list(_OBJECTS):
+        saved = _record(obj)
         for name, (previous, value, undo) in saved.items():
             if obj.__dict__.get(name, _MISSING) is value:
                 if previous is _MISSING:
@@ -63,13 +78,15 @@ def restore():
                     object.__setattr__(obj, name, previous)
             if undo is not None:
                 undo(value)
-    _SAVED.clear()
+        if _RECORD in obj.__dict__:
+            object.__delattr__(obj, _RECORD)
+    _OBJECTS.clear()
 
 
 def status():
     """`(type name, attribute)` of every attribute currently set."""
     return sorted(
         (type(obj).__name__, name)
-        for obj, saved in list(_SAVED.items())
-        for name in saved
+        for obj in list(_OBJECTS)
+        for name in _record(obj)
     )

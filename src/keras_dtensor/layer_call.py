@@ -5,8 +5,15 @@ numpy or plain tensors; the outermost `Layer.__call__` lays them out like
 a `fit` batch and runs inside the global-values scope. Layer outputs that
 are pending sums are reduced at the layer boundary. `SeedGenerator.next`
 runs in the global-values scope too.
+
+Gradients meet the same boundary in backward: a layer output's gradient
+that arrives as a pending sum is reduced to the output's own layout there
+(see `_reduce_partial_grad`).
 """
 
+import functools
+
+import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
@@ -48,6 +55,42 @@ def _reduce_partial(x):
     return x
 
 
+def _grad_in_layout(placements, grad):
+    """A gradient hook: pending sums reduced to the forward `placements`."""
+    if not isinstance(grad, DTensor) or len(grad.placements) != len(placements):
+        return grad
+    target = [
+        forward if grad_p.is_partial() and not forward.is_partial() else grad_p
+        for grad_p, forward in zip(grad.placements, placements, strict=True)
+    ]
+    if target == list(grad.placements):
+        return grad
+    return grad.redistribute(grad.device_mesh, target)
+
+
+def _reduce_partial_grad(x):
+    """Lays the gradient of layer output `x` out as `x` when it arrives.
+
+    DTensor's implicit redistributions in forward (a sharded activation
+    gathered for the next matmul) have no backward, so a matmul's input
+    gradient comes back as a pending sum and travels on through the ops
+    before it: an embedding's backward, a scatter into the whole table,
+    then makes a table-sized pending sum on every rank, reduced only when
+    the optimizer lays it out (model (a) of benchmarks/bench_memory.py:
+    the full table twice per rank). torch's `ColwiseParallel` reduces it at
+    the module's input; here it is reduced where it enters the layer that
+    produced `x`, to `x`'s own placements (a reduce-scatter for a sharded
+    output), so backward inside a layer sees what its forward produced.
+    """
+    if (
+        isinstance(x, DTensor)
+        and x.requires_grad
+        and not torch.compiler.is_compiling()
+    ):
+        x.register_hook(functools.partial(_grad_in_layout, tuple(x.placements)))
+    return x
+
+
 def wrap_call(original):
     """Wraps `Layer.__call__`: inputs of the outermost call, and outputs.
 
@@ -74,6 +117,9 @@ def wrap_call(original):
             args, kwargs = distribute_batch((args, kwargs), distribution)
             with context.global_values():
                 outputs = original(self, *args, **kwargs)
-        return tree.map_structure(_reduce_partial, outputs)
+        outputs = tree.map_structure(_reduce_partial, outputs)
+        if torch.is_grad_enabled():
+            tree.map_structure(_reduce_partial_grad, outputs)
+        return outputs
 
     return __call__

@@ -26,11 +26,13 @@ from keras_dtensor import callbacks
 from keras_dtensor import context
 from keras_dtensor import data
 from keras_dtensor import data_parallel
+from keras_dtensor import embedding_grad
 from keras_dtensor import instance_patches
 from keras_dtensor import jit
 from keras_dtensor import layer_call
 from keras_dtensor import lazy_load
 from keras_dtensor import ops
+from keras_dtensor import optimizer_update
 from keras_dtensor import patch_rows
 from keras_dtensor import placement_order
 from keras_dtensor import replica_check
@@ -189,6 +191,15 @@ PATCHES = (
         "dim (Dense(1) under (None, 'model')); the optimizer's in-place "
         "update then fails. Gradients are laid out as their variables.",
         variables.wrap_filter_empty_gradients,
+    ),
+    Patch(
+        "keras.src.backend.torch.optimizers.torch_adam",
+        "Adam._parallel_update_step",
+        "Keras's Adam (and AdamW) holds three temporaries the size of all "
+        "weights at once: on sharded weights, 3 extra shards per rank at "
+        "each step's peak (torch's Adam: 1). Under a distribution it runs "
+        "on local shards in bounded pieces, the same arithmetic.",
+        optimizer_update.wrap_adam_update,
     ),
     Patch(
         "keras.src.optimizers.base_optimizer",
@@ -451,6 +462,17 @@ PATCHES = (
         "masked (vocabulary-sharded table) record their mask before the "
         "gather: a wrong-shape mask (keras_hub Gemma on a 2 x 2 mesh).",
         ops.wrap_redistribute_local_tensor,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
+        "torch.nn.functional",
+        "embedding",
+        "A table sharded on its rows (vocabulary-parallel) gets its "
+        "gradient from DTensor's embedding_dense_backward replicated: the "
+        "whole table's gradient on every rank. Its lookup goes through an "
+        "autograd function whose backward computes this rank's rows only.",
+        embedding_grad.wrap_embedding,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),

@@ -23,6 +23,8 @@ from keras_dtensor.placement_order import stable_hash
 __all__ = ["check_replicas", "check_same_model", "wrap_fit"]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Elements of a local weight summed at a time (a 2 MiB int64 temporary).
+_CHUNK = 1 << 18
 
 
 def _checksum(value):
@@ -31,7 +33,28 @@ def _checksum(value):
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    return bits.sum(dtype=torch.int64)
+    if bits.numel() <= _CHUNK:
+        return bits.sum(dtype=torch.int64)
+    return _chunked_sum(bits)
+
+
+def _chunked_sum(bits):
+    """`bits.sum(dtype=torch.int64)` without casting all of `bits` at once.
+
+    The cast is a temporary twice the size of a float32 shard (the peak of
+    `fit` on a large embedding). Each chunk is cast into one buffer and
+    summed into a preallocated slot, so nothing is allocated between the
+    chunks (per-chunk temporaries interleaved with small results leave
+    holes glibc cannot give back). Integer sums are exact: the same value.
+    """
+    chunks = bits.split(_CHUNK)
+    buffer = torch.empty(_CHUNK, dtype=torch.int64, device=bits.device)
+    sums = torch.empty(len(chunks), dtype=torch.int64, device=bits.device)
+    for i, chunk in enumerate(chunks):
+        part = buffer[: chunk.numel()]
+        part.copy_(chunk)
+        torch.sum(part, dim=0, out=sums[i])
+    return sums.sum()
 
 
 def _replica_of(value, world):

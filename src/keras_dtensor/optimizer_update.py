@@ -1,0 +1,154 @@
+"""Adam's update under a distribution: on local shards, in bounded pieces.
+
+Keras's torch `Adam` (and `AdamW`, which inherits its update) updates every
+variable at once with `torch._foreach_*` ops over whole lists. Its last
+statement holds three temporaries the size of all trainable weights at the
+same time (the scaled first moment, the denominator and their quotient),
+after a fourth (the squared gradient) was freed: on a sharded model, three
+more shard-sized copies of every weight at each step's peak, where torch's
+foreach Adam holds one (`benchmarks/bench_memory.py`, model a: 366 MiB per
+rank over torch TP's peak, the whole difference once gradients stay
+sharded).
+
+Under `ModelParallel` every variable, its slots and its gradient are
+DTensors laid out alike (`variables.wrap_filter_empty_gradients` lays each
+gradient out as its variable), and Adam is elementwise: the update is
+the same on each local shard. Here it runs Keras's arithmetic, in Keras's
+order and dtypes, on the local tensors, a piece of at most `_PIECE`
+elements at a time (small variables grouped, large ones sliced), so its
+temporaries are bounded by three pieces; each element goes through the same
+operations as in Keras's update, and DTensor's per-op dispatch is skipped.
+Anything else (plain tensors, layouts that differ, a custom subclass
+overriding the update) runs Keras's own update.
+"""
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["wrap_adam_update"]
+
+# Elements per piece: 4 MiB of float32, so at most ~12 MiB of temporaries.
+_PIECE = 1 << 20
+
+
+def _local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _aligned(tensors):
+    """Whether DTensors `tensors` share mesh, placements and local shape."""
+    first = tensors[0]
+    if not all(isinstance(t, DTensor) for t in tensors):
+        return False
+    shape = first.to_local().shape
+    return all(
+        t.device_mesh == first.device_mesh
+        and t.placements == first.placements
+        and t.to_local().shape == shape
+        for t in tensors[1:]
+    )
+
+
+def _pieces(rows):
+    """Cuts aligned local tensors into pieces of at most `_PIECE` elements.
+
+    Args:
+        rows: per variable, a tuple of same-shaped local tensors (value,
+            slots, gradient).
+
+    Returns:
+        Groups of pieces, each group a list of tuples of views (one per
+        tensor of the row), holding about `_PIECE` elements in all.
+    """
+    pieces = []
+    for row in rows:
+        numel = row[0].numel()
+        if numel <= _PIECE or not all(t.is_contiguous() for t in row):
+            pieces.append(row)
+            continue
+        flat = [t.view(-1) for t in row]
+        for start in range(0, numel, _PIECE):
+            pieces.append(tuple(f[start : start + _PIECE] for f in flat))
+    groups, group, size = [], [], 0
+    for piece in pieces:
+        if group and size + piece[0].numel() > _PIECE:
+            groups.append(group)
+            group, size = [], 0
+        group.append(piece)
+        size += piece[0].numel()
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _step_size(optimizer, learning_rate, dtype):
+    """`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` as Keras computes it.
+
+    The same operations on the same dtypes as Keras's torch Adam (a float32
+    step count from the int64 `iterations`, powers of the betas cast to
+    `dtype`), on the local values of the replicated scalars.
+    """
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    # Variables, tensors or DTensors (replicated): their local values.
+    lr = _local(convert_to_tensor(learning_rate)).to(dtype)
+    t = (_local(convert_to_tensor(optimizer.iterations)) + 1).to(dtype)
+    decay_1 = torch.pow(torch.tensor(optimizer.beta_1, dtype=dtype), t)
+    decay_2 = torch.pow(torch.tensor(optimizer.beta_2, dtype=dtype), t)
+    return lr * torch.sqrt(1 - decay_2) / (1 - decay_1)
+
+
+def _update(optimizer, group, step_size):
+    """Adam on one group of pieces: `(value, m, v[, v_hat], grad)` each."""
+    values = [p[0] for p in group]
+    m = [p[1] for p in group]
+    v = [p[2] for p in group]
+    grads = [p[-1] for p in group]
+    beta_1, beta_2 = optimizer.beta_1, optimizer.beta_2
+    torch._foreach_mul_(m, beta_1)
+    torch._foreach_add_(m, grads, alpha=1 - beta_1)
+    torch._foreach_mul_(v, beta_2)
+    squares = torch._foreach_mul(grads, grads)
+    torch._foreach_add_(v, squares, alpha=1 - beta_2)
+    del squares
+    if optimizer.amsgrad:
+        v_hat = [p[3] for p in group]
+        torch._foreach_maximum_(v_hat, v)
+        v = v_hat
+    numerators = torch._foreach_mul(m, step_size)
+    denominators = torch._foreach_add(torch._foreach_sqrt(v), optimizer.epsilon)
+    steps = torch._foreach_div(numerators, denominators)
+    del numerators, denominators
+    torch._foreach_add_(values, steps, alpha=-1)
+
+
+def wrap_adam_update(original):
+    """Wraps Keras's torch `Adam._parallel_update_step(grads, vars, lr)`.
+
+    DTensor variables whose slots and gradients share their layout are
+    updated on their local shards in bounded pieces; anything else runs
+    `original`.
+    """
+
+    @functools.wraps(original)
+    def _parallel_update_step(self, grads, variables, learning_rate):
+        index = self._get_variable_index
+        rows = []
+        for grad, variable in zip(grads, variables, strict=True):
+            i = index(variable)
+            slots = [self._momentums[i], self._velocities[i]]
+            if self.amsgrad:
+                slots.append(self._velocity_hats[i])
+            row = [variable.value, *(s.value for s in slots), grad]
+            if not _aligned(row):
+                return original(self, grads, variables, learning_rate)
+            rows.append(tuple(_local(t) for t in row))
+        if not rows:
+            return original(self, grads, variables, learning_rate)
+        step_size = _step_size(self, learning_rate, rows[0][0].dtype)
+        for group in _pieces(rows):
+            _update(self, group, step_size)
+
+    return _parallel_update_step
