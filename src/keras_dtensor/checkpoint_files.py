@@ -35,7 +35,7 @@ __all__ = [
 FORMAT = "keras-dtensor-checkpoint/1"
 MANIFEST = "keras_dtensor.json"
 DCP_METADATA = ".metadata"
-_HASH_BLOCK = 8 * 2**20
+_HASH_BLOCK = 2**20  # read and hashed 1 MiB at a time
 
 
 def hash_file(path):
