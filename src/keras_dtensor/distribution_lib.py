@@ -320,14 +320,16 @@ def distribute_tensor(tensor, layout):
     return shard_global_tensor(tensor, layout)
 
 
-def _check_only(layout, shape):
+def _check_only(layout, shape, path=None):
     """Raises for `layout` what `_as_backend_layout` would, building no
     torch mesh (a job of one process computes on plain tensors)."""
     from keras.src.distribution import TensorLayout
 
     if isinstance(layout, TensorLayout) and layout.device_mesh is not None:
         mesh = layout.device_mesh
-        to_placements(layout.axes, mesh.shape, mesh.axis_names, shape=shape)
+        to_placements(
+            layout.axes, mesh.shape, mesh.axis_names, path=path, shape=shape
+        )
     elif not isinstance(layout, (TensorLayout, DTensorLayout)):
         _as_backend_layout(layout)
 

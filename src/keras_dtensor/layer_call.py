@@ -117,9 +117,10 @@ def wrap_call(original):
             args, kwargs = distribute_batch((args, kwargs), distribution)
             with context.global_values():
                 outputs = original(self, *args, **kwargs)
-        outputs = tree.map_structure(_reduce_partial, outputs)
         if torch.is_grad_enabled():
-            tree.map_structure(_reduce_partial_grad, outputs)
-        return outputs
+            return tree.map_structure(
+                lambda x: _reduce_partial_grad(_reduce_partial(x)), outputs
+            )
+        return tree.map_structure(_reduce_partial, outputs)
 
     return __call__

@@ -134,6 +134,8 @@ def wrap_adam_update(original):
 
     @functools.wraps(original)
     def _parallel_update_step(self, grads, variables, learning_rate):
+        if not variables or not isinstance(variables[0].value, DTensor):
+            return original(self, grads, variables, learning_rate)
         index = self._get_variable_index
         rows = []
         for grad, variable in zip(grads, variables, strict=True):

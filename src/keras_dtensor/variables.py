@@ -43,25 +43,12 @@ def variable_layout(variable):
             distribution, variable
         ) or distribution.get_variable_layout(variable)
     if context.active() is None and variable._layout is not None:
-        _check_layout(variable)
+        # The error a job of N processes would raise for this layout.
+        from keras_dtensor.distribution_lib import _check_only
+
+        _check_only(variable._layout, variable.shape, path=variable.path)
         return None
     return variable._layout
-
-
-def _check_layout(variable):
-    """Raises the error a job of N processes would raise for its layout."""
-    from keras_dtensor.layout import to_placements
-
-    layout = variable._layout
-    mesh = layout.device_mesh
-    if mesh is not None:
-        to_placements(
-            layout.axes,
-            mesh.shape,
-            mesh.axis_names,
-            path=variable.path,
-            shape=variable.shape,
-        )
 
 
 def _to_dtensor(variable, value):
