@@ -13,8 +13,9 @@ processes under any layout (DCP reshards on load):
   repeated path gets `#1`, `#2`, ... in creation order).
 - **Atomic**: the files are written into a hidden directory next to the
   target; when every rank has finished, rank 0 writes the manifest
-  (`keras_dtensor.json`: the SHA-256 and size of every file, the keys,
-  shapes and dtypes) last, then renames the directory into place. A
+  (`keras_dtensor.json`: the SHA-256 and size of every file, taken by
+  each rank as it wrote its files, the keys, shapes and dtypes) last,
+  then renames the directory into place. A
   checkpoint without its manifest is never loaded, so a kill at any moment
   leaves the previous checkpoint loadable.
 - **Safe**: loading checks every file against the manifest (the ranks
@@ -112,11 +113,14 @@ class _Names:
         self.staging = os.path.join(parent, f".{name}.{token}.partial")
 
 
-def _commit(names, state, world, extra):
-    """Writes the manifest last, then moves the checkpoint into place."""
+def _commit(names, state, world, extra, digests):
+    """Writes the manifest last, then moves the checkpoint into place.
+
+    `digests` are this rank's `{file: {sha256, size}}`, taken as it wrote.
+    """
     _, rank = launch.world()
     files = sorted(os.listdir(names.staging))
-    hashes = checkpoint_files.shared_hashes(names.staging, files)
+    hashes = checkpoint_files.gathered_hashes(names.staging, files, digests)
     problem = None
     if rank == 0:
         manifest = {
@@ -160,8 +164,9 @@ class PendingCheckpoint:
     rank calls it) and returns the checkpoint's path.
     """
 
-    def __init__(self, future, names, state, world, extra):
+    def __init__(self, future, names, state, world, extra, writer):
         self._future = future
+        self._writer = writer
         self._names = names
         self._state = state
         self._world = world
@@ -181,9 +186,13 @@ class PendingCheckpoint:
                     f"Checkpoint {self._names.final!r} failed: {problem}"
                 )
             self._path = _commit(
-                self._names, self._state, self._world, self._extra
+                self._names,
+                self._state,
+                self._world,
+                self._extra,
+                self._writer.digests,
             )
-            self._state = None
+            self._state = self._writer = None
         return self._path
 
 
@@ -219,6 +228,8 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     """
     import torch.distributed.checkpoint as dcp
 
+    from keras_dtensor import checkpoint_storage
+
     launch.every_rank_joins(
         f"save_checkpoint({os.fspath(directory)!r})",
         "every rank writes its shards",
@@ -237,14 +248,14 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     if problem:
         raise RuntimeError(f"Cannot save checkpoint {names.final!r}: {problem}")
     state = _state_dict(model)
-    writer = dcp.FileSystemWriter(names.staging)
+    writer = checkpoint_storage.DigestingWriter(names.staging)
     if async_save:
         future = dcp.async_save(
             state, storage_writer=writer, process_group=_async_group()
         )
-        return PendingCheckpoint(future, names, state, world, extra)
+        return PendingCheckpoint(future, names, state, world, extra, writer)
     dcp.save(state, storage_writer=writer)
-    return _commit(names, state, world, extra)
+    return _commit(names, state, world, extra, writer.digests)
 
 
 def _remove_partials(parent):

@@ -24,6 +24,7 @@ __all__ = [
     "MANIFEST",
     "agree",
     "files_of",
+    "gathered_hashes",
     "hash_file",
     "read_manifest",
     "read_metadata",
@@ -58,6 +59,18 @@ def shared_hashes(directory, names):
     for part in launch.all_gather_bytes(json.dumps(mine).encode()):
         merged.update(json.loads(part))
     return merged
+
+
+def gathered_hashes(directory, names, mine):
+    """`{name: {sha256, size}}` for `names` from every rank's digests
+    (`mine`: this rank's, taken while writing); files no rank has a digest
+    for are hashed here, the ranks sharing them."""
+    merged = {}
+    for part in launch.all_gather_bytes(json.dumps(mine).encode()):
+        merged.update(json.loads(part))
+    missing = [n for n in names if n not in merged]
+    found = shared_hashes(directory, missing) if missing else {}
+    return {n: merged[n] if n in merged else found[n] for n in names}
 
 
 def agree(problem):
