@@ -23,6 +23,8 @@ processes under any layout (DCP reshards on load):
   pickled `.metadata` through an allow-list of DCP's own metadata types:
   nothing from the files can run code. A missing, truncated or altered
   file raises on every rank, naming the file and the variables it holds.
+  Then the tensors are read straight into the variables where the layout
+  allows it (`checkpoint_reader`), through DCP's reader elsewhere.
 - **Async**: `save_checkpoint(..., async_save=True)` returns once the
   state is staged in memory; the files are written in the background (on
   a separate gloo group) and committed by `PendingCheckpoint.result()`,
@@ -304,6 +306,8 @@ def load_checkpoint(model, directory):
     """
     import torch.distributed.checkpoint as dcp
 
+    from keras_dtensor import checkpoint_reader
+
     directory = os.path.abspath(os.fspath(directory))
     launch.every_rank_joins(
         f"load_checkpoint({directory!r})", "the ranks check the files together"
@@ -319,7 +323,7 @@ def load_checkpoint(model, directory):
         del state["rng/keras"]
     _check_keys(directory, manifest, state)
     with torch.no_grad():
-        dcp.load(state, storage_reader=checkpoint_files.safe_reader(directory))
+        dcp.load(state, storage_reader=checkpoint_reader.SafeReader(directory))
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     return manifest

@@ -28,7 +28,6 @@ __all__ = [
     "hash_file",
     "read_manifest",
     "read_metadata",
-    "safe_reader",
     "shared_hashes",
     "verify",
 ]
@@ -120,21 +119,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(path):
     with open(path, "rb") as f:
         return _MetadataUnpickler(io.BytesIO(f.read())).load()
-
-
-def safe_reader(directory):
-    import torch.distributed.checkpoint as dcp
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            metadata = read_metadata(os.path.join(directory, DCP_METADATA))
-            metadata.storage_meta = metadata.storage_meta or (
-                dcp.metadata.StorageMeta()
-            )
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(directory)
 
 
 def files_of(metadata):
