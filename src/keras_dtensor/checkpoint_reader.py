@@ -217,8 +217,15 @@ class SafeReader(dcp.FileSystemReader):
                     f"{item.dest_index.fqn} as pickled bytes; a keras-dtensor "
                     "checkpoint holds tensors only. Refusing to unpickle it."
                 )
-            info = self.storage_data[item.storage_index]
-            per_file.setdefault(info.relative_path, []).append(item)
+            name = os.fspath(
+                self.storage_data[item.storage_index].relative_path
+            )
+            if os.path.basename(name) != name or name in ("", ".", ".."):
+                raise ValueError(
+                    f"Checkpoint {os.fspath(self.path)!r} places "
+                    f"{item.dest_index.fqn} in {name!r}, outside its folder."
+                )
+            per_file.setdefault(name, []).append(item)
         for relative_path, items in per_file.items():
             path = os.path.join(self.path, relative_path)
             with open(path, "rb") as f:
@@ -268,8 +275,7 @@ class SafeReader(dcp.FileSystemReader):
                 if not n:
                     raise ValueError(
                         f"Checkpoint file {os.fspath(info.relative_path)} "
-                        "ended"
-                        f" while reading {item.dest_index.fqn}."
+                        f"ended while reading {item.dest_index.fqn}."
                     )
                 got += n
         planner.commit_tensor(item, target)
