@@ -68,6 +68,7 @@ RATIOS = (
     ("keras_over_torch_pair", "keras_single_pair", "torch_single_pair"),
     ("kd_dp_over_ddp", "kd_dp", "torch_ddp"),
     ("kd_mp_over_tp", "kd_mp", "torch_tp"),
+    ("kd_fsdp_over_fsdp2", "kd_fsdp", "torch_fsdp2"),
 )
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
@@ -592,7 +593,7 @@ def _targets(rows, args):
         ("keras_over_torch_pair", "_vs_pair"),
     ):
         allowed = targets.get(allowed_name)
-        for name in ("kd_dp_over_ddp", "kd_mp_over_tp"):
+        for name in ("kd_dp_over_ddp", "kd_mp_over_tp", "kd_fsdp_over_fsdp2"):
             if not allowed or name not in targets:
                 continue
             for key, label in (

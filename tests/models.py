@@ -108,6 +108,19 @@ def fsdp_layouts(model_name, axis="batch"):
     return {k: (axis,) + (None,) * (rank_of.get(k, 2) - 1) for k in keys}
 
 
+def fsdp_tp_layouts(model_name):
+    """The tensor-parallel split with every sharded weight matrix's other
+    first free dimension sharded over "batch" too (FSDP x TP on a 2-D
+    mesh)."""
+    out = {}
+    for key, axes in TP_LAYOUTS[model_name].items():
+        if len(axes) >= 2 and None in axes:
+            free = axes.index(None)
+            axes = axes[:free] + ("batch",) + axes[free + 1 :]
+        out[key] = axes
+    return out
+
+
 def data(model_name, n=64, seed=0):
     rng = np.random.default_rng(seed)
     if model_name in ("mlp", "odd", "narrow"):

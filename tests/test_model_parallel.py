@@ -28,6 +28,8 @@ def _parity_cases(cases):
         mesh = keras.distribution.DeviceMesh(mesh_shape, axis_names)
         if kind == "tp":
             layouts = models.TP_LAYOUTS[model_name]
+        elif kind == "fsdp_tp":
+            layouts = models.fsdp_tp_layouts(model_name)
         else:
             layouts = models.fsdp_layouts(model_name, axis_names[0])
         distribution = keras.distribution.ModelParallel(
@@ -137,6 +139,8 @@ CASES_4 = (
         for o in ("sgd", "adam")
     ]
     + [((4,), ("batch",), "fsdp", m, "adamw") for m in MODELS]
+    # Weights sharded over both axes: gathered over "batch" only.
+    + [((2, 2), ("batch", "model"), "fsdp_tp", m, "adam") for m in MODELS[:2]]
     + [((1, 4), ("batch", "model"), "tp", "mlp", "rmsprop")]
     + [((1, 4), ("batch", "model"), "tp", "narrow", "adamw")]
 )
@@ -200,6 +204,8 @@ def _features():
         tuple(model.get_layer("out").kernel.value.to_local().shape),
     )
     out["rank"] = torch.distributed.get_rank()
+    out["fsdp_comms"] = _fsdp_collectives(keras, models, world)
+    out["fsdp_local"] = _fsdp_local(keras, world)
 
     # A key that matches no weight warns: functional-model paths have no
     # model prefix ("up/kernel", not "mlp/up/kernel").
@@ -297,6 +303,89 @@ def _features():
     return out
 
 
+def _fsdp_collectives(keras, models, world):
+    """Collectives of one train step under the FSDP-style layout: per
+    batch-sharded weight one all-gather (forward) and one reduce-scatter
+    (its gradient); the replicated weights' gradients in one bucket."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+    distribution = keras.distribution.ModelParallel(
+        layout_map=models.layout_map(keras, mesh, models.fsdp_layouts("mlp"))
+    )
+    x, y = models.data("mlp")
+    with distribution.scope():
+        model = models.mlp(keras)
+        model.compile(optimizer="adam", loss="mse")
+        model.train_on_batch(x, y)
+        with CommDebugMode() as comm:
+            model.train_on_batch(x, y)
+    counts = {}
+    for op, n in comm.get_comm_counts().items():
+        name = str(op).split(".")[-1].strip("_")
+        counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+def _fsdp_local(keras, world):
+    """What a layer's call sees under an FSDP-style layout (this rank's
+    rows as plain tensors, or DTensors), and the numbers against plain
+    Keras, for: a plain model, one with an activity regularizer (a loss
+    added in the call: DTensors), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
+    import os
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            self.seen = (type(x).__name__, tuple(x.shape))
+            return x
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+
+    def run(distribution, regularizer=None):
+        keras.utils.set_random_seed(2)
+        with distribution.scope() if distribution else _null():
+            probe = Probe()
+            model = keras.Sequential(
+                [
+                    keras.Input((8,)),
+                    keras.layers.Dense(
+                        12, activity_regularizer=regularizer, name="up"
+                    ),
+                    probe,
+                    keras.layers.Dense(4, name="out"),
+                ]
+            )
+            model.compile(optimizer="sgd", loss="mse")
+            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+            return {
+                "seen": probe.seen,
+                "loss": history.history["loss"],
+                "weights": model.get_weights(),
+            }
+
+    mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+    layouts = {".*up/kernel": ("batch", None), ".*out/kernel": ("batch", None)}
+
+    def fsdp():
+        return keras.distribution.ModelParallel(
+            layout_map=models_layout_map(keras, mesh, layouts)
+        )
+
+    from models import layout_map as models_layout_map
+
+    out = {}
+    for name, regularizer in (("plain", None), ("regularized", "l2")):
+        out[name] = (run(None, regularizer), run(fsdp(), regularizer))
+    os.environ["KERAS_DTENSOR_LOCAL_BATCH"] = "0"
+    try:
+        out["off"] = (out["plain"][0], run(fsdp()))
+    finally:
+        del os.environ["KERAS_DTENSOR_LOCAL_BATCH"]
+    return out
+
+
 def _train_created(keras, distribution):
     class Offset(keras.layers.Layer):
         def call(self, x):
@@ -354,6 +443,28 @@ def test_training_api_relayout_jit_uneven_callbacks():
         assert out["relayout"] <= TOLERANCE
         assert out["jit"] <= TOLERANCE
         assert out["uneven"] <= TOLERANCE
+        # 3 kernels: gathered once each, their gradients reduce-scattered;
+        # the loss and one bucket of bias gradients all-reduced, nothing
+        # else (no activation all-reduced).
+        assert out["fsdp_comms"] == {
+            "all_gather_into_tensor": 3,
+            "reduce_scatter_tensor": 3,
+            "all_reduce": 1,
+            "allreduce": 1,
+        }, out["fsdp_comms"]
+        # Whole weights: the layers run on this rank's 4 rows as plain
+        # tensors; a loss added in a call, or the setting off: DTensors.
+        local = out["fsdp_local"]
+        assert local["plain"][1]["seen"] == ("Tensor", (4, 12))
+        assert local["regularized"][1]["seen"][0] == "DTensor"
+        assert local["off"][1]["seen"][0] == "DTensor"
+        for plain, dist in local.values():
+            np.testing.assert_allclose(
+                dist["loss"], plain["loss"], atol=TOLERANCE
+            )
+            pairs = zip(dist["weights"], plain["weights"], strict=True)
+            for got, want in pairs:
+                np.testing.assert_allclose(got, want, atol=TOLERANCE)
         if out["rank"] == 0:
             assert len(out["unmatched"]) == 1
             assert "'mlp/up/kernel' matches none" in out["unmatched"][0]

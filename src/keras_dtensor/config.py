@@ -130,7 +130,8 @@ VARIABLES = (
         _positive_float,
         25.0,
         "MiB > 0",
-        "DataParallel gradient bucket size (DDP's bucket_cap_mb)",
+        "gradient bucket size (DDP's bucket_cap_mb): DataParallel's "
+        "all-reduce, and ModelParallel's replicated weights' gradients",
     ),
     Variable(
         "CHECK_EVERY",
@@ -139,6 +140,15 @@ VARIABLES = (
         "an integer >= 0 (0: first batch of each epoch only)",
         "compare a checksum of the global batch across ranks every N "
         "batches (auto_shard_dataset=True)",
+    ),
+    Variable(
+        "LOCAL_BATCH",
+        _flag,
+        True,
+        "1/0, true/false, yes/no, on/off",
+        "ModelParallel: a model whose weights are whole or sharded only "
+        "over the batch axis (FSDP-style) runs on each rank's rows as "
+        "plain tensors, its weights gathered once per step",
     ),
     Variable(
         "SPLIT_UPDATE",

@@ -1,6 +1,11 @@
 """Message builders: every error names the tensor path, axes and the mesh."""
 
-__all__ = ["collective_failure", "describe_mesh", "layout_error"]
+__all__ = [
+    "collective_failure",
+    "describe_mesh",
+    "layout_error",
+    "local_output_error",
+]
 
 
 def describe_mesh(mesh_shape, axis_names) -> str:
@@ -82,4 +87,15 @@ def collective_failure(error, *, operation, rank, world, timeout):
         "different code: its log (torchrun prints which rank failed first) "
         "has the cause. Collectives wait at most "
         f"{timeout:g} s (KERAS_DTENSOR_TIMEOUT). torch said: {first_line}"
+    )
+
+
+def local_output_error(*, layer, shape, rows, rank, mesh) -> ValueError:
+    """A model run on this rank's rows returned a non-batch output."""
+    return ValueError(
+        f"Model `{layer}` ran on rank {rank}'s {rows} rows of the batch "
+        f"({describe_mesh(mesh.shape, mesh.mesh_dim_names)}) and returned "
+        f"an output of shape {tuple(shape)} whose first dimension is not "
+        "the batch, so it cannot be laid out over the batch axis. To run "
+        "this model as DTensors, set KERAS_DTENSOR_LOCAL_BATCH=0."
     )

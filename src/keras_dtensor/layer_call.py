@@ -18,7 +18,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
 from keras_dtensor import context
+from keras_dtensor import local_batch
 from keras_dtensor.data import distribute_batch
+from keras_dtensor.weight_gather import gathered_weights
 
 __all__ = ["wrap_call", "wrap_seed_generator_next"]
 
@@ -107,15 +109,27 @@ def wrap_call(original):
 
     def __call__(self, *args, **kwargs):
         distribution = context.active()
-        if distribution is None or context.is_data_parallel(distribution):
+        if (
+            distribution is None
+            or context.is_data_parallel(distribution)
+            or local_batch.active()
+        ):
             return original(self, *args, **kwargs)
         from keras.src import tree
 
         if _in_layer_call():
-            outputs = original(self, *args, **kwargs)
+            with gathered_weights(self, distribution):
+                outputs = original(self, *args, **kwargs)
         else:
             args, kwargs = distribute_batch((args, kwargs), distribution)
-            with context.global_values():
+            local = local_batch.plan(self, distribution)
+            if local is not None:
+                done, outputs = local_batch.call(
+                    self, original, local, args, kwargs
+                )
+                if done:
+                    return outputs
+            with context.global_values(), gathered_weights(self, distribution):
                 outputs = original(self, *args, **kwargs)
         if torch.is_grad_enabled():
             return tree.map_structure(

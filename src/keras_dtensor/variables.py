@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import context
+from keras_dtensor import grad_reduce
 from keras_dtensor import layout_plan
 
 __all__ = [
@@ -235,6 +236,9 @@ def wrap_filter_empty_gradients(original):
         grads, variables = original(self, grads, variables)
         if context.active() is None:
             return grads, variables
+        grads = grad_reduce.reduce_pending(
+            grads, [getattr(v, "value", None) for v in variables]
+        )
         grads = [
             g if g is None else _in_layout_of(g, v)
             for g, v in zip(grads, variables, strict=True)

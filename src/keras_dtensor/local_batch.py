@@ -1,0 +1,240 @@
+"""Models with whole weights run on this rank's rows, as plain tensors.
+
+Under a layout whose weights are either replicated or sharded only over
+the batch axis (FSDP-style: `("batch", None)`), every op of the model is
+the same computation on each rank's rows of the batch. Left as DTensors,
+each op still pays DTensor's dispatch (tens of microseconds per op on a
+CPU, more than the op itself in small layers) and DTensor's own choice of
+redistribution. torch's FSDP2 and DDP run the module on local tensors; the
+same here, at the outermost layer call (the model in `fit`, `predict`,
+`model(x)`):
+
+- the batch-sharded weights are gathered once (one all-gather each) and
+  every weight reads as its local, whole tensor for the call;
+- the inputs enter as this rank's rows, the outputs leave as the batch-
+  sharded DTensors the loss and metrics expect;
+- backward: a weight's local gradient is a pending sum over the batch axis
+  (`to_local(grad_placements=Partial)`): the gather's backward reduce-
+  scatters it to the shard, the replicated weights' sums are reduced in
+  buckets (`grad_reduce`).
+
+What makes a model take this path, checked once per model (and again when
+its weights change): every weight a DTensor on one mesh, replicated but
+for a shard over the batch axis; no BatchNormalization (its statistics
+span the global batch) and no layer drawing seeded random numbers (a
+dropout mask is drawn for the global batch); inputs sharded over the batch
+axis only. A layer that adds a loss during its call (an activity
+regularizer, an MoE's auxiliary loss) is detected after the first call: the
+call runs again as DTensors and the model stays on that path, since such a
+loss must be a global value. Like DDP, a layer is assumed to treat the
+rows of a batch independently (BatchNormalization aside). Turned off with
+`KERAS_DTENSOR_LOCAL_BATCH=0`.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras_dtensor import config
+from keras_dtensor import errors
+
+__all__ = ["active", "call", "plan"]
+
+_PLAN = "_keras_dtensor_local_batch"
+_ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one model runs locally: its mesh, the batch axis's mesh dim,
+    and `(variable, gather)` for each weight."""
+
+    mesh: object
+    dim: int
+    weights: tuple
+
+
+def active():
+    """Whether a local call is running (nested layer calls leave it be)."""
+    return _ACTIVE.get()
+
+
+def _excluded(layer):
+    from keras.src.layers.normalization.batch_normalization import (
+        BatchNormalization,
+    )
+
+    for sub in layer._flatten_layers(include_self=True):
+        if isinstance(sub, BatchNormalization) or sub._seed_generators:
+            return True
+    return False
+
+
+def _build(layer, weights, batch_axis):
+    if not weights or _excluded(layer):
+        return None
+    mesh, dim, items = None, None, []
+    for variable in weights:
+        value = getattr(variable, "_value", None)
+        if not isinstance(value, DTensor):
+            return None
+        if mesh is None:
+            mesh = value.device_mesh
+            names = mesh.mesh_dim_names or ()
+            if batch_axis not in names:
+                return None
+            dim = names.index(batch_axis)
+        elif value.device_mesh != mesh:
+            return None
+        gather = False
+        for i, placement in enumerate(value.placements):
+            if i == dim and placement.is_shard():
+                gather = True
+            elif not placement.is_replicate():
+                return None
+        items.append((variable, gather))
+    return Plan(mesh, dim, tuple(items))
+
+
+def plan(layer, distribution):
+    """The layer's `Plan`, or None when it must run as DTensors."""
+    if not layer.built or torch.compiler.is_compiling():
+        return None
+    weights = layer.weights
+    cached = layer.__dict__.get(_PLAN)
+    if cached is None or cached[0] != len(weights):
+        built = None
+        if config.get("LOCAL_BATCH"):
+            built = _build(layer, weights, distribution.batch_dim_name)
+        cached = layer.__dict__[_PLAN] = (len(weights), built)
+    return cached[1]
+
+
+def _input_rows(plan_, flat):
+    """`(global rows, local rows)` of the batch-sharded inputs; None when
+    an input is laid out otherwise."""
+    rows = None
+    for x in flat:
+        if not isinstance(x, DTensor):
+            continue
+        if x.device_mesh != plan_.mesh:
+            return None
+        for i, placement in enumerate(x.placements):
+            if i == plan_.dim and placement == Shard(0):
+                shape = (x.shape[0], x.to_local().shape[0])
+                if rows not in (None, shape):
+                    return None
+                rows = shape
+            elif not placement.is_replicate():
+                return None
+    return rows
+
+
+def _to_global(plan_, rows, x, layer):
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        return x
+    if x.ndim == 0 or x.shape[0] != rows[1]:
+        raise errors.local_output_error(
+            layer=layer.name,
+            shape=x.shape,
+            rows=rows[1],
+            rank=torch.distributed.get_rank(),
+            mesh=plan_.mesh,
+        )
+    placements = [Replicate()] * plan_.mesh.ndim
+    placements[plan_.dim] = Shard(0)
+    shape = (rows[0], *x.shape[1:])
+    out = DTensor.from_local(
+        x,
+        plan_.mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+    mask = getattr(x, "_keras_mask", None)
+    if mask is not None:
+        out._keras_mask = _to_global(plan_, rows, mask, layer)
+    return out
+
+
+@contextlib.contextmanager
+def _local_weights(plan_):
+    """Every weight reads as its whole local tensor; gradients flow back
+    as pending sums over the batch axis."""
+    ndim = plan_.mesh.ndim
+    whole = [Replicate()] * ndim
+    pending = list(whole)
+    pending[plan_.dim] = Partial()
+    saved = []
+    try:
+        for variable, gather in plan_.weights:
+            value = variable._value
+            full = value.redistribute(plan_.mesh, whole) if gather else value
+            variable._value = full.to_local(grad_placements=pending)
+            saved.append((variable, value))
+        yield
+    finally:
+        for variable, value in saved:
+            variable._value = value
+
+
+@contextlib.contextmanager
+def _plain_only():
+    """No implicit replication inside: a DTensor meeting a local tensor
+    here would be a bug, and must raise rather than mix silently."""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = False
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        dispatcher._allow_implicit_replication = before
+
+
+def _added_losses(layer):
+    return [
+        sub
+        for sub in layer._flatten_layers(include_self=True)
+        if any(
+            isinstance(loss, torch.Tensor) and not isinstance(loss, DTensor)
+            for loss in sub._losses
+        )
+    ]
+
+
+def call(layer, original, plan_, args, kwargs):
+    """Runs `original(layer, *args, **kwargs)` on local rows.
+
+    Returns `(True, outputs)`, or `(False, None)` when the call must run as
+    DTensors instead (inputs laid out otherwise, or a loss added inside).
+    """
+    from keras.src import tree
+
+    rows = _input_rows(plan_, tree.flatten((args, kwargs)))
+    if rows is None:
+        return False, None
+
+    def to_local(x):
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    local_args, local_kwargs = tree.map_structure(to_local, (args, kwargs))
+    with _local_weights(plan_), _plain_only():
+        outputs = original(layer, *local_args, **local_kwargs)
+    added = _added_losses(layer)
+    if added:
+        for sub in added:
+            sub._losses.clear()
+        layer.__dict__[_PLAN] = (layer.__dict__[_PLAN][0], None)
+        return False, None
+    return True, tree.map_structure(
+        lambda x: _to_global(plan_, rows, x, layer), outputs
+    )
