@@ -304,9 +304,7 @@ def _features():
 
 
 def _fsdp_collectives(keras, models, world):
-    """Collectives of one train step under the FSDP-style layout: per
-    batch-sharded weight one all-gather (forward) and one reduce-scatter
-    (its gradient); the replicated weights' gradients in one bucket."""
+    """Collectives of one train step under the FSDP-style layout."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     mesh = keras.distribution.DeviceMesh((world,), ["batch"])
@@ -351,7 +349,7 @@ def _fsdp_local(keras, world):
                 [
                     keras.Input((8,)),
                     keras.layers.Dense(
-                        12, activity_regularizer=regularizer, name="up"
+                        5, activity_regularizer=regularizer, name="up"
                     ),
                     probe,
                     keras.layers.Dense(4, name="out"),
@@ -366,7 +364,8 @@ def _fsdp_local(keras, world):
             }
 
     mesh = keras.distribution.DeviceMesh((world,), ["batch"])
-    layouts = {".*up/kernel": ("batch", None), ".*out/kernel": ("batch", None)}
+    # Uneven shards (5 over 2 ranks), on either dimension.
+    layouts = {".*up/kernel": (None, "batch"), ".*out/kernel": ("batch", None)}
 
     def fsdp():
         return keras.distribution.ModelParallel(
@@ -443,19 +442,19 @@ def test_training_api_relayout_jit_uneven_callbacks():
         assert out["relayout"] <= TOLERANCE
         assert out["jit"] <= TOLERANCE
         assert out["uneven"] <= TOLERANCE
-        # 3 kernels: gathered once each, their gradients reduce-scattered;
-        # the loss and one bucket of bias gradients all-reduced, nothing
-        # else (no activation all-reduced).
+        # 3 kernels gathered by one all-gather, their gradients scattered
+        # by one reduce-scatter; the loss and one bucket of bias gradients
+        # all-reduced, nothing else (no activation all-reduced).
         assert out["fsdp_comms"] == {
-            "all_gather_into_tensor": 3,
-            "reduce_scatter_tensor": 3,
+            "allgather_base": 1,
+            "reduce_scatter_base": 1,
             "all_reduce": 1,
             "allreduce": 1,
         }, out["fsdp_comms"]
         # Whole weights: the layers run on this rank's 4 rows as plain
         # tensors; a loss added in a call, or the setting off: DTensors.
         local = out["fsdp_local"]
-        assert local["plain"][1]["seen"] == ("Tensor", (4, 12))
+        assert local["plain"][1]["seen"] == ("Tensor", (4, 5))
         assert local["regularized"][1]["seen"][0] == "DTensor"
         assert local["off"][1]["seen"][0] == "DTensor"
         for plain, dist in local.values():

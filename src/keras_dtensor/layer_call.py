@@ -112,12 +112,16 @@ def wrap_call(original):
         if (
             distribution is None
             or context.is_data_parallel(distribution)
-            or local_batch.active()
+            or (not torch.compiler.is_compiling() and local_batch.active())
         ):
             return original(self, *args, **kwargs)
         from keras.src import tree
 
-        if _in_layer_call():
+        if _in_layer_call() and torch.compiler.is_compiling():
+            # No context manager around a traced call: Keras's own graph
+            # breaks inside it would force a recompile per layer.
+            outputs = original(self, *args, **kwargs)
+        elif _in_layer_call():
             with gathered_weights(self, distribution):
                 outputs = original(self, *args, **kwargs)
         else:

@@ -43,6 +43,7 @@ from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
 from keras_dtensor import errors
+from keras_dtensor import group_gather
 
 __all__ = ["active", "call", "plan"]
 
@@ -94,7 +95,7 @@ def _build(layer, weights, batch_axis):
             return None
         gather = False
         for i, placement in enumerate(value.placements):
-            if i == dim and placement.is_shard():
+            if i == dim and type(placement) is Shard:
                 gather = True
             elif not placement.is_replicate():
                 return None
@@ -166,19 +167,36 @@ def _to_global(plan_, rows, x, layer):
 
 @contextlib.contextmanager
 def _local_weights(plan_):
-    """Every weight reads as its whole local tensor; gradients flow back
-    as pending sums over the batch axis."""
+    """Every weight reads as its whole local tensor. The batch-sharded
+    ones are gathered together (one all-gather per dtype); backward
+    reduce-scatters their gradients to the shards, and the replicated
+    weights' gradients leave as pending sums over the batch axis."""
     ndim = plan_.mesh.ndim
-    whole = [Replicate()] * ndim
-    pending = list(whole)
+    pending = [Replicate()] * ndim
     pending[plan_.dim] = Partial()
+    group = plan_.mesh.get_group(plan_.dim)
+    whole = {}
+    by_dtype = {}
+    for variable, gather in plan_.weights:
+        value = variable._value
+        if gather:
+            by_dtype.setdefault(value.dtype, []).append((variable, value))
+        else:
+            whole[id(variable)] = value.to_local(grad_placements=pending)
+    for items in by_dtype.values():
+        shards = [value.to_local() for _, value in items]
+        specs = [
+            (value.placements[plan_.dim].dim, tuple(value.shape))
+            for _, value in items
+        ]
+        fulls = group_gather.gather_shards(shards, specs, group)
+        for (variable, _), full in zip(items, fulls, strict=True):
+            whole[id(variable)] = full
     saved = []
     try:
-        for variable, gather in plan_.weights:
-            value = variable._value
-            full = value.redistribute(plan_.mesh, whole) if gather else value
-            variable._value = full.to_local(grad_placements=pending)
-            saved.append((variable, value))
+        for variable, _ in plan_.weights:
+            saved.append((variable, variable._value))
+            variable._value = whole[id(variable)]
         yield
     finally:
         for variable, value in saved:
