@@ -57,6 +57,9 @@ VARIANTS = {
     "kd_mp": 2,
     "torch_fsdp2": 2,
     "kd_fsdp": 2,
+    # jit_compile=True (a compiled forward under ModelParallel).
+    "keras_single_jit": 1,
+    "kd_mp_jit": 2,
 }
 # Untimed steps that "_pair" processes other than rank 0 run after their
 # timed ones, so rank 0 never finishes alone.
@@ -69,6 +72,8 @@ RATIOS = (
     ("kd_dp_over_ddp", "kd_dp", "torch_ddp"),
     ("kd_mp_over_tp", "kd_mp", "torch_tp"),
     ("kd_fsdp_over_fsdp2", "kd_fsdp", "torch_fsdp2"),
+    ("keras_jit_over_eager", "keras_single_jit", "keras_single"),
+    ("kd_mp_jit_over_eager", "kd_mp_jit", "kd_mp"),
 )
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
@@ -342,6 +347,9 @@ def _run_keras(variant, model_name, steps, warmup):
 
     import keras_dtensor  # noqa: F401
 
+    jit_compile = variant.endswith("_jit")
+    variant = variant.removesuffix("_jit")
+
     cfg = _config(variant, model_name)
     if not variant.startswith("keras_single"):
         keras.distribution.initialize()
@@ -366,7 +374,11 @@ def _run_keras(variant, model_name, steps, warmup):
         keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(0)
     model = _keras_model(keras, model_name, cfg)
-    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss="mse",
+        jit_compile=jit_compile,
+    )
     x, y = (t.numpy() for t in _data(model_name, cfg))
 
     class Timer(keras.callbacks.Callback):
