@@ -87,7 +87,7 @@ class _Gathering:
 
     _ROWS = (
         ("keras.src.saving.saving_lib", "H5IOStore", "__setitem__"),
-        ("keras.src.saving.saving_lib", None, "is_memory_sufficient"),
+        ("keras.src.saving.saving_lib", None, "_save_model_to_fileobj"),
         (
             "keras.src.optimizers.base_optimizer",
             "BaseOptimizer",
