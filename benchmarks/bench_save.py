@@ -8,9 +8,10 @@ An Embedding(1_000_000, 128) fp32 table (512 MB) laid out `(None,
 Adam, one `fit` step (so the optimizer slots exist). Then, in one run:
 
 - `save_weights` and `model.save` as shipped: sharded variables streamed
-  to rank 0 in pieces (`stream_save.py`);
-- the same with the three `stream_save` rows of the table off, which is
-  the save of the previous commit (every rank gathers every variable);
+  to rank 0 in pieces (`stream_save.py`), `model.save`'s zip written
+  with the weights in place (`zip_stream.py`);
+- the same with those three rows of the table off, which is the save
+  before streaming (every rank gathers every variable);
 - `torch.distributed.checkpoint.save` of the same variables (model and
   optimizer, as DTensors): every rank writes its own shards.
 
@@ -83,11 +84,11 @@ def _build():
 
 
 class _Gathering:
-    """The previous save: the `stream_save` rows of the table off."""
+    """The save before streaming: its three rows of the table off."""
 
     _ROWS = (
         ("keras.src.saving.saving_lib", "H5IOStore", "__setitem__"),
-        ("keras.src.saving.saving_lib", None, "is_memory_sufficient"),
+        ("keras.src.saving.saving_lib", None, "_save_model_to_fileobj"),
         (
             "keras.src.optimizers.base_optimizer",
             "BaseOptimizer",

@@ -334,11 +334,12 @@ PATCHES = (
     ),
     Patch(
         "keras.src.saving.saving_lib",
-        "is_memory_sufficient",
+        "_save_model_to_fileobj",
         "model.save built the whole weights file in memory on rank 0 (a "
-        "BytesIO, then a copy of it); inside a save it goes to a temporary "
-        "file that is zipped in pieces.",
-        stream_save.wrap_is_memory_sufficient,
+        "BytesIO, then a copy), or in a temporary file copied into the "
+        "zip (written twice); inside a save h5py writes it in place in "
+        "the zip (zip_stream.py).",
+        saving.wrap_save_model_to_fileobj,
     ),
     Patch(
         "keras.src.utils.io_utils",

@@ -10,6 +10,11 @@ ranks holding its shards send them (`stream_save.py`), so no rank holds a
 whole sharded variable. Files are ordinary Keras files: plain
 single-process Keras loads them.
 
+`model.save` on several processes writes the `.keras` zip itself
+(`zip_stream.py`), with the same members as Keras; h5py writes the
+weights member in place inside the zip, where Keras writes a temporary
+`.h5` and copies it in (the weights written twice).
+
 A save called on some ranks only would hang in the first transfer; a
 monitored barrier first turns that into an error naming the missing ranks.
 A file rank 0 cannot create (missing directory, no permission) is found
@@ -19,6 +24,7 @@ collective timeout.
 """
 
 import contextlib
+import functools
 import glob
 import os
 import shutil
@@ -31,9 +37,10 @@ from keras_dtensor import data_parallel
 from keras_dtensor import launch
 from keras_dtensor import shared_files
 from keras_dtensor import stream_save
+from keras_dtensor import zip_stream
 from keras_dtensor.launch import multi_process
 
-__all__ = ["wrap_save"]
+__all__ = ["wrap_save", "wrap_save_model_to_fileobj"]
 
 
 def _remove_leftovers(directory, name):
@@ -135,3 +142,50 @@ def wrap_save(original, what):
             )
 
     return _save
+
+
+def _save_archive(model, fileobj):
+    """The `.keras` zip, as Keras writes it, but the weights in place."""
+    from keras.src.saving import saving_lib as lib
+
+    config_json, metadata_json = lib._serialize_model_as_json(model)
+    with zip_stream.StoredZip(fileobj) as archive:
+        archive.writestr(lib._METADATA_FILENAME, metadata_json.encode())
+        archive.writestr(lib._CONFIG_FILENAME, config_json.encode())
+        assets = lib.DiskIOStore(lib._ASSETS_DIRNAME, archive=archive, mode="w")
+        try:
+            with archive.member(lib._VARS_FNAME_H5) as window:
+                weights = lib.H5IOStore(window, mode="w")
+                try:
+                    lib._save_state(
+                        model,
+                        weights_store=weights,
+                        assets_store=assets,
+                        inner_path="",
+                        visited_saveables=set(),
+                    )
+                finally:
+                    weights.close()
+        except BaseException:
+            assets.archive = None  # only its temporary directory goes
+            raise
+        finally:
+            assets.close()  # the assets follow the weights
+
+
+def wrap_save_model_to_fileobj(original):
+    """Wraps `saving_lib._save_model_to_fileobj(model, fileobj, format)`:
+    inside a save's `scope()`, `.h5` weights into a file on disk are
+    written in place inside the zip (see the module)."""
+
+    @functools.wraps(original)
+    def _save_model_to_fileobj(model, fileobj, weights_format):
+        if (
+            stream_save.active()
+            and weights_format == "h5"
+            and isinstance(getattr(fileobj, "name", None), str)
+        ):
+            return _save_archive(model, fileobj)
+        return original(model, fileobj, weights_format)
+
+    return _save_model_to_fileobj

@@ -47,7 +47,6 @@ __all__ = [
     "scope",
     "shard_owners",
     "wrap_h5_store_setitem",
-    "wrap_is_memory_sufficient",
     "wrap_optimizer_save_own_variables",
 ]
 
@@ -366,18 +365,6 @@ def wrap_h5_store_setitem(original):
             return None
 
     return __setitem__
-
-
-def wrap_is_memory_sufficient(original):
-    """Wraps `saving_lib.is_memory_sufficient(model)`: `False` inside a
-    save's `scope()`, so `model.save` writes the weights to a temporary
-    file that is zipped in pieces, not into memory (then copied)."""
-
-    @functools.wraps(original)
-    def is_memory_sufficient(model):
-        return False if active() else original(model)
-
-    return is_memory_sufficient
 
 
 def wrap_optimizer_save_own_variables(original):

@@ -1,0 +1,71 @@
+"""The CRC-32 of two byte strings joined, from the CRC-32 of each.
+
+A zip member's CRC-32 (the one of `zlib.crc32`) is the remainder of the
+message times x^32 modulo a fixed polynomial of degree 32, with the first
+32 bits and the result inverted. Appending `n` bytes multiplies the first
+string's part by x^(8n), and the inversions cancel, so
+
+    crc(a + b) = crc(a) * x^(8 len(b)) + crc(b)   (modulo the polynomial)
+
+with `+` an exclusive or. `combine` computes that with x^(8n) built from
+the squares x^(2^k), so its cost grows with the number of bits in `n`,
+not with `n`: the pieces of a member can be checksummed where they are
+written and the whole CRC-32 found without reading the member back.
+
+Example:
+>>> combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")
+True
+"""
+
+__all__ = ["combine"]
+
+# zlib's polynomial, bit-reversed: bit 31 is the coefficient of x^0.
+_POLY = 0xEDB88320
+_ONE = 1 << 31  # the polynomial 1
+
+
+def _multiply(a, b):
+    """`a * b` modulo the polynomial, both bit-reversed."""
+    product = 0
+    bit = _ONE
+    while bit:
+        if a & bit:
+            product ^= b
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1  # b * x
+    return product
+
+
+def _squares(count):
+    """`[x^1, x^2, x^4, ...]`, `count` of them."""
+    powers = [_ONE >> 1]
+    while len(powers) < count:
+        powers.append(_multiply(powers[-1], powers[-1]))
+    return powers
+
+
+_SQUARES = _squares(67)  # x^(2^k) for every bit of 8 * a 64-bit length
+
+
+def combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """The CRC-32 of `a + b`, given `crc32(a)`, `crc32(b)` and `len(b)`.
+
+    Args:
+        crc_a: the CRC-32 of the first string.
+        crc_b: the CRC-32 of the second.
+        length_b: the second string's length in bytes.
+
+    Returns:
+        The CRC-32 of the two joined.
+    """
+    if length_b < 0 or length_b >= 1 << 64:
+        raise ValueError(
+            f"A length in bytes is 0 to 2**64 - 1. Received: {length_b}"
+        )
+    shift, bits, k = _ONE, 8 * length_b, 0
+    while bits:
+        if bits & 1:
+            shift = _multiply(_SQUARES[k], shift)
+        bits >>= 1
+        k += 1
+    return _multiply(shift, crc_a) ^ crc_b
