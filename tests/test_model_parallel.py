@@ -329,7 +329,8 @@ def _fsdp_local(keras, world):
     """What a layer's call sees under an FSDP-style layout (this rank's
     rows as plain tensors, or DTensors), and the numbers against plain
     Keras, for: a plain model, one with an activity regularizer (a loss
-    added in the call: DTensors), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
+    added in the call: DTensors), one assigning a running mean of the
+    batch in its call (DTensors), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
     import os
 
     class Probe(keras.layers.Layer):
@@ -341,7 +342,20 @@ def _fsdp_local(keras, world):
     x = rng.normal(size=(16, 8)).astype("float32")
     y = rng.normal(size=(16, 4)).astype("float32")
 
-    def run(distribution, regularizer=None):
+    class Running(keras.layers.Layer):
+        """Assigns a running mean of the global batch in its call."""
+
+        def build(self, shape):
+            self.mean = self.add_weight(
+                shape=(shape[-1],), initializer="zeros", trainable=False
+            )
+
+        def call(self, x):
+            batch_mean = keras.ops.mean(x, axis=0)
+            self.mean.assign(0.9 * self.mean + 0.1 * batch_mean)
+            return x
+
+    def run(distribution, regularizer=None, running=False):
         keras.utils.set_random_seed(2)
         with distribution.scope() if distribution else _null():
             probe = Probe()
@@ -352,6 +366,7 @@ def _fsdp_local(keras, world):
                         5, activity_regularizer=regularizer, name="up"
                     ),
                     probe,
+                    *([Running()] if running else []),
                     keras.layers.Dense(4, name="out"),
                 ]
             )
@@ -377,6 +392,7 @@ def _fsdp_local(keras, world):
     out = {}
     for name, regularizer in (("plain", None), ("regularized", "l2")):
         out[name] = (run(None, regularizer), run(fsdp(), regularizer))
+    out["running"] = (run(None, running=True), run(fsdp(), running=True))
     os.environ["KERAS_DTENSOR_LOCAL_BATCH"] = "0"
     try:
         out["off"] = (out["plain"][0], run(fsdp()))
@@ -456,6 +472,7 @@ def test_training_api_relayout_jit_uneven_callbacks():
         local = out["fsdp_local"]
         assert local["plain"][1]["seen"] == ("Tensor", (4, 5))
         assert local["regularized"][1]["seen"][0] == "DTensor"
+        assert local["running"][1]["seen"][0] == "DTensor"
         assert local["off"][1]["seen"][0] == "DTensor"
         for plain, dist in local.values():
             np.testing.assert_allclose(

@@ -26,9 +26,11 @@ dropout mask is drawn for the global batch); inputs sharded over the batch
 axis only. A layer that adds a loss during its call (an activity
 regularizer, an MoE's auxiliary loss) is detected after the first call: the
 call runs again as DTensors and the model stays on that path, since such a
-loss must be a global value. Like DDP, a layer is assumed to treat the
-rows of a batch independently (BatchNormalization aside). Turned off with
-`KERAS_DTENSOR_LOCAL_BATCH=0`.
+loss must be a global value; so does a layer that assigns a variable in
+its call (a running statistic, a stateful RNN's state): the assignment is
+stopped before it writes (`variables.wrap_direct_assign`). Like DDP, a
+layer is assumed to treat the rows of a batch independently
+(BatchNormalization aside). Turned off with `KERAS_DTENSOR_LOCAL_BATCH=0`.
 """
 
 import contextlib
@@ -45,10 +47,14 @@ from keras_dtensor import config
 from keras_dtensor import errors
 from keras_dtensor import group_gather
 
-__all__ = ["active", "call", "plan"]
+__all__ = ["AssignedInCall", "active", "call", "plan"]
 
 _PLAN = "_keras_dtensor_local_batch"
 _ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
+
+
+class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised before a variable is assigned inside a local call."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,10 +251,14 @@ def call(layer, original, plan_, args, kwargs):
         return x.to_local() if isinstance(x, DTensor) else x
 
     local_args, local_kwargs = tree.map_structure(to_local, (args, kwargs))
-    with _local_weights(plan_), _plain_only():
-        outputs = original(layer, *local_args, **local_kwargs)
+    assigned = False
+    try:
+        with _local_weights(plan_), _plain_only():
+            outputs = original(layer, *local_args, **local_kwargs)
+    except AssignedInCall:
+        assigned = True  # caught before the write: nothing changed
     added = _added_losses(layer)
-    if added:
+    if added or assigned:
         for sub in added:
             sub._losses.clear()
         layer.__dict__[_PLAN] = (layer.__dict__[_PLAN][0], None)

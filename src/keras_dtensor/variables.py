@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from keras_dtensor import context
 from keras_dtensor import grad_reduce
 from keras_dtensor import layout_plan
+from keras_dtensor import local_batch
 
 __all__ = [
     "variable_layout",
@@ -180,6 +181,10 @@ def wrap_direct_assign(original):
 
     def _direct_assign(self, value):
         if not isinstance(self._value, DTensor):
+            if local_batch.active():
+                # A model on local rows: this rank's value must not land
+                # in a global variable; the call reruns as DTensors.
+                raise local_batch.AssignedInCall(self.path)
             return original(self, value)
         with torch.no_grad():
             self._value.copy_(_to_dtensor(self, value))
