@@ -330,7 +330,8 @@ def _fsdp_local(keras, world):
     rows as plain tensors, or DTensors), and the numbers against plain
     Keras, for: a plain model, one with an activity regularizer (a loss
     added in the call: DTensors), one assigning a running mean of the
-    batch in its call (DTensors), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
+    batch in its call (DTensors), LoRA enabled after the first steps (new
+    weights join the local path), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
     import os
 
     class Probe(keras.layers.Layer):
@@ -355,7 +356,7 @@ def _fsdp_local(keras, world):
             self.mean.assign(0.9 * self.mean + 0.1 * batch_mean)
             return x
 
-    def run(distribution, regularizer=None, running=False):
+    def run(distribution, regularizer=None, running=False, lora=False):
         keras.utils.set_random_seed(2)
         with distribution.scope() if distribution else _null():
             probe = Probe()
@@ -372,6 +373,10 @@ def _fsdp_local(keras, world):
             )
             model.compile(optimizer="sgd", loss="mse")
             history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+            if lora:  # weights created after the first steps
+                model.get_layer("up").enable_lora(2)
+                model.compile(optimizer="sgd", loss="mse")
+                history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
             return {
                 "seen": probe.seen,
                 "loss": history.history["loss"],
@@ -393,6 +398,7 @@ def _fsdp_local(keras, world):
     for name, regularizer in (("plain", None), ("regularized", "l2")):
         out[name] = (run(None, regularizer), run(fsdp(), regularizer))
     out["running"] = (run(None, running=True), run(fsdp(), running=True))
+    out["lora"] = (run(None, lora=True), run(fsdp(), lora=True))
     os.environ["KERAS_DTENSOR_LOCAL_BATCH"] = "0"
     try:
         out["off"] = (out["plain"][0], run(fsdp()))
@@ -471,6 +477,7 @@ def test_training_api_relayout_jit_uneven_callbacks():
         # tensors; a loss added in a call, or the setting off: DTensors.
         local = out["fsdp_local"]
         assert local["plain"][1]["seen"] == ("Tensor", (4, 5))
+        assert local["lora"][1]["seen"] == ("Tensor", (4, 5))
         assert local["regularized"][1]["seen"][0] == "DTensor"
         assert local["running"][1]["seen"][0] == "DTensor"
         assert local["off"][1]["seen"][0] == "DTensor"

@@ -18,8 +18,8 @@ same here, at the outermost layer call (the model in `fit`, `predict`,
   scatters it to the shard, the replicated weights' sums are reduced in
   buckets (`grad_reduce`).
 
-What makes a model take this path, checked once per model (and again when
-its weights change): every weight a DTensor on one mesh, replicated but
+What makes a model take this path, checked once per model (and again after
+any variable is created): every weight a DTensor on one mesh, replicated but
 for a shard over the batch axis; no BatchNormalization (its statistics
 span the global batch) and no layer drawing seeded random numbers (a
 dropout mask is drawn for the global batch); inputs sharded over the batch
@@ -46,11 +46,16 @@ from torch.distributed.tensor import Shard
 from keras_dtensor import config
 from keras_dtensor import errors
 from keras_dtensor import group_gather
+from keras_dtensor import weight_gather
 
-__all__ = ["AssignedInCall", "active", "call", "plan"]
+__all__ = ["AssignedInCall", "active", "call", "plan", "variables_changed"]
 
 _PLAN = "_keras_dtensor_local_batch"
 _ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
+# Counts variables created; a model's cached plan is rebuilt when it moves
+# (LoRA adds weights after build). Walking `layer.weights` on every step
+# instead costs a traversal of every sublayer.
+_generation = 0
 
 
 class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
@@ -65,6 +70,13 @@ class Plan:
     mesh: object
     dim: int
     weights: tuple
+    layers: tuple
+
+
+def variables_changed():
+    """Called when a variable is created: cached plans are rebuilt."""
+    global _generation
+    _generation += 1
 
 
 def active():
@@ -72,54 +84,52 @@ def active():
     return _ACTIVE.get()
 
 
-def _excluded(layer):
+def _excluded(layers):
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
 
-    for sub in layer._flatten_layers(include_self=True):
-        if isinstance(sub, BatchNormalization) or sub._seed_generators:
-            return True
-    return False
+    return any(
+        isinstance(sub, BatchNormalization) or sub._seed_generators
+        for sub in layers
+    )
 
 
-def _build(layer, weights, batch_axis):
-    if not weights or _excluded(layer):
+def _build(layer, batch_axis):
+    weights = layer.weights
+    layers = tuple(layer._flatten_layers(include_self=True))
+    if not weights or _excluded(layers):
         return None
     mesh, dim, items = None, None, []
     for variable in weights:
         value = getattr(variable, "_value", None)
-        if not isinstance(value, DTensor):
+        found = weight_gather.batch_placement(value, batch_axis)
+        if found is None:  # not a DTensor, or no batch axis on its mesh
             return None
         if mesh is None:
-            mesh = value.device_mesh
-            names = mesh.mesh_dim_names or ()
-            if batch_axis not in names:
-                return None
-            dim = names.index(batch_axis)
+            mesh, dim = value.device_mesh, found[0]
         elif value.device_mesh != mesh:
             return None
-        gather = False
-        for i, placement in enumerate(value.placements):
-            if i == dim and type(placement) is Shard:
-                gather = True
-            elif not placement.is_replicate():
-                return None
-        items.append((variable, gather))
-    return Plan(mesh, dim, tuple(items))
+        shard = found[1]
+        if shard is not None and type(shard) is not Shard:  # e.g. strided
+            return None
+        others = (p for i, p in enumerate(value.placements) if i != dim)
+        if not all(p.is_replicate() for p in others):
+            return None
+        items.append((variable, shard is not None))
+    return Plan(mesh, dim, tuple(items), layers)
 
 
 def plan(layer, distribution):
     """The layer's `Plan`, or None when it must run as DTensors."""
     if not layer.built or torch.compiler.is_compiling():
         return None
-    weights = layer.weights
     cached = layer.__dict__.get(_PLAN)
-    if cached is None or cached[0] != len(weights):
+    if cached is None or cached[0] != _generation:
         built = None
         if config.get("LOCAL_BATCH"):
-            built = _build(layer, weights, distribution.batch_dim_name)
-        cached = layer.__dict__[_PLAN] = (len(weights), built)
+            built = _build(layer, distribution.batch_dim_name)
+        cached = layer.__dict__[_PLAN] = (_generation, built)
     return cached[1]
 
 
@@ -224,11 +234,12 @@ def _plain_only():
         dispatcher._allow_implicit_replication = before
 
 
-def _added_losses(layer):
+def _added_losses(plan_):
     return [
         sub
-        for sub in layer._flatten_layers(include_self=True)
-        if any(
+        for sub in plan_.layers
+        if sub._losses
+        and any(
             isinstance(loss, torch.Tensor) and not isinstance(loss, DTensor)
             for loss in sub._losses
         )
@@ -257,7 +268,7 @@ def call(layer, original, plan_, args, kwargs):
             outputs = original(layer, *local_args, **local_kwargs)
     except AssignedInCall:
         assigned = True  # caught before the write: nothing changed
-    added = _added_losses(layer)
+    added = _added_losses(plan_)
     if added or assigned:
         for sub in added:
             sub._losses.clear()

@@ -87,6 +87,7 @@ def wrap_initialize(original):
     """Wraps `Variable._initialize`: shard the initial value by layout."""
 
     def _initialize(self, value):
+        local_batch.variables_changed()
         self._shape = self._validate_shape(value.shape)
         if variable_layout(self) is None:
             return original(self, value)
@@ -107,6 +108,7 @@ def wrap_initialize_with_initializer(original):
     """
 
     def _initialize_with_initializer(self, initializer):
+        local_batch.variables_changed()
         if variable_layout(self) is None:
             return original(self, initializer)
         # An initializer's seed generator may be a (replicated) variable.

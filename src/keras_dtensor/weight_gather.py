@@ -24,21 +24,32 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
-__all__ = ["gathered_weights"]
+__all__ = ["batch_placement", "gathered_weights"]
 
 _PLAN = "_keras_dtensor_weight_gather"
 
 
-def _gather_targets(value, batch_axis):
-    """Placements of `value` with the batch axis gathered, or None."""
+def batch_placement(value, batch_axis):
+    """`(mesh dim of the batch axis, its Shard placement or None)` for a
+    DTensor on a mesh with the batch axis; None otherwise. The one place
+    that decides "sharded over the batch axis", for both the per-layer
+    gather here and the local path (`local_batch`)."""
     if not isinstance(value, DTensor):
         return None
     names = value.device_mesh.mesh_dim_names or ()
     if batch_axis not in names:
         return None
     dim = names.index(batch_axis)
-    if not value.placements[dim].is_shard():
+    placement = value.placements[dim]
+    return dim, placement if placement.is_shard() else None
+
+
+def _gather_targets(value, batch_axis):
+    """Placements of `value` with the batch axis gathered, or None."""
+    found = batch_placement(value, batch_axis)
+    if found is None or found[1] is None:
         return None
+    dim = found[0]
     placements = list(value.placements)
     placements[dim] = Replicate()
     return tuple(placements)
