@@ -120,10 +120,19 @@ def _run(keras, distribution):
         }
 
 
-def _patterns(mesh_shape):
+def _patterns(mesh_shapes):
+    """One spawn per world size: the reference is trained once, then each
+    mesh shape's distribution."""
     import keras
+
+    _, reference = _run(keras, None)
+    return [_pattern(keras, reference, shape) for shape in mesh_shapes]
+
+
+def _pattern(keras, reference, mesh_shape):
     import models
 
+    reference = dict(reference)
     mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
     layouts = dict(LAYOUTS)
     if mesh_shape[0] > 1:
@@ -133,7 +142,6 @@ def _patterns(mesh_shape):
         layout_map=models.layout_map(keras, mesh, layouts),
         batch_dim_name="batch",
     )
-    _, reference = _run(keras, None)
     model, result = _run(keras, distribution)
     greedy = np.abs(reference.pop("greedy") - result.pop("greedy")).max()
     local = {
@@ -159,19 +167,24 @@ def _patterns(mesh_shape):
 
 
 @pytest.mark.parametrize(
-    "world, mesh_shape", [(2, (1, 2)), (4, (1, 4)), (4, (2, 2))]
+    "world, mesh_shapes", [(2, [(1, 2)]), (4, [(1, 4), (2, 2)])]
 )
-def test_llm_patterns_match_one_process(world, mesh_shape):
+def test_llm_patterns_match_one_process(world, mesh_shapes):
+    for results in run_ranks(_patterns, world, mesh_shapes):
+        for mesh_shape, result in zip(mesh_shapes, results, strict=True):
+            _check(mesh_shape, *result)
+
+
+def _check(mesh_shape, diff, greedy, local):
     model_axis = mesh_shape[1]
-    for diff, greedy, local in run_ranks(_patterns, world, mesh_shape):
-        assert diff <= TOLERANCE, diff
-        assert greedy == 0
-        # The layout really shards: vocabulary rows, q/k/v input rows,
-        # MLP columns.
-        assert local["embedding/embeddings"] == (
-            VOCAB // model_axis,
-            WIDTH // mesh_shape[0],
-        )
-        assert local["attention/query/kernel"] == (WIDTH // model_axis, WIDTH)
-        assert local["up/kernel"] == (WIDTH, 2 * WIDTH // model_axis)
-        assert local["top_k"] == [(4, 5), (4, 4)]
+    assert diff <= TOLERANCE, diff
+    assert greedy == 0
+    # The layout really shards: vocabulary rows, q/k/v input rows,
+    # MLP columns.
+    assert local["embedding/embeddings"] == (
+        VOCAB // model_axis,
+        WIDTH // mesh_shape[0],
+    )
+    assert local["attention/query/kernel"] == (WIDTH // model_axis, WIDTH)
+    assert local["up/kernel"] == (WIDTH, 2 * WIDTH // model_axis)
+    assert local["top_k"] == [(4, 5), (4, 4)]
