@@ -83,9 +83,9 @@ def _peak_mb(run):
     return status_mb("VmHWM") - before
 
 
-def _full_disk_save(model, path):
-    """`save_weights` whose writes on rank 0 fail past 8 MiB (as on a full
-    disk): the error every rank raises, and how long it took."""
+def _full_disk_save(save, path, limit_bytes):
+    """`save(path)` whose writes on rank 0 fail past `limit_bytes` (as on a
+    full disk): the error every rank raises, and how long it took."""
     import resource
     import signal
     import time
@@ -95,10 +95,10 @@ def _full_disk_save(model, path):
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     if dist.get_rank() == 0:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limit[1]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit[1]))
     start = time.monotonic()
     try:
-        model.save_weights(path)
+        save(path)
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
@@ -141,8 +141,14 @@ def _streamed_saves(directory):
         out["owners"] = stream_save.shard_owners(
             table.shape, table.device_mesh, table.placements
         )
-        out["full_disk"], out["full_disk_s"] = _full_disk_save(
-            model, os.path.join(directory, "full_disk.weights.h5")
+        # Mid-variable; and in model.save's config, before any weight.
+        out["full_disk"] = _full_disk_save(
+            model.save_weights,
+            os.path.join(directory, "full_disk.weights.h5"),
+            8 << 20,
+        )
+        out["full_disk_config"] = _full_disk_save(
+            model.save, os.path.join(directory, "full_disk.keras"), 256
         )
         out["checksums"] = _shard_checksums(model)
     return out
@@ -324,13 +330,14 @@ def _check_streamed_saves(saved, tmp_path):
         # No rank held a whole copy of the table (gathering it: 2x).
         for what in ("peak_save_weights", "peak_save"):
             assert out[what] < 0.3 * TABLE_MB, (rank, what, out[what])
-        # A write failing on rank 0 mid-variable: no peer left waiting.
-        assert out["full_disk_s"] < 30, out["full_disk_s"]
-        if rank == 0:
-            assert out["full_disk"].startswith("OSError"), out["full_disk"]
-        else:
-            assert "failed on rank 0 of 4: OSError" in out["full_disk"]
-        assert "File too large" in out["full_disk"]
+        # A write failing on rank 0: no peer left waiting.
+        for error, seconds in (out["full_disk"], out["full_disk_config"]):
+            assert seconds < 30, seconds
+            if rank == 0:
+                assert error.startswith("OSError"), error
+            else:
+                assert "failed on rank 0 of 4: OSError" in error, error
+            assert "File too large" in error
 
     # Plain Keras reads the same values, bfloat16 and optimizer included:
     # every rank's shards, replicas too.

@@ -58,6 +58,10 @@ def _share_failure(problem):
     return [(r, m.decode()) for r, m in enumerate(failures) if m]
 
 
+class _PeerFailed(Exception):  # noqa: N818 (a signal, not an error)
+    """Another rank failed first; it reports the error to every rank."""
+
+
 def _raise_if_failed(failures, what, filepath, own=None):
     if not failures:
         return
@@ -97,10 +101,13 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
         except OSError as e:
             problem = e
     _raise_if_failed(_share_failure(problem), what, final)
+    result = None
     try:
         with stream_save.scope() as streamed:
             try:
                 result = original(model, target, *args, **kwargs)
+            except _PeerFailed:
+                pass  # the failing rank's error is shared below
             except Exception as e:
                 problem = e
         # A write that failed while shards kept arriving is the cause of
@@ -150,8 +157,19 @@ def _save_archive(model, fileobj):
 
     config_json, metadata_json = lib._serialize_model_as_json(model)
     with zip_stream.StoredZip(fileobj) as archive:
-        archive.writestr(lib._METADATA_FILENAME, metadata_json.encode())
-        archive.writestr(lib._CONFIG_FILENAME, config_json.encode())
+        problem = None
+        try:
+            archive.writestr(lib._METADATA_FILENAME, metadata_json.encode())
+            archive.writestr(lib._CONFIG_FILENAME, config_json.encode())
+        except OSError as e:
+            problem = e
+        # The ranks are about to send rank 0 their shards: a rank 0 that
+        # could not write the first members would never receive them.
+        failures = _share_failure(problem)
+        if problem is not None:
+            raise problem
+        if failures:
+            raise _PeerFailed(failures)
         assets = lib.DiskIOStore(lib._ASSETS_DIRNAME, archive=archive, mode="w")
         try:
             with archive.member(lib._VARS_FNAME_H5) as window:
