@@ -331,7 +331,8 @@ def _fsdp_local(keras, world):
     Keras, for: a plain model, one with an activity regularizer (a loss
     added in the call: DTensors), one assigning a running mean of the
     batch in its call (DTensors), LoRA enabled after the first steps (new
-    weights join the local path), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
+    weights join the local path), tensor-parallel layouts over a model
+    axis of one process (local), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
     import os
 
     class Probe(keras.layers.Layer):
@@ -399,6 +400,16 @@ def _fsdp_local(keras, world):
         out[name] = (run(None, regularizer), run(fsdp(), regularizer))
     out["running"] = (run(None, running=True), run(fsdp(), running=True))
     out["lora"] = (run(None, lora=True), run(fsdp(), lora=True))
+    # Tensor-parallel layouts over a "model" axis of one process: local.
+    mesh_2d = keras.distribution.DeviceMesh((world, 1), ["batch", "model"])
+    tp_layouts = {
+        ".*up/kernel": (None, "model"),
+        ".*out/kernel": ("model", None),
+    }
+    tp_one = keras.distribution.ModelParallel(
+        layout_map=models_layout_map(keras, mesh_2d, tp_layouts)
+    )
+    out["model_axis_of_one"] = (out["plain"][0], run(tp_one))
     os.environ["KERAS_DTENSOR_LOCAL_BATCH"] = "0"
     try:
         out["off"] = (out["plain"][0], run(fsdp()))
@@ -478,6 +489,7 @@ def test_training_api_relayout_jit_uneven_callbacks():
         local = out["fsdp_local"]
         assert local["plain"][1]["seen"] == ("Tensor", (4, 5))
         assert local["lora"][1]["seen"] == ("Tensor", (4, 5))
+        assert local["model_axis_of_one"][1]["seen"] == ("Tensor", (4, 5))
         assert local["regularized"][1]["seen"][0] == "DTensor"
         assert local["running"][1]["seen"][0] == "DTensor"
         assert local["off"][1]["seen"][0] == "DTensor"

@@ -20,7 +20,8 @@ same here, at the outermost layer call (the model in `fit`, `predict`,
 
 What makes a model take this path, checked once per model (and again after
 any variable is created): every weight a DTensor on one mesh, replicated but
-for a shard over the batch axis; no BatchNormalization (its statistics
+for a shard over the batch axis (a mesh axis of one process counts as
+replicated: ModelParallel at world size 1 runs like plain Keras); no BatchNormalization (its statistics
 span the global batch) and no layer drawing seeded random numbers (a
 dropout mask is drawn for the global batch); inputs sharded over the batch
 axis only. A layer that adds a loss during its call (an activity
@@ -65,7 +66,7 @@ class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one model runs locally: its mesh, the batch axis's mesh dim,
-    and `(variable, gather)` for each weight."""
+    `(variable, gather, grad placements)` for each weight, its layers."""
 
     mesh: object
     dim: int
@@ -113,11 +114,26 @@ def _build(layer, batch_axis):
         shard = found[1]
         if shard is not None and type(shard) is not Shard:  # e.g. strided
             return None
-        others = (p for i, p in enumerate(value.placements) if i != dim)
-        if not all(p.is_replicate() for p in others):
+        if not all(
+            _whole(mesh, i, p)
+            for i, p in enumerate(value.placements)
+            if i != dim
+        ):
             return None
-        items.append((variable, shard is not None))
+        batch_ranks = mesh.size(dim)
+        gather = shard is not None and batch_ranks > 1
+        grad = list(value.placements)
+        if shard is None and batch_ranks > 1:
+            grad[dim] = Partial()  # this rank's rows' share of the sum
+        items.append((variable, gather, tuple(grad)))
     return Plan(mesh, dim, tuple(items), layers)
+
+
+def _whole(mesh, dim, placement):
+    """Whether a local tensor placed so on mesh dim `dim` is the whole
+    tensor along it: replicated, or any placement over one process (a
+    ModelParallel mesh of shape (1, 1) runs like one process)."""
+    return placement.is_replicate() or mesh.size(dim) == 1
 
 
 def plan(layer, distribution):
@@ -148,7 +164,7 @@ def _input_rows(plan_, flat):
                 if rows not in (None, shape):
                     return None
                 rows = shape
-            elif not placement.is_replicate():
+            elif not _whole(plan_.mesh, i, placement):
                 return None
     return rows
 
@@ -187,18 +203,16 @@ def _local_weights(plan_):
     ones are gathered together (one all-gather per dtype); backward
     reduce-scatters their gradients to the shards, and the replicated
     weights' gradients leave as pending sums over the batch axis."""
-    ndim = plan_.mesh.ndim
-    pending = [Replicate()] * ndim
-    pending[plan_.dim] = Partial()
-    group = plan_.mesh.get_group(plan_.dim)
     whole = {}
     by_dtype = {}
-    for variable, gather in plan_.weights:
+    for variable, gather, grad in plan_.weights:
         value = variable._value
         if gather:
             by_dtype.setdefault(value.dtype, []).append((variable, value))
         else:
-            whole[id(variable)] = value.to_local(grad_placements=pending)
+            whole[id(variable)] = value.to_local(grad_placements=grad)
+    if by_dtype:
+        group = plan_.mesh.get_group(plan_.dim)
     for items in by_dtype.values():
         shards = [value.to_local() for _, value in items]
         specs = [
@@ -210,7 +224,7 @@ def _local_weights(plan_):
             whole[id(variable)] = full
     saved = []
     try:
-        for variable, _ in plan_.weights:
+        for variable, _, _ in plan_.weights:
             saved.append((variable, variable._value))
             variable._value = whole[id(variable)]
         yield
