@@ -21,17 +21,18 @@ same here, at the outermost layer call (the model in `fit`, `predict`,
 What makes a model take this path, checked once per model (and again after
 any variable is created): every weight a DTensor on one mesh, replicated but
 for a shard over the batch axis (a mesh axis of one process counts as
-replicated: ModelParallel at world size 1 runs like plain Keras); no BatchNormalization (its statistics
-span the global batch) and no layer drawing seeded random numbers (a
-dropout mask is drawn for the global batch); inputs sharded over the batch
-axis only. A layer that adds a loss during its call (an activity
-regularizer, an MoE's auxiliary loss) is detected after the first call: the
-call runs again as DTensors and the model stays on that path, since such a
-loss must be a global value; so does a layer that assigns a variable in
-its call (a running statistic, a stateful RNN's state): the assignment is
-stopped before it writes (`variables.wrap_direct_assign`). Like DDP, a
-layer is assumed to treat the rows of a batch independently
-(BatchNormalization aside). Turned off with `KERAS_DTENSOR_LOCAL_BATCH=0`.
+replicated: tensor-parallel layouts over a "model" axis of 1 run here too);
+no BatchNormalization (its statistics span the global batch) and no layer
+drawing seeded random numbers (a dropout mask is drawn for the global
+batch); inputs sharded over the batch axis only. A layer that adds a loss
+during its call (an activity regularizer, an MoE's auxiliary loss) is
+detected after the first call: the call runs again as DTensors and the model
+stays on that path, since such a loss must be a global value; so does a
+layer that assigns a variable in its call (a running statistic, a stateful
+RNN's state): the assignment is stopped before it writes
+(`variables.wrap_direct_assign`). Like DDP, a layer is assumed to treat the
+rows of a batch independently (BatchNormalization aside). Turned off with
+`KERAS_DTENSOR_LOCAL_BATCH=0`.
 """
 
 import contextlib
