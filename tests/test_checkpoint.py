@@ -136,6 +136,13 @@ def _streamed_saves(directory):
             "peak_save": _peak_mb(
                 lambda: model.save(os.path.join(directory, "table.keras"))
             ),
+            # Keras's sharded format: a file per 40 MB (a variable each).
+            "peak_save_sharded": _peak_mb(
+                lambda: model.save_weights(
+                    os.path.join(directory, "table.weights.json"),
+                    max_shard_size=0.04,
+                )
+            ),
         }
         table = model.get_layer("table").embeddings.value
         out["owners"] = stream_save.shard_owners(
@@ -252,6 +259,18 @@ def _load(directory):
         out["table_loaded"] = bool(
             np.array_equal(fresh.get_weights()[0], saved.get_weights()[0])
         )
+        # The same from Keras's sharded format (`max_shard_size`, GB).
+        path = os.path.join(directory, "table.weights.json")
+        saved.save_weights(path, max_shard_size=0.01)
+        fresh = table()
+        tracemalloc.start()
+        fresh.load_weights(path)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        out["json_load_peak_fraction"] = peak / (40_000 * 32 * 4)
+        out["json_table_loaded"] = bool(
+            np.array_equal(fresh.get_weights()[0], saved.get_weights()[0])
+        )
 
     # A save on one rank only would hang in its gather: it raises instead.
     os.environ["KERAS_DTENSOR_SAVE_TIMEOUT"] = "2"
@@ -268,12 +287,16 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
     saved = run_ranks(_save, 4, str(tmp_path), timeout=300)
     # One writer, atomic rename: no temp files left behind, not even those
     # of an earlier killed save or of a failed one.
-    assert saved[0]["files"] == [
+    # (Keras names a sharded save's files after the target: table_00000...)
+    shards = [f for f in saved[0]["files"] if f.startswith("table_")]
+    assert [f for f in saved[0]["files"] if f not in shards] == [
         "mlp.keras",
         "mlp.weights.h5",
         "table.keras",
         "table.weights.h5",
+        "table.weights.json",
     ]
+    assert shards == [f"table_{i:05}.weights.h5" for i in range(len(shards))]
     weights = saved[0]["weights"]
     _check_streamed_saves(saved, tmp_path)
 
@@ -298,7 +321,8 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
         assert "failed on rank 0 of 2" in out["failed_save"]
         assert "missing" in out["failed_save"]
         assert out["failed_save_s"] < 30  # not the collective timeout
-        assert out["table_loaded"]
+        assert out["table_loaded"] and out["json_table_loaded"]
+        assert out["json_load_peak_fraction"] < 0.75, out
         # Each of 2 ranks read half of the table (whole: 1.0 or more).
         assert out["load_peak_fraction"] < 0.75, out["load_peak_fraction"]
     assert "must be called on every rank" in loaded[0]["lone_error"]
@@ -328,7 +352,7 @@ def _check_streamed_saves(saved, tmp_path):
     ]
     for rank, out in enumerate(saved):
         # No rank held a whole copy of the table (gathering it: 2x).
-        for what in ("peak_save_weights", "peak_save"):
+        for what in ("peak_save_weights", "peak_save", "peak_save_sharded"):
             assert out[what] < 0.3 * TABLE_MB, (rank, what, out[what])
         # A write failing on rank 0: no peer left waiting.
         for error, seconds in (out["full_disk"], out["full_disk_config"]):
@@ -345,7 +369,11 @@ def _check_streamed_saves(saved, tmp_path):
     fresh = _table_model(keras)
     fresh.optimizer.build(fresh.trainable_variables)
     fresh.load_weights(str(tmp_path / "table.weights.h5"))
-    for loaded in (plain, fresh):
+    from_json = _table_model(keras)
+    from_json.optimizer.build(from_json.trainable_variables)
+    from_json.load_weights(str(tmp_path / "table.weights.json"))
+    assert sum(f.startswith("table_") for f in saved[0]["files"]) > 1
+    for loaded in (plain, fresh, from_json):
         values = [keras.ops.convert_to_numpy(v) for v in _variables(loaded)]
         for out in saved:
             for value, (ranges, crc) in zip(

@@ -38,7 +38,7 @@ from keras_dtensor import placement_order
 from keras_dtensor import replica_check
 from keras_dtensor import saving
 from keras_dtensor import shared_files
-from keras_dtensor import stream_save
+from keras_dtensor import store_hooks
 from keras_dtensor import trainer_calls
 from keras_dtensor import variables
 from keras_dtensor.compat import SUPPORTED_TORCH
@@ -323,14 +323,23 @@ PATCHES = (
         "Converting a sharded variable to numpy gathered it whole on every "
         "rank (2x the model per rank while saving); inside a save rank 0 "
         "writes it in pieces from the shards' owners (stream_save.py).",
-        stream_save.wrap_h5_store_setitem,
+        store_hooks.wrap_h5_store_setitem,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "ShardedH5IOStore.__setitem__",
+        "save_weights(max_shard_size=...) converted every variable to "
+        "numpy first (a whole gather) to size its shard files; inside a "
+        "save a sharded value passes as its shape and dtype and is "
+        "written in pieces (store_hooks.py).",
+        store_hooks.wrap_sharded_h5_store_setitem,
     ),
     Patch(
         "keras.src.optimizers.base_optimizer",
         "BaseOptimizer.save_own_variables",
         "It stores variable.numpy(), a whole gather of every sharded slot "
         "on every rank; inside a save the store gets the variable.",
-        stream_save.wrap_optimizer_save_own_variables,
+        store_hooks.wrap_optimizer_save_own_variables,
     ),
     Patch(
         "keras.src.saving.saving_lib",

@@ -1,10 +1,12 @@
 """Saving under a distribution: rank 0 writes, from every rank's shards.
 
 Every rank runs Keras's own writer (`save_weights`, `model.save`), in the
-same order; rank 0 writes next to the target and renames into place (a
-reader never sees half a file), the other ranks write to a private
-scratch directory that is then deleted (all ranks writing one
-`.weights.h5` would also collide on h5py's file lock). Inside the writer,
+same order; rank 0 writes into a hidden staging directory next to the
+target and renames into place (a reader never sees half a file; Keras's
+sharded `.weights.json` keeps its shard files' names, moved before the
+`.json` that lists them), the other ranks write to a private scratch
+directory that is then deleted (all ranks writing one `.weights.h5` would
+also collide on h5py's file lock). Inside the writer,
 a sharded variable is not gathered: rank 0 writes it in pieces while the
 ranks holding its shards send them (`stream_save.py`), so no rank holds a
 whole sharded variable. Files are ordinary Keras files: plain
@@ -44,11 +46,26 @@ __all__ = ["wrap_save", "wrap_save_model_to_fileobj"]
 
 
 def _remove_leftovers(directory, name):
-    """Rank 0's temporary files of this target left by a killed save."""
+    """Rank 0's staging directories of this target left by a killed save
+    (and the temporary files of earlier versions)."""
     pattern = os.path.join(glob.escape(directory), f".{'[0-9a-f]' * 32}.")
-    for path in glob.glob(pattern + glob.escape(name)):
-        with contextlib.suppress(OSError):
-            os.remove(path)
+    for path in glob.glob(pattern + glob.escape(name) + "*"):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _move_into_place(staging, name, directory):
+    """Every file Keras wrote in `staging` into `directory`, `name` last
+    (a sharded save's `.json` lists the shard files: they land first)."""
+    for entry in sorted(os.listdir(staging)):
+        if entry != name:
+            os.replace(
+                os.path.join(staging, entry), os.path.join(directory, entry)
+            )
+    os.replace(os.path.join(staging, name), os.path.join(directory, name))
 
 
 def _share_failure(problem):
@@ -84,44 +101,41 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
     data_parallel.sync_optimizer_state(model)
     final = os.fspath(filepath)
     name = os.path.basename(final)  # Keras checks the file suffix
-    if dist.get_rank() == 0:
-        scratch = None
-        directory = os.path.dirname(final) or "."
+    directory = os.path.dirname(final) or "."
+    rank_0 = dist.get_rank() == 0
+    if rank_0:
         _remove_leftovers(directory, name)
-        target = os.path.join(directory, f".{uuid.uuid4().hex}.{name}")
+        staging = os.path.join(directory, f".{uuid.uuid4().hex}.{name}.d")
     else:
-        scratch = tempfile.mkdtemp(prefix="keras_dtensor_save_")
-        target = os.path.join(scratch, name)
-    problem = None
-    if scratch is None:
-        probe = f"{target}.probe"
-        try:  # can rank 0 write there at all?
-            open(probe, "wb").close()
-            os.remove(probe)
-        except OSError as e:
-            problem = e
-    _raise_if_failed(_share_failure(problem), what, final)
-    result = None
+        staging = tempfile.mkdtemp(prefix="keras_dtensor_save_")
+    target = os.path.join(staging, name)
+    result = problem = None
     try:
-        with stream_save.scope() as streamed:
-            try:
-                result = original(model, target, *args, **kwargs)
-            except _PeerFailed:
-                pass  # the failing rank's error is shared below
-            except Exception as e:
+        if rank_0:
+            try:  # can rank 0 write there at all?
+                os.mkdir(staging)
+                open(target, "wb").close()
+                os.remove(target)
+            except OSError as e:
                 problem = e
-        # A write that failed while shards kept arriving is the cause of
-        # any later error (h5py's close of the same file).
-        problem = streamed.error or problem
-        if problem is None and scratch is None:
-            os.replace(target, final)
-    except Exception as e:
-        problem = e
+        _raise_if_failed(_share_failure(problem), what, final)
+        try:
+            with stream_save.scope() as streamed:
+                try:
+                    result = original(model, target, *args, **kwargs)
+                except _PeerFailed:
+                    pass  # the failing rank's error is shared below
+                except Exception as e:
+                    problem = e
+            # A write that failed while shards kept arriving is the cause
+            # of any later error (h5py's close of the same file).
+            problem = streamed.error or problem
+            if problem is None and rank_0:
+                _move_into_place(staging, name, directory)
+        except Exception as e:
+            problem = e
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-        elif os.path.exists(target):
-            os.remove(target)
+        shutil.rmtree(staging, ignore_errors=True)
     # Nobody returns before the file is in place, so any rank may load.
     _raise_if_failed(_share_failure(problem), what, final, problem)
     return result

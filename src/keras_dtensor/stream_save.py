@@ -26,7 +26,6 @@ error once Keras's writer returns.
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import itertools
 import math
 
@@ -34,7 +33,6 @@ import ml_dtypes  # a Keras dependency
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
@@ -43,11 +41,12 @@ from keras_dtensor.sharded_init import local_slices
 
 __all__ = [
     "active",
+    "current",
     "pieces",
     "scope",
     "shard_owners",
-    "wrap_h5_store_setitem",
-    "wrap_optimizer_save_own_variables",
+    "streamable",
+    "write",
 ]
 
 
@@ -116,6 +115,11 @@ def scope():
 def active() -> bool:
     """Whether this thread is inside a save's `scope()`."""
     return _SAVE.get() is not None
+
+
+def current():
+    """The state of the save this thread is in (`scope()`), or `None`."""
+    return _SAVE.get()
 
 
 def pieces(shape, itemsize, piece_bytes):
@@ -294,17 +298,9 @@ def _send(local, blocks, ranges):
         work.wait()
 
 
-def _dtensor_of(value):
-    """The DTensor behind `value` (a variable or a tensor), or `None`."""
-    from keras.src.backend.common.variables import Variable
-
-    if isinstance(value, Variable):
-        value = value.value
-    return value if isinstance(value, DTensor) else None
-
-
-def _streamable(dtensor):
-    # A pending sum (Partial) is left to Keras's writer, which gathers it.
+def streamable(dtensor):
+    """Whether `write` takes it (a pending sum is left to Keras's writer,
+    which gathers it)."""
     return all(type(p) in (Shard, Replicate) for p in dtensor.placements)
 
 
@@ -320,7 +316,8 @@ def _create(store, key, value):
     return dataset
 
 
-def _write(store, key, value, state):
+def write(store, key, value, state):
+    """Writes DTensor `value` as `store[key]`, every rank taking part."""
     owners = shard_owners(value.shape, value.device_mesh, value.placements)
     local = value.to_local()
     itemsize = value.element_size()
@@ -338,50 +335,3 @@ def _write(store, key, value, state):
     mine = [ranges for owner, ranges in owners if owner == rank]
     if mine:
         _send(local, blocks, mine[0])
-
-
-def wrap_h5_store_setitem(original):
-    """Wraps `H5IOStore.__setitem__(key, value)`: inside a save's `scope()`
-    a DTensor-backed value is written in pieces (see the module)."""
-
-    @functools.wraps(original)
-    def __setitem__(self, key, value):
-        state = _SAVE.get()
-        if state is None or self.mode not in ("w", "a"):
-            return original(self, key, value)
-        dtensor = _dtensor_of(value)
-        if dtensor is not None and _streamable(dtensor):
-            with torch.no_grad():
-                _write(self, key, dtensor, state)
-            return None
-        if state.error is not None:
-            if dtensor is not None:  # its gather is a collective: take part
-                dtensor.full_tensor()
-            return None
-        try:
-            return original(self, key, value)
-        except Exception as e:
-            state.error = e
-            return None
-
-    return __setitem__
-
-
-def wrap_optimizer_save_own_variables(original):
-    """Wraps `BaseOptimizer.save_own_variables(store)`: Keras stores
-    `variable.numpy()`, a gather before the store sees it; inside a save's
-    `scope()`, into an `H5IOStore`, each variable is stored itself (the
-    store converts a plain one as `.numpy()` does, streams a sharded one).
-    """
-
-    @functools.wraps(original)
-    def save_own_variables(self, store):
-        from keras.src.saving import saving_lib
-
-        if not active() or type(store) is not saving_lib.H5IOStore:
-            return original(self, store)
-        for i, variable in enumerate(self.variables):
-            store[str(i)] = variable
-        return None
-
-    return save_own_variables

@@ -14,6 +14,7 @@ from keras_dtensor import context
 from keras_dtensor import grad_reduce
 from keras_dtensor import layout_plan
 from keras_dtensor import local_batch
+from keras_dtensor import store_hooks
 
 __all__ = [
     "variable_layout",
@@ -203,6 +204,8 @@ def wrap_convert_to_numpy(original):
 
     def _convert_to_numpy(x):
         if isinstance(x, DTensor):
+            if store_hooks.deferring():
+                return store_hooks.Deferred(x)  # written in pieces
             x = x.full_tensor()
         elif isinstance(x, (list, tuple)) and any(
             isinstance(e, DTensor) for e in x
