@@ -15,8 +15,9 @@ value as follows, in the same order (Keras walks the same model):
   (about four pieces held), the others hold nothing extra and leave the
   dataset of their scratch file empty.
 
-Optimizer variables too (Keras's optimizer stores `variable.numpy()`, a
-gather; inside the scope it stores the variable). A replicated variable is
+Keras's stores hand their values here through the hooks in
+`store_hooks.py` (layers, optimizer slots, the sharded `.weights.json`
+format). A replicated variable is
 one shard rank 0 holds. Plain values (DataParallel) go through Keras.
 A rank whose write fails (a full disk) keeps taking part in every later
 transfer without writing, so no peer waits on it; the save raises that
