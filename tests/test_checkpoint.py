@@ -271,6 +271,13 @@ def _load(directory):
         out["json_table_loaded"] = bool(
             np.array_equal(fresh.get_weights()[0], saved.get_weights()[0])
         )
+        # Keras renames a sharded `.weights.h5` target to `.weights.json`.
+        saved.save_weights(
+            os.path.join(directory, "renamed.weights.h5"), max_shard_size=0.01
+        )
+        out["renamed"] = sorted(
+            f for f in os.listdir(directory) if f.startswith("renamed")
+        )
 
     # A save on one rank only would hang in its gather: it raises instead.
     os.environ["KERAS_DTENSOR_SAVE_TIMEOUT"] = "2"
@@ -323,6 +330,10 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
         assert out["failed_save_s"] < 30  # not the collective timeout
         assert out["table_loaded"] and out["json_table_loaded"]
         assert out["json_load_peak_fraction"] < 0.75, out
+        assert out["renamed"] == [
+            "renamed.weights.json",
+            "renamed_00000.weights.h5",
+        ]
         # Each of 2 ranks read half of the table (whole: 1.0 or more).
         assert out["load_peak_fraction"] < 0.75, out["load_peak_fraction"]
     assert "must be called on every rank" in loaded[0]["lone_error"]

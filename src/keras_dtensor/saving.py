@@ -58,14 +58,13 @@ def _remove_leftovers(directory, name):
 
 
 def _move_into_place(staging, name, directory):
-    """Every file Keras wrote in `staging` into `directory`, `name` last
-    (a sharded save's `.json` lists the shard files: they land first)."""
-    for entry in sorted(os.listdir(staging)):
-        if entry != name:
-            os.replace(
-                os.path.join(staging, entry), os.path.join(directory, entry)
-            )
-    os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    """Every file Keras wrote in `staging` into `directory`, the target
+    last (a sharded save's `.json` lists its shard files: they land first;
+    Keras renames a sharded `.weights.h5` target to `.weights.json`)."""
+    entries = os.listdir(staging)
+    last = [e for e in entries if e == name or e.endswith(".json")]
+    for entry in sorted(set(entries) - set(last)) + sorted(last):
+        os.replace(os.path.join(staging, entry), os.path.join(directory, entry))
 
 
 def _share_failure(problem):
