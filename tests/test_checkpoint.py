@@ -247,29 +247,28 @@ def _load(directory):
             layer = keras.layers.Embedding(40_000, 32, name="table")
             return keras.Model(tokens, layer(tokens))
 
-        path = os.path.join(directory, "table.weights.h5")
         saved = table()
-        saved.save_weights(path)
-        fresh = table()
-        tracemalloc.start()
-        fresh.load_weights(path)
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        out["load_peak_fraction"] = peak / (40_000 * 32 * 4)
-        out["table_loaded"] = bool(
-            np.array_equal(fresh.get_weights()[0], saved.get_weights()[0])
+
+        def load(name, **save_kwargs):
+            """(peak numpy bytes of the load / the table, values equal)."""
+            path = os.path.join(directory, name)
+            saved.save_weights(path, **save_kwargs)
+            fresh = table()
+            tracemalloc.start()
+            fresh.load_weights(path)
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            same = np.array_equal(
+                fresh.get_weights()[0], saved.get_weights()[0]
+            )
+            return peak / (40_000 * 32 * 4), bool(same)
+
+        out["load_peak_fraction"], out["table_loaded"] = load(
+            "table.weights.h5"
         )
         # The same from Keras's sharded format (`max_shard_size`, GB).
-        path = os.path.join(directory, "table.weights.json")
-        saved.save_weights(path, max_shard_size=0.01)
-        fresh = table()
-        tracemalloc.start()
-        fresh.load_weights(path)
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        out["json_load_peak_fraction"] = peak / (40_000 * 32 * 4)
-        out["json_table_loaded"] = bool(
-            np.array_equal(fresh.get_weights()[0], saved.get_weights()[0])
+        out["json_load_peak_fraction"], out["json_table_loaded"] = load(
+            "table.weights.json", max_shard_size=0.01
         )
         # Keras renames a sharded `.weights.h5` target to `.weights.json`.
         saved.save_weights(

@@ -182,6 +182,7 @@ def _features():
     _, reference = models.train(keras, "mlp", "adam", jit_compile=True)
     _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
     out["jit"] = models.max_diff(reference, got)
+    out["jit_fallback"] = _jit_fallback(keras, tp())
 
     # A dimension not divisible by its mesh axis: uneven (torch.chunk) shards.
     uneven = {
@@ -418,6 +419,54 @@ def _fsdp_local(keras, world):
     return out
 
 
+def _jit_fallback(keras, distribution):
+    """jit_compile=True on a model whose compiled forward torch cannot run
+    over DTensors (a view of a piece's input returned across a graph
+    break: AOTAutograd rebuilds it with as_strided, which DTensor
+    refuses; Keras's MultiHeadAttention does this): the warning, and the
+    numbers against one eager process."""
+    import warnings
+
+    import torch
+
+    class ViewAcrossBreak(keras.layers.Layer):
+        def call(self, x):
+            h = keras.ops.relu(x)
+            torch._dynamo.graph_break()
+            return h[:, :4]
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+
+    def run(distribution):
+        keras.utils.set_random_seed(4)
+        with distribution.scope() if distribution else _null():
+            inputs = keras.Input((8,))
+            h = keras.layers.Dense(8, name="up")(inputs)
+            h = ViewAcrossBreak()(h)
+            outputs = keras.layers.Dense(4, name="down")(h)
+            model = keras.Model(inputs, outputs)
+            model.compile(
+                optimizer="adam", loss="mse", jit_compile=bool(distribution)
+            )
+            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+            return history.history["loss"], model.get_weights()
+
+    reference = run(None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(distribution)
+    diff = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(
+            [reference[0], *reference[1]], [got[0], *got[1]], strict=True
+        )
+    )
+    messages = [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    return diff, messages
+
+
 def _train_created(keras, distribution):
     class Offset(keras.layers.Layer):
         def call(self, x):
@@ -474,6 +523,13 @@ def test_training_api_relayout_jit_uneven_callbacks():
     for out in run_ranks(_features, 2):
         assert out["relayout"] <= TOLERANCE
         assert out["jit"] <= TOLERANCE
+        diff, messages = out["jit_fallback"]
+        assert diff <= TOLERANCE, diff
+        if out["rank"] == 0:
+            assert len(messages) == 1, messages
+            assert "as_strided not supported with DTensor" in messages[0]
+        else:
+            assert messages == []  # warnings from rank 0 only
         assert out["uneven"] <= TOLERANCE
         # 3 kernels gathered by one all-gather, their gradients scattered
         # by one reduce-scatter; the loss and one bucket of bias gradients

@@ -13,9 +13,21 @@ forward (`torch.compile(model.call, dynamic=False)`): the graph has one
 differentiable output, its tangent is the DTensor gradient of the loss,
 and each batch shape compiles once. Loss, backward, optimizer and metrics
 run eagerly on DTensors.
+
+Where torch cannot run a compiled forward over DTensors, the model runs
+eagerly instead of failing `fit`, with a warning naming the error (rank 0).
+Measured: Keras's `MultiHeadAttention` breaks the graph several times and
+one piece returns a view of its input, which AOTAutograd rebuilds with
+`as_strided`, an op DTensor refuses. The first call of each input
+signature is the trial: the model's non-trainable state (seeds, running
+statistics) is restored before the eager rerun, so the numbers are those
+of an eager step.
 """
 
+import warnings
+
 import torch
+import torch.distributed as dist
 
 from keras_dtensor import context
 from keras_dtensor import instance_patches
@@ -23,14 +35,69 @@ from keras_dtensor import instance_patches
 __all__ = ["wrap_should_torch_compile"]
 
 
+def _signature(args, kwargs):
+    from keras.src import tree
+
+    key = []
+    for x in tree.flatten((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype))
+        else:
+            key.append(x if isinstance(x, (bool, int, float, str)) else 0)
+    return tuple(key)
+
+
+def _brief(error):
+    """The error's message on one line, without Keras's ANSI bold."""
+    text = str(error)
+    for code in ("\x1b[1m", "\x1b[0m"):
+        text = text.replace(code, "")
+    return " ".join(text.split())[:300]
+
+
+class _Forward:
+    """A model's compiled forward, eager from the first failure."""
+
+    def __init__(self, model):
+        self._name = model.name
+        self._state = lambda: model.non_trainable_variables
+        self._eager = model.call
+        self._compiled = torch.compile(model.call, dynamic=False)
+        self._tried = set()
+        self.error = None
+
+    def __call__(self, *args, **kwargs):
+        if self.error is not None:
+            return self._eager(*args, **kwargs)
+        key = _signature(args, kwargs)
+        if key in self._tried:
+            return self._compiled(*args, **kwargs)
+        saved = [(v, v.value.detach().clone()) for v in self._state()]
+        try:
+            outputs = self._compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the eager rerun re-raises
+            self.error = e
+            with torch.no_grad():
+                for variable, value in saved:
+                    variable.value.copy_(value)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                warnings.warn(
+                    f"jit_compile=True: torch.compile could not run the "
+                    f"forward of model {self._name!r} over DTensors "
+                    f"({type(e).__name__}: {_brief(e)}); it runs eagerly.",
+                    stacklevel=2,
+                )
+            return self._eager(*args, **kwargs)
+        self._tried.add(key)
+        return outputs
+
+
 def _compile_forward(model):
     if instance_patches.get_on(model, "call") is not None:
         return
     # An instance attribute shadows the class's `call` for this model only
     # (`uninstall()` removes it).
-    instance_patches.set_on(
-        model, "call", torch.compile(model.call, dynamic=False)
-    )
+    instance_patches.set_on(model, "call", _Forward(model))
 
 
 def wrap_should_torch_compile(original):
