@@ -49,7 +49,8 @@ def _remove_leftovers(directory, name):
     """Rank 0's staging directories of this target left by a killed save
     (and the temporary files of earlier versions)."""
     pattern = os.path.join(glob.escape(directory), f".{'[0-9a-f]' * 32}.")
-    for path in glob.glob(pattern + glob.escape(name) + "*"):
+    pattern += glob.escape(name)
+    for path in glob.glob(pattern) + glob.glob(pattern + ".d"):
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
