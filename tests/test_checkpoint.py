@@ -173,6 +173,9 @@ def _save(directory):
     if dist.get_rank() == 0:  # what a save killed mid-write leaves behind
         leftover = os.path.join(directory, f".{'0' * 32}.mlp.weights.h5")
         open(leftover, "wb").close()
+        staging = os.path.join(directory, f".{'1' * 32}.mlp.keras.d")
+        os.mkdir(staging)
+        open(os.path.join(staging, "mlp.keras"), "wb").close()
     with distribution.scope():
         model.save_weights(os.path.join(directory, "mlp.weights.h5"))
         model.save(os.path.join(directory, "mlp.keras"))
