@@ -178,11 +178,27 @@ def _features():
     )
     out["relayout"] = models.max_diff(reference, got)
 
-    # jit_compile=True: a compiled forward on sharded weights.
+    # jit_compile=True: eager by default (a warning), a compiled forward on
+    # sharded weights with KERAS_DTENSOR_JIT=1.
+    import os
+    import warnings
+
     _, reference = models.train(keras, "mlp", "adam", jit_compile=True)
-    _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
-    out["jit"] = models.max_diff(reference, got)
-    out["jit_fallback"] = _jit_fallback(keras, tp())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
+    out["jit_default"] = models.max_diff(reference, got)
+    messages = [str(w.message) for w in caught]
+    out["jit_default_warnings"] = [
+        m for m in messages if "KERAS_DTENSOR_JIT=1" in m
+    ]
+    os.environ["KERAS_DTENSOR_JIT"] = "1"
+    try:
+        _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
+        out["jit"] = models.max_diff(reference, got)
+        out["jit_fallback"] = _jit_fallback(keras, tp())
+    finally:
+        del os.environ["KERAS_DTENSOR_JIT"]
 
     # A dimension not divisible by its mesh axis: uneven (torch.chunk) shards.
     uneven = {
@@ -523,6 +539,8 @@ def test_training_api_relayout_jit_uneven_callbacks():
     for out in run_ranks(_features, 2):
         assert out["relayout"] <= TOLERANCE
         assert out["jit"] <= TOLERANCE
+        assert out["jit_default"] <= TOLERANCE
+        assert len(out["jit_default_warnings"]) == (out["rank"] == 0)
         diff, messages = out["jit_fallback"]
         assert diff <= TOLERANCE, diff
         if out["rank"] == 0:

@@ -151,6 +151,15 @@ VARIABLES = (
         "plain tensors, its weights gathered once per step",
     ),
     Variable(
+        "JIT",
+        _flag,
+        False,
+        "1/0, true/false, yes/no, on/off",
+        "ModelParallel: jit_compile=True compiles the model's forward; off, "
+        "it runs eagerly with a warning (compiled forwards over DTensors "
+        "trained wrong numbers in cases found: README, Limitations)",
+    ),
+    Variable(
         "SPLIT_UPDATE",
         _flag,
         True,

@@ -14,6 +14,14 @@ differentiable output, its tangent is the DTensor gradient of the loss,
 and each batch shape compiles once. Loss, backward, optimizer and metrics
 run eagerly on DTensors.
 
+Off by default (`KERAS_DTENSOR_JIT=1` turns it on): found late, a
+compiled forward over DTensors trained different numbers from eager, with
+no error, when a layer between a column- and a row-parallel Dense breaks
+the graph inside its call, and for the same model traced whole
+(`fullgraph=True`) (`tests/test_jit_known_issue.py`). Until that is
+understood, `jit_compile=True` under ModelParallel runs eagerly with a
+warning.
+
 Where torch cannot run a compiled forward over DTensors, the model runs
 eagerly instead of failing `fit`, with a warning naming the error (rank 0).
 Measured: Keras's `MultiHeadAttention` breaks the graph several times and
@@ -29,10 +37,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor import instance_patches
 
 __all__ = ["wrap_should_torch_compile"]
+
+_WARNED = "_keras_dtensor_jit_warned"
 
 
 def _signature(args, kwargs):
@@ -100,6 +111,20 @@ def _compile_forward(model):
     instance_patches.set_on(model, "call", _Forward(model))
 
 
+def _warn_eager(model):
+    if model.__dict__.get(_WARNED):
+        return
+    model.__dict__[_WARNED] = True
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(
+            f"jit_compile=True under ModelParallel: model {model.name!r} "
+            "runs eagerly (the same numbers). Compiled forwards over "
+            "DTensors trained different numbers from eager in cases found "
+            "(README, Limitations); KERAS_DTENSOR_JIT=1 compiles anyway.",
+            stacklevel=3,
+        )
+
+
 def wrap_should_torch_compile(original):
     """Wraps `TorchTrainer._should_torch_compile` (see module docstring)."""
 
@@ -109,7 +134,10 @@ def wrap_should_torch_compile(original):
         distribution = context.active()
         if distribution is None or context.is_data_parallel(distribution):
             return True  # plain tensors: Keras's own whole-step compile
-        _compile_forward(self)
+        if config.get("JIT"):
+            _compile_forward(self)
+        else:
+            _warn_eager(self)
         return False
 
     return _should_torch_compile
