@@ -19,7 +19,7 @@ import torch.distributed as dist
 from keras_dtensor import config
 from keras_dtensor.launch import multi_process
 
-__all__ = ["wrap_configure_async_dispatch", "wrap_print_msg"]
+__all__ = ["silent", "wrap_configure_async_dispatch", "wrap_print_msg"]
 
 
 def wrap_configure_async_dispatch(original):
@@ -35,7 +35,9 @@ def wrap_configure_async_dispatch(original):
     return _configure_async_dispatch
 
 
-def _silent():
+def silent():
+    """Whether this rank keeps quiet (all but rank 0, unless
+    `KERAS_DTENSOR_LOG_ALL_RANKS=1`)."""
     return (
         multi_process()
         and dist.get_rank() != 0
@@ -47,7 +49,7 @@ def wrap_print_msg(original):
     """Wraps `io_utils.print_msg`: a no-op on ranks other than 0."""
 
     def _print_msg(message, line_break=True):
-        if _silent():
+        if silent():
             return None
         return original(message, line_break=line_break)
 

@@ -35,8 +35,8 @@ of an eager step.
 import warnings
 
 import torch
-import torch.distributed as dist
 
+from keras_dtensor import callbacks
 from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor import instance_patches
@@ -56,6 +56,12 @@ def _signature(args, kwargs):
         else:
             key.append(x if isinstance(x, (bool, int, float, str)) else 0)
     return tuple(key)
+
+
+def _warn(message):
+    """A warning from rank 0 only (as the package's logs)."""
+    if not callbacks.silent():
+        warnings.warn(message, stacklevel=3)
 
 
 def _brief(error):
@@ -91,13 +97,11 @@ class _Forward:
             with torch.no_grad():
                 for variable, value in saved:
                     variable.value.copy_(value)
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                warnings.warn(
-                    f"jit_compile=True: torch.compile could not run the "
-                    f"forward of model {self._name!r} over DTensors "
-                    f"({type(e).__name__}: {_brief(e)}); it runs eagerly.",
-                    stacklevel=2,
-                )
+            _warn(
+                f"jit_compile=True: torch.compile could not run the "
+                f"forward of model {self._name!r} over DTensors "
+                f"({type(e).__name__}: {_brief(e)}); it runs eagerly."
+            )
             return self._eager(*args, **kwargs)
         self._tried.add(key)
         return outputs
@@ -115,14 +119,12 @@ def _warn_eager(model):
     if model.__dict__.get(_WARNED):
         return
     model.__dict__[_WARNED] = True
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        warnings.warn(
-            f"jit_compile=True under ModelParallel: model {model.name!r} "
-            "runs eagerly (the same numbers). Compiled forwards over "
-            "DTensors trained different numbers from eager in cases found "
-            "(README, Limitations); KERAS_DTENSOR_JIT=1 compiles anyway.",
-            stacklevel=3,
-        )
+    _warn(
+        f"jit_compile=True under ModelParallel: model {model.name!r} "
+        "runs eagerly (the same numbers). Compiled forwards over "
+        "DTensors trained different numbers from eager in cases found "
+        "(README, Limitations); KERAS_DTENSOR_JIT=1 compiles anyway."
+    )
 
 
 def wrap_should_torch_compile(original):

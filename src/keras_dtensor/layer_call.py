@@ -117,11 +117,12 @@ def wrap_call(original):
             return original(self, *args, **kwargs)
         from keras.src import tree
 
-        if _in_layer_call() and torch.compiler.is_compiling():
+        nested = _in_layer_call()
+        if nested and torch.compiler.is_compiling():
             # No context manager around a traced call: Keras's own graph
             # breaks inside it would force a recompile per layer.
             outputs = original(self, *args, **kwargs)
-        elif _in_layer_call():
+        elif nested:
             with gathered_weights(self, distribution):
                 outputs = original(self, *args, **kwargs)
         else:

@@ -18,8 +18,6 @@ shards:
 import contextvars
 import functools
 
-import ml_dtypes  # a Keras dependency
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -57,10 +55,7 @@ class Deferred:
         self.dtensor = dtensor
         self.shape = tuple(dtensor.shape)
         self.ndim = len(self.shape)
-        if dtensor.dtype == torch.bfloat16:
-            self.dtype = np.dtype(ml_dtypes.bfloat16)
-        else:
-            self.dtype = torch.empty(0, dtype=dtensor.dtype).numpy().dtype
+        self.dtype = stream_save.numpy_dtype(dtensor.dtype)
 
 
 _DEFER = contextvars.ContextVar("keras_dtensor_defer_numpy", default=False)

@@ -43,6 +43,7 @@ from keras_dtensor.sharded_init import local_slices
 __all__ = [
     "active",
     "current",
+    "numpy_dtype",
     "pieces",
     "scope",
     "shard_owners",
@@ -204,7 +205,8 @@ def _overlap(block, ranges):
     return tuple(in_block), tuple(in_shard)
 
 
-def _numpy_dtype(dtype):
+def numpy_dtype(dtype):
+    """The numpy dtype Keras stores a torch `dtype` as (bfloat16 too)."""
     if dtype == torch.bfloat16:
         return np.dtype(ml_dtypes.bfloat16)
     return torch.empty((), dtype=dtype).numpy().dtype
@@ -308,7 +310,7 @@ def streamable(dtensor):
 def _create(store, key, value):
     if not store._h5_entry_initialized:
         store._create_h5_group(store._h5_entry_path)
-    dtype = _numpy_dtype(value.dtype)
+    dtype = numpy_dtype(value.dtype)
     dataset = store._h5_entry_group.create_dataset(
         key, shape=tuple(value.shape), dtype=dtype
     )
