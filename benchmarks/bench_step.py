@@ -57,8 +57,7 @@ VARIANTS = {
     "kd_mp": 2,
     "torch_fsdp2": 2,
     "kd_fsdp": 2,
-    # jit_compile=True (a compiled forward under ModelParallel, opted in
-    # with KERAS_DTENSOR_JIT=1).
+    # jit_compile=True (a compiled forward under ModelParallel).
     "keras_single_jit": 1,
     "kd_mp_jit": 2,
 }
@@ -350,8 +349,6 @@ def _run_keras(variant, model_name, steps, warmup):
 
     jit_compile = variant.endswith("_jit")
     variant = variant.removesuffix("_jit")
-    if jit_compile:  # under ModelParallel compiling is opt-in (README)
-        os.environ["KERAS_DTENSOR_JIT"] = "1"
 
     cfg = _config(variant, model_name)
     if not variant.startswith("keras_single"):

@@ -154,8 +154,11 @@ def test_parity_4_processes():
     _check(run_ranks(_parity_cases, 4, CASES_4, timeout=400), 4, CASES_4)
 
 
-def _features():
-    """Training API details under ModelParallel, each against plain Keras."""
+def _features(cache):
+    """Training API details under ModelParallel, each against plain Keras.
+
+    `cache`: an empty directory for torch's compile caches, shared by the
+    ranks (as the default one is, by the processes of a machine)."""
     import keras
     import models
     import torch
@@ -178,27 +181,26 @@ def _features():
     )
     out["relayout"] = models.max_diff(reference, got)
 
-    # jit_compile=True: eager by default (a warning), a compiled forward on
-    # sharded weights with KERAS_DTENSOR_JIT=1.
+    # jit_compile=True: a compiled forward on sharded weights; with
+    # KERAS_DTENSOR_JIT=0 the model runs eagerly (nothing compiled).
     import os
-    import warnings
+
+    from keras_dtensor import instance_patches
 
     _, reference = models.train(keras, "mlp", "adam", jit_compile=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
-    out["jit_default"] = models.max_diff(reference, got)
-    messages = [str(w.message) for w in caught]
-    out["jit_default_warnings"] = [
-        m for m in messages if "KERAS_DTENSOR_JIT=1" in m
-    ]
-    os.environ["KERAS_DTENSOR_JIT"] = "1"
+    _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
+    out["jit"] = models.max_diff(reference, got)
+    os.environ["KERAS_DTENSOR_JIT"] = "0"
     try:
-        _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
-        out["jit"] = models.max_diff(reference, got)
-        out["jit_fallback"] = _jit_fallback(keras, tp())
+        model, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
+        out["jit_off"] = models.max_diff(reference, got)
+        out["jit_off_compiled"] = (
+            instance_patches.get_on(model, "call") is not None
+        )
     finally:
         del os.environ["KERAS_DTENSOR_JIT"]
+    out["jit_fallback"] = _jit_fallback(keras, tp())
+    out["jit_warm_cache"] = _jit_warm_cache(keras, tp(), cache)
 
     # A dimension not divisible by its mesh axis: uneven (torch.chunk) shards.
     uneven = {
@@ -435,6 +437,42 @@ def _fsdp_local(keras, world):
     return out
 
 
+def _break_model(keras, distribution, piece, epochs=2):
+    """Dense(8) -> `piece(relu(x))` after a graph break -> Dense(4), fit
+    with `jit_compile=True` under `distribution`, eagerly without one:
+    its losses and weights."""
+    import torch
+
+    class AcrossBreak(keras.layers.Layer):
+        def call(self, x):
+            h = keras.ops.relu(x)
+            torch._dynamo.graph_break()
+            return piece(h)
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    keras.utils.set_random_seed(4)
+    with distribution.scope() if distribution else _null():
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(8, name="up")(inputs)
+        h = AcrossBreak()(h)
+        outputs = keras.layers.Dense(4, name="down")(h)
+        model = keras.Model(inputs, outputs)
+        model.compile(
+            optimizer="adam", loss="mse", jit_compile=bool(distribution)
+        )
+        history = model.fit(x, y, batch_size=8, epochs=epochs, verbose=0)
+        return [history.history["loss"], *model.get_weights()]
+
+
+def _max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
 def _jit_fallback(keras, distribution):
     """jit_compile=True on a model whose compiled forward torch cannot run
     over DTensors (a view of a piece's input returned across a graph
@@ -443,44 +481,42 @@ def _jit_fallback(keras, distribution):
     numbers against one eager process."""
     import warnings
 
-    import torch
+    def view(h):
+        return h[:, :4]
 
-    class ViewAcrossBreak(keras.layers.Layer):
-        def call(self, x):
-            h = keras.ops.relu(x)
-            torch._dynamo.graph_break()
-            return h[:, :4]
-
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(16, 8)).astype("float32")
-    y = rng.normal(size=(16, 4)).astype("float32")
-
-    def run(distribution):
-        keras.utils.set_random_seed(4)
-        with distribution.scope() if distribution else _null():
-            inputs = keras.Input((8,))
-            h = keras.layers.Dense(8, name="up")(inputs)
-            h = ViewAcrossBreak()(h)
-            outputs = keras.layers.Dense(4, name="down")(h)
-            model = keras.Model(inputs, outputs)
-            model.compile(
-                optimizer="adam", loss="mse", jit_compile=bool(distribution)
-            )
-            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
-            return history.history["loss"], model.get_weights()
-
-    reference = run(None)
+    reference = _break_model(keras, None, view)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = run(distribution)
-    diff = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(
-            [reference[0], *reference[1]], [got[0], *got[1]], strict=True
-        )
-    )
+        got = _break_model(keras, distribution, view)
     messages = [str(w.message) for w in caught if "eagerly" in str(w.message)]
-    return diff, messages
+    return _max_diff(reference, got), messages
+
+
+def _jit_warm_cache(keras, distribution, cache):
+    """A compiled forward loaded from torch's on-disk cache, which the
+    ranks share: a cold compile, then (in-memory state reset) a warm one,
+    each against one eager process. Without the rank in DTensor's cache
+    key the warm run loaded another rank's program (loss off by 0.11)."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    def same(h):
+        return h
+
+    reference = _break_model(keras, None, same)
+    diffs = []
+    with (
+        temporary_cache_dir(cache),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+        torch._inductor.config.patch(fx_graph_cache=True),
+    ):
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.distributed.barrier()  # every rank's entries written
+            diffs.append(
+                _max_diff(reference, _break_model(keras, distribution, same))
+            )
+    return diffs
 
 
 def _train_created(keras, distribution):
@@ -535,12 +571,13 @@ def _train_fit(keras, models, distribution, callbacks, fit_kwargs):
     return model, {"history": history.history, "weights": weights}
 
 
-def test_training_api_relayout_jit_uneven_callbacks():
-    for out in run_ranks(_features, 2):
+def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
+    for out in run_ranks(_features, 2, str(tmp_path)):
         assert out["relayout"] <= TOLERANCE
         assert out["jit"] <= TOLERANCE
-        assert out["jit_default"] <= TOLERANCE
-        assert len(out["jit_default_warnings"]) == (out["rank"] == 0)
+        assert out["jit_off"] <= TOLERANCE
+        assert not out["jit_off_compiled"]
+        assert max(out["jit_warm_cache"]) <= TOLERANCE, out["jit_warm_cache"]
         diff, messages = out["jit_fallback"]
         assert diff <= TOLERANCE, diff
         if out["rank"] == 0:

@@ -153,11 +153,10 @@ VARIABLES = (
     Variable(
         "JIT",
         _flag,
-        False,
+        True,
         "1/0, true/false, yes/no, on/off",
-        "ModelParallel: jit_compile=True compiles the model's forward; off, "
-        "it runs eagerly with a warning (compiled forwards over DTensors "
-        "trained wrong numbers in cases found: README, Limitations)",
+        "ModelParallel: jit_compile=True compiles the model's forward; "
+        "off, the model runs eagerly",
     ),
     Variable(
         "SPLIT_UPDATE",

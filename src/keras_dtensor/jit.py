@@ -14,13 +14,11 @@ differentiable output, its tangent is the DTensor gradient of the loss,
 and each batch shape compiles once. Loss, backward, optimizer and metrics
 run eagerly on DTensors.
 
-Off by default (`KERAS_DTENSOR_JIT=1` turns it on): found late, a
-compiled forward over DTensors trained different numbers from eager, with
-no error, when a layer between a column- and a row-parallel Dense breaks
-the graph inside its call, and for the same model traced whole
-(`fullgraph=True`) (`tests/test_jit_known_issue.py`). Until that is
-understood, `jit_compile=True` under ModelParallel runs eagerly with a
-warning.
+torch's on-disk compile cache keys a DTensor the same on every rank, and
+the ranks of a machine share that cache: a warm run could load a program
+another rank compiled and train different numbers with no error. The key
+names the rank (`wrap_stable_hash_for_caching`). `KERAS_DTENSOR_JIT=0`
+runs the model eagerly instead.
 
 Where torch cannot run a compiled forward over DTensors, the model runs
 eagerly instead of failing `fit`, with a warning naming the error (rank 0).
@@ -32,6 +30,7 @@ statistics) is restored before the eager rerun, so the numbers are those
 of an eager step.
 """
 
+import hashlib
 import warnings
 
 import torch
@@ -41,9 +40,7 @@ from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor import instance_patches
 
-__all__ = ["wrap_should_torch_compile"]
-
-_WARNED = "_keras_dtensor_jit_warned"
+__all__ = ["wrap_should_torch_compile", "wrap_stable_hash_for_caching"]
 
 
 def _signature(args, kwargs):
@@ -115,18 +112,6 @@ def _compile_forward(model):
     instance_patches.set_on(model, "call", _Forward(model))
 
 
-def _warn_eager(model):
-    if model.__dict__.get(_WARNED):
-        return
-    model.__dict__[_WARNED] = True
-    _warn(
-        f"jit_compile=True under ModelParallel: model {model.name!r} "
-        "runs eagerly (the same numbers). Compiled forwards over "
-        "DTensors trained different numbers from eager in cases found "
-        "(README, Limitations); KERAS_DTENSOR_JIT=1 compiles anyway."
-    )
-
-
 def wrap_should_torch_compile(original):
     """Wraps `TorchTrainer._should_torch_compile` (see module docstring)."""
 
@@ -138,8 +123,29 @@ def wrap_should_torch_compile(original):
             return True  # plain tensors: Keras's own whole-step compile
         if config.get("JIT"):
             _compile_forward(self)
-        else:
-            _warn_eager(self)
         return False
 
     return _should_torch_compile
+
+
+def wrap_stable_hash_for_caching(original):
+    """Wraps `DTensor._stable_hash_for_caching`: the key of a DTensor in
+    torch's on-disk AOTAutograd cache, which torch 2.13 derives from the
+    DTensor's spec alone (mesh, placements, global shape), the same on
+    every rank (pytorch/pytorch#188390; 2.14 adds the local device, the
+    same for every rank on CPU). The cache directory is shared by the
+    processes of a machine, so a rank could load the program another rank
+    compiled: measured, a warm run trained different numbers from eager
+    with no error (`test_model_parallel.py`, "jit_warm_cache"). The key
+    also names this process's rank: each rank finds its own entries, and
+    again in the next run."""
+
+    def _stable_hash_for_caching(self):
+        key = original(self)
+        if not torch.distributed.is_initialized():
+            return key
+        rank = torch.distributed.get_rank()
+        salted = f"{key}|rank {rank}|{self._local_tensor.device}"
+        return hashlib.blake2b(salted.encode(), digest_size=16).hexdigest()
+
+    return _stable_hash_for_caching

@@ -455,6 +455,17 @@ PATCHES = (
         versions=str(SUPPORTED_TORCH),
     ),
     Patch(
+        "torch.distributed.tensor",
+        "DTensor._stable_hash_for_caching",
+        "torch keys a DTensor in its on-disk compile cache (AOTAutograd) "
+        "by the spec alone, the same on every rank; ranks of one machine "
+        "share the cache, and a warm run loaded another rank's compiled "
+        "forward: different numbers, no error. The key names the rank.",
+        jit.wrap_stable_hash_for_caching,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
         "torch.distributed.tensor._redistribute",
         "_redistribute_backward",
         "A vocabulary-sharded embedding's masked partial output meets a "
