@@ -41,6 +41,14 @@ speed drifts by more than the margins checked). Printed: ms/step min /
 median / max over rounds, and the per-round ratios' min / median / max.
 Targets (issue #18): `kd` <= 1.03 x plain, `kd_dp1` and `kd_mp1` <= 1.05 x.
 
+`hooks` mode (`python benchmarks/bench_no_dist.py hooks`): what the
+hooks cost per step, without the process-to-process noise of the A/B
+above. One process per model imports keras_dtensor, then alternates
+blocks of `--steps` `train_on_batch` and `predict_on_batch` calls with
+the hooks installed and uninstalled (`keras_dtensor.uninstall()`),
+`--rounds` pairs, in alternating order; printed: the median ms per call
+of each side and the median of the paired ratios.
+
 Import time, fresh `python -c` processes, alternating, wall and CPU
 seconds: `import keras`, `import keras_dtensor` and `import keras; import
 torch.distributed.tensor` (against `import keras`), `import torch; import
@@ -170,6 +178,78 @@ def _run(variant, model_name, steps, warmup, methods):
     kinds = {type(v.value).__name__ for v in model.trainable_variables}
     result["variable_types"] = sorted(kinds)
     return result
+
+
+def _hooks_one(model_name, steps, pairs):
+    import keras
+    import numpy as np
+
+    import keras_dtensor
+
+    keras.utils.set_random_seed(0)
+    cfg = MODELS[model_name]
+    model = _keras_model(keras, model_name, cfg)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    shape = (cfg["batch"], *model.input_shape[1:])
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+
+    def block(call):
+        start = time.perf_counter()
+        for _ in range(steps):
+            call()
+        return 1000 * (time.perf_counter() - start) / steps
+
+    calls = {
+        "train_on_batch": lambda: model.train_on_batch(x, x),
+        "predict_on_batch": lambda: model.predict_on_batch(x),
+    }
+    for call in calls.values():
+        block(call)  # warm up (and build the train function)
+    times = {(m, side): [] for m in calls for side in ("on", "off")}
+    for pair in range(pairs):
+        order = ("on", "off") if pair % 2 == 0 else ("off", "on")
+        for side in order:
+            if side == "on":
+                keras_dtensor.install()
+            else:
+                keras_dtensor.uninstall()
+            for method, call in calls.items():
+                times[(method, side)].append(block(call))
+    keras_dtensor.install()
+    return {
+        method: {
+            "on": statistics.median(times[(method, "on")]),
+            "off": statistics.median(times[(method, "off")]),
+            "ratio": statistics.median(
+                a / b
+                for a, b in zip(
+                    times[(method, "on")], times[(method, "off")], strict=True
+                )
+            ),
+        }
+        for method in calls
+    }
+
+
+def hooks(args):
+    """The `hooks` mode (see the module docstring), in this process."""
+    import torch
+
+    torch.set_num_threads(1)
+    lines = [
+        "| model | method | hooks on ms | uninstalled ms | on / off "
+        "(median of paired blocks) |",
+        "|---|---|---|---|---|",
+    ]
+    for model_name in args.models.split(","):
+        result = _hooks_one(model_name, args.steps, args.rounds)
+        for method, r in result.items():
+            lines.append(
+                f"| {model_name} | {method} | {r['on']:.3f} | {r['off']:.3f} "
+                f"| {r['ratio']:.3f} |"
+            )
+    print("\n".join(lines))
+    return 0
 
 
 def worker(args):
@@ -373,7 +453,10 @@ def _report(raw, variants, methods, imports):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "mode", nargs="?", default="bench", choices=["bench", "worker"]
+        "mode",
+        nargs="?",
+        default="bench",
+        choices=["bench", "worker", "hooks"],
     )
     parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--model", choices=sorted(MODELS))
@@ -405,6 +488,8 @@ def main(argv=None):
     MODELS["mlp"]["width"] = args.mlp_width
     if args.mode == "worker":
         return worker(args)
+    if args.mode == "hooks":
+        return hooks(args)
 
     models = args.models.split(",")
     methods = [m for m in METHODS if m in args.methods.split(",")]
