@@ -82,7 +82,7 @@ def test_the_backend_imports_nothing_above_it():
 
 
 # The one table of replacements is data: one row per hook, kept whole.
-LIMITS = {"keras_dtensor.patches": 550}
+LIMITS = {"keras_dtensor.patches": 600}
 
 
 def test_modules_stay_small():
