@@ -437,7 +437,7 @@ def _fsdp_local(keras, world):
     return out
 
 
-def _break_model(keras, distribution, piece, epochs=2):
+def _break_model(keras, distribution, piece):
     """Dense(8) -> `piece(relu(x))` after a graph break -> Dense(4), fit
     with `jit_compile=True` under `distribution`, eagerly without one:
     its losses and weights."""
@@ -462,7 +462,7 @@ def _break_model(keras, distribution, piece, epochs=2):
         model.compile(
             optimizer="adam", loss="mse", jit_compile=bool(distribution)
         )
-        history = model.fit(x, y, batch_size=8, epochs=epochs, verbose=0)
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
         return [history.history["loss"], *model.get_weights()]
 
 
