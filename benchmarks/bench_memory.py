@@ -2,6 +2,7 @@
 
     python benchmarks/bench_memory.py                 # models a, b, c; 4 ranks
     python benchmarks/bench_memory.py --models a --json out.json
+    python benchmarks/bench_memory.py --models c --reference  # + one process
 
 Each side of each model runs in a fresh `torch.distributed.run` group of
 `--nproc` processes (one thread each) launched by this script, so neither
@@ -29,6 +30,12 @@ variables created shard-only), `fit`, `save_weights` to `.weights.h5` and
 compiled model's `.weights.h5` holds the optimizer's variables too: both
 sides write weights and Adam's slots; the bytes written and the optimizer
 step found after the load are reported).
+
+`--reference` also runs each side as one plain process (torch without
+`parallelize_module`, Keras without a distribution or keras-dtensor) on
+the same model and batch: how much memory Keras's own step takes over
+torch's, the reference for keras-dtensor over TP (as the step-time
+targets divide by Keras single over torch single).
 
 Per rank, from `/proc/self/status`, in MiB above a baseline taken after
 imports and the process group's start:
@@ -272,13 +279,15 @@ def _torch_plan(cfg, model):
 
 
 def _torch_build(cfg, mesh):
+    """The model (`mesh=None`: plain torch, one process) and its Adam."""
     import torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     with torch.device("meta"):
         model = _torch_model(cfg)
-    model = parallelize_module(model, mesh, _torch_plan(cfg, model))
+    if mesh is not None:
+        model = parallelize_module(model, mesh, _torch_plan(cfg, model))
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -308,7 +317,9 @@ def _run_native(cfg, args, workdir):
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = None
+    if not args.single:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     probe = _Probe()
 
     probe.start()
@@ -384,24 +395,16 @@ def _keras_model(keras, cfg):
 
 
 def _run_kd(cfg, args, workdir):
-    import keras_dtensor  # noqa: F401, I001
-    import keras
+    if args.single:  # the reference: plain Keras, one process
+        import torch.distributed as dist
 
-    keras.distribution.initialize()
-    world = keras.distribution.get_device_count()
-    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in _keras_layouts(cfg).items():
-        layout_map[key] = axes
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
-    keras.distribution.set_distribution(distribution)
-    # The prediction first, on `meta`, before the baseline (issue 13,
-    # item 4: within 10% of the steady memory measured below).
-    predicted = keras_dtensor.plan(
-        lambda: _keras_model(keras, cfg), distribution, optimizer="adam"
-    )
-    probe = _Probe()
-    probe.figures["plan"] = predicted.total_bytes_per_rank / _MIB
+        dist.init_process_group("gloo")  # for the probe's barriers only
+        import keras
+
+        probe = _Probe()
+    else:
+        probe = _plan_kd(cfg)
+        import keras
 
     def build():
         keras.utils.set_random_seed(0)
@@ -448,6 +451,30 @@ def _run_kd(cfg, args, workdir):
     return probe
 
 
+def _plan_kd(cfg):
+    """Sets the ModelParallel distribution; the probe, with the plan's
+    prediction."""
+    import keras_dtensor  # noqa: F401, I001
+    import keras
+
+    keras.distribution.initialize()
+    world = keras.distribution.get_device_count()
+    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in _keras_layouts(cfg).items():
+        layout_map[key] = axes
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+    keras.distribution.set_distribution(distribution)
+    # The prediction first, on `meta`, before the baseline (issue 13,
+    # item 4: within 10% of the steady memory measured below).
+    predicted = keras_dtensor.plan(
+        lambda: _keras_model(keras, cfg), distribution, optimizer="adam"
+    )
+    probe = _Probe()
+    probe.figures["plan"] = predicted.total_bytes_per_rank / _MIB
+    return probe
+
+
 # ----------------------------------------------------------------- driver
 def worker(args):
     # A torch-only environment: Keras's set_random_seed imports TensorFlow
@@ -470,7 +497,7 @@ def worker(args):
     return 0
 
 
-def _launch(side, model, args):
+def _launch(side, model, args, single=False):
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -490,7 +517,7 @@ def _launch(side, model, args):
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc_per_node={args.nproc}",
+        f"--nproc_per_node={1 if single else args.nproc}",
         os.path.abspath(__file__),
         "worker",
         f"--side={side}",
@@ -502,6 +529,8 @@ def _launch(side, model, args):
     ]
     if args.no_checkpoint:
         command.append("--no-checkpoint")
+    if single:
+        command.append("--single")
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not os.path.exists(result):
@@ -553,6 +582,26 @@ def _markdown(summary):
                     f"| {model} | kd {key.replace('_', ' ')} / plan | - | "
                     f"{measured / planned:.2f} | - |"
                 )
+    if summary.get("reference"):
+        lines += [
+            "",
+            "The reference: plain torch and plain Keras, one process, the "
+            "same model, optimizer and batch (no distribution):",
+            "",
+            "| model | figure (MiB above baseline) | torch single | "
+            "Keras single | Keras / torch | kd / TP (above) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for model, single in summary["reference"].items():
+            sides = summary["results"][model]
+            for key in ("fit_peak", "steady", "steady_trimmed"):
+                t, k = single["native"][0][key], single["kd"][0][key]
+                native = _worst(sides["native"], key)
+                kd = _worst(sides["kd"], key)
+                lines.append(
+                    f"| {model} | {dict(METRICS)[key]} | {t:.0f} | {k:.0f} | "
+                    f"{k / t:.2f} | {kd / native:.2f} |"
+                )
     lines.append("")
     lines.append(
         "Worst rank of each figure. Baseline RSS (after imports and the "
@@ -588,6 +637,14 @@ def main(argv=None):
         "dynamic default). A fixed threshold gives every allocation above "
         "it back to the OS when freed, so RSS follows live tensors.",
     )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also run plain torch and plain Keras in one process (no "
+        "distribution): Keras's own memory over torch's, the reference "
+        "for kd over TP",
+    )
+    parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=sorted(MODELS), help="(worker)")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -597,7 +654,7 @@ def main(argv=None):
         return worker(args)
 
     started = time.time()
-    results = {}
+    results, reference = {}, {}
     for model in args.models.split(","):
         if model not in MODELS:
             parser.error(f"unknown model {model!r}; choose from {list(MODELS)}")
@@ -605,8 +662,14 @@ def main(argv=None):
         for side in args.sides.split(","):
             results[model][side] = _launch(side, model, args)
             print(f"{model} {side}: done", file=sys.stderr, flush=True)
+            if args.reference:
+                reference.setdefault(model, {})[side] = _launch(
+                    side, model, args, single=True
+                )
+                print(f"{model} {side} single: done", file=sys.stderr)
     summary = {
         "results": results,
+        "reference": reference,
         "models": {m: MODELS[m] for m in results},
         "nproc": args.nproc,
         "batch": args.batch,
