@@ -199,6 +199,7 @@ def _features(cache):
         )
     finally:
         del os.environ["KERAS_DTENSOR_JIT"]
+    out["jit_attention"] = _jit_attention(keras, models, mesh)
     out["jit_fallback"] = _jit_fallback(keras, tp())
     out["jit_warm_cache"] = _jit_warm_cache(keras, tp(), cache)
 
@@ -473,17 +474,51 @@ def _max_diff(a, b):
     )
 
 
+def _jit_attention(keras, models, mesh):
+    """jit_compile=True on the transformer (Keras's MultiHeadAttention,
+    heads sharded): its compiled forward returns a transposed view across
+    a graph break, which torch 2.13 rebuilt with as_strided (DTensor
+    refuses it; the model fell back to eager). Now compiled throughout:
+    no fallback, the numbers of one eager process."""
+    import warnings
+
+    from keras_dtensor import instance_patches
+
+    _, reference = models.train(keras, "transformer", "adam")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=models.layout_map(
+            keras, mesh, models.TP_LAYOUTS["transformer"]
+        )
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, got = models.train(
+            keras, "transformer", "adam", distribution, jit_compile=True
+        )
+    forward = instance_patches.get_on(model, "call")
+    return {
+        "diff": models.max_diff(reference, got),
+        "compiled": forward is not None and forward.error is None,
+        "warnings": [str(w.message) for w in caught if "eagerly" in str(w)],
+    }
+
+
 def _jit_fallback(keras, distribution):
     """jit_compile=True on a model whose compiled forward torch cannot run
     over DTensors (a view of a piece's input returned across a graph
     break: AOTAutograd rebuilds it with as_strided, which DTensor
-    refuses; Keras's MultiHeadAttention does this): the warning, and the
-    numbers against one eager process."""
+    refuses; a slice is not a permutation): the warning, and the numbers
+    against one eager process."""
     import warnings
+
+    import torch
 
     def view(h):
         return h[:, :4]
 
+    # Earlier cases compiled the same code objects (Functional.call): past
+    # dynamo's recompile limit it would run them eagerly, without trying.
+    torch._dynamo.reset()
     reference = _break_model(keras, None, view)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -578,6 +613,9 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         assert out["jit_off"] <= TOLERANCE
         assert not out["jit_off_compiled"]
         assert max(out["jit_warm_cache"]) <= TOLERANCE, out["jit_warm_cache"]
+        attention = out["jit_attention"]
+        assert attention["diff"] <= TOLERANCE, attention
+        assert attention["compiled"] and not attention["warnings"], attention
         diff, messages = out["jit_fallback"]
         assert diff <= TOLERANCE, diff
         if out["rank"] == 0:

@@ -20,11 +20,16 @@ another rank compiled and train different numbers with no error. The key
 names the rank (`wrap_stable_hash_for_caching`). `KERAS_DTENSOR_JIT=0`
 runs the model eagerly instead.
 
+A compiled piece whose output is a view of its input is rebuilt by
+AOTAutograd with `as_strided` in torch 2.13 (torch 2.14 replays the
+view), an op DTensor refuses and cannot differentiate: Keras's
+`MultiHeadAttention` returns a transposed view across a graph break.
+Where the view is a permutation of the input's dims it is rebuilt with
+`permute` instead (`wrap_gen_alias_from_base`).
+
 Where torch cannot run a compiled forward over DTensors, the model runs
-eagerly instead of failing `fit`, with a warning naming the error (rank 0).
-Measured: Keras's `MultiHeadAttention` breaks the graph several times and
-one piece returns a view of its input, which AOTAutograd rebuilds with
-`as_strided`, an op DTensor refuses. The first call of each input
+eagerly instead of failing `fit`, with a warning naming the error (rank 0),
+e.g. a sliced view returned across a graph break. The first call of each input
 signature is the trial: the model's non-trainable state (seeds, running
 statistics) is restored before the eager rerun, so the numbers are those
 of an eager step.
@@ -40,7 +45,11 @@ from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor import instance_patches
 
-__all__ = ["wrap_should_torch_compile", "wrap_stable_hash_for_caching"]
+__all__ = [
+    "wrap_gen_alias_from_base",
+    "wrap_should_torch_compile",
+    "wrap_stable_hash_for_caching",
+]
 
 
 def _signature(args, kwargs):
@@ -149,3 +158,46 @@ def wrap_stable_hash_for_caching(original):
         return hashlib.blake2b(salted.encode(), digest_size=16).hexdigest()
 
     return _stable_hash_for_caching
+
+
+def _permutation(target, base):
+    """`dims` with `base.permute(dims)` laid out as `target` (sizes,
+    strides, storage offset), or None. Two dims with one (size, stride)
+    make it ambiguous (the layouts agree, the placements need not): None."""
+    if target.dim() != base.dim() or target.dtype != base.dtype:
+        return None
+    if target.storage_offset() != base.storage_offset():
+        return None
+    pairs = list(zip(base.size(), base.stride(), strict=True))
+    dims = []
+    for pair in zip(target.size(), target.stride(), strict=True):
+        found = [i for i, p in enumerate(pairs) if p == pair]
+        if len(found) != 1:
+            return None
+        dims.append(found[0])
+    return dims
+
+
+def wrap_gen_alias_from_base(original):
+    """Wraps AOTAutograd's `gen_alias_from_base(base, target,
+    target_requires_grad, ...)`, which rebuilds a compiled graph's output
+    that aliases `base` (see the module docstring). For a DTensor base and
+    a target that is a permutation of it, the alias is `base.permute(dims)`
+    (differentiable, sharded by DTensor's rule for permute); everything
+    else goes to torch's own."""
+    from torch.distributed.tensor import DTensor
+
+    def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
+        if not isinstance(base, DTensor):
+            return original(base, target, target_requires_grad, *a, **kw)
+        dims = _permutation(target, base)
+        if dims is None:
+            return original(base, target, target_requires_grad, *a, **kw)
+        out = base.permute(dims)
+        if base.requires_grad and not target_requires_grad:
+            out = out.detach()
+        elif not base.requires_grad and target_requires_grad:
+            out.requires_grad_(True)
+        return out
+
+    return gen_alias_from_base

@@ -466,6 +466,17 @@ PATCHES = (
         versions=str(SUPPORTED_TORCH),
     ),
     Patch(
+        "torch._functorch._aot_autograd.runtime_wrappers",
+        "gen_alias_from_base",
+        "torch 2.13 rebuilds a compiled piece's output that is a view of its "
+        "input with as_strided, which DTensor refuses: jit_compile fell back "
+        "to eager on Keras's MultiHeadAttention (a transposed view across a "
+        "graph break). A permutation is rebuilt with permute.",
+        jit.wrap_gen_alias_from_base,
+        package="torch",
+        versions=str(SUPPORTED_TORCH),
+    ),
+    Patch(
         "torch.distributed.tensor._redistribute",
         "_redistribute_backward",
         "A vocabulary-sharded embedding's masked partial output meets a "
