@@ -200,7 +200,10 @@ def _features(cache):
     finally:
         del os.environ["KERAS_DTENSOR_JIT"]
     out["jit_attention"] = _jit_attention(keras, models, mesh)
-    out["jit_fallback"] = _jit_fallback(keras, tp())
+    out["jit_fallback"] = _jit_break(keras, tp(), lambda h: h[:, :4])
+    out["jit_reshape"] = _jit_break(
+        keras, tp(), lambda h: keras.ops.reshape(h, (-1, 2, 4))
+    )
     out["jit_warm_cache"] = _jit_warm_cache(keras, tp(), cache)
 
     # A dimension not divisible by its mesh axis: uneven (torch.chunk) shards.
@@ -439,7 +442,8 @@ def _fsdp_local(keras, world):
 
 
 def _break_model(keras, distribution, piece):
-    """Dense(8) -> `piece(relu(x))` after a graph break -> Dense(4), fit
+    """Dense(8) -> `piece(relu(x))` after a graph break -> Flatten ->
+    Dense(4), fit
     with `jit_compile=True` under `distribution`, eagerly without one:
     its losses and weights."""
     import torch
@@ -457,7 +461,7 @@ def _break_model(keras, distribution, piece):
     with distribution.scope() if distribution else _null():
         inputs = keras.Input((8,))
         h = keras.layers.Dense(8, name="up")(inputs)
-        h = AcrossBreak()(h)
+        h = keras.layers.Flatten()(AcrossBreak()(h))
         outputs = keras.layers.Dense(4, name="down")(h)
         model = keras.Model(inputs, outputs)
         model.compile(
@@ -503,26 +507,24 @@ def _jit_attention(keras, models, mesh):
     }
 
 
-def _jit_fallback(keras, distribution):
-    """jit_compile=True on a model whose compiled forward torch cannot run
-    over DTensors (a view of a piece's input returned across a graph
-    break: AOTAutograd rebuilds it with as_strided, which DTensor
-    refuses; a slice is not a permutation): the warning, and the numbers
-    against one eager process."""
+def _jit_break(keras, distribution, piece):
+    """jit_compile=True on `_break_model` with `piece`: the numbers against
+    one eager process and the "runs eagerly" warnings. A piece that returns
+    a view of its input makes AOTAutograd rebuild it (torch 2.13:
+    as_strided, which DTensor refuses; keras-dtensor rebuilds a
+    permutation or a reshape with permute / view, other views fall back to
+    eager with the warning)."""
     import warnings
 
     import torch
 
-    def view(h):
-        return h[:, :4]
-
     # Earlier cases compiled the same code objects (Functional.call): past
     # dynamo's recompile limit it would run them eagerly, without trying.
     torch._dynamo.reset()
-    reference = _break_model(keras, None, view)
+    reference = _break_model(keras, None, piece)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = _break_model(keras, distribution, view)
+        got = _break_model(keras, distribution, piece)
     messages = [str(w.message) for w in caught if "eagerly" in str(w.message)]
     return _max_diff(reference, got), messages
 
@@ -616,6 +618,8 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         attention = out["jit_attention"]
         assert attention["diff"] <= TOLERANCE, attention
         assert attention["compiled"] and not attention["warnings"], attention
+        diff, messages = out["jit_reshape"]
+        assert diff <= TOLERANCE and messages == [], out["jit_reshape"]
         diff, messages = out["jit_fallback"]
         assert diff <= TOLERANCE, diff
         if out["rank"] == 0:

@@ -24,8 +24,9 @@ A compiled piece whose output is a view of its input is rebuilt by
 AOTAutograd with `as_strided` in torch 2.13 (torch 2.14 replays the
 view), an op DTensor refuses and cannot differentiate: Keras's
 `MultiHeadAttention` returns a transposed view across a graph break.
-Where the view is a permutation of the input's dims it is rebuilt with
-`permute` instead (`wrap_gen_alias_from_base`).
+Where the view is a permutation of the input's dims, or a reshape of a
+contiguous input (keras_hub's Qwen-MoE router), it is rebuilt with
+`permute` or `view` instead (`wrap_gen_alias_from_base`).
 
 Where torch cannot run a compiled forward over DTensors, the model runs
 eagerly instead of failing `fit`, with a warning naming the error (rank 0),
@@ -160,14 +161,18 @@ def wrap_stable_hash_for_caching(original):
     return _stable_hash_for_caching
 
 
+def _contiguous_strides(size):
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def _permutation(target, base):
-    """`dims` with `base.permute(dims)` laid out as `target` (sizes,
-    strides, storage offset), or None. Two dims with one (size, stride)
-    make it ambiguous (the layouts agree, the placements need not): None."""
-    if target.dim() != base.dim() or target.dtype != base.dtype:
-        return None
-    if target.storage_offset() != base.storage_offset():
-        return None
+    """`dims` with `base.permute(dims)` laid out as `target`, or None. Two
+    dims with one (size, stride) make it ambiguous (the layouts agree, the
+    placements need not): None."""
     pairs = list(zip(base.size(), base.stride(), strict=True))
     dims = []
     for pair in zip(target.size(), target.stride(), strict=True):
@@ -178,22 +183,43 @@ def _permutation(target, base):
     return dims
 
 
+def _view_of(base, target):
+    """`target` as a differentiable view op on `base` (a permutation of
+    its dims, or a reshape of a contiguous base to contiguous `target`),
+    or None when it is neither (a slice, a strided view)."""
+    if target.dtype != base.dtype:
+        return None
+    if target.storage_offset() != base.storage_offset():
+        return None
+    if target.dim() == base.dim():
+        dims = _permutation(target, base)
+        if dims is not None:
+            return base.permute(dims)
+    size = tuple(target.size())
+    if (
+        target.numel() == base.numel()
+        and base.is_contiguous()
+        and tuple(target.stride()) == _contiguous_strides(size)
+    ):
+        return base.view(size)
+    return None
+
+
 def wrap_gen_alias_from_base(original):
     """Wraps AOTAutograd's `gen_alias_from_base(base, target,
     target_requires_grad, ...)`, which rebuilds a compiled graph's output
     that aliases `base` (see the module docstring). For a DTensor base and
-    a target that is a permutation of it, the alias is `base.permute(dims)`
-    (differentiable, sharded by DTensor's rule for permute); everything
-    else goes to torch's own."""
+    a target that is a permutation or a reshape of it, the alias is
+    `base.permute(dims)` or `base.view(shape)` (differentiable, sharded by
+    DTensor's rules); everything else goes to torch's own."""
     from torch.distributed.tensor import DTensor
 
     def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
         if not isinstance(base, DTensor):
             return original(base, target, target_requires_grad, *a, **kw)
-        dims = _permutation(target, base)
-        if dims is None:
+        out = _view_of(base, target)
+        if out is None:
             return original(base, target, target_requires_grad, *a, **kw)
-        out = base.permute(dims)
         if base.requires_grad and not target_requires_grad:
             out = out.detach()
         elif not base.requires_grad and target_requires_grad:
