@@ -205,6 +205,7 @@ def _features(cache):
         keras, tp(), lambda h: keras.ops.reshape(h, (-1, 2, 4))
     )
     out["jit_warm_cache"] = _jit_warm_cache(keras, tp(), cache)
+    out["released_mib"] = _fit_releases_free_memory(keras, tp())
 
     # A dimension not divisible by its mesh axis: uneven (torch.chunk) shards.
     uneven = {
@@ -615,6 +616,8 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         assert out["jit_off"] <= TOLERANCE
         assert not out["jit_off_compiled"]
         assert max(out["jit_warm_cache"]) <= TOLERANCE, out["jit_warm_cache"]
+        released = out["released_mib"]
+        assert released is None or released > 32, released
         attention = out["jit_attention"]
         assert attention["diff"] <= TOLERANCE, attention
         assert attention["compiled"] and not attention["warnings"], attention
@@ -684,3 +687,71 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             np.testing.assert_allclose(loss, plain_loss, atol=TOLERANCE)
             for got, want in zip(weights, plain_weights, strict=True):
                 np.testing.assert_allclose(got, want, atol=TOLERANCE)
+
+
+def _rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _fragmented_garbage():
+    """Frees about 85 MiB of 96 KiB blocks (under glibc's mmap threshold)
+    while one block in three stays alive, so that the heap cannot shrink
+    from its top: glibc keeps the freed memory resident. Returns the
+    survivors."""
+    import torch
+
+    blocks = [torch.ones(24 * 1024) for _ in range(1366)]
+    return blocks[::3]
+
+
+def _glibc():
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim  # noqa: B018
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def test_release_free_memory_gives_freed_blocks_back():
+    """`allocator.release_free_memory` (which `fit` calls under a
+    distribution on several processes, see `_fit_releases_free_memory`)."""
+    from keras_dtensor import allocator
+
+    if not _glibc():
+        pytest.skip("not glibc")
+    allocator.release_free_memory()
+    kept = _fragmented_garbage()
+    before = _rss_mib()
+    assert allocator.release_free_memory()
+    assert before - _rss_mib() > 32, (before, _rss_mib())
+    del kept
+
+
+def _fit_releases_free_memory(keras, distribution):
+    """MiB of resident memory `fit` gave back before its first batch, with
+    about 85 MiB freed but kept by glibc just before it."""
+    import models
+
+    if not _glibc():
+        return None
+    x, y = models.data("mlp")
+    seen = {}
+
+    class Begin(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["rss"] = _rss_mib()
+
+    with distribution.scope():
+        model = models.mlp(keras)
+        model.compile(optimizer="sgd", loss="mse")
+        kept = _fragmented_garbage()
+        before = _rss_mib()
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[Begin()])
+    del kept
+    return before - seen["rss"]

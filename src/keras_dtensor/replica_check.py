@@ -16,6 +16,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import allocator
 from keras_dtensor import context
 from keras_dtensor import launch
 from keras_dtensor.placement_order import stable_hash
@@ -166,8 +167,9 @@ def check_same_model(model):
 
 
 def wrap_fit(original):
-    """Wraps `TorchTrainer.fit`: `check_same_model` before, `check_replicas`
-    when it returns."""
+    """Wraps `TorchTrainer.fit`: `check_same_model` and the allocator's
+    free memory given back (`allocator.release_free_memory`) before,
+    `check_replicas` when it returns."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
@@ -175,6 +177,7 @@ def wrap_fit(original):
         checked = context.current() is not None and launch.multi_process()
         if checked:
             check_same_model(self)
+            allocator.release_free_memory()
         history = original(self, *args, **kwargs)
         if checked:
             check_replicas(self)
