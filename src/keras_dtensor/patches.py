@@ -471,7 +471,8 @@ PATCHES = (
         "torch 2.13 rebuilds a compiled piece's output that is a view of its "
         "input with as_strided, which DTensor refuses: jit_compile fell back "
         "to eager on Keras's MultiHeadAttention (a transposed view across a "
-        "graph break). A permutation is rebuilt with permute.",
+        "graph break) and keras_hub's Qwen-MoE (a reshape). A permutation "
+        "is rebuilt with permute, a reshape with view.",
         jit.wrap_gen_alias_from_base,
         package="torch",
         versions=str(SUPPORTED_TORCH),
