@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from keras_dtensor import checkpoint_files
+from keras_dtensor.layout import contiguous_strides
 
 __all__ = ["SafeReader"]
 
@@ -166,19 +167,11 @@ def _saved_tensor(window):
     return dataclasses.replace(saved, data_start=start)
 
 
-def _contiguous_strides(size):
-    strides, step = [], 1
-    for n in reversed(size):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def _byte_range(saved, offsets, lengths):
     """`(first byte, count)` of the saved tensor's box, or `None` if the
     box is not one contiguous run of its storage."""
     size = saved.size
-    if len(size) != len(offsets) or saved.stride != _contiguous_strides(size):
+    if len(size) != len(offsets) or saved.stride != contiguous_strides(size):
         return None
     inner = [d for d, n in enumerate(lengths) if n != size[d]]
     if inner and any(lengths[d] != 1 for d in range(inner[0])):

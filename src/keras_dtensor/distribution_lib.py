@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate
 
 from keras_dtensor import launch
 from keras_dtensor.errors import describe_mesh
+from keras_dtensor.layout import contiguous_strides
 from keras_dtensor.layout import to_placements
 
 __all__ = [
@@ -248,14 +249,6 @@ def _as_backend_layout(layout, path=None, shape=None):
     )
 
 
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
-
-
 def shard_global_tensor(tensor, layout):
     """Cuts this rank's shard out of a global value held by every rank.
 
@@ -388,5 +381,5 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
         layout.placements,
         run_check=False,
         shape=torch.Size(shape),
-        stride=_contiguous_stride(shape),
+        stride=contiguous_strides(shape),
     )

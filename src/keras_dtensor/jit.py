@@ -45,6 +45,7 @@ from keras_dtensor import callbacks
 from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor import instance_patches
+from keras_dtensor.layout import contiguous_strides
 
 __all__ = [
     "wrap_gen_alias_from_base",
@@ -161,14 +162,6 @@ def wrap_stable_hash_for_caching(original):
     return _stable_hash_for_caching
 
 
-def _contiguous_strides(size):
-    strides, step = [], 1
-    for n in reversed(size):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def _permutation(target, base):
     """`dims` with `base.permute(dims)` laid out as `target`, or None. Two
     dims with one (size, stride) make it ambiguous (the layouts agree, the
@@ -199,7 +192,7 @@ def _view_of(base, target):
     if (
         target.numel() == base.numel()
         and base.is_contiguous()
-        and tuple(target.stride()) == _contiguous_strides(size)
+        and tuple(target.stride()) == contiguous_strides(size)
     ):
         return base.view(size)
     return None

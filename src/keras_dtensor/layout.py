@@ -13,9 +13,20 @@ from torch.distributed.tensor import Shard
 from keras_dtensor.errors import layout_error
 
 __all__ = [
+    "contiguous_strides",
     "normalize_axes",
     "to_placements",
 ]
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous (row-major) tensor of `shape`, in
+    elements; a dimension of size 0 counts as 1, as in torch."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def normalize_axes(axes) -> tuple:
