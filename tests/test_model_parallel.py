@@ -444,9 +444,8 @@ def _fsdp_local(keras, world):
 
 def _break_model(keras, distribution, piece):
     """Dense(8) -> `piece(relu(x))` after a graph break -> Flatten ->
-    Dense(4), fit
-    with `jit_compile=True` under `distribution`, eagerly without one:
-    its losses and weights."""
+    Dense(4), fit with `jit_compile=True` under `distribution`, eagerly
+    without one: its losses and weights."""
     import torch
 
     class AcrossBreak(keras.layers.Layer):
@@ -708,22 +707,12 @@ def _fragmented_garbage():
     return blocks[::3]
 
 
-def _glibc():
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim  # noqa: B018
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
 def test_release_free_memory_gives_freed_blocks_back():
     """`allocator.release_free_memory` (which `fit` calls under a
     distribution on several processes, see `_fit_releases_free_memory`)."""
     from keras_dtensor import allocator
 
-    if not _glibc():
+    if not allocator.available():
         pytest.skip("not glibc")
     allocator.release_free_memory()
     kept = _fragmented_garbage()
@@ -738,7 +727,9 @@ def _fit_releases_free_memory(keras, distribution):
     about 85 MiB freed but kept by glibc just before it."""
     import models
 
-    if not _glibc():
+    from keras_dtensor import allocator
+
+    if not allocator.available():
         return None
     x, y = models.data("mlp")
     seen = {}

@@ -15,7 +15,7 @@ no glibc) make it a no-op.
 import ctypes
 import functools
 
-__all__ = ["release_free_memory"]
+__all__ = ["available", "release_free_memory"]
 
 
 @functools.cache
@@ -24,6 +24,11 @@ def _malloc_trim():
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def available():
+    """Whether this process's allocator is glibc's (`malloc_trim` found)."""
+    return _malloc_trim() is not None
 
 
 def release_free_memory():
