@@ -11,6 +11,7 @@ harness returns the list of values, by rank.
 
 import multiprocessing
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -53,6 +54,9 @@ def _child(fn, rank, world_size, init_file, args, results, tensorflow):
 
         keras.distribution.initialize()
         value = fn(*args)
+        # Pickled here: the queue pickles in a thread of its own, where a
+        # failure is only printed and the parent waits out its timeout.
+        pickle.dumps(value)
         results.put((rank, True, value))
     except BaseException:  # noqa: B036 - report everything, then exit
         results.put((rank, False, traceback.format_exc()))
