@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["gather_shards"]
+__all__ = ["Pending", "finish", "gather_shards", "start"]
 
 
 def _rows(n, world, rank):
@@ -26,58 +26,116 @@ def _rows(n, world, rank):
     return chunk, max(0, min(chunk, n - rank * chunk))
 
 
+def _spans(n, world, chunk):
+    """`(rank, first row, end row)` of each rank's rows of a dim of `n`."""
+    for rank in range(world):
+        first = rank * chunk
+        end = min(first + chunk, n)
+        if end > first:
+            yield rank, first, end
+
+
+class Pending:
+    """An all-gather of packed shards in flight; `wait()` gives the full
+    tensors (each its own contiguous storage, the same layout every time).
+
+    Each shard is written into its place in one flat pack, padded with
+    zeros to its chunk; the full tensors are written straight out of the
+    gathered packs: one copy each way."""
+
+    def __init__(self, shards, specs, group):
+        self.specs, self.group = tuple(specs), group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.sizes = []
+        for dim, shape in self.specs:
+            chunk, _ = _rows(shape[dim], self.world, self.rank)
+            self.sizes.append(chunk * math.prod(shape) // max(shape[dim], 1))
+        with torch.no_grad():
+            pack = shards[0].new_zeros(sum(self.sizes))
+            offset = 0
+            for shard, size, (dim, shape) in zip(
+                shards, self.sizes, self.specs, strict=True
+            ):
+                chunk, rows = _rows(shape[dim], self.world, self.rank)
+                if rows:
+                    piece = pack[offset : offset + size]
+                    piece = piece.view(chunk, *_rest(shape, dim))
+                    piece[:rows].copy_(shard.movedim(dim, 0))
+                offset += size
+            self.gathered = pack.new_empty(self.world * pack.numel())
+            self.work = dist.all_gather_into_tensor(
+                self.gathered, pack, group=group, async_op=True
+            )
+        self.like = pack.new_empty(0)
+
+    def wait(self):
+        """The full tensors, once the gather is done (once: the buffer is
+        let go with the returned tensors' copies made)."""
+        self.work.wait()
+        gathered = self.gathered.view(self.world, -1)
+        self.gathered = self.work = None
+        out, offset = [], 0
+        with torch.no_grad():
+            for size, (dim, shape) in zip(self.sizes, self.specs, strict=True):
+                chunk, _ = _rows(shape[dim], self.world, self.rank)
+                full = gathered.new_empty(shape)
+                rows = full.movedim(dim, 0)
+                for rank, first, end in _spans(shape[dim], self.world, chunk):
+                    piece = gathered[rank, offset : offset + size]
+                    piece = piece.view(chunk, *_rest(shape, dim))
+                    rows[first:end].copy_(piece[: end - first])
+                offset += size
+                out.append(full)
+        return tuple(out)
+
+
+def _rest(shape, dim):
+    return (*shape[:dim], *shape[dim + 1 :])
+
+
 class _GatherShards(torch.autograd.Function):
-    """forward(group, world, rank, specs, *shards) -> full tensors."""
+    """forward(pending, *shards) -> the full tensors `pending` gathers;
+    backward reduce-scatters their gradients to the shards."""
 
     @staticmethod
-    def forward(ctx, group, world, rank, specs, *shards):
-        ctx.group, ctx.world, ctx.rank, ctx.specs = group, world, rank, specs
-        ctx.like = shards[0].new_empty(0)
-        pieces = []
-        for shard, (dim, shape) in zip(shards, specs, strict=True):
-            chunk, _ = _rows(shape[dim], world, rank)
-            moved = shard.movedim(dim, 0)
-            padded = moved.new_zeros((chunk, *moved.shape[1:]))
-            padded[: moved.shape[0]] = moved
-            pieces.append(padded.reshape(-1))
-        pack = torch.cat(pieces)
-        gathered = pack.new_empty(world * pack.numel())
-        dist.all_gather_into_tensor(gathered, pack, group=group)
-        gathered = gathered.view(world, pack.numel())
-        out, offset = [], 0
-        for piece, (dim, shape) in zip(pieces, specs, strict=True):
-            chunk, _ = _rows(shape[dim], world, rank)
-            rest = (*shape[:dim], *shape[dim + 1 :])
-            part = gathered[:, offset : offset + piece.numel()]
-            offset += piece.numel()
-            full = part.reshape(world * chunk, *rest)
-            out.append(full[: shape[dim]].movedim(0, dim).contiguous())
-        return tuple(out)
+    def forward(ctx, pending, *shards):
+        ctx.pending = pending
+        return pending.wait()
 
     @staticmethod
     def backward(ctx, *grads):
-        world, rank = ctx.world, ctx.rank
-        parts = []
-        for grad, (dim, shape) in zip(grads, ctx.specs, strict=True):
+        pending = ctx.pending
+        world, rank = pending.world, pending.rank
+        # Each rank's rows of every gradient written into its row of one
+        # (world, total) pack, padded with zeros to the chunk.
+        packs = pending.like.new_zeros((world, sum(pending.sizes)))
+        offset = 0
+        for grad, size, (dim, shape) in zip(
+            grads, pending.sizes, pending.specs, strict=True
+        ):
             chunk, _ = _rows(shape[dim], world, rank)
-            if grad is None:
-                grad = ctx.like.new_zeros(shape)
-            moved = grad.movedim(dim, 0)
-            padded = moved.new_zeros((world * chunk, *moved.shape[1:]))
-            padded[: moved.shape[0]] = moved
-            parts.append(padded.reshape(world, -1))
-        packs = torch.cat(parts, dim=1)
+            if grad is not None:
+                moved = grad.movedim(dim, 0)
+                for r, first, end in _spans(shape[dim], world, chunk):
+                    piece = packs[r, offset : offset + size]
+                    piece = piece.view(chunk, *_rest(shape, dim))
+                    piece[: end - first].copy_(moved[first:end])
+            offset += size
         local = packs.new_empty(packs.shape[1])
-        dist.reduce_scatter_tensor(local, packs.reshape(-1), group=ctx.group)
+        dist.reduce_scatter_tensor(
+            local, packs.reshape(-1), group=pending.group
+        )
         out, offset = [], 0
-        for part, (dim, shape) in zip(parts, ctx.specs, strict=True):
+        for size, (dim, shape) in zip(
+            pending.sizes, pending.specs, strict=True
+        ):
             chunk, rows = _rows(shape[dim], world, rank)
-            rest = (*shape[:dim], *shape[dim + 1 :])
-            piece = local[offset : offset + part.shape[1]]
-            offset += part.shape[1]
-            shard = piece.reshape(chunk, *rest)[:rows].movedim(0, dim)
+            piece = local[offset : offset + size]
+            offset += size
+            shard = piece.view(chunk, *_rest(shape, dim))[:rows].movedim(0, dim)
             out.append(shard.contiguous())
-        return (None, None, None, None, *out)
+        return (None, *out)
 
 
 def gather_shards(shards, specs, group):
@@ -92,6 +150,17 @@ def gather_shards(shards, specs, group):
         A tuple of full tensors; backward reduce-scatters their gradients
         (summed over the group) back to the shards.
     """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    return _GatherShards.apply(group, world, rank, tuple(specs), *shards)
+    return finish(Pending(shards, specs, group), shards)
+
+
+def start(shards, specs, group):
+    """Starts gathering `shards` (as `gather_shards`) without waiting:
+    a `Pending` to pass to `finish` with the same shards, or to `wait()`
+    on for the values alone (no gradient)."""
+    return Pending(shards, specs, group)
+
+
+def finish(pending, shards):
+    """The full tensors of a started gather, with `gather_shards`'s
+    backward to `shards`."""
+    return _GatherShards.apply(pending, *shards)
