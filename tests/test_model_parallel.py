@@ -230,6 +230,7 @@ def _features(cache):
     out["rank"] = torch.distributed.get_rank()
     out["fsdp_comms"] = _fsdp_collectives(keras, models, world)
     out["fsdp_local"] = _fsdp_local(keras, world)
+    out["fsdp_groups"] = _fsdp_groups(keras, world)
 
     # A key that matches no weight warns: functional-model paths have no
     # model prefix ("up/kernel", not "mlp/up/kernel").
@@ -442,6 +443,109 @@ def _fsdp_local(keras, world):
     return out
 
 
+def _fsdp_groups(keras, world):
+    """FSDP2's per-block gather (`gather_groups`), with groups of one layer
+    (`KERAS_DTENSOR_GATHER_MB` tiny) and of the whole model (huge): the
+    numbers against plain Keras, the collectives of a step, which earlier
+    layers' gathered kernels are still alive when the fourth layer runs,
+    and a model reading a freed kernel outside its layer (all weights
+    gathered from then on, with a warning)."""
+    import gc
+    import os
+    import warnings
+    import weakref
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    seen = []
+
+    class Kept(keras.layers.Dense):
+        """Notes a weak reference to the kernel its call reads."""
+
+        def call(self, x):
+            seen.append(weakref.ref(self.kernel.value))
+            return super().call(x)
+
+    class Alive(keras.layers.Layer):
+        def call(self, x):
+            gc.collect()
+            # (A tuple: Keras tracks a list set on a layer.)
+            self.alive = tuple(ref() is not None for ref in seen[-3:])
+            return x
+
+    class ReadsBack(keras.Model):
+        """Reads its first layer's kernel after the second layer ran."""
+
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(8, name="a")
+            self.b = keras.layers.Dense(4, name="b")
+
+        def call(self, x):
+            h = self.b(self.a(x))
+            return h + keras.ops.mean(self.a.kernel)
+
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+
+    def run(distribution, reads_back=False):
+        keras.utils.set_random_seed(7)
+        seen.clear()
+        with distribution.scope() if distribution else _null():
+            if reads_back:
+                model = ReadsBack()
+            else:
+                probe = Alive()
+                model = keras.Sequential(
+                    [keras.Input((8,))]
+                    + [Kept(8, activation="relu") for _ in range(3)]
+                    + [probe, Kept(4)]
+                )
+            model.compile(optimizer="adam", loss="mse")
+            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+            out = {
+                "loss": history.history["loss"],
+                "weights": model.get_weights(),
+            }
+            if not reads_back:
+                out["alive"] = list(probe.alive)
+                with CommDebugMode() as comm:
+                    model.train_on_batch(x[:8], y[:8])
+                out["comms"] = {
+                    str(op).split(".")[-1].strip("_"): n
+                    for op, n in comm.get_comm_counts().items()
+                }
+        return out
+
+    def fsdp():
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*kernel"] = ("batch", None)
+        return keras.distribution.ModelParallel(layout_map=layout_map)
+
+    out = {}
+    for name, mib in (("layers", "0.0001"), ("whole", "1000")):
+        os.environ["KERAS_DTENSOR_GATHER_MB"] = mib
+        try:
+            out[name] = (run(None), run(fsdp()))
+            if name == "layers":
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out["reads_back"] = (
+                        run(None, reads_back=True),
+                        run(fsdp(), reads_back=True),
+                    )
+                out["reads_back_warnings"] = [
+                    str(w.message)
+                    for w in caught
+                    if "outside the layer" in str(w.message)
+                ]
+        finally:
+            del os.environ["KERAS_DTENSOR_GATHER_MB"]
+    return out
+
+
 def _break_model(keras, distribution, piece):
     """Dense(8) -> `piece(relu(x))` after a graph break -> Flatten ->
     Dense(4), fit with `jit_compile=True` under `distribution`, eagerly
@@ -648,7 +752,28 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         assert local["regularized"][1]["seen"][0] == "DTensor"
         assert local["running"][1]["seen"][0] == "DTensor"
         assert local["off"][1]["seen"][0] == "DTensor"
-        for plain, dist in local.values():
+        groups = out["fsdp_groups"]
+        # One layer per group: each kernel freed after its layer's
+        # forward (the third still in use), gathered again for backward
+        # but for the first (no input gradient: its kernel is not needed)
+        # and the last (kept); one reduce-scatter per group. One group:
+        # everything alive, one gather, one reduce-scatter.
+        assert groups["layers"][1]["alive"] == [False, False, True]
+        assert groups["whole"][1]["alive"] == [True, True, True]
+        assert groups["layers"][1]["comms"] == {
+            "allgather_base": 4 + 2,
+            "reduce_scatter_base": 4,
+            "all_reduce": 1,
+            "allreduce": 1,
+        }, groups["layers"][1]["comms"]
+        assert groups["whole"][1]["comms"]["allgather_base"] == 1
+        if out["rank"] == 0:  # warnings from rank 0 only
+            assert len(groups["reads_back_warnings"]) == 1, groups
+            assert "'reads_back" in groups["reads_back_warnings"][0]
+        else:
+            assert groups["reads_back_warnings"] == []
+        pairs = [groups["layers"], groups["whole"], groups["reads_back"]]
+        for plain, dist in [*local.values(), *pairs]:
             np.testing.assert_allclose(
                 dist["loss"], plain["loss"], atol=TOLERANCE
             )

@@ -151,6 +151,15 @@ VARIABLES = (
         "plain tensors, its weights gathered once per step",
     ),
     Variable(
+        "GATHER_MB",
+        _positive_float,
+        25.0,
+        "MiB > 0",
+        "FSDP-style layouts: batch-sharded weights are gathered in groups "
+        "of consecutive layers of at least this size, each freed after its "
+        "forward and gathered again for its backward (FSDP2's blocks)",
+    ),
+    Variable(
         "JIT",
         _flag,
         True,

@@ -109,12 +109,10 @@ def wrap_call(original):
 
     def __call__(self, *args, **kwargs):
         distribution = context.active()
-        if (
-            distribution is None
-            or context.is_data_parallel(distribution)
-            or (not torch.compiler.is_compiling() and local_batch.active())
-        ):
+        if distribution is None or context.is_data_parallel(distribution):
             return original(self, *args, **kwargs)
+        if not torch.compiler.is_compiling() and local_batch.active():
+            return local_batch.inner_call(self, original, args, kwargs)
         from keras.src import tree
 
         nested = _in_layer_call()

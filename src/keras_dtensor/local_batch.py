@@ -38,6 +38,7 @@ rows of a batch independently (BatchNormalization aside). Turned off with
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,15 +46,27 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras_dtensor import callbacks
 from keras_dtensor import config
 from keras_dtensor import errors
+from keras_dtensor import gather_groups
 from keras_dtensor import group_gather
 from keras_dtensor import weight_gather
 
-__all__ = ["AssignedInCall", "active", "call", "plan", "variables_changed"]
+__all__ = [
+    "AssignedInCall",
+    "active",
+    "call",
+    "inner_call",
+    "plan",
+    "variables_changed",
+]
 
 _PLAN = "_keras_dtensor_local_batch"
 _ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
+_GROUPS = "_keras_dtensor_gather_groups"
+# The grouped-gather `Session` of the running local call.
+_SESSION = contextvars.ContextVar("keras_dtensor_gather_session", default=None)
 # Counts variables created; a model's cached plan is rebuilt when it moves
 # (LoRA adds weights after build). Walking `layer.weights` on every step
 # instead costs a traversal of every sublayer.
@@ -199,21 +212,33 @@ def _to_global(plan_, rows, x, layer):
 
 
 @contextlib.contextmanager
-def _local_weights(plan_):
+def _local_weights(plan_, layout):
     """Every weight reads as its whole local tensor. The batch-sharded
-    ones are gathered together (one all-gather per dtype); backward
-    reduce-scatters their gradients to the shards, and the replicated
-    weights' gradients leave as pending sums over the batch axis."""
+    ones are gathered together (one all-gather per dtype), or group by
+    group under a `gather_groups.Layout` (yields its `Session`, else
+    None); backward reduce-scatters their gradients to the shards, and
+    the replicated weights' gradients leave as pending sums over the
+    batch axis."""
     whole = {}
     by_dtype = {}
-    for variable, gather, grad in plan_.weights:
-        value = variable._value
-        if gather:
-            by_dtype.setdefault(value.dtype, []).append((variable, value))
-        else:
-            whole[id(variable)] = value.to_local(grad_placements=grad)
-    if by_dtype:
+    values = [variable._value for variable, _, _ in plan_.weights]
+    session = None
+    if any(gather for _, gather, _ in plan_.weights):
         group = plan_.mesh.get_group(plan_.dim)
+    if layout is not None:
+        session = gather_groups.Session(plan_, layout, values, group)
+        for i, full in session.gather_root().items():
+            whole[id(plan_.weights[i][0])] = full
+    grouped = set() if layout is None else {i for g in layout.groups for i in g}
+    for i, (variable, gather, grad) in enumerate(plan_.weights):
+        value = values[i]
+        if not gather:
+            whole[id(variable)] = value.to_local(grad_placements=grad)
+        elif layout is None:
+            by_dtype.setdefault(value.dtype, []).append((variable, value))
+        elif i in grouped:
+            whole[id(variable)] = value  # a shard until its group gathers
+        # else: in `layout.root`, gathered above
     for items in by_dtype.values():
         shards = [value.to_local() for _, value in items]
         specs = [
@@ -223,15 +248,32 @@ def _local_weights(plan_):
         fulls = group_gather.gather_shards(shards, specs, group)
         for (variable, _), full in zip(items, fulls, strict=True):
             whole[id(variable)] = full
-    saved = []
     try:
         for variable, _, _ in plan_.weights:
-            saved.append((variable, variable._value))
             variable._value = whole[id(variable)]
-        yield
+        if session is None:
+            yield None
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(
+                session.pack, session.unpack
+            ):
+                token = _SESSION.set(session)
+                try:
+                    yield session
+                finally:
+                    _SESSION.reset(token)
+                    session.close()
     finally:
-        for variable, value in saved:
+        for (variable, _, _), value in zip(plan_.weights, values, strict=True):
             variable._value = value
+
+
+def inner_call(layer, original, args, kwargs):
+    """A layer called inside a local call: its weights' group gathered."""
+    hook = _SESSION.get()
+    if hook is not None:
+        hook.enter(layer)
+    return original(layer, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -261,6 +303,34 @@ def _added_losses(plan_):
     ]
 
 
+def _layout(layer, plan_):
+    """The model's `gather_groups.Layout` for this call, or None (all
+    weights gathered at once). Before the first call it is built from the
+    layers' order; after it, again from the order the call reached them."""
+    if not any(gather for _, gather, _ in plan_.weights):
+        return None
+    cached = layer.__dict__.get(_GROUPS)
+    if cached is None or cached[0] is not plan_:
+        layout = gather_groups.build(layer, plan_, order=None)
+        cached = layer.__dict__[_GROUPS] = (plan_, layout)
+    layout = cached[1]
+    return None if layout is None or layout.failed else layout
+
+
+def _run(layer, original, plan_, layout, args, kwargs):
+    with _local_weights(plan_, layout) as session, _plain_only():
+        outputs = original(layer, *args, **kwargs)
+    if layout is not None and layout.order is None:
+        # The groups again, in the order this call reached the layers.
+        rebuilt = gather_groups.build(layer, plan_, order=session.order)
+        layer.__dict__[_GROUPS] = (plan_, rebuilt)
+    return outputs
+
+
+def _mixed(error):
+    return "mixed torch.Tensor and DTensor" in str(error)
+
+
 def call(layer, original, plan_, args, kwargs):
     """Runs `original(layer, *args, **kwargs)` on local rows.
 
@@ -277,12 +347,32 @@ def call(layer, original, plan_, args, kwargs):
         return x.to_local() if isinstance(x, DTensor) else x
 
     local_args, local_kwargs = tree.map_structure(to_local, (args, kwargs))
+    layout = _layout(layer, plan_)
     assigned = False
     try:
-        with _local_weights(plan_), _plain_only():
-            outputs = original(layer, *local_args, **local_kwargs)
+        outputs = _run(layer, original, plan_, layout, local_args, local_kwargs)
     except AssignedInCall:
         assigned = True  # caught before the write: nothing changed
+    except RuntimeError as error:
+        if layout is None or not _mixed(error):
+            raise
+        # A freed weight read outside its unit's call: every rank got
+        # here at the same op; from now on all weights are gathered.
+        layout.failed = True
+        if not callbacks.silent():  # rank 0's, as the package's logs
+            warnings.warn(
+                f"keras-dtensor: {layer.name!r} reads a weight outside the "
+                "layer that owns it; its batch-sharded weights are gathered "
+                "for the whole call from now on (no freeing after each "
+                f"layer's forward). Mesh {plan_.mesh}.",
+                stacklevel=2,
+            )
+        try:
+            outputs = _run(
+                layer, original, plan_, None, local_args, local_kwargs
+            )
+        except AssignedInCall:
+            assigned = True
     added = _added_losses(plan_)
     if added or assigned:
         for sub in added:
