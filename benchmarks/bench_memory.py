@@ -19,6 +19,11 @@ Models (fp32, Adam, MSE on random targets, batch `--batch`):
 - c: bench_step.py's transformer blocks and TP split (q/k/v and MLP-up
   column-parallel, attention output and MLP-down row-parallel), wider so
   that the weights stand out of the process's noise.
+- d: FSDP-style: 8 Dense(2048) layers (ReLU between), every kernel
+  sharded on its first dim over the batch axis (`("batch", None)`), the
+  batch sharded too; 128 MiB of weights. torch: FSDP2, `fully_shard` on
+  each `nn.Linear` and on the root (so each layer's weights are gathered
+  for its forward, freed after it, gathered again for its backward).
 
 torch side: the model is built on the meta device, `parallelize_module`
 lays it out, `to_empty` materializes the shards only, `torch.optim.Adam`
@@ -81,6 +86,7 @@ MODELS = {
     "c": dict(
         kind="transformer", d_model=1024, heads=8, mlp=4096, seq=32, blocks=2
     ),
+    "d": dict(kind="fsdp", width=2048, layers=8),
 }
 SIDES = ("native", "kd")
 # (key, label) of the per-rank figures, MiB unless noted.
@@ -226,6 +232,9 @@ def _data(cfg, batch, steps):
     if cfg["kind"] == "embed":
         x = rng.integers(0, cfg["vocab"], size=(n, cfg["seq"]), dtype="int64")
         y = rng.standard_normal((n, cfg["units"]), dtype="float32")
+    elif cfg["kind"] == "fsdp":
+        x = rng.standard_normal((n, cfg["width"]), dtype="float32")
+        y = rng.standard_normal((n, cfg["width"]), dtype="float32")
     else:
         shape = (n, cfg["seq"], cfg["d_model"])
         x = rng.standard_normal(shape, dtype="float32")
@@ -248,6 +257,13 @@ def _torch_model(cfg):
         return _bench_step()._torch_transformer(
             dict(cfg, d_model=cfg["d_model"], heads=cfg["heads"])
         )
+    if cfg["kind"] == "fsdp":
+        layers = []
+        for i in range(cfg["layers"]):
+            layers.append(torch.nn.Linear(cfg["width"], cfg["width"]))
+            if i < cfg["layers"] - 1:
+                layers.append(torch.nn.ReLU())
+        return torch.nn.Sequential(*layers)
 
     class EmbedMean(torch.nn.Module):
         def __init__(self):
@@ -286,7 +302,14 @@ def _torch_build(cfg, mesh):
 
     with torch.device("meta"):
         model = _torch_model(cfg)
-    if mesh is not None:
+    if mesh is not None and cfg["kind"] == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model:
+            if isinstance(module, torch.nn.Linear):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif mesh is not None:
         model = parallelize_module(model, mesh, _torch_plan(cfg, model))
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
@@ -328,8 +351,13 @@ def _run_native(cfg, args, workdir):
     x, y = (torch.from_numpy(a) for a in _data(cfg, args.batch, args.steps))
 
     probe.start()
+    share, start = args.batch, 0  # TP: every rank runs the whole batch
+    if cfg["kind"] == "fsdp" and mesh is not None:  # FSDP2: its rows
+        share = args.batch // dist.get_world_size()
+        start = dist.get_rank() * share
     for i in range(args.steps):
-        rows = slice(i * args.batch, (i + 1) * args.batch)
+        first = i * args.batch + start
+        rows = slice(first, first + share)
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
         loss.backward()
@@ -376,6 +404,8 @@ def _run_native(cfg, args, workdir):
 
 # ------------------------------------------------------------------ keras
 def _keras_layouts(cfg):
+    if cfg["kind"] == "fsdp":
+        return {"dense_.*/kernel": ("batch", None)}
     if cfg["kind"] == "transformer":
         return _bench_step()._keras_layouts("transformer", "kd_mp")
     table = ("model", None) if cfg.get("vocab_tp") else (None, "model")
@@ -383,6 +413,17 @@ def _keras_layouts(cfg):
 
 
 def _keras_model(keras, cfg):
+    if cfg["kind"] == "fsdp":
+        inputs = keras.Input((cfg["width"],))
+        h = inputs
+        for i in range(cfg["layers"]):
+            last = i == cfg["layers"] - 1
+            h = keras.layers.Dense(
+                cfg["width"],
+                activation=None if last else "relu",
+                name=f"dense_{i}",
+            )(h)
+        return keras.Model(inputs, h)
     if cfg["kind"] == "transformer":
         return _bench_step()._keras_model(keras, "transformer", cfg)
     inputs = keras.Input((cfg["seq"],), dtype="int64")
@@ -459,7 +500,10 @@ def _plan_kd(cfg):
 
     keras.distribution.initialize()
     world = keras.distribution.get_device_count()
-    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    if cfg["kind"] == "fsdp":  # weights and batch over the same axis
+        mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+    else:
+        mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in _keras_layouts(cfg).items():
         layout_map[key] = axes
