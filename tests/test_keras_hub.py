@@ -220,6 +220,33 @@ def test_keras_hub_under_data_parallel_on_2_processes():
     )
 
 
+def _families_block_by_block(mesh_shape, cases):
+    """`_families` with every layer its own gather group (FSDP2's blocks,
+    `gather_groups`): keras_hub's maps on a (2, 1) mesh shard every
+    weight over "batch" only, the FSDP-style local path."""
+    import os
+
+    os.environ["KERAS_DTENSOR_GATHER_MB"] = "0.0001"
+    return _families(mesh_shape, cases)
+
+
+def test_keras_hub_fsdp_style_on_2_processes():
+    # Untied (Llama: top-k sampling by default) and tied, LoRA-tuned
+    # embeddings (Gemma): batch-sharded generation, sampling included.
+    cases = [("llama", False), ("gemma", True)]
+    _check(
+        run_ranks(
+            _families_block_by_block,
+            2,
+            (2, 1),
+            cases,
+            timeout=600,
+            tensorflow=True,
+        ),
+        (2, 1),
+    )
+
+
 @pytest.mark.slow
 def test_keras_hub_gemma_lora_on_a_2x2_mesh():
     # Gemma's map also shards weights over the batch axis; the batch is

@@ -310,6 +310,35 @@ def _features(cache):
                 ]
             )
     out["seed_generator"] = draws
+    # Sampling from a batch-sharded tensor (keras_hub's samplers): the
+    # same draws as one process, not each rank's rows from the stream's
+    # start.
+    logits = np.random.default_rng(9).normal(size=(8, 16)).astype("float32")
+    samples = [
+        keras.ops.convert_to_numpy(
+            keras.random.categorical(
+                logits, 2, seed=keras.random.SeedGenerator(3)
+            )
+        )
+    ]
+    by_rows = keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(
+            keras.distribution.DeviceMesh((world, 1), ["batch", "model"])
+        )
+    )
+    with by_rows.scope():
+        sharded = keras.distribution.distribute_tensor(
+            keras.ops.convert_to_tensor(logits),
+            by_rows.get_data_layout(logits.shape),
+        )
+        samples.append(
+            keras.ops.convert_to_numpy(
+                keras.random.categorical(
+                    sharded, 2, seed=keras.random.SeedGenerator(3)
+                )
+            )
+        )
+    out["categorical"] = samples
     sharded = {".*dense/kernel": (None, "model")}
     out["created"] = [
         _train_created(keras, distribution)
@@ -804,6 +833,8 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         for key in ("eager", "train", "test", "predict", "torch_input"):
             np.testing.assert_allclose(dist[key], plain[key], atol=TOLERANCE)
         plain, dist = out["seed_generator"]
+        np.testing.assert_array_equal(dist, plain)
+        plain, dist = out["categorical"]
         np.testing.assert_array_equal(dist, plain)
         assert not np.array_equal(plain[0], plain[1])  # the state advanced
         (plain_loss, plain_weights), *distributed = out["created"]

@@ -16,6 +16,15 @@ independent per batch row and per head: with q/k/v/out all sharded on the
 batch dimension (0) or the head dimension (1), the op runs on local
 shards, exactly like the single-device op on a slice.
 
+Sampling from a batch-sharded DTensor (`torch.multinomial`, which
+`keras.random.categorical` and keras_hub's top-k/top-p/random samplers
+call) runs, by torch's rule, on each rank's rows with the caller's
+generator: every rank draws from the start of the same stream, so rows
+past the first shard get other samples than one process gives them. Here
+the op is replicated: the probabilities are gathered (batch x classes)
+and every rank draws the whole sample from the same generator state, the
+one-process result.
+
 Comparison ops (`eq`, `ne`, `lt`, ... on tensors and scalars) have
 strategies from torch 2.13 on; torch 2.11 lacks some (`aten.ne.Tensor`,
 which Keras's optimizer EMA runs on its replicated `iterations`). Where torch
@@ -38,6 +47,8 @@ __all__ = [
     "keep_kwargs_in_place",
     "missing_comparisons",
     "register_elementwise",
+    "replicated_sample",
+    "sample_ops",
     "wrap_redistribute_backward",
     "wrap_slice_update",
     "wrap_redistribute_local_tensor",
@@ -88,6 +99,16 @@ def elementwise(self, other=None, **kwargs):
                 ([shard], [shard] * len(tensors) + [None] * scalars)
             )
     return strategies
+
+
+def replicated_sample(self, num_samples, replacement=False, **kwargs):
+    # -> one output; input self; scalars num_samples, replacement.
+    return [([Replicate()], [Replicate(), None, None])]
+
+
+def sample_ops():
+    """The sampling op whose per-shard draws differ from one process's."""
+    return [_aten.multinomial.default]
 
 
 _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")

@@ -141,6 +141,9 @@ class Registration:
             before = (
                 propagator.op_strategy_funcs.get(op, MISSING),
                 propagator.op_to_schema_info.get(op, MISSING),
+                # A single-dim rule of torch's own wins over ours: set
+                # aside while ours is installed.
+                _single_dim(propagator).pop(op, MISSING),
             )
             register_sharding(op)(self.strategy)
             if self.refine is not None:
@@ -153,7 +156,7 @@ class Registration:
 
     def restore(self, saved):
         propagator = _propagator()
-        for op, strategy, schema, ours in saved:
+        for op, strategy, schema, single_dim, ours in saved:
             if propagator.op_strategy_funcs.get(op) is not ours:
                 warnings.warn(
                     f"The sharding strategy of {op} was registered again "
@@ -164,6 +167,7 @@ class Registration:
             for table, value in (
                 (propagator.op_strategy_funcs, strategy),
                 (propagator.op_to_schema_info, schema),
+                (_single_dim(propagator), single_dim),
             ):
                 if value is MISSING:
                     table.pop(op, None)
@@ -175,8 +179,13 @@ class Registration:
         propagator = _propagator()
         return all(
             propagator.op_strategy_funcs.get(op) is ours
-            for op, _, _, ours in saved
+            for op, *_, ours in saved
         )
+
+
+def _single_dim(propagator):
+    """DTensor's table of single-dim rules (torch 2.10 on; else empty)."""
+    return getattr(propagator, "op_single_dim_strategy_funcs", {})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -524,6 +524,14 @@ PATCHES = (
         "DTensor rule for aten.ne.Tensor (2.13 has all: nothing registered).",
     ),
     Registration(
+        "aten.multinomial, replicated",
+        ops.sample_ops,
+        ops.replicated_sample,
+        "torch samples each rank's rows of a batch-sharded DTensor from the "
+        "start of the same generator stream: keras.random.categorical and "
+        "keras_hub's samplers would draw other tokens than one process.",
+    ),
+    Registration(
         "aten._scaled_dot_product_flash_attention_for_cpu",
         ops.flash_cpu_ops,
         ops.flash_cpu,
