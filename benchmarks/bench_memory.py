@@ -257,13 +257,8 @@ def _torch_model(cfg):
         return _bench_step()._torch_transformer(
             dict(cfg, d_model=cfg["d_model"], heads=cfg["heads"])
         )
-    if cfg["kind"] == "fsdp":
-        layers = []
-        for i in range(cfg["layers"]):
-            layers.append(torch.nn.Linear(cfg["width"], cfg["width"]))
-            if i < cfg["layers"] - 1:
-                layers.append(torch.nn.ReLU())
-        return torch.nn.Sequential(*layers)
+    if cfg["kind"] == "fsdp":  # bench_step.py's MLP, wider
+        return _bench_step()._torch_mlp(cfg)
 
     class EmbedMean(torch.nn.Module):
         def __init__(self):
@@ -414,16 +409,7 @@ def _keras_layouts(cfg):
 
 def _keras_model(keras, cfg):
     if cfg["kind"] == "fsdp":
-        inputs = keras.Input((cfg["width"],))
-        h = inputs
-        for i in range(cfg["layers"]):
-            last = i == cfg["layers"] - 1
-            h = keras.layers.Dense(
-                cfg["width"],
-                activation=None if last else "relu",
-                name=f"dense_{i}",
-            )(h)
-        return keras.Model(inputs, h)
+        return _bench_step()._keras_model(keras, "mlp", cfg)
     if cfg["kind"] == "transformer":
         return _bench_step()._keras_model(keras, "transformer", cfg)
     inputs = keras.Input((cfg["seq"],), dtype="int64")
