@@ -148,7 +148,8 @@ VARIABLES = (
         "1/0, true/false, yes/no, on/off",
         "ModelParallel: a model whose weights are whole or sharded only "
         "over the batch axis (FSDP-style) runs on each rank's rows as "
-        "plain tensors, its weights gathered once per step",
+        "plain tensors, its weights gathered for the call (block by "
+        "block, GATHER_MB)",
     ),
     Variable(
         "GATHER_MB",

@@ -9,8 +9,10 @@ redistribution. torch's FSDP2 and DDP run the module on local tensors; the
 same here, at the outermost layer call (the model in `fit`, `predict`,
 `model(x)`):
 
-- the batch-sharded weights are gathered once (one all-gather each) and
-  every weight reads as its local, whole tensor for the call;
+- the batch-sharded weights are gathered block by block (one all-gather
+  per group of layers, freed after the group's forward and gathered again
+  for its backward: `gather_groups`, FSDP2's blocks) and every weight
+  reads as its local, whole tensor while its layer runs;
 - the inputs enter as this rank's rows, the outputs leave as the batch-
   sharded DTensors the loss and metrics expect;
 - backward: a weight's local gradient is a pending sum over the batch axis
