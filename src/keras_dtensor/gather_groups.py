@@ -14,7 +14,9 @@ backward. The same here, with Keras's layers as the blocks:
   during that call), form groups of at least
   `KERAS_DTENSOR_GATHER_MB` (FSDP2's blocks; the default keeps a model of
   a few tens of MB in one group, which changes nothing). A weight of no
-  unit or of several (tied, shared) is gathered for the whole call.
+  unit or of several (shared), or of a unit the call reached more than
+  once (a tied embedding, called again for the output projection), is
+  gathered for the whole call, as FSDP2's root module's parameters are.
 - Calling a unit gathers its group (one all-gather) and starts the next
   group's gather; calling a unit of another group frees the last one: its
   weights read as shards again, and the tensors autograd saved from them
@@ -96,12 +98,14 @@ def build(model, plan_, order):
     gathered = [i for i, (_, gather, _) in enumerate(plan_.weights) if gather]
     by_unit = collections.defaultdict(list)
     root = []
+    calls = collections.Counter(order or ())
     for i in gathered:
         found = set(owners.get(id(plan_.weights[i][0]), ()))
-        if len(found) == 1:
-            by_unit[found.pop()].append(i)
+        unit = found.pop() if len(found) == 1 else None
+        if unit is None or calls[unit] > 1:
+            root.append(i)  # shared, or called again (a tied projection)
         else:
-            root.append(i)
+            by_unit[unit].append(i)
     ranked = {}
     for layer_id in order or ():
         if layer_id in by_unit:
