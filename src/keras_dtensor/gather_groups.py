@@ -36,6 +36,7 @@ runs with all weights gathered from then on (`local_batch.call`).
 
 import collections
 import dataclasses
+import functools
 
 import torch
 
@@ -63,6 +64,11 @@ class Layout:
     root: tuple
     order: tuple | None
     failed: bool = False
+
+    @functools.cached_property
+    def grouped(self):
+        """Indices of every weight some group gathers."""
+        return frozenset(i for group in self.groups for i in group)
 
 
 def _units(model):
@@ -95,11 +101,10 @@ def build(model, plan_, order):
             before the first call (the layers' own order).
     """
     owners, units = _units(model)
-    gathered = [i for i, (_, gather, _) in enumerate(plan_.weights) if gather]
     by_unit = collections.defaultdict(list)
     root = []
     calls = collections.Counter(order or ())
-    for i in gathered:
+    for i in plan_.gathered:
         found = set(owners.get(id(plan_.weights[i][0]), ()))
         unit = found.pop() if len(found) == 1 else None
         if unit is None or calls[unit] > 1:
@@ -136,17 +141,6 @@ def build(model, plan_, order):
     )
 
 
-def _representatives(fulls):
-    """One tensor per distinct storage among `fulls`, in order."""
-    seen, reps = set(), []
-    for full in fulls:
-        ptr = full.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            reps.append(full)
-    return reps
-
-
 class Session:
     """The gathers of one grouped call, and of its backward.
 
@@ -164,9 +158,9 @@ class Session:
         self.current = None
         self.forward = {}  # group -> its gathered full tensors
         self.pending = {}  # group -> (Pending, shards): started gathers
-        self.ptrs = {}  # storage -> (group, representative index, dtype)
+        self.ptrs = {}  # storage -> (group, index in it, dtype)
         self.packed = collections.Counter()
-        self.back = {}  # group -> representatives, gathered in backward
+        self.back = {}  # group -> its full tensors, gathered in backward
         self.back_pending = {}
         # Units in the order this call reaches them, while the layout's
         # groups follow the layers' order (a model's first call).
@@ -214,10 +208,10 @@ class Session:
         fulls = group_gather.finish(pending, shards)
         for i, full in zip(indices, fulls, strict=True):
             self.plan.weights[i][0]._value = full
-        if g != self.last:
-            for k, rep in enumerate(_representatives(fulls)):
-                ptr = rep.untyped_storage().data_ptr()
-                self.ptrs[ptr] = (g, k, rep.dtype)
+        if g != self.last:  # each full tensor has a storage of its own
+            for k, full in enumerate(fulls):
+                ptr = full.untyped_storage().data_ptr()
+                self.ptrs[ptr] = (g, k, full.dtype)
         self.forward[g] = fulls
         following = g + 1
         if (
@@ -232,8 +226,8 @@ class Session:
             return
         for i in self.layout.groups[g]:
             self.plan.weights[i][0]._value = self.values[i]
-        for rep in _representatives(self.forward.pop(g)):
-            self.ptrs.pop(rep.untyped_storage().data_ptr(), None)
+        for full in self.forward.pop(g):
+            self.ptrs.pop(full.untyped_storage().data_ptr(), None)
 
     def close(self):
         """The call is over: every group let go (the last one stays
@@ -270,21 +264,21 @@ class Session:
         if type(packed) is not tuple or packed[0] is not _MARK:
             return packed
         _, g, k, size, stride, offset = packed
-        reps = self.back.get(g)
-        if reps is None:
-            reps = self._regather(g)
+        fulls = self.back.get(g)
+        if fulls is None:
+            fulls = self._regather(g)
         self.packed[g] -= 1
         if self.packed[g] <= 0:
             self.back.pop(g, None)
-        return reps[k].as_strided(size, stride, offset)
+        return fulls[k].as_strided(size, stride, offset)
 
     def _regather(self, g):
         started = self.back_pending.pop(g, None)
         if started is None:
             started = self._start_values(g)
         with torch.no_grad():
-            reps = _representatives(started.wait())
-        self.back[g] = reps
+            fulls = started.wait()
+        self.back[g] = fulls
         before = g - 1
         if (
             before >= 0
@@ -293,7 +287,7 @@ class Session:
             and before not in self.back_pending
         ):
             self.back_pending[before] = self._start_values(before)
-        return reps
+        return fulls
 
     def _start_values(self, g):
         indices = self.layout.groups[g]

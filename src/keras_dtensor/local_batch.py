@@ -54,6 +54,7 @@ from keras_dtensor import errors
 from keras_dtensor import gather_groups
 from keras_dtensor import group_gather
 from keras_dtensor import weight_gather
+from keras_dtensor.layout import contiguous_strides
 
 __all__ = [
     "AssignedInCall",
@@ -82,12 +83,14 @@ class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one model runs locally: its mesh, the batch axis's mesh dim,
-    `(variable, gather, grad placements)` for each weight, its layers."""
+    `(variable, gather, grad placements)` for each weight, its layers,
+    the indices of the weights to gather."""
 
     mesh: object
     dim: int
     weights: tuple
     layers: tuple
+    gathered: tuple
 
 
 def variables_changed():
@@ -142,7 +145,8 @@ def _build(layer, batch_axis):
         if shard is None and batch_ranks > 1:
             grad[dim] = Partial()  # this rank's rows' share of the sum
         items.append((variable, gather, tuple(grad)))
-    return Plan(mesh, dim, tuple(items), layers)
+    gathered = tuple(i for i, (_, gather, _) in enumerate(items) if gather)
+    return Plan(mesh, dim, tuple(items), layers, gathered)
 
 
 def _whole(mesh, dim, placement):
@@ -205,7 +209,7 @@ def _to_global(plan_, rows, x, layer):
         placements,
         run_check=False,
         shape=torch.Size(shape),
-        stride=torch.empty(shape, device="meta").stride(),
+        stride=contiguous_strides(shape),
     )
     mask = getattr(x, "_keras_mask", None)
     if mask is not None:
@@ -225,13 +229,13 @@ def _local_weights(plan_, layout):
     by_dtype = {}
     values = [variable._value for variable, _, _ in plan_.weights]
     session = None
-    if any(gather for _, gather, _ in plan_.weights):
+    if plan_.gathered:
         group = plan_.mesh.get_group(plan_.dim)
     if layout is not None:
         session = gather_groups.Session(plan_, layout, values, group)
         for i, full in session.gather_root().items():
             whole[id(plan_.weights[i][0])] = full
-    grouped = set() if layout is None else {i for g in layout.groups for i in g}
+    grouped = () if layout is None else layout.grouped
     for i, (variable, gather, grad) in enumerate(plan_.weights):
         value = values[i]
         if not gather:
@@ -309,7 +313,7 @@ def _layout(layer, plan_):
     """The model's `gather_groups.Layout` for this call, or None (all
     weights gathered at once). Before the first call it is built from the
     layers' order; after it, again from the order the call reached them."""
-    if not any(gather for _, gather, _ in plan_.weights):
+    if not plan_.gathered:
         return None
     cached = layer.__dict__.get(_GROUPS)
     if cached is None or cached[0] is not plan_:
