@@ -132,6 +132,14 @@ def _run(family, distribution, lora=False):
             for v in lm.weights
             if "embeddings" in v.path or "lora" in v.path or "query" in v.path
         }
+        # Which of the task model's call signatures ran on local tensors
+        # between its tensor-parallel layers (`sharded_layers`).
+        records = lm.__dict__.get("_keras_dtensor_sharded_records")
+        local["signatures"] = (
+            None
+            if records is None
+            else sorted(r is not None for r in records[1].values())
+        )
     return result, generated, frozen_moved, local
 
 
@@ -189,6 +197,13 @@ def _check(results, mesh_shape):
                 assert r["frozen_moved"] == 0.0, family
             if mesh_shape == "data":
                 continue  # DataParallel: plain, whole variables
+            # Every signature (fit, evaluate, predict) ran on local tensors
+            # between the tensor-parallel layers, checked against DTensors
+            # (the MoE router and auxiliary loss, Gemma's attention
+            # reshape: as DTensors inside).
+            if model_axis > 1:
+                assert r["local"]["signatures"], family
+                assert all(r["local"]["signatures"]), (family, r["local"])
             # The layout map's weights really hold their shards.
             shape, local = r["local"]["token_embedding/embeddings"]
             assert local[0] == shape[0] // model_axis, (family, local)

@@ -231,6 +231,7 @@ def _features(cache):
     out["fsdp_comms"] = _fsdp_collectives(keras, models, world)
     out["fsdp_local"] = _fsdp_local(keras, world)
     out["fsdp_groups"] = _fsdp_groups(keras, world)
+    out["tp_local"] = _tp_local(keras, world)
 
     # A key that matches no weight warns: functional-model paths have no
     # model prefix ("up/kernel", not "mlp/up/kernel").
@@ -469,6 +470,142 @@ def _fsdp_local(keras, world):
         out["off"] = (out["plain"][0], run(fsdp()))
     finally:
         del os.environ["KERAS_DTENSOR_LOCAL_BATCH"]
+    return out
+
+
+def _tp_local(keras, world):
+    """Tensor-parallel layouts with the ops between the sharded layers on
+    local tensors (`sharded_layers`), against plain Keras: what a layer
+    between a column- and a row-split Dense sees, which signatures run
+    locally, a norm given head-sharded inputs (it runs as DTensors: its
+    gamma's gradient is a sum over the heads' shards), a layer reshaping
+    to a global size (it raises locally) and a layer taking a mean over
+    the split columns (its outputs differ): each runs as DTensors, the
+    rest locally; the same mean in a model's own call (the whole model
+    runs as DTensors, with a warning from rank 0), and
+    KERAS_DTENSOR_LOCAL_MODEL=0."""
+    import os
+    import warnings
+
+    from keras_dtensor import sharded_layers
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            self.seen = (type(x).__name__, tuple(x.shape))
+            return x
+
+    class Center(keras.layers.Layer):
+        def call(self, x):
+            return x - keras.ops.mean(x, axis=-1, keepdims=True)
+
+    class Centers(keras.Model):
+        """Centers the split columns in its own call: nothing to hand to
+        the DTensor run but the whole model."""
+
+        def __init__(self, probe):
+            super().__init__()
+            self.up = keras.layers.Dense(16, name="up")
+            self.probe = probe
+            self.down = keras.layers.Dense(8, name="down")
+
+        def call(self, x):
+            f = self.probe(self.up(x))
+            return self.down(f - keras.ops.mean(f, axis=-1, keepdims=True))
+
+    class Heads(keras.layers.Layer):
+        """Reshapes to the global head count and back (keras_hub's Gemma
+        attention does): on a local shard it raises."""
+
+        def call(self, x):
+            batch = keras.ops.shape(x)[0]
+            h = keras.ops.reshape(x, (batch, 6, 4, 4))
+            return keras.ops.reshape(h, (batch, 6, 16))
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 6, 8)).astype("float32")
+    y = rng.normal(size=(16, 6, 8)).astype("float32")
+    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    layouts = {
+        ".*(query|key|value)/kernel": (None, "model", None),
+        ".*(query|key|value)/bias": ("model", None),
+        ".*attention_output/kernel": ("model", None, None),
+        ".*up/kernel": (None, "model"),
+        ".*up/bias": ("model",),
+        ".*down/kernel": ("model", None),
+        ".*q/kernel": (None, "model", None),
+        ".*o/kernel": ("model", None, None),
+    }
+
+    def build(kind, probe):
+        if kind == "own_call":
+            return Centers(probe)
+        inputs = keras.Input((6, 8))
+        if kind == "norm":  # per-head norm (Qwen3's, Gemma3's q/k norm)
+            q = keras.layers.EinsumDense(
+                "abc,cde->abde", (None, 4, 2), name="q"
+            )(inputs)
+            q = keras.layers.LayerNormalization(name="norm")(q)
+            h = keras.layers.EinsumDense("abde,dec->abc", (None, 8), name="o")(
+                probe(q)
+            )
+            return keras.Model(inputs, h)
+        a = keras.layers.MultiHeadAttention(4, 2, name="mha")(inputs, inputs)
+        h = keras.layers.LayerNormalization(name="ln")(inputs + a)
+        f = probe(keras.layers.Dense(16, activation="relu", name="up")(h))
+        if kind == "center":
+            f = Center(name="center")(f)
+        if kind == "heads":
+            f = Heads(name="heads")(f)
+        return keras.Model(inputs, h + keras.layers.Dense(8, name="down")(f))
+
+    def run(distribution, kind="plain"):
+        keras.utils.set_random_seed(5)
+        with distribution.scope() if distribution else _null():
+            probe = Probe()
+            model = build(kind, probe)
+            model.compile(optimizer="adam", loss="mse")
+            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+            seen = probe.seen
+            predicted = model.predict(x, batch_size=8, verbose=0)
+            records = model.__dict__.get(sharded_layers._RECORDS)
+            return {
+                "seen": seen,
+                "loss": history.history["loss"],
+                "weights": model.get_weights(),
+                "predicted": np.asarray(predicted),
+                "local": None
+                if records is None
+                else sorted(r is not None for r in records[1].values()),
+                "boundary": None
+                if not records or not any(records[1].values())
+                else sorted(
+                    layer.name
+                    for layer in model._flatten_layers()
+                    if id(layer)
+                    in next(r for r in records[1].values() if r).boundary
+                ),
+            }
+
+    def tp():
+        return keras.distribution.ModelParallel(
+            layout_map=models_layout_map(keras, mesh, layouts)
+        )
+
+    from models import layout_map as models_layout_map
+
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind in ("plain", "norm", "heads", "center", "own_call"):
+            out[kind] = (run(None, kind), run(tp(), kind))
+    out["warnings"] = [
+        str(w.message) for w in caught if "runs as DTensors" in str(w.message)
+    ]
+    os.environ["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
+    try:
+        out["off"] = (out["plain"][0], run(tp()))
+    finally:
+        del os.environ["KERAS_DTENSOR_LOCAL_MODEL"]
     return out
 
 
@@ -801,7 +938,46 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             assert "'reads_back" in groups["reads_back_warnings"][0]
         else:
             assert groups["reads_back_warnings"] == []
+        # Tensor-parallel: the layer between the column- and the row-split
+        # Dense gets this rank's half of the columns as a plain tensor;
+        # fit's and predict's signatures both run locally; the per-head
+        # norm runs as DTensors, and so do a layer that raises locally and
+        # a layer whose outputs differ (the rest stays local); a mean over
+        # the split columns in the model's own call makes the whole model
+        # run as DTensors (warned on rank 0); the setting off too.
+        tp = out["tp_local"]
+        assert tp["plain"][1]["seen"] == ("Tensor", (8, 6, 16 // 2))
+        assert tp["plain"][1]["local"] == [True, True]
+        assert tp["plain"][1]["boundary"] == [
+            "attention_output",
+            "down",
+            "key",
+            "query",
+            "up",
+            "value",
+        ]
+        assert tp["norm"][1]["local"] == [True, True]
+        assert tp["norm"][1]["boundary"] == ["norm", "o", "q"]
+        for kind in ("heads", "center"):
+            assert tp[kind][1]["local"] == [True, True], kind
+            assert kind in tp[kind][1]["boundary"], tp[kind][1]["boundary"]
+        assert tp["own_call"][1]["seen"] == ("DTensor", (8, 6, 16))
+        assert set(tp["own_call"][1]["local"]) == {False}
+        assert tp["off"][1]["seen"] == ("DTensor", (8, 6, 16))
+        if out["rank"] == 0:
+            assert len(tp["warnings"]) == 1, tp["warnings"]
+            assert (
+                "'down': an input of local shape (8, 6, 8)"
+                in (tp["warnings"][0])
+            )
+        else:
+            assert tp["warnings"] == []
         pairs = [groups["layers"], groups["whole"], groups["reads_back"]]
+        pairs += [
+            tp[kind]
+            for kind in ("plain", "norm", "heads", "center", "own_call")
+        ]
+        pairs.append(tp["off"])
         for plain, dist in [*local.values(), *pairs]:
             np.testing.assert_allclose(
                 dist["loss"], plain["loss"], atol=TOLERANCE

@@ -152,6 +152,16 @@ VARIABLES = (
         "block, GATHER_MB)",
     ),
     Variable(
+        "LOCAL_MODEL",
+        _flag,
+        True,
+        "1/0, true/false, yes/no, on/off",
+        "ModelParallel, weights sharded over a non-batch axis: only the "
+        "layers owning them run as DTensors, the ops between them on local "
+        "tensors (torch's tensor parallelism), once a first call per input "
+        "signature has matched the DTensor run (needs LOCAL_BATCH)",
+    ),
+    Variable(
         "GATHER_MB",
         _positive_float,
         25.0,

@@ -1,6 +1,7 @@
 """Message builders: every error names the tensor path, axes and the mesh."""
 
 __all__ = [
+    "AssignedInCall",
     "collective_failure",
     "describe_mesh",
     "layout_error",
@@ -99,3 +100,9 @@ def local_output_error(*, layer, shape, rows, rank, mesh) -> ValueError:
         "the batch, so it cannot be laid out over the batch axis. To run "
         "this model as DTensors, set KERAS_DTENSOR_LOCAL_BATCH=0."
     )
+
+
+class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised before a variable is assigned inside a local call (or the
+    DTensor run a local run is checked against): the call runs again as
+    DTensors, and nothing was written twice."""

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate
 
 from keras_dtensor import context
 from keras_dtensor import local_batch
+from keras_dtensor import sharded_layers
 from keras_dtensor.data import distribute_batch
 from keras_dtensor.weight_gather import gathered_weights
 
@@ -93,6 +94,18 @@ def _reduce_partial_grad(x):
     return x
 
 
+def _reduced(outputs):
+    """A layer's outputs with pending sums reduced (and, under autograd,
+    their gradients laid out as the outputs when they arrive)."""
+    from keras.src import tree
+
+    if torch.is_grad_enabled():
+        return tree.map_structure(
+            lambda x: _reduce_partial_grad(_reduce_partial(x)), outputs
+        )
+    return tree.map_structure(_reduce_partial, outputs)
+
+
 def wrap_call(original):
     """Wraps `Layer.__call__`: inputs of the outermost call, and outputs.
 
@@ -113,31 +126,32 @@ def wrap_call(original):
             return original(self, *args, **kwargs)
         if not torch.compiler.is_compiling() and local_batch.active():
             return local_batch.inner_call(self, original, args, kwargs)
-        from keras.src import tree
-
-        nested = _in_layer_call()
-        if nested and torch.compiler.is_compiling():
-            # No context manager around a traced call: Keras's own graph
-            # breaks inside it would force a recompile per layer.
-            outputs = original(self, *args, **kwargs)
-        elif nested:
+        if _in_layer_call():
+            if torch.compiler.is_compiling():
+                # No context manager around a traced call: Keras's own
+                # graph breaks inside it would force a recompile per layer.
+                return _reduced(original(self, *args, **kwargs))
+            record = sharded_layers.recorder()  # a run to check against
+            if record is not None:
+                key = record.enter(self, args, kwargs)
             with gathered_weights(self, distribution):
-                outputs = original(self, *args, **kwargs)
-        else:
-            args, kwargs = distribute_batch((args, kwargs), distribution)
-            local = local_batch.plan(self, distribution)
-            if local is not None:
-                done, outputs = local_batch.call(
-                    self, original, local, args, kwargs
-                )
-                if done:
-                    return outputs
+                outputs = _reduced(original(self, *args, **kwargs))
+            if record is not None:
+                record.leave(key, outputs)
+            return outputs
+        args, kwargs = distribute_batch((args, kwargs), distribution)
+
+        def as_dtensors():
             with context.global_values(), gathered_weights(self, distribution):
-                outputs = original(self, *args, **kwargs)
-        if torch.is_grad_enabled():
-            return tree.map_structure(
-                lambda x: _reduce_partial_grad(_reduce_partial(x)), outputs
+                return _reduced(original(self, *args, **kwargs))
+
+        local = local_batch.plan(self, distribution)
+        if local is not None:
+            done, outputs = local_batch.call(
+                self, original, local, args, kwargs, as_dtensors
             )
-        return tree.map_structure(_reduce_partial, outputs)
+            if done:
+                return outputs
+        return as_dtensors()
 
     return __call__

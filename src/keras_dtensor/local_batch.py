@@ -53,6 +53,7 @@ from keras_dtensor import config
 from keras_dtensor import errors
 from keras_dtensor import gather_groups
 from keras_dtensor import group_gather
+from keras_dtensor import sharded_layers
 from keras_dtensor import weight_gather
 from keras_dtensor.layout import contiguous_strides
 
@@ -76,21 +77,33 @@ _SESSION = contextvars.ContextVar("keras_dtensor_gather_session", default=None)
 _generation = 0
 
 
-class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised before a variable is assigned inside a local call."""
+AssignedInCall = errors.AssignedInCall
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one model runs locally: its mesh, the batch axis's mesh dim,
     `(variable, gather, grad placements)` for each weight, its layers,
-    the indices of the weights to gather."""
+    the indices of the weights to gather; under a tensor-parallel layout,
+    the indices of the weights sharded over another axis (`kept`, left
+    as DTensors) and the ids of the layers owning them (`boundary`, run
+    as DTensors: `sharded_layers`)."""
 
     mesh: object
     dim: int
     weights: tuple
     layers: tuple
     gathered: tuple
+    kept: frozenset = frozenset()
+    boundary: frozenset = frozenset()
+
+    def whole(self, placements):
+        """Whether an activation so placed is laid out like the batch:
+        rows sharded over the batch axis, whole along every other."""
+        return all(
+            (i == self.dim and p == Shard(0)) or _whole(self.mesh, i, p)
+            for i, p in enumerate(placements)
+        )
 
 
 def variables_changed():
@@ -120,12 +133,16 @@ def _build(layer, batch_axis):
     layers = tuple(layer._flatten_layers(include_self=True))
     if not weights or _excluded(layers):
         return None
-    mesh, dim, items = None, None, []
+    mesh, dim, items, kept = None, None, [], []
     for variable in weights:
         value = getattr(variable, "_value", None)
         found = weight_gather.batch_placement(value, batch_axis)
-        if found is None:  # not a DTensor, or no batch axis on its mesh
-            return None
+        if found is None:
+            if not isinstance(value, DTensor):
+                return None
+            # No batch axis on its mesh (an axis of one process is left
+            # out): only a tensor-parallel layout runs here so.
+            found = (None, None)
         if mesh is None:
             mesh, dim = value.device_mesh, found[0]
         elif value.device_mesh != mesh:
@@ -138,15 +155,59 @@ def _build(layer, batch_axis):
             for i, p in enumerate(value.placements)
             if i != dim
         ):
-            return None
-        batch_ranks = mesh.size(dim)
+            # Sharded over another axis (tensor-parallel): its layer runs
+            # as DTensors. Also sharded over the batch axis (2-D, FSDP +
+            # TP): not here.
+            if shard is not None or not config.get("LOCAL_MODEL"):
+                return None
+            kept.append(len(items))
+            items.append((variable, False, None))
+            continue
+        batch_ranks = 1 if dim is None else mesh.size(dim)
         gather = shard is not None and batch_ranks > 1
         grad = list(value.placements)
         if shard is None and batch_ranks > 1:
             grad[dim] = Partial()  # this rank's rows' share of the sum
         items.append((variable, gather, tuple(grad)))
     gathered = tuple(i for i, (_, gather, _) in enumerate(items) if gather)
-    return Plan(mesh, dim, tuple(items), layers, gathered)
+    if not kept:
+        if dim is None:
+            return None
+        return Plan(mesh, dim, tuple(items), layers, gathered)
+    if gathered:
+        return None
+    return _tensor_parallel(layer, mesh, dim, items, layers, kept)
+
+
+def _tensor_parallel(layer, mesh, dim, items, layers, kept):
+    """The plan of a model with weights sharded over a non-batch axis:
+    the layers owning them are the boundary; all their weights are kept
+    as DTensors. None when a boundary layer has weighted sublayers (the
+    boundary would cut through a layer) or is the model itself."""
+    index = {id(variable): i for i, (variable, _, _) in enumerate(items)}
+    sharded = {id(items[i][0]) for i in kept}
+    boundary, kept = set(), set(kept)
+    for sub in layers:
+        own = list(sub._trainable_variables) + list(
+            sub._non_trainable_variables
+        )
+        if not any(id(variable) in sharded for variable in own):
+            continue
+        if sub is layer or any(
+            inner.weights for inner in sub._flatten_layers(include_self=False)
+        ):
+            return None
+        boundary.add(id(sub))
+        kept.update(index[id(v)] for v in own if id(v) in index)
+    return Plan(
+        mesh,
+        dim,
+        tuple(items),
+        layers,
+        (),
+        frozenset(kept),
+        frozenset(boundary),
+    )
 
 
 def _whole(mesh, dim, placement):
@@ -171,8 +232,9 @@ def plan(layer, distribution):
 
 def _input_rows(plan_, flat):
     """`(global rows, local rows)` of the batch-sharded inputs; None when
-    an input is laid out otherwise."""
-    rows = None
+    an input is laid out otherwise. `()` on a mesh without the batch axis
+    when every input is replicated."""
+    rows = None if plan_.dim is not None else ()
     for x in flat:
         if not isinstance(x, DTensor):
             continue
@@ -238,7 +300,9 @@ def _local_weights(plan_, layout):
     grouped = () if layout is None else layout.grouped
     for i, (variable, gather, grad) in enumerate(plan_.weights):
         value = values[i]
-        if not gather:
+        if i in plan_.kept:
+            whole[id(variable)] = value
+        elif not gather:
             whole[id(variable)] = value.to_local(grad_placements=grad)
         elif layout is None:
             by_dtype.setdefault(value.dtype, []).append((variable, value))
@@ -275,11 +339,44 @@ def _local_weights(plan_, layout):
 
 
 def inner_call(layer, original, args, kwargs):
-    """A layer called inside a local call: its weights' group gathered."""
+    """A layer called inside a local call: its weights' group gathered,
+    or, for a tensor-parallel layer, run as DTensors."""
+    replay = sharded_layers.current_replay()
+    if replay is not None:
+        try:
+            if id(layer) in replay.record.boundary:
+                return sharded_layers.boundary_call(
+                    replay, layer, original, args, kwargs, _dtensor_scope
+                )
+            if replay.record.fingerprints is not None:
+                return sharded_layers.checked_call(
+                    replay, layer, original, args, kwargs
+                )
+        except Exception:
+            sharded_layers.failed_in(layer)
+            raise
     hook = _SESSION.get()
     if hook is not None:
         hook.enter(layer)
-    return original(layer, *args, **kwargs)
+    try:
+        return original(layer, *args, **kwargs)
+    except Exception:
+        sharded_layers.failed_in(layer)  # a local run being checked
+        raise
+
+
+@contextlib.contextmanager
+def _dtensor_scope():
+    """A boundary layer's call inside a local call: as DTensors, as
+    outside a local call (nested layers included)."""
+    from keras_dtensor import context
+
+    token = _ACTIVE.set(False)
+    try:
+        with context.global_values():
+            yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 @contextlib.contextmanager
@@ -323,8 +420,11 @@ def _layout(layer, plan_):
     return None if layout is None or layout.failed else layout
 
 
-def _run(layer, original, plan_, layout, args, kwargs):
-    with _local_weights(plan_, layout) as session, _plain_only():
+def _run(layer, original, plan_, layout, args, kwargs, replay=None):
+    replaying = contextlib.nullcontext()
+    if replay is not None:
+        replaying = sharded_layers.replaying(replay)
+    with _local_weights(plan_, layout) as session, _plain_only(), replaying:
         outputs = original(layer, *args, **kwargs)
     if layout is not None and layout.order is None:
         # The groups again, in the order this call reached the layers.
@@ -337,22 +437,29 @@ def _mixed(error):
     return "mixed torch.Tensor and DTensor" in str(error)
 
 
-def call(layer, original, plan_, args, kwargs):
+def _to_local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def call(layer, original, plan_, args, kwargs, reference):
     """Runs `original(layer, *args, **kwargs)` on local rows.
 
     Returns `(True, outputs)`, or `(False, None)` when the call must run as
     DTensors instead (inputs laid out otherwise, or a loss added inside).
+    `reference()` runs the call as DTensors (a tensor-parallel layout's
+    first call of a signature runs both and compares).
     """
     from keras.src import tree
 
-    rows = _input_rows(plan_, tree.flatten((args, kwargs)))
+    flat = tree.flatten((args, kwargs))
+    rows = _input_rows(plan_, flat)
     if rows is None:
         return False, None
-
-    def to_local(x):
-        return x.to_local() if isinstance(x, DTensor) else x
-
-    local_args, local_kwargs = tree.map_structure(to_local, (args, kwargs))
+    if plan_.boundary:
+        return _call_tensor_parallel(
+            layer, original, plan_, args, kwargs, flat, reference
+        )
+    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     layout = _layout(layer, plan_)
     assigned = False
     try:
@@ -388,3 +495,19 @@ def call(layer, original, plan_, args, kwargs):
     return True, tree.map_structure(
         lambda x: _to_global(plan_, rows, x, layer), outputs
     )
+
+
+def _call_tensor_parallel(
+    layer, original, plan_, args, kwargs, flat, reference
+):
+    """A tensor-parallel layout's local call (`sharded_layers.call`)."""
+    from keras.src import tree
+
+    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+
+    def run(replay):
+        return _run(
+            layer, original, plan_, None, local_args, local_kwargs, replay
+        )
+
+    return sharded_layers.call(layer, plan_, flat, reference, run)

@@ -14,6 +14,7 @@ from keras_dtensor import context
 from keras_dtensor import grad_reduce
 from keras_dtensor import layout_plan
 from keras_dtensor import local_batch
+from keras_dtensor import sharded_layers
 from keras_dtensor import store_hooks
 
 __all__ = [
@@ -189,6 +190,10 @@ def wrap_direct_assign(original):
                 # in a global variable; the call reruns as DTensors.
                 raise local_batch.AssignedInCall(self.path)
             return original(self, value)
+        if sharded_layers.recorder() is not None:
+            # The DTensor run a local run is checked against: it runs
+            # again for real if needed; nothing may be written twice.
+            raise local_batch.AssignedInCall(self.path)
         with torch.no_grad():
             self._value.copy_(_to_dtensor(self, value))
 
