@@ -487,7 +487,7 @@ def _tp_local(keras, world):
     import os
     import warnings
 
-    from keras_dtensor import sharded_layers
+    from keras_dtensor import sharded_check
 
     class Probe(keras.layers.Layer):
         def call(self, x):
@@ -567,7 +567,7 @@ def _tp_local(keras, world):
             history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
             seen = probe.seen
             predicted = model.predict(x, batch_size=8, verbose=0)
-            records = model.__dict__.get(sharded_layers._RECORDS)
+            records = model.__dict__.get(sharded_check._RECORDS)
             return {
                 "seen": seen,
                 "loss": history.history["loss"],

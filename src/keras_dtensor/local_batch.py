@@ -53,6 +53,7 @@ from keras_dtensor import config
 from keras_dtensor import errors
 from keras_dtensor import gather_groups
 from keras_dtensor import group_gather
+from keras_dtensor import sharded_check
 from keras_dtensor import sharded_layers
 from keras_dtensor import weight_gather
 from keras_dtensor.layout import contiguous_strides
@@ -500,7 +501,7 @@ def call(layer, original, plan_, args, kwargs, reference):
 def _call_tensor_parallel(
     layer, original, plan_, args, kwargs, flat, reference
 ):
-    """A tensor-parallel layout's local call (`sharded_layers.call`)."""
+    """A tensor-parallel layout's local call (`sharded_check.call`)."""
     from keras.src import tree
 
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
@@ -510,4 +511,4 @@ def _call_tensor_parallel(
             layer, original, plan_, None, local_args, local_kwargs, replay
         )
 
-    return sharded_layers.call(layer, plan_, flat, reference, run)
+    return sharded_check.call(layer, plan_, flat, reference, run)
