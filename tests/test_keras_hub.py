@@ -202,7 +202,7 @@ def _check(results, mesh_shape):
             # (the MoE router and auxiliary loss, Gemma's attention
             # reshape: as DTensors inside).
             if model_axis > 1:
-                assert r["local"]["signatures"], family
+                assert r["local"]["signatures"], (family, mesh_shape)
                 assert all(r["local"]["signatures"]), (family, r["local"])
             # The layout map's weights really hold their shards.
             shape, local = r["local"]["token_embedding/embeddings"]

@@ -157,9 +157,9 @@ def _build(layer, batch_axis):
             if i != dim
         ):
             # Sharded over another axis (tensor-parallel): its layer runs
-            # as DTensors. Also sharded over the batch axis (2-D, FSDP +
-            # TP): not here.
-            if shard is not None or not config.get("LOCAL_MODEL"):
+            # as DTensors (gathered over the batch axis there, if sharded
+            # over it too: keras_hub's layouts on a 2-D mesh).
+            if not config.get("LOCAL_MODEL"):
                 return None
             kept.append(len(items))
             items.append((variable, False, None))
@@ -175,8 +175,6 @@ def _build(layer, batch_axis):
         if dim is None:
             return None
         return Plan(mesh, dim, tuple(items), layers, gathered)
-    if gathered:
-        return None
     return _tensor_parallel(layer, mesh, dim, items, layers, kept)
 
 
@@ -200,12 +198,15 @@ def _tensor_parallel(layer, mesh, dim, items, layers, kept):
             return None
         boundary.add(id(sub))
         kept.update(index[id(v)] for v in own if id(v) in index)
+    gathered = tuple(
+        i for i, (_, gather, _) in enumerate(items) if gather and i not in kept
+    )
     return Plan(
         mesh,
         dim,
         tuple(items),
         layers,
-        (),
+        gathered,
         frozenset(kept),
         frozenset(boundary),
     )
@@ -367,14 +368,18 @@ def inner_call(layer, original, args, kwargs):
 
 
 @contextlib.contextmanager
-def _dtensor_scope():
+def _dtensor_scope(layer):
     """A boundary layer's call inside a local call: as DTensors, as
-    outside a local call (nested layers included)."""
+    outside a local call (nested layers included), its weights sharded
+    over the batch axis too gathered for the call."""
     from keras_dtensor import context
 
     token = _ACTIVE.set(False)
     try:
-        with context.global_values():
+        with (
+            context.global_values(),
+            weight_gather.gathered_weights(layer, context.active()),
+        ):
             yield
     finally:
         _ACTIVE.reset(token)

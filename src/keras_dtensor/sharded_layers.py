@@ -258,7 +258,7 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
             value = replay.originals.get(id(variable))
             if value is not None:
                 variable._value = value
-        with dtensor_scope():
+        with dtensor_scope(layer):
             outputs = original(layer, *args, **kwargs)
     finally:
         for variable, value in saved:
