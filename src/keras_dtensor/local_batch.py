@@ -35,21 +35,23 @@ RNN's state): the assignment is stopped before it writes
 (`variables.wrap_direct_assign`). Like DDP, a layer is assumed to treat the
 rows of a batch independently (BatchNormalization aside). Turned off with
 `KERAS_DTENSOR_LOCAL_BATCH=0`.
+
+A weight sharded over another axis (tensor-parallel) leaves its layer to
+run as DTensors, an island in the local call (`sharded_layers`); such a
+model's local call is checked against its DTensor call once per input
+signature (`sharded_check`). Turned off with `KERAS_DTENSOR_LOCAL_MODEL=0`.
 """
 
 import contextlib
 import contextvars
-import dataclasses
 import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_dtensor import callbacks
-from keras_dtensor import config
 from keras_dtensor import errors
 from keras_dtensor import gather_groups
 from keras_dtensor import group_gather
@@ -57,6 +59,10 @@ from keras_dtensor import sharded_check
 from keras_dtensor import sharded_layers
 from keras_dtensor import weight_gather
 from keras_dtensor.layout import contiguous_strides
+from keras_dtensor.local_plan import forget
+from keras_dtensor.local_plan import plan
+from keras_dtensor.local_plan import variables_changed
+from keras_dtensor.local_plan import whole_along
 
 __all__ = [
     "AssignedInCall",
@@ -67,169 +73,18 @@ __all__ = [
     "variables_changed",
 ]
 
-_PLAN = "_keras_dtensor_local_batch"
 _ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
 _GROUPS = "_keras_dtensor_gather_groups"
 # The grouped-gather `Session` of the running local call.
 _SESSION = contextvars.ContextVar("keras_dtensor_gather_session", default=None)
-# Counts variables created; a model's cached plan is rebuilt when it moves
-# (LoRA adds weights after build). Walking `layer.weights` on every step
-# instead costs a traversal of every sublayer.
-_generation = 0
 
 
 AssignedInCall = errors.AssignedInCall
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one model runs locally: its mesh, the batch axis's mesh dim,
-    `(variable, gather, grad placements)` for each weight, its layers,
-    the indices of the weights to gather; under a tensor-parallel layout,
-    the indices of the weights sharded over another axis (`kept`, left
-    as DTensors) and the ids of the layers owning them (`boundary`, run
-    as DTensors: `sharded_layers`)."""
-
-    mesh: object
-    dim: int
-    weights: tuple
-    layers: tuple
-    gathered: tuple
-    kept: frozenset = frozenset()
-    boundary: frozenset = frozenset()
-
-    def whole(self, placements):
-        """Whether an activation so placed is laid out like the batch:
-        rows sharded over the batch axis, whole along every other."""
-        return all(
-            (i == self.dim and p == Shard(0)) or _whole(self.mesh, i, p)
-            for i, p in enumerate(placements)
-        )
-
-
-def variables_changed():
-    """Called when a variable is created: cached plans are rebuilt."""
-    global _generation
-    _generation += 1
-
-
 def active():
     """Whether a local call is running (nested layer calls leave it be)."""
     return _ACTIVE.get()
-
-
-def _excluded(layers):
-    from keras.src.layers.normalization.batch_normalization import (
-        BatchNormalization,
-    )
-
-    return any(
-        isinstance(sub, BatchNormalization) or sub._seed_generators
-        for sub in layers
-    )
-
-
-def _build(layer, batch_axis):
-    weights = layer.weights
-    layers = tuple(layer._flatten_layers(include_self=True))
-    if not weights or _excluded(layers):
-        return None
-    mesh, dim, items, kept = None, None, [], []
-    for variable in weights:
-        value = getattr(variable, "_value", None)
-        found = weight_gather.batch_placement(value, batch_axis)
-        if found is None:
-            if not isinstance(value, DTensor):
-                return None
-            # No batch axis on its mesh (an axis of one process is left
-            # out): only a tensor-parallel layout runs here so.
-            found = (None, None)
-        if mesh is None:
-            mesh, dim = value.device_mesh, found[0]
-        elif value.device_mesh != mesh:
-            return None
-        shard = found[1]
-        if shard is not None and type(shard) is not Shard:  # e.g. strided
-            return None
-        if not all(
-            _whole(mesh, i, p)
-            for i, p in enumerate(value.placements)
-            if i != dim
-        ):
-            # Sharded over another axis (tensor-parallel): its layer runs
-            # as DTensors (gathered over the batch axis there, if sharded
-            # over it too: keras_hub's layouts on a 2-D mesh).
-            if not config.get("LOCAL_MODEL"):
-                return None
-            kept.append(len(items))
-            items.append((variable, False, None))
-            continue
-        batch_ranks = 1 if dim is None else mesh.size(dim)
-        gather = shard is not None and batch_ranks > 1
-        grad = list(value.placements)
-        if shard is None and batch_ranks > 1:
-            grad[dim] = Partial()  # this rank's rows' share of the sum
-        items.append((variable, gather, tuple(grad)))
-    gathered = tuple(i for i, (_, gather, _) in enumerate(items) if gather)
-    if not kept:
-        if dim is None:
-            return None
-        return Plan(mesh, dim, tuple(items), layers, gathered)
-    return _tensor_parallel(layer, mesh, dim, items, layers, kept)
-
-
-def _tensor_parallel(layer, mesh, dim, items, layers, kept):
-    """The plan of a model with weights sharded over a non-batch axis:
-    the layers owning them are the boundary; all their weights are kept
-    as DTensors. None when a boundary layer has weighted sublayers (the
-    boundary would cut through a layer) or is the model itself."""
-    index = {id(variable): i for i, (variable, _, _) in enumerate(items)}
-    sharded = {id(items[i][0]) for i in kept}
-    boundary, kept = set(), set(kept)
-    for sub in layers:
-        own = list(sub._trainable_variables) + list(
-            sub._non_trainable_variables
-        )
-        if not any(id(variable) in sharded for variable in own):
-            continue
-        if sub is layer or any(
-            inner.weights for inner in sub._flatten_layers(include_self=False)
-        ):
-            return None
-        boundary.add(id(sub))
-        kept.update(index[id(v)] for v in own if id(v) in index)
-    gathered = tuple(
-        i for i, (_, gather, _) in enumerate(items) if gather and i not in kept
-    )
-    return Plan(
-        mesh,
-        dim,
-        tuple(items),
-        layers,
-        gathered,
-        frozenset(kept),
-        frozenset(boundary),
-    )
-
-
-def _whole(mesh, dim, placement):
-    """Whether a local tensor placed so on mesh dim `dim` is the whole
-    tensor along it: replicated, or any placement over one process (a
-    ModelParallel mesh of shape (1, 1) runs like one process)."""
-    return placement.is_replicate() or mesh.size(dim) == 1
-
-
-def plan(layer, distribution):
-    """The layer's `Plan`, or None when it must run as DTensors."""
-    if not layer.built or torch.compiler.is_compiling():
-        return None
-    cached = layer.__dict__.get(_PLAN)
-    if cached is None or cached[0] != _generation:
-        built = None
-        if config.get("LOCAL_BATCH"):
-            built = _build(layer, distribution.batch_dim_name)
-        cached = layer.__dict__[_PLAN] = (_generation, built)
-    return cached[1]
 
 
 def _input_rows(plan_, flat):
@@ -248,7 +103,7 @@ def _input_rows(plan_, flat):
                 if rows not in (None, shape):
                     return None
                 rows = shape
-            elif not _whole(plan_.mesh, i, placement):
+            elif not whole_along(plan_.mesh, i, placement):
                 return None
     return rows
 
@@ -496,7 +351,7 @@ def call(layer, original, plan_, args, kwargs, reference):
     if added or assigned:
         for sub in added:
             sub._losses.clear()
-        layer.__dict__[_PLAN] = (layer.__dict__[_PLAN][0], None)
+        forget(layer)
         return False, None
     return True, tree.map_structure(
         lambda x: _to_global(plan_, rows, x, layer), outputs
