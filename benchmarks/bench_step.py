@@ -55,6 +55,9 @@ VARIANTS = {
     "kd_dp": 2,
     "torch_tp": 2,
     "kd_mp": 2,
+    # kd_mp with every op as a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0): what
+    # running the ops between tensor-parallel layers locally buys.
+    "kd_mp_dtensor": 2,
     "torch_fsdp2": 2,
     "kd_fsdp": 2,
     # jit_compile=True (a compiled forward under ModelParallel).
@@ -74,6 +77,7 @@ RATIOS = (
     ("kd_fsdp_over_fsdp2", "kd_fsdp", "torch_fsdp2"),
     ("keras_jit_over_eager", "keras_single_jit", "keras_single"),
     ("kd_mp_jit_over_eager", "kd_mp_jit", "kd_mp"),
+    ("kd_mp_local_over_dtensor", "kd_mp", "kd_mp_dtensor"),
 )
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
@@ -348,7 +352,7 @@ def _run_keras(variant, model_name, steps, warmup):
     import keras_dtensor  # noqa: F401
 
     jit_compile = variant.endswith("_jit")
-    variant = variant.removesuffix("_jit")
+    variant = variant.removesuffix("_jit").removesuffix("_dtensor")
 
     cfg = _config(variant, model_name)
     if not variant.startswith("keras_single"):
@@ -452,6 +456,8 @@ def _launch(variant, model, args):
     )
     if args.device == "cpu":  # Keras picks a visible GPU by itself
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if variant == "kd_mp_dtensor":
+        env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
     command = [
         sys.executable,
         "-m",

@@ -482,7 +482,8 @@ def _tp_local(keras, world):
     to a global size (it raises locally) and a layer taking a mean over
     the split columns (its outputs differ): each runs as DTensors, the
     rest locally; the same mean in a model's own call (the whole model
-    runs as DTensors, with a warning from rank 0), and
+    runs as DTensors, with a warning from rank 0), split Dense layers back
+    to back (nothing between them: DTensors), and
     KERAS_DTENSOR_LOCAL_MODEL=0."""
     import os
     import warnings
@@ -539,6 +540,15 @@ def _tp_local(keras, world):
     def build(kind, probe):
         if kind == "own_call":
             return Centers(probe)
+        if kind == "stack":  # nothing between the split layers
+            probe.seen = None
+            return keras.Sequential(
+                [
+                    keras.Input((6, 8)),
+                    keras.layers.Dense(16, activation="relu", name="up"),
+                    keras.layers.Dense(8, name="down"),
+                ]
+            )
         inputs = keras.Input((6, 8))
         if kind == "norm":  # per-head norm (Qwen3's, Gemma3's q/k norm)
             q = keras.layers.EinsumDense(
@@ -596,7 +606,7 @@ def _tp_local(keras, world):
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for kind in ("plain", "norm", "heads", "center", "own_call"):
+        for kind in ("plain", "norm", "heads", "center", "own_call", "stack"):
             out[kind] = (run(None, kind), run(tp(), kind))
     out["warnings"] = [
         str(w.message) for w in caught if "runs as DTensors" in str(w.message)
@@ -961,6 +971,8 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         for kind in ("heads", "center"):
             assert tp[kind][1]["local"] == [True, True], kind
             assert kind in tp[kind][1]["boundary"], tp[kind][1]["boundary"]
+        # Split Dense layers back to back: nothing to run locally.
+        assert set(tp["stack"][1]["local"]) == {False}
         assert tp["own_call"][1]["seen"] == ("DTensor", (8, 6, 16))
         assert set(tp["own_call"][1]["local"]) == {False}
         assert tp["off"][1]["seen"] == ("DTensor", (8, 6, 16))

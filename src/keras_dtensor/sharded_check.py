@@ -20,6 +20,11 @@ every rank (one all-reduce of the verdicts). When it is not:
   layers, the signature runs as DTensors, and rank 0 says why, once per
   distribution.
 
+A model whose every layer call is a boundary one (a stack of split
+`Dense` layers) has nothing to run locally; it runs as DTensors, which
+spares the conversions at each boundary (8% of the MLP's step on 2 CPU
+processes).
+
 Each attempt costs two forward passes (the DTensor one without autograd);
 a model with n layers to move takes about n + 2 attempts, once per model
 and signature; later calls of the signature run once, locally.
@@ -167,6 +172,10 @@ def call(layer, plan_, flat, reference, run):
             records[key] = None
             return False, None
         record.set_outputs(expected)
+        if not record.between:
+            # Every layer is a boundary layer: nothing to run locally.
+            records[key] = None
+            return False, None
         code, outputs, why = -1, None, None
         replay = _replay(record, plan_)
         try:

@@ -74,6 +74,9 @@ class Record:
     # `{(id(layer), n): fingerprint of its outputs}` of every layer call,
     # when a local run that differed is being traced to its layer.
     fingerprints: dict | None = None
+    # Layer calls that run locally: with none (a stack of split Dense
+    # layers), the local run only adds conversions at every boundary.
+    between: int = 0
 
     def enter(self, layer, args, kwargs):
         """Notes a nested layer call of the DTensor run; returns its key.
@@ -87,6 +90,7 @@ class Record:
             or layer.__dict__.get("_trainable_variables")
             or layer.__dict__.get("_non_trainable_variables")
         ):
+            self.between += 1
             return key
         from keras.src import tree
 
@@ -97,6 +101,7 @@ class Record:
             self.boundary.add(id(layer))
         self.calls[key] = inputs
         self.weights[id(layer)] = tuple(layer.weights)
+        self.between += id(layer) not in self.boundary
         return key
 
     def leave(self, key, outputs):
