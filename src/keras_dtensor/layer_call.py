@@ -15,12 +15,12 @@ import functools
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate
 
 from keras_dtensor import context
 from keras_dtensor import local_batch
 from keras_dtensor import sharded_layers
 from keras_dtensor.data import distribute_batch
+from keras_dtensor.sharded_layers import reduce_partial
 from keras_dtensor.weight_gather import gathered_weights
 
 __all__ = ["wrap_call", "wrap_seed_generator_next"]
@@ -47,15 +47,6 @@ def _in_layer_call():
     from keras.src.backend.common import global_state
 
     return global_state.get_global_attribute("current_call_ctx") is not None
-
-
-def _reduce_partial(x):
-    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
-        placements = [
-            Replicate() if p.is_partial() else p for p in x.placements
-        ]
-        return x.redistribute(x.device_mesh, placements)
-    return x
 
 
 def _grad_in_layout(placements, grad):
@@ -101,9 +92,9 @@ def _reduced(outputs):
 
     if torch.is_grad_enabled():
         return tree.map_structure(
-            lambda x: _reduce_partial_grad(_reduce_partial(x)), outputs
+            lambda x: _reduce_partial_grad(reduce_partial(x)), outputs
         )
-    return tree.map_structure(_reduce_partial, outputs)
+    return tree.map_structure(reduce_partial, outputs)
 
 
 def wrap_call(original):

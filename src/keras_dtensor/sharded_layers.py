@@ -40,6 +40,7 @@ __all__ = [
     "outputs_global",
     "recorder",
     "recording",
+    "reduce_partial",
     "replaying",
     "spec",
 ]
@@ -115,12 +116,17 @@ class Record:
 
 
 @contextlib.contextmanager
-def recording(record):
-    token = _RECORDING.set(record)
+def _set(var, value):
+    token = var.set(value)
     try:
-        yield record
+        yield value
     finally:
-        _RECORDING.reset(token)
+        var.reset(token)
+
+
+def recording(record):
+    """A context in which layer calls are noted in `record`."""
+    return _set(_RECORDING, record)
 
 
 def recorder():
@@ -159,13 +165,9 @@ class Replay:
         return out
 
 
-@contextlib.contextmanager
 def replaying(replay):
-    token = _REPLAY.set(replay)
-    try:
-        yield replay
-    finally:
-        _REPLAY.reset(token)
+    """A context in which layer calls follow `replay`."""
+    return _set(_REPLAY, replay)
 
 
 def _fingerprint(outputs):
@@ -227,7 +229,9 @@ def _to_dtensor(x, spec, mesh):
     return out
 
 
-def _reduced(x):
+def reduce_partial(x):
+    """`x` with its pending sums (`Partial`) reduced to `Replicate`: what a
+    row-split layer's output gets at its boundary (one all-reduce)."""
     if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
         placements = [
             Replicate() if p.is_partial() else p for p in x.placements
@@ -270,7 +274,7 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
             variable._value = value
 
     def to_local(x):
-        x = _reduced(x)
+        x = reduce_partial(x)
         if not isinstance(x, DTensor):
             return x
         return x.to_local(grad_placements=tuple(x.placements))
