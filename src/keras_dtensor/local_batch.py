@@ -55,6 +55,7 @@ from keras_dtensor import callbacks
 from keras_dtensor import errors
 from keras_dtensor import gather_groups
 from keras_dtensor import group_gather
+from keras_dtensor import instance_patches
 from keras_dtensor import sharded_check
 from keras_dtensor import sharded_layers
 from keras_dtensor import weight_gather
@@ -361,8 +362,13 @@ def call(layer, original, plan_, args, kwargs, reference):
 def _call_tensor_parallel(
     layer, original, plan_, args, kwargs, flat, reference
 ):
-    """A tensor-parallel layout's local call (`sharded_check.call`)."""
+    """A tensor-parallel layout's local call (`sharded_check.call`); a
+    model with a compiled forward (`jit_compile=True`) runs it over
+    DTensors instead: a traced call cannot hold the DTensor islands."""
     from keras.src import tree
+
+    if instance_patches.get_on(layer, "call") is not None:
+        return False, None
 
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
 
