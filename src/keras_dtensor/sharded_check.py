@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor import callbacks
 from keras_dtensor import context
+from keras_dtensor import local_plan
 from keras_dtensor.errors import AssignedInCall
 from keras_dtensor.sharded_layers import Record
 from keras_dtensor.sharded_layers import Replay
@@ -141,10 +142,10 @@ def call(layer, plan_, flat, reference, run):
     Returns `(True, outputs)`, or `(False, None)`: run it as DTensors.
 
     A signature's first call checks the local run against the DTensor run
-    (see the module's docstring). A layer whose call raises in the local
-    run (a reshape to a global head count: keras_hub's Gemma attention) is
-    made a boundary layer and the check runs again, up to `_MAX_PROMOTED`
-    times: the layer then runs as DTensors, the rest still locally.
+    (see the module's docstring); a layer found at fault is made a
+    boundary layer and the check runs again, up to `_MAX_PROMOTED` layers
+    per model: those layers then run as DTensors, the rest locally. All
+    ranks take each decision together (`agree`).
     """
     if any(isinstance(x, torch.Tensor) and _local(x).is_meta for x in flat):
         return False, None  # Keras's shape inference: nothing to compare
@@ -173,8 +174,11 @@ def call(layer, plan_, flat, reference, run):
             return False, None
         record.set_outputs(expected)
         if not record.between:
-            # Every layer is a boundary layer: nothing to run locally.
+            # Every layer is a boundary layer: nothing to run locally, for
+            # any signature; the model stops asking (until LoRA or another
+            # new weight changes it).
             records[key] = None
+            local_plan.forget(layer)
             return False, None
         code, outputs, why = -1, None, None
         replay = _replay(record, plan_)

@@ -50,7 +50,8 @@ _REPLAY = contextvars.ContextVar("keras_dtensor_replay", default=None)
 
 
 class Mismatch(Exception):  # noqa: N818 (a signal, not an error)
-    """The local run reached a layer call the DTensor run did not make."""
+    """The local run parted from the DTensor run: a call it did not make,
+    an input laid out otherwise, or outputs that differ."""
 
 
 def spec(x):
@@ -62,9 +63,10 @@ def spec(x):
 
 @dataclasses.dataclass
 class Record:
-    """A DTensor run's boundary calls: `calls[(id(layer), n)]` holds the
-    input and output specs of the layer's n-th call; `outputs` the specs of
-    the model's outputs; `boundary` the layers that run as DTensors."""
+    """A DTensor run's layer calls: `calls[(id(layer), n)]` holds the
+    input specs of the n-th call of a layer with weights; `weights` each
+    such layer's weights; `outputs` the specs of the model's outputs;
+    `boundary` the ids of the layers that run as DTensors."""
 
     boundary: set
     plan: object
@@ -145,23 +147,23 @@ class Replay:
     counts: dict = dataclasses.field(default_factory=dict)
     # The innermost layer whose call raised, if one did.
     culprit: object = None
-    # id(local tensor) -> (local tensor, its DTensor): one tensor given to
-    # several boundary layers (the query, key and value projections) is
-    # wrapped once, so their gradients add up as one pending sum and are
-    # reduced once (torch's `PrepareModuleInput` on the attention block).
-    wrapped: dict = dataclasses.field(default_factory=dict)
+    # `(local tensor, its DTensor)` of the last input wrapped: one tensor
+    # given to consecutive boundary layers (the query, key and value
+    # projections) is wrapped once, so their gradients add up as one
+    # pending sum, reduced once (torch's `PrepareModuleInput` on an
+    # attention block). One slot: earlier inputs are not kept alive.
+    wrapped: tuple = (None, None)
 
-    def to_dtensor(self, x, spec):
-        if spec is None or not isinstance(x, torch.Tensor):
+    def to_dtensor(self, x, recorded):
+        if recorded is None or not isinstance(x, torch.Tensor):
             return x
         if isinstance(x, DTensor):
             return x
-        known = self.wrapped.get(id(x))
-        if known is not None and known[0] is x:
-            if known[1].placements == spec[0]:
-                return known[1]
-        out = _to_dtensor(x, spec, self.mesh)
-        self.wrapped[id(x)] = (x, out)
+        last, out = self.wrapped
+        if last is x and out.placements == recorded[0]:
+            return out
+        out = _to_dtensor(x, recorded, self.mesh)
+        self.wrapped = (x, out)
         return out
 
 
@@ -254,8 +256,8 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
         raise Mismatch(f"{layer.name!r}: a call the DTensor run did not make")
     try:
         flat = [
-            replay.to_dtensor(x, spec)
-            for x, spec in zip(flat, recorded, strict=True)
+            replay.to_dtensor(x, recorded_spec)
+            for x, recorded_spec in zip(flat, recorded, strict=True)
         ]
     except Mismatch as error:
         raise Mismatch(f"{layer.name!r}: {error}") from None
