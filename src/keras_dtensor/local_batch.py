@@ -138,7 +138,7 @@ def _to_global(plan_, rows, x, layer):
 
 
 @contextlib.contextmanager
-def _local_weights(plan_, layout):
+def _local_weights(plan_, layout, kept):
     """Every weight reads as its whole local tensor. The batch-sharded
     ones are gathered together (one all-gather per dtype), or group by
     group under a `gather_groups.Layout` (yields its `Session`, else
@@ -158,7 +158,7 @@ def _local_weights(plan_, layout):
     grouped = () if layout is None else layout.grouped
     for i, (variable, gather, grad) in enumerate(plan_.weights):
         value = values[i]
-        if i in plan_.kept:
+        if i in kept:  # a tensor-parallel layer's: stays a DTensor
             whole[id(variable)] = value
         elif not gather:
             whole[id(variable)] = value.to_local(grad_placements=grad)
@@ -283,10 +283,15 @@ def _layout(layer, plan_):
 
 
 def _run(layer, original, plan_, layout, args, kwargs, replay=None):
-    replaying = contextlib.nullcontext()
+    replaying, kept = contextlib.nullcontext(), plan_.kept
     if replay is not None:
         replaying = sharded_layers.replaying(replay)
-    with _local_weights(plan_, layout) as session, _plain_only(), replaying:
+        kept = replay.record.kept()
+    with (
+        _local_weights(plan_, layout, kept) as session,
+        _plain_only(),
+        replaying,
+    ):
         outputs = original(layer, *args, **kwargs)
     if layout is not None and layout.order is None:
         # The groups again, in the order this call reached the layers.

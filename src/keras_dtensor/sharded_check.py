@@ -147,7 +147,7 @@ def call(layer, plan_, flat, reference, run):
     per model: those layers then run as DTensors, the rest locally. All
     ranks take each decision together (`agree`).
     """
-    if any(isinstance(x, torch.Tensor) and _local(x).is_meta for x in flat):
+    if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
         return False, None  # Keras's shape inference: nothing to compare
     records, state = _records(layer, plan_)
     key = signature(flat)
@@ -254,10 +254,5 @@ def _adds_local_loss(layers):
     return None
 
 
-def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def _replay(record, plan_):
-    originals = {id(v): v._value for v, _, _ in plan_.weights}
-    return Replay(record, originals, plan_.mesh)
+    return Replay(record, plan_.mesh)

@@ -80,6 +80,7 @@ class Record:
     # Layer calls that run locally: with none (a stack of split Dense
     # layers), the local run only adds conversions at every boundary.
     between: int = 0
+    _kept: frozenset | None = None
 
     def enter(self, layer, args, kwargs):
         """Notes a nested layer call of the DTensor run; returns its key.
@@ -106,6 +107,22 @@ class Record:
         self.weights[id(layer)] = tuple(layer.weights)
         self.between += id(layer) not in self.boundary
         return key
+
+    def kept(self):
+        """Indices into the plan's weights of the boundary layers' weights,
+        which the local run leaves as DTensors (computed once)."""
+        if self._kept is None:
+            ids = {
+                id(variable)
+                for layer_id in self.boundary
+                for variable in self.weights.get(layer_id, ())
+            }
+            self._kept = self.plan.kept | frozenset(
+                i
+                for i, (variable, _, _) in enumerate(self.plan.weights)
+                if id(variable) in ids
+            )
+        return self._kept
 
     def leave(self, key, outputs):
         if self.fingerprints is not None:
@@ -138,11 +155,10 @@ def recorder():
 
 @dataclasses.dataclass
 class Replay:
-    """A local run following `record`; `originals[id(variable)]` is each
-    weight's DTensor (the local run reads most weights as local tensors)."""
+    """A local run following `record` (the boundary layers' weights stay
+    DTensors in it: `Record.kept`)."""
 
     record: Record
-    originals: dict
     mesh: object
     counts: dict = dataclasses.field(default_factory=dict)
     # The innermost layer whose call raised, if one did.
@@ -244,8 +260,8 @@ def reduce_partial(x):
 
 def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
     """Runs a boundary layer as DTensors inside a local run: inputs laid
-    out as in the recorded DTensor run, the layer's own weights read as
-    their DTensors, outputs reduced and returned as local tensors."""
+    out as in the recorded DTensor run (its weights are DTensors there),
+    outputs reduced and returned as local tensors."""
     from keras.src import tree
 
     key = (id(layer), replay.counts.get(id(layer), 0))
@@ -262,18 +278,8 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
     except Mismatch as error:
         raise Mismatch(f"{layer.name!r}: {error}") from None
     args, kwargs = tree.pack_sequence_as((args, kwargs), flat)
-    own = replay.record.weights[id(layer)]
-    saved = [(variable, variable._value) for variable in own]
-    try:
-        for variable in own:
-            value = replay.originals.get(id(variable))
-            if value is not None:
-                variable._value = value
-        with dtensor_scope(layer):
-            outputs = original(layer, *args, **kwargs)
-    finally:
-        for variable, value in saved:
-            variable._value = value
+    with dtensor_scope(layer):
+        outputs = original(layer, *args, **kwargs)
 
     def to_local(x):
         x = reduce_partial(x)
