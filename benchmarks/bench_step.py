@@ -18,7 +18,8 @@ keras-dtensor FSDP-style layout (weights sharded over "batch"). Models: MLP
 Per variant: median and min ms/step over the timed steps of every round,
 peak RSS per process, parameter + optimizer bytes held per rank, and
 collectives per step (torch's CommDebugMode: DTensor/functional
-collectives and c10d ops such as DDP's `allreduce_`).
+collectives and c10d ops such as DDP's `allreduce_`; point-to-point
+batches, which it does not see, are counted as "send/recv batch").
 
 Targets: each keras-dtensor variant over its torch counterpart, against
 Keras single over torch single (global batch, per-process batch, and
@@ -345,6 +346,28 @@ def _keras_layouts(model_name, variant):
     }
 
 
+class _count_p2p:  # noqa: N801
+    """Counts `batch_isend_irecv` calls, which CommDebugMode does not see
+    (DataParallel's gradients reduced to their owners)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.original, self.calls = dist.batch_isend_irecv, 0
+
+        def counted(ops):
+            self.calls += 1
+            return self.original(ops)
+
+        dist.batch_isend_irecv = counted
+
+    def close(self):
+        import torch.distributed as dist
+
+        dist.batch_isend_irecv = self.original
+        return {"send/recv batch": self.calls} if self.calls else {}
+
+
 def _run_keras(variant, model_name, steps, warmup):
     import keras  # noqa: I001
     from torch.distributed.tensor.debug import CommDebugMode
@@ -395,6 +418,7 @@ def _run_keras(variant, model_name, steps, warmup):
             if batch == repeats - 1:  # the last step: count collectives
                 self.comm = CommDebugMode()
                 self.comm.__enter__()
+                self.p2p = _count_p2p()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
@@ -405,6 +429,7 @@ def _run_keras(variant, model_name, steps, warmup):
                 self.comms = {
                     str(k): v for k, v in self.comm.get_comm_counts().items()
                 }
+                self.comms.update(self.p2p.close())
                 self.comm = None
             elif warmup <= batch < warmup + steps:
                 self.times.append(elapsed)

@@ -3,7 +3,8 @@
 ModelParallel: optimizer slots follow their variable's layout and every
 optimizer scalar is a replicated DTensor, so `torch._foreach_*` never mixes
 plain tensors with DTensors. DataParallel: each rank updates the variables
-it owns and broadcasts them; the slots left stale elsewhere come back at
+it owns and broadcasts them (after the first step its gradients reach only
+their owners); the slots left stale elsewhere come back at
 the end of `fit` and before a save. Each case trains 8 steps and matches
 plain Keras to 1e-5: losses, weights and the optimizer's variables.
 """
@@ -75,18 +76,30 @@ def _distribution(keras, mode):
 
 
 def _optimizer_cases(names, mode="model"):
-    """Per optimizer: the largest difference from one process, and (for
-    DataParallel) whether its update was split between the ranks."""
+    """Per optimizer: the largest difference from one process and, for
+    DataParallel, whether its update was split between the ranks and in
+    how many steps the gradients went to their owners only (point to
+    point) instead of an all-reduce."""
     import contextlib
 
     import keras
     import models
+    import torch.distributed as dist
 
     from keras_dtensor import data_parallel
 
     x, y = models.data("mlp")
-    diffs, split = {}, {}
+    diffs, split, to_owners = {}, {}, {}
+    exchanges = []
+    batch_isend_irecv = dist.batch_isend_irecv
+
+    def counted(ops):
+        exchanges.append(len(ops))
+        return batch_isend_irecv(ops)
+
+    dist.batch_isend_irecv = counted
     for name in names:
+        exchanges.clear()
         results = []
         for distributed in (False, True):
             keras.utils.set_random_seed(2)
@@ -111,12 +124,14 @@ def _optimizer_cases(names, mode="model"):
             is_split = data_parallel.update_is_split(model)
             if distributed and is_split is not None:
                 split[name] = is_split
+                to_owners[name] = len(exchanges)
         (h0, w0), (h1, w1) = results
         diffs[name] = max(
             [abs(a - b) for a, b in zip(h0, h1, strict=True)]
             + [float(abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
         )
-    return diffs, split
+    dist.batch_isend_irecv = batch_isend_irecv
+    return diffs, split, to_owners
 
 
 def _all_names():
@@ -128,7 +143,7 @@ def _all_names():
 
 def test_every_optimizer_and_update_option():
     names = _all_names()
-    for diffs, _ in run_ranks(_optimizer_cases, 2, names):
+    for diffs, *_ in run_ranks(_optimizer_cases, 2, names):
         assert set(diffs) == set(names)
         bad = {n: d for n, d in diffs.items() if not d <= TOLERANCE}
         assert not bad, bad
@@ -159,7 +174,7 @@ def _data_parallel_cases(names, checkpoint):
     import keras
     import models
 
-    diffs, split = _optimizer_cases(names, "data")
+    diffs, split, to_owners = _optimizer_cases(names, "data")
     x, y = models.data("mlp")
 
     def save_in_fit(model, distributed):
@@ -180,6 +195,7 @@ def _data_parallel_cases(names, checkpoint):
     return (
         diffs,
         split,
+        to_owners,
         _adam_state_gap(save_in_fit),
         _adam_state_gap(on_batch),
     )
@@ -193,7 +209,7 @@ def _no_scope():
 
 def test_every_optimizer_under_data_parallel(tmp_path):
     names = _all_names()
-    for diffs, split, saved, on_batch in run_ranks(
+    for diffs, split, to_owners, saved, on_batch in run_ranks(
         _data_parallel_cases, 2, names, str(tmp_path / "mid-fit")
     ):
         bad = {n: d for n, d in diffs.items() if not d <= TOLERANCE}
@@ -202,6 +218,18 @@ def test_every_optimizer_under_data_parallel(tmp_path):
         # slots belong to no single variable and are not, so it runs whole.
         assert not split["Adafactor"]
         assert all(split[n] for n in names if n != "Adafactor"), split
+        # Once an update is known to split (after the first step), the
+        # gradients go to their owners only, every step of the 8 but the
+        # first; not where Keras reads every gradient first (global norm,
+        # accumulation, loss scaling) or where nothing is split.
+        whole = {
+            "Adafactor",
+            "global_clipnorm",
+            "accumulation",
+            "LossScaleOptimizer",
+        }
+        assert {n for n, count in to_owners.items() if count == 0} == whole
+        assert {to_owners[n] for n in set(names) - whole} == {7}, to_owners
         assert saved <= TOLERANCE
         assert on_batch <= TOLERANCE
 

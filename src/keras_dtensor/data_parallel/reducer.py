@@ -26,10 +26,12 @@ import torch.distributed as dist
 from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.launch import world
 
 __all__ = [
     "EarlyMetrics",
     "GradientReducer",
+    "is_keras_train_step",
     "wrap_compute_loss",
     "wrap_compute_metrics",
     "wrap_get_metrics_result",
@@ -53,15 +55,25 @@ class GradientReducer:
     points at it (DDP's `gradient_as_bucket_view`), so nothing is copied
     back.
 
+    With `owners` (the rank that updates each parameter, see
+    `update_split`), each bucket is laid out by owner, and a step armed
+    with `to_owners=True` sends each owner its segment instead of
+    all-reducing the bucket (ZeRO stage 2's reduce-scatter, by point to
+    point: half the bytes of an all-reduce); when `finish()` returns,
+    only the gradients of this rank's parameters are global, the others
+    hold this rank's own share.
+
     Args:
         params: the trainable torch Parameters.
         model: the Keras model, whose loss tracker is summed early.
         bucket_bytes: bucket capacity; defaults to
             `$KERAS_DTENSOR_BUCKET_MB` or 25 MiB, DDP's default (the first
             bucket is 1 MiB, so the first all-reduce starts early).
+        owners: the rank that updates each parameter of `params`, or
+            `None` (gradients are always all-reduced).
     """
 
-    def __init__(self, params, model=None, bucket_bytes=None):
+    def __init__(self, params, model=None, bucket_bytes=None, owners=None):
         if bucket_bytes is None:
             bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
         self.params = list(params)
@@ -75,6 +87,10 @@ class GradientReducer:
             size += p.numel() * p.element_size()
         if bucket:
             self.buckets.append(bucket)
+        # Within a bucket, parameters sit by owner: one segment each.
+        owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
+        for bucket in self.buckets:
+            bucket.sort(key=lambda p: owner_of.get(id(p), 0))
         self.buffers = [
             torch.empty(
                 sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device
@@ -89,6 +105,34 @@ class GradientReducer:
                 view = self.buffers[index][offset : offset + n].view_as(p)
                 self.slot[id(p)] = (index, view)
                 offset += n
+        self.world, self.rank = world()
+        # Per bucket: {owner: its segment of the buffer}, and the buffers
+        # this rank receives the other ranks' shares of its segment into
+        # (kept across steps: (world - 1) / world of the gradients' bytes
+        # in all, DDP's default keeps a whole second copy).
+        self.segments, self.inbox = [], []
+        for index, bucket in enumerate(self.buckets):
+            segments, offset = {}, 0
+            for p in bucket:
+                start, stop = segments.get(
+                    owner_of.get(id(p)), (offset, offset)
+                )
+                segments[owner_of.get(id(p))] = (start, stop + p.numel())
+                offset += p.numel()
+            self.segments.append(segments)
+            start, stop = segments.get(self.rank, (0, 0))
+            buffer = self.buffers[index]
+            self.inbox.append(
+                [
+                    torch.empty(
+                        stop - start, dtype=buffer.dtype, device=buffer.device
+                    )
+                    for _ in range(
+                        self.world - 1 if owners and stop > start else 0
+                    )
+                ]
+            )
+        self.owners = bool(owners) and None not in owner_of.values()
         # the model whose loss tracker to sum early
         self.model = None if model is None else weakref.ref(model)
         self.early = None  # the EarlyMetrics of the latest train step
@@ -97,6 +141,7 @@ class GradientReducer:
         self.metrics_updated = False
         self.weight = 1.0
         self.rows = None
+        self.to_owners = False  # this step reduces to owners only
         self._reset()
         self.handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -109,7 +154,7 @@ class GradientReducer:
         self.queued = False
         self.total_rows = None
 
-    def begin(self, rows, global_rows=None):
+    def begin(self, rows, global_rows=None, to_owners=False):
         """Arms the reducer for one train step.
 
         Args:
@@ -117,8 +162,12 @@ class GradientReducer:
             global_rows: rows of the global batch, when every rank knows it
                 (a global batch split here); `None` when each process feeds
                 its own rows, which then are summed with the gradients.
+            to_owners: reduce each gradient to its owner only (the
+                optimizer update is split and nothing else reads the
+                others; see `UpdateSplit.to_owners`).
         """
         self.active = True
+        self.to_owners = bool(to_owners) and self.owners
         self.metrics_updated = False
         self.rows = rows
         self.weight = None if global_rows is None else rows / global_rows
@@ -169,7 +218,32 @@ class GradientReducer:
             self._launch(index)
 
     def _launch(self, index):
-        self.works[index] = dist.all_reduce(self.buffers[index], async_op=True)
+        if not self.to_owners:
+            self.works[index] = dist.all_reduce(
+                self.buffers[index], async_op=True
+            )
+            return
+        # Each owner gets every other rank's share of its segment.
+        buffer, ops = self.buffers[index], []
+        for owner, (start, stop) in self.segments[index].items():
+            if owner != self.rank and stop > start:
+                ops.append(
+                    dist.P2POp(dist.isend, buffer[start:stop], owner, tag=index)
+                )
+        peers = [r for r in range(self.world) if r != self.rank]
+        for peer, inbox in zip(peers, self.inbox[index], strict=False):
+            ops.append(dist.P2POp(dist.irecv, inbox, peer, tag=index))
+        self.works[index] = dist.batch_isend_irecv(ops) if ops else []
+
+    def _wait(self, index, work):
+        if not isinstance(work, list):
+            work.wait()
+            return
+        for w in work:
+            w.wait()
+        start, stop = self.segments[index].get(self.rank, (0, 0))
+        for inbox in self.inbox[index]:
+            self.buffers[index][start:stop].add_(inbox)
 
     def finish(self):
         """Completes every bucket's all-reduce; `.grad` holds the result."""
@@ -187,7 +261,7 @@ class GradientReducer:
         if rows is not None:
             rows.wait()
         for index, work in sorted(self.works.items()):
-            work.wait()
+            self._wait(index, work)
             if self.total_rows is not None:
                 self.buffers[index].div_(float(self.total_rows))
             for p in self.buckets[index]:
@@ -300,6 +374,11 @@ def _keras_steps():
     return TorchTrainer.train_step, Trainer.compute_metrics
 
 
+def is_keras_train_step(model):
+    """Whether `model` trains with Keras's own `train_step`."""
+    return type(model).train_step is _keras_steps()[0]
+
+
 def _armed_reducer(model):
     """The model's reducer while a DataParallel train step runs Keras's own
     `train_step` and `compute_metrics` (else `None`)."""
@@ -307,11 +386,9 @@ def _armed_reducer(model):
     reducer = None if state is None else state.reducer
     if reducer is None or not reducer.active:
         return None
-    train_step, compute_metrics = _keras_steps()
-    cls = type(model)
-    if cls.train_step is not train_step:
+    if not is_keras_train_step(model):
         return None
-    if cls.compute_metrics is not compute_metrics:
+    if type(model).compute_metrics is not _keras_steps()[1]:
         return None
     return reducer
 

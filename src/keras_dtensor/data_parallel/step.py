@@ -9,7 +9,8 @@ train, test and predict step under `DataParallel`, in this order:
    gradient reducer and the update split (`_prepare`);
 3. run Keras's own step on the rows, the reducer armed (gradients are
    global when backward ends) and, inside `fit`, the optimizer update
-   split by variable;
+   split by variable (once the split is known to hold, gradients are
+   reduced to their owners only);
 4. predict: gather every rank's outputs back into the global order.
 """
 
@@ -19,6 +20,7 @@ import functools
 from keras_dtensor import context
 from keras_dtensor.data_parallel.random_rows import split_rows
 from keras_dtensor.data_parallel.reducer import GradientReducer
+from keras_dtensor.data_parallel.reducer import is_keras_train_step
 from keras_dtensor.data_parallel.rows import gather_rows
 from keras_dtensor.data_parallel.rows import leading_rows
 from keras_dtensor.data_parallel.rows import local_rows
@@ -48,10 +50,14 @@ def _prepare(model, step):
     sync_optimizer_state(model)  # the owners may change
     state.close()
     broadcast_from_rank0(model.variables)
+    variables = model.trainable_weights
+    state.split = UpdateSplit(variables)
+    owners = [state.split.owner.get(id(v)) for v in variables]
     state.reducer = GradientReducer(
-        [v.value for v in model.trainable_weights], model
+        [v.value for v in variables],
+        model,
+        owners=owners if state.split.owner else None,
     )
-    state.split = UpdateSplit(model.trainable_weights)
     state.step = step
     return state
 
@@ -88,15 +94,22 @@ def run_step(model, step, kind, data, distribution):
         global_rows = leading_rows(batch)
         start, _ = row_range(global_rows)
         random_rows = split_rows(start, rows, global_rows)
-    state.reducer.begin(rows, global_rows)
+    split = state.split if state.fit_depth else None
+    to_owners = (
+        split is not None
+        and is_keras_train_step(model)
+        and split.to_owners(model.optimizer)
+    )
+    state.reducer.begin(rows, global_rows, to_owners=to_owners)
+    if split is not None:
+        split.partial = state.reducer.to_owners
     try:
-        with (
-            random_rows,
-            splitting_updates(state.split if state.fit_depth else None),
-        ):
+        with random_rows, splitting_updates(split):
             return step([local])
     finally:
         state.reducer.end()
+        if split is not None:
+            split.partial = False
 
 
 def wrap_fit(original):

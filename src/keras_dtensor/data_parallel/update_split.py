@@ -5,6 +5,12 @@ Keras's update to the variables it owns and broadcasts them. The optimizer
 slots of the variables a rank does not own go stale there; they are
 brought back from their owners by `sync_optimizer_state`, at the end of
 `fit`, before every save and before a new train function.
+
+Where nothing in Keras's update reads the gradient of a variable a rank
+does not own (`UpdateSplit.to_owners`), the gradients are not all-reduced
+but reduced to their owners (ZeRO stage 2's reduce-scatter, see
+`reducer`): each rank holds the global gradient of its own variables only,
+and a step moves half the bytes of an all-reduce plus the broadcasts.
 """
 
 import contextlib
@@ -96,7 +102,13 @@ class UpdateSplit:
         # optimizer -> {id(model variable): owner} of stale slots
         self.stale = weakref.WeakKeyDictionary()
         self.depth = 0
+        # True while a train step's gradients were reduced to their owners
+        # only: the update must then be split.
+        self.partial = False
         variables = list(variables)
+        # A variable Keras overwrites with its gradient (float8 scales)
+        # needs the global gradient on every rank.
+        self.overwritten = any(v.overwrite_with_gradient for v in variables)
         if len(variables) < self.world:
             return
         sizes = [int(np.prod(v.shape)) for v in variables]
@@ -114,6 +126,47 @@ class UpdateSplit:
         if known is None:
             known = self.checked[optimizer] = _splittable(optimizer)
         return known
+
+    def to_owners(self, optimizer):
+        """Whether a train step may reduce gradients to their owners only.
+
+        Only when this optimizer's update is known to split (its first
+        update ran whole-gradient) and Keras's own code is all that reads
+        the gradients before the split: no global norm clipping, gradient
+        accumulation, loss scaling (a finiteness check of every gradient,
+        which must agree on every rank) or variable overwritten with its
+        gradient, and no override of the methods that see them all.
+
+        Args:
+            optimizer: the model's optimizer (`model.optimizer`).
+        """
+        if self.checked.get(optimizer) is not True:
+            return False
+        if optimizer.global_clipnorm or optimizer.gradient_accumulation_steps:
+            return False
+        base = _base_optimizer()
+        for name in _WHOLE_GRADIENT_METHODS:
+            if getattr(type(optimizer), name, None) is not getattr(base, name):
+                return False
+        return not self.overwritten
+
+
+# Methods of Keras's optimizer that see the whole gradient before the
+# per-variable update.
+_WHOLE_GRADIENT_METHODS = (
+    "apply",
+    "_backend_apply_gradients",
+    "_clip_gradients",
+    "_filter_empty_gradients",
+    "_overwrite_variables_directly_with_gradients",
+)
+
+
+@functools.cache
+def _base_optimizer():
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return BaseOptimizer
 
 
 def _keras_defined(cls, name):
@@ -164,6 +217,8 @@ def wrap_backend_update_step(original):
         if None in owners or len(set(owners)) < split.world:
             # Variables from outside the model, or a rank with nothing to
             # update (its per-call scalars would fall behind): whole update.
+            if split.partial:
+                _raise_partial(self, variables, owners, split)
             return original(self, grads, variables, learning_rate)
         mine = [i for i, owner in enumerate(owners) if owner == split.rank]
         split.depth += 1
@@ -182,6 +237,24 @@ def wrap_backend_update_step(original):
             stale[id(v)] = owner
 
     return _backend_update_step
+
+
+def _raise_partial(optimizer, variables, owners, split):
+    unknown = [
+        v.path
+        for v, owner in zip(variables, owners, strict=True)
+        if owner is None
+    ]
+    raise RuntimeError(
+        f"keras_dtensor DataParallel (rank {split.rank} of {split.world}): "
+        "this step's gradients were reduced to their owners only, but "
+        f"optimizer {optimizer.name!r} cannot split its update: variables "
+        f"it updates that the model's train function was not made for: "
+        f"{unknown}; ranks owning one of them: "
+        f"{sorted(set(owners) - {None})}. Call `compile()` again after "
+        "changing which variables are trainable, or set "
+        "KERAS_DTENSOR_SPLIT_UPDATE=0 to all-reduce every gradient."
+    )
 
 
 @contextlib.contextmanager
