@@ -7,12 +7,14 @@ DTensor would only add per-op dispatch cost. Instead:
   once, when training starts);
 - each step computes on this process's rows of the global batch
   (`rows`: a balanced split, sizes differ by at most one);
-- gradients are all-reduced in buckets overlapped with backward, and
-  metric states summed across ranks, so updates and logs are those of
-  one process on the global batch (`reducer`);
+- gradients are all-reduced in buckets overlapped with backward
+  (`reducer`), and metric states summed across ranks (`metrics`), so
+  updates and logs are those of one process on the global batch;
 - inside `fit`, the optimizer update is split by variable (ZeRO stage 1
   on whole variables), and stale optimizer slots are brought back when
-  `fit` returns and before every save (`update_split`);
+  `fit` returns and before every save (`update_split`); once the split
+  is known to hold, gradients go to their owners only (point to point,
+  ZeRO stage 2's reduce-scatter) instead of an all-reduce;
 - `predict` gathers every batch's rows back into the global order;
 - `BatchNormalization(synchronized=True)` normalizes with the global
   batch's statistics (`sync_batch_norm`);
@@ -25,12 +27,12 @@ The package is entered through `run_step` (`step`) and the hooks the
 trained with DataParallel calls it first.
 """
 
+from keras_dtensor.data_parallel.metrics import wrap_compute_loss
+from keras_dtensor.data_parallel.metrics import wrap_compute_metrics
+from keras_dtensor.data_parallel.metrics import wrap_get_metrics_result
 from keras_dtensor.data_parallel.random_rows import SHAPED_DRAWS
 from keras_dtensor.data_parallel.random_rows import wrap_dropout
 from keras_dtensor.data_parallel.random_rows import wrap_shaped_draw
-from keras_dtensor.data_parallel.reducer import wrap_compute_loss
-from keras_dtensor.data_parallel.reducer import wrap_compute_metrics
-from keras_dtensor.data_parallel.reducer import wrap_get_metrics_result
 from keras_dtensor.data_parallel.step import run_step
 from keras_dtensor.data_parallel.step import update_is_split
 from keras_dtensor.data_parallel.step import wrap_distribute_tensor

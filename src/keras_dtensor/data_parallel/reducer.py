@@ -1,41 +1,25 @@
-"""Gradient and metric reduction of a DataParallel train step.
+"""Gradient reduction of a DataParallel train step.
 
 Gradients are all-reduced in buckets, launched from post-accumulate-grad
 hooks while backward is still running (DDP's overlap) and completed when
 backward ends, weighted by each rank's row count, so the update equals the
-one-process update on the global batch, uneven last batch included.
-
-Metric states (sums and counts in every built-in Keras metric) are summed
-across ranks, so logs are global. The loss tracker, which Keras updates
-before backward, is summed by an all-reduce launched when backward starts,
-which completes with the gradient buckets. Keras's own train step updates
-the compiled metrics after the optimizer step, but they depend only on `y`
-and `y_pred`: here they are updated right after the loss instead
-(`wrap_compute_loss`), so they travel in the same all-reduce, and
-`compute_metrics` only reads the results (`wrap_compute_metrics`). Metrics
-still changed after that (a custom `train_step` or `compute_metrics`) are
-summed by one all-reduce when Keras reads the results.
+one-process update on the global batch, uneven last batch included. When
+the optimizer update is split by variable and nothing else reads the
+gradients, each bucket's segments go to their owners instead (point to
+point: half the bytes of an all-reduce). The metric states summed with
+the buckets are `metrics`' (`EarlyMetrics`).
 """
 
-import functools
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
-from keras_dtensor import context
-from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.data_parallel.metrics import EarlyMetrics
 from keras_dtensor.launch import world
 
-__all__ = [
-    "EarlyMetrics",
-    "GradientReducer",
-    "is_keras_train_step",
-    "wrap_compute_loss",
-    "wrap_compute_metrics",
-    "wrap_get_metrics_result",
-]
+__all__ = ["GradientReducer"]
 
 _FIRST_BUCKET_BYTES = 1024 * 1024
 
@@ -271,166 +255,3 @@ class GradientReducer:
     def remove(self):
         for handle in self.handles:
             handle.remove()
-
-
-class EarlyMetrics:
-    """Metric states summed over every rank by an all-reduce launched now.
-
-    Launched when a train step's backward starts (for the loss tracker,
-    which Keras's train step updates before backward), the sum travels
-    with the gradient buckets instead of making every step wait on one
-    more collective after the optimizer. `summed()` gives the sum of each
-    state that still holds the value it had at launch (same tensor, same
-    `_version`: no in-place write since, as when a custom train step
-    updates the tracker after backward: then it is summed when read, on
-    every rank alike).
-
-    Args:
-        states: the metric state tensors, in the same order on every rank.
-    """
-
-    def __init__(self, states):
-        self.states = states
-        self.versions = [s._version for s in states]
-        self.flat = _flat_double(states)
-        self.work = dist.all_reduce(self.flat, async_op=True)
-
-    def summed(self):
-        """`{id(state): summed value}` for the states unchanged since."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        out = {}
-        for s, version, value in zip(
-            self.states,
-            self.versions,
-            _unflatten(self.flat, self.states),
-            strict=True,
-        ):
-            if s._version == version:
-                out[id(s)] = value
-        return out
-
-
-def _flat_double(tensors):
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
-
-
-def _unflatten(flat, like):
-    """Views of `flat` shaped (and cast) like each tensor of `like`."""
-    out, offset = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[offset : offset + n].view_as(t).to(t.dtype))
-        offset += n
-    return out
-
-
-def wrap_get_metrics_result(original):
-    """Wraps `Trainer.get_metrics_result`: in local mode, results come from
-    metric states summed over every rank: those the train step's early
-    all-reduce already summed (see `EarlyMetrics`), the rest by one
-    all-reduce now."""
-
-    def get_metrics_result(self):
-        # Which states are summed now is decided by structure (every metric
-        # but the loss tracker, whose early sum is still current), never by
-        # data, so every rank joins the same all-reduce.
-        distribution = context.active()
-        if distribution is None or not context.is_data_parallel(distribution):
-            return original(self)
-        metrics = list(self.metrics)
-        states = [[v.value for v in m.variables] for m in metrics]
-        flat_states = [s for group in states for s in group]
-        if not flat_states:
-            return original(self)
-        state = state_of(self, create=False)
-        reducer = None if state is None else state.reducer
-        early = None if reducer is None else reducer.early
-        summed = {} if early is None else early.summed()
-        late = [s for s in flat_states if id(s) not in summed]
-        if late:
-            flat = _flat_double(late)
-            dist.all_reduce(flat)
-            for s, value in zip(late, _unflatten(flat, late), strict=True):
-                summed[id(s)] = value
-        results = {}
-        for metric, group in zip(metrics, states, strict=True):
-            result = metric.stateless_result([summed[id(s)] for s in group])
-            if isinstance(result, dict):
-                results.update(result)
-            else:
-                results[metric.name] = result
-        return results
-
-    return get_metrics_result
-
-
-@functools.cache
-def _keras_steps():
-    from keras.src.backend.torch.trainer import TorchTrainer
-    from keras.src.trainers.trainer import Trainer
-
-    return TorchTrainer.train_step, Trainer.compute_metrics
-
-
-def is_keras_train_step(model):
-    """Whether `model` trains with Keras's own `train_step`."""
-    return type(model).train_step is _keras_steps()[0]
-
-
-def _armed_reducer(model):
-    """The model's reducer while a DataParallel train step runs Keras's own
-    `train_step` and `compute_metrics` (else `None`)."""
-    state = state_of(model, create=False)
-    reducer = None if state is None else state.reducer
-    if reducer is None or not reducer.active:
-        return None
-    if not is_keras_train_step(model):
-        return None
-    if type(model).compute_metrics is not _keras_steps()[1]:
-        return None
-    return reducer
-
-
-def wrap_compute_loss(original):
-    """Wraps `Trainer._compute_loss`: in a DataParallel train step of
-    Keras's own `train_step`, the compiled metrics are updated right after
-    the loss, from the same `y`, `y_pred` and `sample_weight` (no gradient
-    recorded), so their states are summed with the loss tracker's while
-    backward runs (see `GradientReducer._on_grad`)."""
-
-    @functools.wraps(original)
-    def _compute_loss(self, *args, **kwargs):
-        loss = original(self, *args, **kwargs)
-        if args or not kwargs.get("training", True):
-            return loss
-        reducer = _armed_reducer(self)
-        if reducer is None or self._compile_metrics is None:
-            return loss
-        with torch.no_grad():
-            self._compile_metrics.update_state(
-                kwargs.get("y"),
-                kwargs.get("y_pred"),
-                kwargs.get("sample_weight"),
-            )
-        reducer.metrics_updated = True
-        return loss
-
-    return _compute_loss
-
-
-def wrap_compute_metrics(original):
-    """Wraps `Trainer.compute_metrics`: when `wrap_compute_loss` already
-    updated the compiled metrics of this train step, only read the results
-    (the states were summed while backward ran)."""
-
-    @functools.wraps(original)
-    def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        reducer = _armed_reducer(self)
-        if reducer is not None and reducer.metrics_updated:
-            reducer.metrics_updated = False
-            return self.get_metrics_result()
-        return original(self, x, y, y_pred, sample_weight)
-
-    return compute_metrics

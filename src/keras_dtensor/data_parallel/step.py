@@ -18,9 +18,9 @@ import contextlib
 import functools
 
 from keras_dtensor import context
+from keras_dtensor.data_parallel.metrics import is_keras_train_step
 from keras_dtensor.data_parallel.random_rows import split_rows
 from keras_dtensor.data_parallel.reducer import GradientReducer
-from keras_dtensor.data_parallel.reducer import is_keras_train_step
 from keras_dtensor.data_parallel.rows import gather_rows
 from keras_dtensor.data_parallel.rows import leading_rows
 from keras_dtensor.data_parallel.rows import local_rows

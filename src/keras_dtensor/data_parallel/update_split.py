@@ -252,8 +252,8 @@ def _raise_partial(optimizer, variables, owners, split):
         f"it updates that the model's train function was not made for: "
         f"{unknown}; ranks owning one of them: "
         f"{sorted(set(owners) - {None})}. Call `compile()` again after "
-        "changing which variables are trainable, or set "
-        "KERAS_DTENSOR_SPLIT_UPDATE=0 to all-reduce every gradient."
+        "changing which variables are trainable; with "
+        "$KERAS_DTENSOR_SPLIT_UPDATE=0 every gradient is all-reduced."
     )
 
 
