@@ -481,9 +481,11 @@ def _tp_local(keras, world):
     gamma's gradient is a sum over the heads' shards), a layer reshaping
     to a global size (it raises locally) and a layer taking a mean over
     the split columns (its outputs differ): each runs as DTensors, the
-    rest locally; the same mean in a model's own call (the whole model
-    runs as DTensors, with a warning from rank 0), split Dense layers back
-    to back (nothing between them: DTensors), and
+    rest locally; a column split's output added to a whole tensor by a
+    functional model (a hidden-split embedding's case: the split layer
+    hands its output on replicated); the mean in a model's own call (the
+    whole model runs as DTensors, with a warning from rank 0), split Dense
+    layers back to back (nothing between them: DTensors), and
     KERAS_DTENSOR_LOCAL_MODEL=0."""
     import os
     import warnings
@@ -550,6 +552,12 @@ def _tp_local(keras, world):
                 ]
             )
         inputs = keras.Input((6, 8))
+        if kind == "residual":
+            h = probe(keras.layers.Dense(16, name="up")(inputs))
+            a = keras.layers.MultiHeadAttention(4, 2, name="mha")(h, h)
+            return keras.Model(
+                inputs, keras.layers.Dense(8, name="down")(h + a)
+            )
         if kind == "norm":  # per-head norm (Qwen3's, Gemma3's q/k norm)
             q = keras.layers.EinsumDense(
                 "abc,cde->abde", (None, 4, 2), name="q"
@@ -594,6 +602,13 @@ def _tp_local(keras, world):
                     if id(layer)
                     in next(r for r in records[1].values() if r).boundary
                 ),
+                "replicated": None
+                if records is None
+                else sorted(
+                    layer.name
+                    for layer in model._flatten_layers()
+                    if id(layer) in records[2].replicated
+                ),
             }
 
     def tp():
@@ -606,7 +621,8 @@ def _tp_local(keras, world):
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for kind in ("plain", "norm", "heads", "center", "own_call", "stack"):
+        kinds = ("plain", "norm", "heads", "center", "own_call", "residual")
+        for kind in (*kinds, "stack"):
             out[kind] = (run(None, kind), run(tp(), kind))
     out["warnings"] = [
         str(w.message) for w in caught if "runs as DTensors" in str(w.message)
@@ -953,8 +969,10 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         # fit's and predict's signatures both run locally; the per-head
         # norm runs as DTensors, and so do a layer that raises locally and
         # a layer whose outputs differ (the rest stays local); a mean over
-        # the split columns in the model's own call makes the whole model
-        # run as DTensors (warned on rank 0); the setting off too.
+        # a split output makes the split layer hand its output on whole;
+        # a mean over the split columns in the model's own call makes the
+        # whole model run as DTensors (warned on rank 0); the setting off
+        # too.
         tp = out["tp_local"]
         assert tp["plain"][1]["seen"] == ("Tensor", (8, 6, 16 // 2))
         assert tp["plain"][1]["local"] == [True, True]
@@ -973,8 +991,15 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             assert kind in tp[kind][1]["boundary"], tp[kind][1]["boundary"]
         # Split Dense layers back to back: nothing to run locally.
         assert set(tp["stack"][1]["local"]) == {False}
+        assert tp["residual"][1]["local"] == [True, True]
+        assert tp["residual"][1]["replicated"] == ["up"]
+        assert tp["residual"][1]["seen"] == ("Tensor", (8, 6, 16))
+        assert tp["plain"][1]["replicated"] == []
+        # The mean of the whole columns rounds otherwise than the DTensor
+        # run's sum of two halves: not bit for bit, so DTensors.
         assert tp["own_call"][1]["seen"] == ("DTensor", (8, 6, 16))
         assert set(tp["own_call"][1]["local"]) == {False}
+        assert tp["own_call"][1]["replicated"] == []
         assert tp["off"][1]["seen"] == ("DTensor", (8, 6, 16))
         if out["rank"] == 0:
             assert len(tp["warnings"]) == 1, tp["warnings"]
@@ -987,7 +1012,14 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         pairs = [groups["layers"], groups["whole"], groups["reads_back"]]
         pairs += [
             tp[kind]
-            for kind in ("plain", "norm", "heads", "center", "own_call")
+            for kind in (
+                "plain",
+                "norm",
+                "heads",
+                "center",
+                "own_call",
+                "residual",
+            )
         ]
         pairs.append(tp["off"])
         for plain, dist in [*local.values(), *pairs]:

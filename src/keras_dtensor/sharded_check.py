@@ -16,8 +16,13 @@ every rank (one all-reduce of the verdicts). When it is not:
   check run again with every layer's outputs fingerprinted in both runs:
   the first layer whose outputs differ (a softmax over a sharded dim, in
   keras_hub's MoE router) joins the boundary;
-- when the cause is in the model's own call, or after `_MAX_PROMOTED`
-  layers, the signature runs as DTensors, and rank 0 says why, once per
+- when the cause is in the model's own call, the model's own boundary
+  layers whose outputs are sharded are made to hand them on replicated,
+  one at a time in call order (a hidden-split embedding's output, added
+  to a whole tensor by the model's own residual add), and the check runs
+  again;
+- when that does not help either, or after `_MAX_PROMOTED` layers, the
+  signature runs as DTensors, and rank 0 says why, once per
   distribution.
 
 A model whose every layer call is a boundary one (a stack of split
@@ -71,20 +76,25 @@ def signature(flat):
     return tuple(out)
 
 
-def matches(reference, local):
+def matches(reference, local, final=None):
     """Whether the local run's outputs are this rank's shards of the
-    DTensor run's, bit for bit; `(ok, reason)`."""
+    DTensor run's, bit for bit; `(ok, reason)`. `final`: the local
+    outputs as the DTensors the call returns (`outputs_global`), if they
+    were made: their shards are the ones compared."""
     from keras.src import tree
 
     flat_ref = tree.flatten(reference)
     flat_local = tree.flatten(local)
-    if len(flat_ref) != len(flat_local):
+    flat_final = flat_local if final is None else tree.flatten(final)
+    if not len(flat_ref) == len(flat_local) == len(flat_final):
         return False, "the outputs differ in structure"
-    for ref, out in zip(flat_ref, flat_local, strict=True):
+    for ref, out, made in zip(flat_ref, flat_local, flat_final, strict=True):
         if not isinstance(ref, torch.Tensor):
             continue
         if not isinstance(ref, DTensor) or isinstance(out, DTensor):
             return False, "an output is not a DTensor in the DTensor run"
+        if final is not None:
+            out = made.to_local()
         shard = ref.to_local()
         if shard.shape != out.shape or shard.dtype != out.dtype:
             return False, (
@@ -122,9 +132,11 @@ def agree(code, mesh):
 
 @dataclasses.dataclass
 class State:
-    """A model's layers promoted to the boundary (ids)."""
+    """A model's layers promoted to the boundary, and its boundary layers
+    whose outputs leave replicated (ids)."""
 
     promoted: set = dataclasses.field(default_factory=set)
+    replicated: set = dataclasses.field(default_factory=set)
 
 
 def _records(layer, plan_):
@@ -160,10 +172,22 @@ def call(layer, plan_, flat, reference, run):
     order = {id(sub): i for i, sub in enumerate(plan_.layers)}
     ok, trace = len(order), len(order) + 1
     tracing = False
+    children = frozenset(
+        id(sub)
+        for sub in layer._flatten_layers(include_self=False, recursive=False)
+    )
+    # Layers made to hand on whole outputs by this check, and why the
+    # model's own call failed before the first of them.
+    tried, first_why = [], None
     while True:
         # The DTensor run to compare with: no autograd (no second graph
         # of activations), stopped before any variable is written.
-        record = Record(set(plan_.boundary) | state.promoted, plan_)
+        record = Record(
+            set(plan_.boundary) | state.promoted,
+            plan_,
+            children=children,
+            replicated=frozenset(state.replicated),
+        )
         if tracing:
             record.fingerprints = {}
         try:
@@ -184,7 +208,8 @@ def call(layer, plan_, flat, reference, run):
         replay = _replay(record, plan_)
         try:
             outputs = run(replay)
-            same, why = matches(expected, outputs)
+            final = outputs_global(record, plan_.mesh, outputs)
+            same, why = matches(expected, outputs, final)
             code = ok if same else (-1 if tracing else trace)
             adding = _adds_local_loss(plan_.layers)
             if same and adding is not None:
@@ -216,16 +241,32 @@ def call(layer, plan_, flat, reference, run):
         if low == high == ok:
             record.fingerprints = None  # later calls are not traced
             records[key] = record
-            return True, outputs_global(record, plan_.mesh, outputs)
+            return True, final
         if low >= ok and high == trace:
             # Some rank's outputs differ: once more, tracing each layer's
             # outputs to find the one where the runs part.
             tracing = True
             continue
+        if low == high == -1 and tracing:
+            # No layer at fault: the model's own ops. The next of its own
+            # boundary layers with sharded outputs hands them on whole.
+            # (The same record on every rank: the same choice.)
+            untried = [
+                i for i in record.sharded_outputs if i not in state.replicated
+            ]
+            if untried and len(state.replicated) < _MAX_PROMOTED:
+                first_why = why if first_why is None else first_why
+                tried.append(untried[0])
+                state.replicated.add(untried[0])
+                tracing = False
+                continue
         if low != high or low < 0 or low >= ok:
             break
         state.promoted.add(id(plan_.layers[low]))
     records[key] = None
+    if tried:  # no help: said with the first reason
+        state.replicated.difference_update(tried)
+        why = first_why
     # Said once per distribution: keras_hub's generate calls each decoder
     # block on its own, and each would say the same.
     distribution = context.active()

@@ -15,7 +15,12 @@ other than the batch axis:
   with the placements they had in a DTensor run of the same call, its
   outputs reduced (`Partial` -> `Replicate`, one all-reduce, like
   `RowwiseParallel`) and handed on as local tensors;
-- everything else runs on local tensors.
+- everything else runs on local tensors;
+- where a model's own ops meet a boundary layer's sharded output with a
+  whole tensor (a hidden-split embedding's output in a residual add),
+  that layer's output leaves replicated (one all-gather, torch's
+  `output_layouts=Replicate()`), and the next boundary layer cuts it to
+  the shards it had in the DTensor run.
 
 Which layers are the boundary, and whether a model's local run gives
 the DTensor run's numbers, is decided by `sharded_check`.
@@ -80,6 +85,16 @@ class Record:
     # Layer calls that run locally: with none (a stack of split Dense
     # layers), the local run only adds conversions at every boundary.
     between: int = 0
+    # The model's own sublayers (ids), and those among the boundary
+    # layers whose outputs were sharded over a model axis, in call order:
+    # the candidates for `replicated`.
+    children: frozenset = frozenset()
+    sharded_outputs: list = dataclasses.field(default_factory=list)
+    # Boundary layers whose outputs leave replicated (all-gathered over
+    # the model axes, torch's `output_layouts=Replicate()`): for a model
+    # whose own ops meet such an output with a whole tensor (a
+    # hidden-split embedding's output in a residual add).
+    replicated: frozenset = frozenset()
     _kept: frozenset | None = None
 
     def enter(self, layer, args, kwargs):
@@ -125,8 +140,20 @@ class Record:
         return self._kept
 
     def leave(self, key, outputs):
+        from keras.src import tree
+
         if self.fingerprints is not None:
-            self.fingerprints[key] = _fingerprint(outputs)
+            specs = tuple(spec(x) for x in tree.flatten(outputs))
+            self.fingerprints[key] = (_fingerprint(outputs), specs)
+        layer_id = key[0]
+        if (
+            layer_id in self.boundary
+            and layer_id in self.children
+            and layer_id not in self.sharded_outputs
+        ):
+            specs = [spec(x) for x in tree.flatten(outputs)]
+            if not all(s is None or self.plan.whole(s[0]) for s in specs):
+                self.sharded_outputs.append(layer_id)
 
     def set_outputs(self, outputs):
         from keras.src import tree
@@ -178,7 +205,7 @@ class Replay:
         last, out = self.wrapped
         if last is x and out.placements == recorded[0]:
             return out
-        out = _to_dtensor(x, recorded, self.mesh)
+        out = _to_dtensor(x, recorded, self.mesh, self.record.plan.dim)
         self.wrapped = (x, out)
         return out
 
@@ -216,13 +243,35 @@ def checked_call(replay, layer, original, args, kwargs):
     """A layer call of a local run being traced: its outputs must have
     the fingerprint the DTensor run's had, else this layer is where the
     runs part."""
+    from keras.src import tree
+
     key = (id(layer), replay.counts.get(id(layer), 0))
     replay.counts[id(layer)] = key[1] + 1
     outputs = original(layer, *args, **kwargs)
-    if _fingerprint(outputs) != replay.record.fingerprints.get(key):
+    expected, specs = replay.record.fingerprints.get(key, (None, ()))
+    flat = tree.flatten(outputs)
+    if len(specs) == len(flat):
+        # An output handed on whole (`Record.replicated`) is compared by
+        # the shard the DTensor run had.
+        flat = [
+            _as_shard(x, s, replay) for x, s in zip(flat, specs, strict=True)
+        ]
+    if _fingerprint(flat) != expected:
         failed_in(layer)
         raise Mismatch(f"{layer.name!r}: its outputs differ")
     return outputs
+
+
+def _as_shard(x, recorded, replay):
+    if recorded is None or not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, DTensor):
+        return x
+    try:
+        out = _to_dtensor(x, recorded, replay.mesh, replay.record.plan.dim)
+    except Mismatch:
+        return x
+    return out.to_local()
 
 
 def failed_in(layer):
@@ -232,19 +281,34 @@ def failed_in(layer):
         replay.culprit = layer
 
 
-def _to_dtensor(x, spec, mesh):
+def _whole(placements, batch_dim):
+    """`placements` with every model axis's shard replicated."""
+    return tuple(
+        Replicate() if i != batch_dim and p.is_shard() else p
+        for i, p in enumerate(placements)
+    )
+
+
+def _to_dtensor(x, spec, mesh, batch_dim):
     if spec is None or not isinstance(x, torch.Tensor):
         return x
     placements, shape = spec
     # The global stride follows the local one (an attention output is a
     # transposed view); the shape must come out as recorded (even shards).
     out = DTensor.from_local(x, mesh, placements, run_check=False)
-    if tuple(out.shape) != shape:
-        raise Mismatch(
-            f"an input of local shape {tuple(x.shape)}, where the DTensor "
-            f"run had {shape} as {placements}"
-        )
-    return out
+    if tuple(out.shape) == shape:
+        return out
+    # The output of a boundary layer in `Record.replicated`: whole along
+    # the model axes, cut to the recorded shards here (no communication).
+    whole = _whole(placements, batch_dim)
+    if whole != tuple(placements):
+        out = DTensor.from_local(x, mesh, whole, run_check=False)
+        if tuple(out.shape) == shape:
+            return out.redistribute(mesh, placements)
+    raise Mismatch(
+        f"an input of local shape {tuple(x.shape)}, where the DTensor "
+        f"run had {shape} as {placements}"
+    )
 
 
 def reduce_partial(x):
@@ -280,11 +344,15 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
     args, kwargs = tree.pack_sequence_as((args, kwargs), flat)
     with dtensor_scope(layer):
         outputs = original(layer, *args, **kwargs)
+    replicated = id(layer) in replay.record.replicated
 
     def to_local(x):
         x = reduce_partial(x)
         if not isinstance(x, DTensor):
             return x
+        if replicated:
+            whole = _whole(x.placements, replay.record.plan.dim)
+            x = x.redistribute(x.device_mesh, whole)  # an all-gather
         return x.to_local(grad_placements=tuple(x.placements))
 
     return tree.map_structure(to_local, outputs)
@@ -298,7 +366,7 @@ def outputs_global(record, mesh, outputs):
     if len(flat) != len(record.outputs):
         raise Mismatch("the outputs differ in structure")
     flat = [
-        _to_dtensor(x, spec, mesh)
+        _to_dtensor(x, spec, mesh, record.plan.dim)
         for x, spec in zip(flat, record.outputs, strict=True)
     ]
     return tree.pack_sequence_as(outputs, flat)
