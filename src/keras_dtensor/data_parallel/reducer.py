@@ -90,8 +90,9 @@ class GradientReducer:
                 self.slot[id(p)] = (index, view)
                 offset += n
         self.world, self.rank = world()
-        # Per bucket: {owner: its segment of the buffer}, and the buffers
-        # this rank receives the other ranks' shares of its segment into
+        # Per bucket: {owner: its segment of the buffer}, and the
+        # (peer, buffer) pairs this rank receives the other ranks' shares
+        # of its segment into
         # (kept across steps: (world - 1) / world of the gradients' bytes
         # in all, DDP's default keeps a whole second copy).
         self.segments, self.inbox = [], []
@@ -106,14 +107,11 @@ class GradientReducer:
             self.segments.append(segments)
             start, stop = segments.get(self.rank, (0, 0))
             buffer = self.buffers[index]
+            peers = [r for r in range(self.world) if r != self.rank]
             self.inbox.append(
                 [
-                    torch.empty(
-                        stop - start, dtype=buffer.dtype, device=buffer.device
-                    )
-                    for _ in range(
-                        self.world - 1 if owners and stop > start else 0
-                    )
+                    (peer, buffer.new_empty(stop - start))
+                    for peer in (peers if owners and stop > start else ())
                 ]
             )
         self.owners = bool(owners) and None not in owner_of.values()
@@ -214,8 +212,7 @@ class GradientReducer:
                 ops.append(
                     dist.P2POp(dist.isend, buffer[start:stop], owner, tag=index)
                 )
-        peers = [r for r in range(self.world) if r != self.rank]
-        for peer, inbox in zip(peers, self.inbox[index], strict=False):
+        for peer, inbox in self.inbox[index]:
             ops.append(dist.P2POp(dist.irecv, inbox, peer, tag=index))
         self.works[index] = dist.batch_isend_irecv(ops) if ops else []
 
@@ -226,7 +223,7 @@ class GradientReducer:
         for w in work:
             w.wait()
         start, stop = self.segments[index].get(self.rank, (0, 0))
-        for inbox in self.inbox[index]:
+        for _, inbox in self.inbox[index]:
             self.buffers[index][start:stop].add_(inbox)
 
     def finish(self):
