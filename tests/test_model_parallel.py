@@ -607,7 +607,10 @@ def _tp_local(keras, world):
                 else sorted(
                     layer.name
                     for layer in model._flatten_layers()
-                    if id(layer) in records[2].replicated
+                    if any(
+                        id(layer) in state.replicated
+                        for state in records[2].values()
+                    )
                 ),
             }
 

@@ -62,6 +62,7 @@ from keras_dtensor import weight_gather
 from keras_dtensor.layout import contiguous_strides
 from keras_dtensor.local_plan import forget
 from keras_dtensor.local_plan import plan
+from keras_dtensor.local_plan import shards_enter
 from keras_dtensor.local_plan import variables_changed
 from keras_dtensor.local_plan import whole_along
 
@@ -319,13 +320,15 @@ def call(layer, original, plan_, args, kwargs, reference):
     from keras.src import tree
 
     flat = tree.flatten((args, kwargs))
-    rows = _input_rows(plan_, flat)
-    if rows is None:
-        return False, None
     if plan_.boundary:
+        if not shards_enter(plan_, flat):
+            return False, None
         return _call_tensor_parallel(
             layer, original, plan_, args, kwargs, flat, reference
         )
+    rows = _input_rows(plan_, flat)
+    if rows is None:
+        return False, None
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     layout = _layout(layer, plan_)
     assigned = False

@@ -16,7 +16,14 @@ from torch.distributed.tensor import Shard
 from keras_dtensor import config
 from keras_dtensor import weight_gather
 
-__all__ = ["Plan", "forget", "plan", "variables_changed", "whole_along"]
+__all__ = [
+    "Plan",
+    "forget",
+    "plan",
+    "shards_enter",
+    "variables_changed",
+    "whole_along",
+]
 
 _PLAN = "_keras_dtensor_local_batch"
 # Counts variables created; a model's cached plan is rebuilt when it moves
@@ -177,3 +184,19 @@ def plan(layer, distribution):
             built = _build(layer, distribution.batch_dim_name)
         cached = layer.__dict__[_PLAN] = (_generation, built)
     return cached[1]
+
+
+def shards_enter(plan_, flat):
+    """Whether a tensor-parallel call's inputs can enter its local run as
+    their shards: DTensors on the plan's mesh with no pending sums. Inputs
+    sharded over a model axis (a KV cache sharded by heads) are handed in
+    as this rank's shard; the check against the DTensor run
+    (`sharded_check`) decides whether the call runs so."""
+    return all(
+        not isinstance(x, DTensor)
+        or (
+            x.device_mesh == plan_.mesh
+            and not any(p.is_partial() for p in x.placements)
+        )
+        for x in flat
+    )

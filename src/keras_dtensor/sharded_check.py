@@ -133,17 +133,29 @@ def agree(code, mesh):
 @dataclasses.dataclass
 class State:
     """A model's layers promoted to the boundary, and its boundary layers
-    whose outputs leave replicated (ids)."""
+    whose outputs leave replicated (ids), for one layout of its inputs."""
 
     promoted: set = dataclasses.field(default_factory=set)
     replicated: set = dataclasses.field(default_factory=set)
 
 
-def _records(layer, plan_):
+def layouts(flat):
+    """The placements of a call's DTensor inputs: what the layers promoted
+    for one call depend on. keras_hub's first cached call gets a
+    replicated cache (`ops.zeros`), which its attention cannot take
+    locally; the decoding calls after it get the cache sharded by heads,
+    which it can."""
+    return tuple(
+        tuple(x.placements) if isinstance(x, DTensor) else None for x in flat
+    )
+
+
+def _records(layer, plan_, flat):
+    """`(records by signature, the State of this input layout)`."""
     cached = layer.__dict__.get(_RECORDS)
     if cached is None or cached[0] is not plan_:
-        cached = layer.__dict__[_RECORDS] = (plan_, {}, State())
-    return cached[1], cached[2]
+        cached = layer.__dict__[_RECORDS] = (plan_, {}, {})
+    return cached[1], cached[2].setdefault(layouts(flat), State())
 
 
 def call(layer, plan_, flat, reference, run):
@@ -161,7 +173,7 @@ def call(layer, plan_, flat, reference, run):
     """
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
         return False, None  # Keras's shape inference: nothing to compare
-    records, state = _records(layer, plan_)
+    records, state = _records(layer, plan_, flat)
     key = signature(flat)
     record = records.get(key, _MISSING)
     if record is None:  # checked: this signature runs as DTensors
