@@ -163,7 +163,84 @@ def _pattern(keras, reference, mesh_shape):
         tuple(keras.ops.top_k(scores, k, sorted=False)[1].to_local().shape)
         for k in (5, 4)
     ]
+    local.update(_einsum_and_cache(keras, mesh_2d))
     return models.max_diff(reference, result), int(greedy), local
+
+
+def _einsum_and_cache(keras, mesh):
+    """`ops.einsum` on DTensors by its subscripts, and a KV cache update,
+    against the same ops on whole tensors: the largest difference of
+    values and gradients, the output placements, and the collectives in
+    forward. Heads: 4 (even) and 3 (uneven over 2 or 4 ranks); one
+    token (where torch's own einsum gathers the kernel) and three."""
+    import torch
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    # A mesh axis of one process is left out of the torch mesh.
+    names = mesh.mesh_dim_names
+
+    def placed(t, model=None, batch=None):
+        dims = {"model": model, "batch": batch}
+        placements = [
+            Replicate() if dims[name] is None else Shard(dims[name])
+            for name in names
+        ]
+        return distribute_tensor(t, mesh, placements).requires_grad_()
+
+    def layout(t):
+        return dict(zip(names, t.placements, strict=True))
+
+    torch.manual_seed(0)
+    out = {"einsum": [], "diff": 0.0, "mesh": names}
+    for heads, tokens in ((4, 1), (4, 3), (3, 1)):
+        x = torch.randn(4, tokens, 8)
+        w_in = torch.randn(8, heads, 2)
+        w_out = torch.randn(heads, 2, 8)
+        a = torch.randn(4, tokens, heads, 2)
+        cases = (  # (subscripts, whole operands, their DTensors)
+            # column split: q/k/v
+            ("btd,dnh->btnh", (x, w_in), (placed(x), placed(w_in, 1))),
+            # and with the batch over the batch axis
+            ("btd,dnh->btnh", (x, w_in), (placed(x, batch=0), placed(w_in, 1))),
+            # row split: the attention output
+            ("btnh,nhd->btd", (a, w_out), (placed(a, 2), placed(w_out, 0))),
+            # row split of a replicated input: cut, no communication
+            ("btnh,nhd->btd", (a, w_out), (placed(a), placed(w_out, 0))),
+        )
+        for subscripts, whole, operands in cases:
+            with CommDebugMode() as comm:
+                result = keras.ops.einsum(subscripts, *operands)
+            got = result.full_tensor()
+            leaves = [t.clone().requires_grad_() for t in whole]
+            want = torch.einsum(subscripts, *leaves)
+            cotangent = torch.randn(want.shape)
+            (got * cotangent).sum().backward()
+            (want * cotangent).sum().backward()
+            diffs = [(got - want).abs().max()] + [
+                (o.grad.full_tensor() - leaf.grad).abs().max()
+                for o, leaf in zip(operands, leaves, strict=True)
+            ]
+            out["diff"] = max(out["diff"], float(max(diffs)))
+            out["einsum"].append(
+                (subscripts, layout(result), comm.get_total_counts())
+            )
+    # keras_hub's KV cache: `ops.zeros` (replicated), filled with
+    # head-sharded keys at the decoding position.
+    cache = torch.zeros(4, 6, 4, 2)
+    update = torch.randn(4, 1, 4, 2)
+    operands = placed(cache).detach(), placed(update, 2).detach()
+    with CommDebugMode() as comm:
+        filled = keras.ops.slice_update(operands[0], (0, 2, 0, 0), operands[1])
+    cache[:, 2:3] = update
+    out["cache"] = (
+        layout(filled),
+        comm.get_total_counts(),
+        float((filled.full_tensor() - cache).abs().max()),
+    )
+    return out
 
 
 @pytest.mark.parametrize(
@@ -188,3 +265,22 @@ def _check(mesh_shape, diff, greedy, local):
     assert local["attention/query/kernel"] == (WIDTH // model_axis, WIDTH)
     assert local["up/kernel"] == (WIDTH, 2 * WIDTH // model_axis)
     assert local["top_k"] == [(4, 5), (4, 4)]
+    # einsum on local shards: a column split's output stays sharded, a row
+    # split's is one pending sum, nothing is gathered in forward.
+    assert local["diff"] <= 1e-5, local["diff"]
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+
+    def on(model, batch=None):
+        both = {"batch": batch or Replicate(), "model": model}
+        return {k: v for k, v in both.items() if k in local["mesh"]}
+
+    column, row = on(Shard(2)), on(Partial())
+    assert local["einsum"] == 3 * [
+        ("btd,dnh->btnh", column, 0),
+        ("btd,dnh->btnh", on(Shard(2), Shard(0)), 0),
+        ("btnh,nhd->btd", row, 0),
+        ("btnh,nhd->btd", row, 0),
+    ], local["einsum"]
+    assert local["cache"] == (on(Shard(2)), 0, 0.0)

@@ -222,6 +222,38 @@ def wrap_redistribute_local_tensor(original):
     return redistribute_local_tensor
 
 
+def _sharded_like(inputs, start_indices, updates):
+    """`inputs` laid out like `updates` where the update spans a whole dim
+    that `updates` shards and `inputs` replicates (a KV cache made by
+    `ops.zeros`, updated with a head-sharded key): a local cut, no
+    communication, instead of gathering the update onto every rank."""
+    from torch.distributed.tensor import DTensor
+
+    if not (
+        isinstance(inputs, DTensor)
+        and isinstance(updates, DTensor)
+        and inputs.device_mesh == updates.device_mesh
+        and inputs.ndim == updates.ndim
+    ):
+        return inputs
+    placements = list(inputs.placements)
+    for i, (have, want) in enumerate(
+        zip(inputs.placements, updates.placements, strict=True)
+    ):
+        if not (have.is_replicate() and type(want) is Shard):
+            continue
+        dim = want.dim
+        if (
+            start_indices[dim] == 0
+            and inputs.shape[dim] == updates.shape[dim]
+            and Shard(dim) not in placements
+        ):
+            placements[i] = Shard(dim)
+    if placements == list(inputs.placements):
+        return inputs
+    return inputs.redistribute(inputs.device_mesh, placements)
+
+
 def wrap_slice_update(original):
     """Wraps Keras's torch `slice_update(inputs, start_indices, updates)`.
 
@@ -232,6 +264,13 @@ def wrap_slice_update(original):
     the decoding position. For DTensors the start indices are read as
     Python ints, Keras's own basic-slicing path, which DTensor runs on
     each shard.
+
+    A replicated `inputs` updated along a whole dim that `updates` shards
+    takes the update's layout (`_sharded_like`): keras_hub builds its KV
+    cache with `ops.zeros`, a replicated value, and fills it with the
+    head-sharded keys and values; as torch's tensor parallelism keeps each
+    rank's heads' cache, each rank then holds its heads only, and no
+    update is gathered.
     """
 
     def slice_update(inputs, start_indices, updates):
@@ -239,6 +278,7 @@ def wrap_slice_update(original):
 
         if isinstance(inputs, DTensor) or isinstance(updates, DTensor):
             start_indices = [int(i) for i in start_indices]
+            inputs = _sharded_like(inputs, start_indices, updates)
         return original(inputs, start_indices, updates)
 
     return slice_update

@@ -26,6 +26,7 @@ from keras_dtensor import callbacks
 from keras_dtensor import context
 from keras_dtensor import data
 from keras_dtensor import data_parallel
+from keras_dtensor import einsum
 from keras_dtensor import embedding_grad
 from keras_dtensor import instance_patches
 from keras_dtensor import jit
@@ -377,6 +378,15 @@ PATCHES = (
         "The state is a replicated DTensor under a distribution, the "
         "increment a plain tensor: mixed, wherever keras.random draws.",
         layer_call.wrap_seed_generator_next,
+    ),
+    Patch(
+        "keras.src.backend.torch.numpy",
+        "einsum",
+        "torch's einsum over DTensors reshapes a sharded dim into a merged "
+        "one for some shapes (one token at a time in generate) and then "
+        "gathers the kernel or all-reduces a column split's output; the "
+        "subscripts say the layout, as for mm.",
+        einsum.wrap_einsum,
     ),
     Patch(
         _TORCH_CORE,
