@@ -1,0 +1,294 @@
+"""Decoding under ModelParallel against native torch tensor parallelism.
+
+keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's own layout map
+on a (1, N) mesh) against a torch decoder of the same sizes with the same
+split (`parallelize_module`: q/k/v and the MLP's gate and up by columns,
+the attention output and the MLP's down by rows; the embedding
+replicated), each with a KV cache, one token at a time; and each in one
+process. Variants run back to back in alternating order, round by round,
+each in fresh processes (`torch.distributed.run`, one thread each):
+
+    python benchmarks/bench_generate.py --rounds 3
+
+Per variant: the time of one `generate` call (batch 2, an 8-token
+prompt, 24 new tokens; the best of `--calls` calls after one warm call)
+and the peak RSS per process. Target: kd-MP ÷ torch TP against Keras
+single ÷ torch single, per round.
+"""
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = {"torch_single": 1, "keras_single": 1, "torch_tp": 2, "kd_mp": 2}
+CONFIG = dict(
+    vocabulary_size=256,
+    num_layers=4,
+    num_query_heads=4,
+    num_key_value_heads=4,
+    hidden_dim=128,
+    intermediate_dim=512,  # Gemma's gate and up are half of it each
+    head_dim=32,
+)
+BATCH, PROMPT, LENGTH = 2, 8, 32
+
+
+def _prompt():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, CONFIG["vocabulary_size"], size=(BATCH, LENGTH))
+    mask = np.zeros((BATCH, LENGTH), bool)
+    mask[:, :PROMPT] = True
+    return tokens.astype("int32"), mask
+
+
+def _torch_decoder():
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from torch import nn
+
+    c = CONFIG
+    width, head = c["hidden_dim"], c["head_dim"]
+    inner = c["num_query_heads"] * head
+    ffw = c["intermediate_dim"] // 2
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.RMSNorm(width)
+            self.q = nn.Linear(width, inner, bias=False)
+            self.k = nn.Linear(width, inner, bias=False)
+            self.v = nn.Linear(width, inner, bias=False)
+            self.o = nn.Linear(inner, width, bias=False)
+            self.norm2 = nn.RMSNorm(width)
+            self.gate = nn.Linear(width, ffw, bias=False)
+            self.up = nn.Linear(width, ffw, bias=False)
+            self.down = nn.Linear(ffw, width, bias=False)
+
+        def forward(self, x, cache, pos):
+            b, t, _ = x.shape
+            h = self.norm1(x)
+            # Local heads under TP: the column split's output is local.
+            q, k, v = (
+                layer(h).view(b, t, -1, head).transpose(1, 2)
+                for layer in (self.q, self.k, self.v)
+            )
+            if cache[0] is None:
+                cache[0] = k.new_zeros(b, k.shape[1], LENGTH, head)
+                cache[1] = v.new_zeros(b, v.shape[1], LENGTH, head)
+            cache[0][:, :, pos : pos + t] = k
+            cache[1][:, :, pos : pos + t] = v
+            keys, values = (c[:, :, : pos + t] for c in cache)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=t > 1
+            )
+            x = x + self.o(out.transpose(1, 2).reshape(b, t, -1))
+            h = self.norm2(x)
+            return x + self.down(F.gelu(self.gate(h)) * self.up(h))
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(c["vocabulary_size"], width)
+            self.blocks = nn.ModuleList(Block() for _ in range(c["num_layers"]))
+            self.norm = nn.RMSNorm(width)
+
+        def forward(self, tokens, caches, pos):
+            x = self.embed(tokens)
+            for block, cache in zip(self.blocks, caches, strict=True):
+                x = block(x, cache, pos)
+            return self.norm(x)[:, -1] @ self.embed.weight.T
+
+    torch.manual_seed(0)
+    return Decoder()
+
+
+def _run_torch(variant, calls):
+    import torch
+
+    model = _torch_decoder()
+    if variant == "torch_tp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel
+        from torch.distributed.tensor.parallel import RowwiseParallel
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        plan = {}
+        for i in range(CONFIG["num_layers"]):
+            for name in ("q", "k", "v", "gate", "up"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+            for name in ("o", "down"):
+                plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+        model = parallelize_module(model, mesh, plan)
+    tokens, _ = _prompt()
+    prompt = torch.as_tensor(tokens[:, :PROMPT], dtype=torch.long)
+
+    @torch.no_grad()
+    def generate():
+        caches = [[None, None] for _ in range(CONFIG["num_layers"])]
+        logits = model(prompt, caches, 0)
+        out = [logits.argmax(-1)]
+        for pos in range(PROMPT, LENGTH - 1):
+            logits = model(out[-1][:, None], caches, pos)
+            out.append(logits.argmax(-1))
+        return torch.stack(out, 1)
+
+    return _timed(generate, calls)
+
+
+def _run_keras(variant, calls):
+    import keras
+    import keras_hub
+
+    import keras_dtensor  # noqa: F401
+
+    if variant == "kd_mp":
+        keras.distribution.initialize()
+        world = keras.distribution.get_device_count()
+        mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+                batch_dim_name="batch",
+            )
+        )
+    keras.utils.set_random_seed(0)
+    lm = keras_hub.models.GemmaCausalLM(
+        backbone=keras_hub.models.GemmaBackbone(**CONFIG), preprocessor=None
+    )
+    lm.compile(sampler="greedy")
+    tokens, mask = _prompt()
+    prompt = {"token_ids": tokens, "padding_mask": mask}
+    return _timed(lambda: lm.generate(prompt, stop_token_ids=None), calls)
+
+
+def _timed(generate, calls):
+    generate()  # first call: checks, caches
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = generate()
+        times.append(time.perf_counter() - start)
+    if isinstance(out, dict):  # keras_hub's: the prompt and the new tokens
+        out = out["token_ids"][:, PROMPT:]
+    return {"ms": 1000 * min(times), "tokens": out.tolist()}
+
+
+def worker(args):
+    sys.modules.setdefault("tensorflow", None)  # see bench_step.worker
+    import torch
+
+    torch.set_num_threads(1)
+    run = _run_keras if args.variant.startswith(("keras", "kd")) else _run_torch
+    result = run(args.variant, args.calls)
+    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
+        import json
+
+        json.dump(result, f)
+
+
+def _launch(variant, args):
+    import json
+
+    nproc = VARIANTS[variant]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        KERAS_BACKEND="torch",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    with tempfile.TemporaryDirectory() as result_dir:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            __file__,
+            "worker",
+            f"--variant={variant}",
+            f"--calls={args.calls}",
+            f"--result-dir={result_dir}",
+        ]
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        files = sorted(os.listdir(result_dir))
+        if proc.returncode != 0 or len(files) != nproc:
+            raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
+        results = []
+        for name in files:
+            with open(os.path.join(result_dir, name)) as f:
+                results.append(json.load(f))
+    # The slowest rank's time is the call's.
+    return (
+        max(r["ms"] for r in results),
+        max(r["rss_mb"] for r in results),
+        results[0]["tokens"],
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "mode", nargs="?", default="bench", choices=["bench", "worker"]
+    )
+    parser.add_argument("--variant", choices=sorted(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=2)
+    parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.mode == "worker":
+        return worker(args)
+    runs = {v: [] for v in VARIANTS}
+    for index in range(args.rounds):
+        order = list(VARIANTS) if index % 2 == 0 else list(VARIANTS)[::-1]
+        for variant in order:
+            runs[variant].append(_launch(variant, args))
+            ms, rss, _ = runs[variant][-1]
+            print(f"round {index + 1} {variant:13} {ms:8.1f} ms {rss:6.0f} MB")
+    ratios = {
+        "keras_over_torch_single": [
+            k[0] / t[0]
+            for k, t in zip(
+                runs["keras_single"], runs["torch_single"], strict=True
+            )
+        ],
+        "kd_mp_over_tp": [
+            k[0] / t[0]
+            for k, t in zip(runs["kd_mp"], runs["torch_tp"], strict=True)
+        ],
+    }
+    print("| variant | median ms | peak RSS MB |")
+    print("|---|---|---|")
+    for variant, values in runs.items():
+        ms = statistics.median(v[0] for v in values)
+        rss = max(v[1] for v in values)
+        print(f"| {variant} | {ms:.1f} | {rss:.0f} |")
+    for name, values in ratios.items():
+        per_round = " ".join(f"{v:.2f}" for v in values)
+        print(f"{name}: median {statistics.median(values):.2f} ({per_round})")
+    # Each split model generates its one-process tokens.
+    same = all(
+        run[2] == single[2]
+        for split, one in (
+            ("torch_tp", "torch_single"),
+            ("kd_mp", "keras_single"),
+        )
+        for run, single in zip(runs[split], runs[one], strict=True)
+    )
+    print(f"tokens as in one process: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
