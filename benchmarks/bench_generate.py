@@ -17,12 +17,11 @@ single ÷ torch single, per round.
 """
 
 import argparse
+import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 VARIANTS = {"torch_single": 1, "keras_single": 1, "torch_tp": 2, "kd_mp": 2}
@@ -193,42 +192,19 @@ def worker(args):
     result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
-        import json
-
-        json.dump(result, f)
+        json.dump(dict(result, rank=rank), f)
 
 
 def _launch(variant, args):
-    import json
+    from bench_step import run_workers
 
-    nproc = VARIANTS[variant]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        KERAS_BACKEND="torch",
-        CUDA_VISIBLE_DEVICES="",
+    results = run_workers(
+        __file__,
+        VARIANTS[variant],
+        [f"--variant={variant}", f"--calls={args.calls}"],
+        {"CUDA_VISIBLE_DEVICES": ""},
+        variant,
     )
-    with tempfile.TemporaryDirectory() as result_dir:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            __file__,
-            "worker",
-            f"--variant={variant}",
-            f"--calls={args.calls}",
-            f"--result-dir={result_dir}",
-        ]
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
-        files = sorted(os.listdir(result_dir))
-        if proc.returncode != 0 or len(files) != nproc:
-            raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
-        results = []
-        for name in files:
-            with open(os.path.join(result_dir, name)) as f:
-                results.append(json.load(f))
     # The slowest rank's time is the call's.
     return (
         max(r["ms"] for r in results),

@@ -471,42 +471,59 @@ def worker(args):
 def _launch(variant, model, args):
     nproc = _nproc(variant, args)
     env = dict(
-        os.environ,
         BENCH_DEVICE=args.device,
         BENCH_NPROC=str(args.nproc),
-        OMP_NUM_THREADS="1",
         PYTHONHASHSEED="0",
-        KERAS_BACKEND="torch",
         KERAS_DTENSOR_LOG_ALL_RANKS="0",
     )
     if args.device == "cpu":  # Keras picks a visible GPU by itself
         env["CUDA_VISIBLE_DEVICES"] = ""
     if variant == "kd_mp_dtensor":
         env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
+    return run_workers(
+        __file__,
+        nproc,
+        [
+            f"--variant={variant}",
+            f"--model={model}",
+            f"--steps={args.steps}",
+            f"--warmup={args.warmup}",
+        ],
+        env,
+        f"{variant}/{model}",
+    )
+
+
+def run_workers(script, nproc, arguments, env, name):
+    """Runs `script worker *arguments` on `nproc` fresh processes
+    (`torch.distributed.run`, one thread each, the torch backend) and
+    returns each rank's result (the JSON it wrote to `--result-dir`), in
+    rank order."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "KERAS_BACKEND": "torch",
+        **env,
+    }
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        __file__,
+        script,
         "worker",
-        f"--variant={variant}",
-        f"--model={model}",
-        f"--steps={args.steps}",
-        f"--warmup={args.warmup}",
+        *arguments,
     ]
     with tempfile.TemporaryDirectory() as result_dir:
         command.append(f"--result-dir={result_dir}")
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         files = sorted(os.listdir(result_dir))
         if proc.returncode != 0 or len(files) != nproc:
-            raise RuntimeError(
-                f"{variant}/{model} failed:\n{proc.stderr[-3000:]}"
-            )
+            raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
         results = []
-        for name in files:
-            with open(os.path.join(result_dir, name)) as f:
+        for file_name in files:
+            with open(os.path.join(result_dir, file_name)) as f:
                 results.append(json.load(f))
     return sorted(results, key=lambda r: r["rank"])
 
