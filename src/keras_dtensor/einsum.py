@@ -29,7 +29,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-__all__ = ["local_plan", "wrap_einsum"]
+__all__ = ["shard_plan", "wrap_einsum"]
 
 
 def _subscripts(subscripts, operands):
@@ -46,7 +46,7 @@ def _subscripts(subscripts, operands):
     return inputs, output
 
 
-def local_plan(subscripts, operands):
+def shard_plan(subscripts, operands):
     """How to run an einsum of DTensors on local shards.
 
     Returns `(input placements, input gradient placements, output
@@ -65,9 +65,6 @@ def local_plan(subscripts, operands):
         for letter, n in zip(sub, x.shape, strict=True):
             if sizes.setdefault(letter, n) != n:
                 return None  # broadcast over a letter
-        dims = [p.dim for p in x.placements if isinstance(p, Shard)]
-        if len(dims) != len(set(dims)):
-            return None  # one dim over several mesh dims
     targets = [list(x.placements) for x in operands]
     grads = [list(x.placements) for x in operands]
     placements = []
@@ -95,7 +92,8 @@ def local_plan(subscripts, operands):
         placements.append(
             Shard(output.index(letter)) if letter in output else Partial()
         )
-    # Two mesh dims may now cut an operand along one dim.
+    # One dim over several mesh dims (given, or after the cuts): left to
+    # torch.
     for target in targets:
         dims = [p.dim for p in target if isinstance(p, Shard)]
         if len(dims) != len(set(dims)):
@@ -117,7 +115,7 @@ def _global_stride(local, shape):
 
 def wrap_einsum(original):
     """Wraps Keras's torch `einsum(subscripts, *operands)`: DTensor
-    operands run on their local shards by `local_plan`."""
+    operands run on their local shards by `shard_plan`."""
 
     @functools.wraps(original)
     def einsum(subscripts, *operands, **kwargs):
@@ -134,7 +132,7 @@ def wrap_einsum(original):
         operands = [convert_to_tensor(x) for x in operands]
         if not all(isinstance(x, DTensor) for x in operands):
             return original(subscripts, *operands, **kwargs)
-        found = local_plan(subscripts, operands)
+        found = shard_plan(subscripts, operands)
         if found is None:
             return original(subscripts, *operands, **kwargs)
         targets, grads, placements, shape = found

@@ -150,12 +150,12 @@ def layouts(flat):
     )
 
 
-def _records(layer, plan_, flat):
-    """`(records by signature, the State of this input layout)`."""
+def _records(layer, plan_):
+    """`(records by signature, States by input layout)`."""
     cached = layer.__dict__.get(_RECORDS)
     if cached is None or cached[0] is not plan_:
         cached = layer.__dict__[_RECORDS] = (plan_, {}, {})
-    return cached[1], cached[2].setdefault(layouts(flat), State())
+    return cached[1], cached[2]
 
 
 def call(layer, plan_, flat, reference, run):
@@ -173,7 +173,7 @@ def call(layer, plan_, flat, reference, run):
     """
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
         return False, None  # Keras's shape inference: nothing to compare
-    records, state = _records(layer, plan_, flat)
+    records, states = _records(layer, plan_)
     key = signature(flat)
     record = records.get(key, _MISSING)
     if record is None:  # checked: this signature runs as DTensors
@@ -181,6 +181,7 @@ def call(layer, plan_, flat, reference, run):
     if record is not _MISSING:
         outputs = run(_replay(record, plan_))
         return True, outputs_global(record, plan_.mesh, outputs)
+    state = states.setdefault(layouts(flat), State())
     order = {id(sub): i for i, sub in enumerate(plan_.layers)}
     ok, trace = len(order), len(order) + 1
     tracing = False
