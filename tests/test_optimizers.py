@@ -89,7 +89,7 @@ def _optimizer_cases(names, mode="model"):
     from keras_dtensor import data_parallel
 
     x, y = models.data("mlp")
-    diffs, split, to_owners = {}, {}, {}
+    diffs, split, to_owners, storages = {}, {}, {}, {}
     exchanges = []
     batch_isend_irecv = dist.batch_isend_irecv
 
@@ -125,13 +125,21 @@ def _optimizer_cases(names, mode="model"):
             if distributed and is_split is not None:
                 split[name] = is_split
                 to_owners[name] = len(exchanges)
+                # The parameters live in one buffer per owner, which the
+                # split update's broadcast writes in place.
+                storages[name] = len(
+                    {
+                        v.value.untyped_storage().data_ptr()
+                        for v in model.trainable_weights
+                    }
+                )
         (h0, w0), (h1, w1) = results
         diffs[name] = max(
             [abs(a - b) for a, b in zip(h0, h1, strict=True)]
             + [float(abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
         )
     dist.batch_isend_irecv = batch_isend_irecv
-    return diffs, split, to_owners
+    return diffs, split, to_owners, storages
 
 
 def _all_names():
@@ -174,7 +182,7 @@ def _data_parallel_cases(names, checkpoint):
     import keras
     import models
 
-    diffs, split, to_owners = _optimizer_cases(names, "data")
+    diffs, split, to_owners, storages = _optimizer_cases(names, "data")
     x, y = models.data("mlp")
 
     def save_in_fit(model, distributed):
@@ -196,6 +204,7 @@ def _data_parallel_cases(names, checkpoint):
         diffs,
         split,
         to_owners,
+        storages,
         _adam_state_gap(save_in_fit),
         _adam_state_gap(on_batch),
     )
@@ -209,7 +218,7 @@ def _no_scope():
 
 def test_every_optimizer_under_data_parallel(tmp_path):
     names = _all_names()
-    for diffs, split, to_owners, saved, on_batch in run_ranks(
+    for diffs, split, to_owners, storages, saved, on_batch in run_ranks(
         _data_parallel_cases, 2, names, str(tmp_path / "mid-fit")
     ):
         bad = {n: d for n, d in diffs.items() if not d <= TOLERANCE}
@@ -230,6 +239,7 @@ def test_every_optimizer_under_data_parallel(tmp_path):
         }
         assert {n for n, count in to_owners.items() if count == 0} == whole
         assert {to_owners[n] for n in set(names) - whole} == {7}, to_owners
+        assert set(storages.values()) == {2}, storages
         assert saved <= TOLERANCE
         assert on_batch <= TOLERANCE
 

@@ -18,6 +18,7 @@ import contextlib
 import functools
 
 from keras_dtensor import context
+from keras_dtensor.data_parallel.flat_params import OwnerBuffers
 from keras_dtensor.data_parallel.metrics import is_keras_train_step
 from keras_dtensor.data_parallel.random_rows import split_rows
 from keras_dtensor.data_parallel.reducer import GradientReducer
@@ -53,6 +54,8 @@ def _prepare(model, step):
     variables = model.trainable_weights
     state.split = UpdateSplit(variables)
     owners = [state.split.owner.get(id(v)) for v in variables]
+    if state.split.owner:
+        state.split.buffers = OwnerBuffers([v.value for v in variables], owners)
     state.reducer = GradientReducer(
         [v.value for v in variables],
         model,

@@ -41,12 +41,13 @@ _SLOTS = "_keras_dtensor_slots"
 _ACTIVE = contextvars.ContextVar("keras_dtensor_update_split", default=None)
 
 
-def _broadcast_from_owners(tensors, owners):
+def _broadcast_from_owners(tensors, owners, buffers=None):
     """Each tensor gets its owner rank's value, in place.
 
     One flat broadcast per (owner, dtype), all in flight at once; no casts.
     Every rank must pass the same shapes, dtypes and owners, in the same
-    order.
+    order. A group of parameters of `buffers` (`OwnerBuffers`) is
+    broadcast as their buffer, in place.
     """
     _, rank = world()
     groups = {}
@@ -56,25 +57,31 @@ def _broadcast_from_owners(tensors, owners):
     with torch.no_grad():
         for owner, dtype in sorted(groups, key=lambda k: (k[0], str(k[1]))):
             group = groups[(owner, dtype)]
-            if owner == rank:
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
+            found = buffers and buffers.flat_of((owner, dtype), group)
+            if found:
+                flat, pairs = found
             else:
                 flat = torch.empty(
                     sum(t.numel() for t in group),
                     dtype=dtype,
                     device=group[0].device,
                 )
+                views = flat.split([t.numel() for t in group])
+                pairs = list(zip(group, views, strict=True))
+            if owner == rank and pairs:
+                torch._foreach_copy_(
+                    [v for _, v in pairs],
+                    [t.detach().view_as(v) for t, v in pairs],
+                )
             work = dist.broadcast(flat, src=owner, async_op=True)
-            pending.append((owner, group, flat, work))
-        for owner, group, flat, work in pending:
+            pending.append((owner, pairs, work))
+        for owner, pairs, work in pending:
             work.wait()
-            if owner == rank:
-                continue
-            views = flat.split([t.numel() for t in group])
-            torch._foreach_copy_(
-                group,
-                [v.view_as(t) for v, t in zip(views, group, strict=True)],
-            )
+            if owner != rank and pairs:
+                torch._foreach_copy_(
+                    [t for t, _ in pairs],
+                    [v.view_as(t) for t, v in pairs],
+                )
 
 
 def broadcast_from_rank0(variables):
@@ -105,6 +112,9 @@ class UpdateSplit:
         # True while a train step's gradients were reduced to their owners
         # only: the update must then be split.
         self.partial = False
+        # The parameters' storage by owner (`OwnerBuffers`), set by the
+        # train step that builds this split.
+        self.buffers = None
         variables = list(variables)
         # A variable Keras overwrites with its gradient (float8 scales)
         # needs the global gradient on every rank.
@@ -231,7 +241,9 @@ def wrap_backend_update_step(original):
             )
         finally:
             split.depth -= 1
-        _broadcast_from_owners([v.value for v in variables], owners)
+        _broadcast_from_owners(
+            [v.value for v in variables], owners, split.buffers
+        )
         stale = split.stale.setdefault(self, {})
         for v, owner in zip(variables, owners, strict=True):
             stale[id(v)] = owner
