@@ -164,7 +164,27 @@ def _pattern(keras, reference, mesh_shape):
         for k in (5, 4)
     ]
     local.update(_einsum_and_cache(keras, mesh_2d))
+    local["one_element"] = _one_element_warnings(distribution, scores)
     return models.max_diff(reference, result), int(greedy), local
+
+
+def _one_element_warnings(distribution, scores):
+    """torch's warnings on replicating a one-element 1-d tensor that meets
+    a DTensor (keras_hub's cache index in `generate`): under the
+    distribution, where plain tensors are global values, and with none."""
+    import contextlib
+    import warnings
+
+    import torch
+
+    counts = []
+    for scope in (distribution.scope(), contextlib.nullcontext()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with scope:
+                scores + torch.ones(1)
+        counts.append(sum("numel=1" in str(w.message) for w in caught))
+    return counts
 
 
 def _einsum_and_cache(keras, mesh):
@@ -265,6 +285,9 @@ def _check(mesh_shape, diff, greedy, local):
     assert local["attention/query/kernel"] == (WIDTH // model_axis, WIDTH)
     assert local["up/kernel"] == (WIDTH, 2 * WIDTH // model_axis)
     assert local["top_k"] == [(4, 5), (4, 4)]
+    # Quiet where plain tensors are global values; torch's own warning
+    # everywhere else.
+    assert local["one_element"] == [0, 1], local["one_element"]
     # einsum on local shards: a column split's output stays sharded, a row
     # split's is one pending sum, nothing is gathered in forward.
     assert local["diff"] <= 1e-5, local["diff"]

@@ -10,7 +10,8 @@
   DTensors.
 - `global_values()`: the scope in which a plain tensor meeting a DTensor
   counts as replicated; `wrap_set_distribution` extends it to all code
-  while a distribution other than `DataParallel` is set.
+  while a distribution other than `DataParallel` is set (and quiets
+  torch's warning about it there).
 
 Nothing here communicates or keeps state of its own: the scope is DTensor's
 own (thread-local) implicit-replication setting.
@@ -18,6 +19,8 @@ own (thread-local) implicit-replication setting.
 
 import contextlib
 import functools
+import re
+import warnings
 
 from keras_dtensor.launch import multi_process
 
@@ -122,14 +125,34 @@ def global_values():
         dispatcher._allow_implicit_replication = before
 
 
+# torch warns, on every rank and also where implicit replication is on,
+# each time it replicates a one-element 1-d plain tensor that meets a
+# DTensor (keras_hub's cache index in `generate`); while plain tensors are
+# global values that is the rule, not an accident. The entry
+# `warnings.filterwarnings` makes for it, as documented for
+# `warnings.filters`.
+_ONE_ELEMENT = (
+    "ignore",
+    re.compile("Found a non-scalar tensor with numel=1 and ndim!=0", re.I),
+    UserWarning,
+    None,
+    0,
+)
+
+
 def set_global_values(distribution):
     """Plain tensors count as global values under `distribution`, if it
-    is not `None` or `DataParallel`."""
+    is not `None` or `DataParallel`; torch's warning about one-element
+    tensors is quiet while they do."""
     from torch.distributed.tensor import DTensor
 
-    DTensor._op_dispatcher._allow_implicit_replication = (
-        distribution is not None and not is_data_parallel(distribution)
-    )
+    on = distribution is not None and not is_data_parallel(distribution)
+    DTensor._op_dispatcher._allow_implicit_replication = on
+    if on:
+        _, message, category, _, _ = _ONE_ELEMENT
+        warnings.filterwarnings("ignore", message.pattern, category)
+    elif _ONE_ELEMENT in warnings.filters:
+        warnings.filters.remove(_ONE_ELEMENT)
 
 
 def wrap_set_distribution(original):
