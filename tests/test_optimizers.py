@@ -207,7 +207,46 @@ def _data_parallel_cases(names, checkpoint):
         storages,
         _adam_state_gap(save_in_fit),
         _adam_state_gap(on_batch),
+        _storage_cases(),
     )
+
+
+def _storage_cases():
+    """Parameter storage under DataParallel: a variable stored transposed
+    is broadcast right; after a recompile with a kernel frozen, the frozen
+    kernel holds storage of its own, not a view keeping the first fit's
+    whole buffer alive, and the trainable ones are in the new buffers."""
+    import keras
+    import models
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from keras_dtensor.data_parallel.update_split import broadcast_from_rank0
+
+    variable = keras.Variable(np.zeros((2, 3), "float32"))
+    variable.value.data = torch.full((3, 2), dist.get_rank() + 1.0).T
+    broadcast_from_rank0([variable])  # rank 0's value is all ones
+    transposed = float(variable.value.abs().max())
+
+    x, y = models.data("mlp")
+    with keras.distribution.DataParallel().scope():
+        model = models.mlp(keras)
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, batch_size=8, verbose=0)
+        frozen = model.trainable_weights[0]
+        frozen.trainable = False
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, batch_size=8, verbose=0)
+
+    def own(v):
+        storage = v.value.untyped_storage()
+        return storage.nbytes() == v.value.numel() * v.value.element_size()
+
+    buffers = {
+        v.value.untyped_storage().data_ptr() for v in model.trainable_weights
+    }
+    return transposed, own(frozen), len(buffers)
 
 
 def _no_scope():
@@ -218,9 +257,10 @@ def _no_scope():
 
 def test_every_optimizer_under_data_parallel(tmp_path):
     names = _all_names()
-    for diffs, split, to_owners, storages, saved, on_batch in run_ranks(
+    for result in run_ranks(
         _data_parallel_cases, 2, names, str(tmp_path / "mid-fit")
     ):
+        diffs, split, to_owners, storages, saved, on_batch, storage = result
         bad = {n: d for n, d in diffs.items() if not d <= TOLERANCE}
         assert not bad, bad
         # Keras's own per-variable updates are split; Adafactor's factored
@@ -240,6 +280,9 @@ def test_every_optimizer_under_data_parallel(tmp_path):
         assert {n for n, count in to_owners.items() if count == 0} == whole
         assert {to_owners[n] for n in set(names) - whole} == {7}, to_owners
         assert set(storages.values()) == {2}, storages
+        transposed, frozen_own, buffers = storage
+        assert transposed == 1.0
+        assert frozen_own and buffers == 2, storage
         assert saved <= TOLERANCE
         assert on_batch <= TOLERANCE
 

@@ -148,10 +148,13 @@ def set_global_values(distribution):
 
     on = distribution is not None and not is_data_parallel(distribution)
     DTensor._op_dispatcher._allow_implicit_replication = on
-    if on:
+    present = _ONE_ELEMENT in warnings.filters
+    if on and not present:
+        # Only when missing: every change of the filters resets every
+        # module's record of the warnings it already showed.
         _, message, category, _, _ = _ONE_ELEMENT
         warnings.filterwarnings("ignore", message.pattern, category)
-    elif _ONE_ELEMENT in warnings.filters:
+    elif present and not on:
         warnings.filters.remove(_ONE_ELEMENT)
 
 

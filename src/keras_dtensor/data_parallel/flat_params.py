@@ -67,6 +67,17 @@ class OwnerBuffers:
             slot = self.slot.get(id(tensor))
             if slot is None or slot[0] != key or slot[2] is not tensor:
                 return None
-            if tensor.data_ptr() != slot[1].data_ptr():
+            if not tensor.is_set_to(slot[1]):
                 moved.append((tensor, slot[1]))
         return flat, moved
+
+    def release(self):
+        """Gives every parameter still in a buffer storage of its own, so
+        no buffer outlives the step that built it (a parameter left out of
+        the next train function's buffers would keep a whole one alive)."""
+        with torch.no_grad():
+            for _, view, param in self.slot.values():
+                if param.is_set_to(view):
+                    param.data = view.clone()
+        self.flat.clear()
+        self.slot.clear()

@@ -28,10 +28,14 @@ class ModelState:
         self.fit_depth = 0
 
     def close(self):
-        """Removes the reducer's gradient hooks."""
+        """Removes the reducer's gradient hooks and gives the parameters
+        their own storage back (`flat_params`)."""
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        if self.split is not None and self.split.buffers is not None:
+            self.split.buffers.release()
+            self.split.buffers = None
 
 
 def state_of(model, create=True):

@@ -17,6 +17,7 @@ train, test and predict step under `DataParallel`, in this order:
 import contextlib
 import functools
 
+from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor.data_parallel.flat_params import OwnerBuffers
 from keras_dtensor.data_parallel.metrics import is_keras_train_step
@@ -54,7 +55,7 @@ def _prepare(model, step):
     variables = model.trainable_weights
     state.split = UpdateSplit(variables)
     owners = [state.split.owner.get(id(v)) for v in variables]
-    if state.split.owner:
+    if state.split.owner and config.get("SPLIT_UPDATE"):
         state.split.buffers = OwnerBuffers([v.value for v in variables], owners)
     state.reducer = GradientReducer(
         [v.value for v in variables],

@@ -69,9 +69,11 @@ def _broadcast_from_owners(tensors, owners, buffers=None):
                 views = flat.split([t.numel() for t in group])
                 pairs = list(zip(group, views, strict=True))
             if owner == rank and pairs:
+                # view(t.shape) of the flat slot, not of t: t may be
+                # stored in any order (transposed, channels_last).
                 torch._foreach_copy_(
-                    [v for _, v in pairs],
-                    [t.detach().view_as(v) for t, v in pairs],
+                    [v.view(t.shape) for t, v in pairs],
+                    [t.detach() for t, _ in pairs],
                 )
             work = dist.broadcast(flat, src=owner, async_op=True)
             pending.append((owner, pairs, work))
@@ -80,7 +82,7 @@ def _broadcast_from_owners(tensors, owners, buffers=None):
             if owner != rank and pairs:
                 torch._foreach_copy_(
                     [t for t, _ in pairs],
-                    [v.view_as(t) for t, v in pairs],
+                    [v.view(t.shape) for t, v in pairs],
                 )
 
 
