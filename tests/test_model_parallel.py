@@ -231,6 +231,7 @@ def _features(cache):
     out["fsdp_comms"] = _fsdp_collectives(keras, models, world)
     out["fsdp_local"] = _fsdp_local(keras, world)
     out["fsdp_groups"] = _fsdp_groups(keras, world)
+    out["uneven_gather"] = _uneven_gather()
     out["tp_local"] = _tp_local(keras, world)
 
     # A key that matches no weight warns: functional-model paths have no
@@ -638,6 +639,55 @@ def _tp_local(keras, world):
     return out
 
 
+def _uneven_gather():
+    """`group_gather` on shards `torch.chunk` splits unevenly (padded in
+    the packs, a rank with no rows at all), its buffers starting as NaN:
+    the full tensors and the shards' gradients against whole-tensor
+    arithmetic."""
+    import torch
+    import torch.distributed as dist
+
+    from keras_dtensor import group_gather
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    generator = torch.Generator().manual_seed(3)
+    specs = [(0, (5, 3)), (0, (1,)), (1, (2, 7))]
+    full = [torch.randn(shape, generator=generator) for _, shape in specs]
+    shards = [
+        torch.chunk(t, world, dim)[rank].clone().requires_grad_()
+        if rank < len(torch.chunk(t, world, dim))
+        else t.narrow(dim, 0, 0).clone().requires_grad_()
+        for t, (dim, _) in zip(full, specs, strict=True)
+    ]
+    # Every buffer group_gather allocates starts as NaN: padding read back
+    # would show.
+    new_empty = torch.Tensor.new_empty
+
+    def poisoned(self, *args, **kwargs):
+        return new_empty(self, *args, **kwargs).fill_(float("nan"))
+
+    torch.Tensor.new_empty = poisoned
+    try:
+        gathered = group_gather.gather_shards(shards, specs, None)
+        forward = max(
+            float((g - t).abs().max())
+            for g, t in zip(gathered, full, strict=True)
+        )
+        # Rank r's gradient is (r + 1) x the full tensor: the shards get
+        # the sum over ranks.
+        torch.autograd.backward(gathered, [t * (rank + 1) for t in full])
+    finally:
+        torch.Tensor.new_empty = new_empty
+    scale = world * (world + 1) / 2
+    backward = max(
+        float((s.grad - scale * torch.chunk(t, world, dim)[rank]).abs().max())
+        if s.numel()
+        else 0.0
+        for s, t, (dim, _) in zip(shards, full, specs, strict=True)
+    )
+    return forward, backward, [tuple(s.shape) for s in shards]
+
+
 def _fsdp_groups(keras, world):
     """FSDP2's per-block gather (`gather_groups`), with groups of one layer
     (`KERAS_DTENSOR_GATHER_MB` tiny) and of the whole model (huge): the
@@ -949,6 +999,12 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         assert local["regularized"][1]["seen"][0] == "DTensor"
         assert local["running"][1]["seen"][0] == "DTensor"
         assert local["off"][1]["seen"][0] == "DTensor"
+        forward, backward, shapes = out["uneven_gather"]
+        assert forward == 0.0 and backward <= 1e-6, out["uneven_gather"]
+        assert (
+            shapes
+            == [[(3, 3), (1,), (2, 4)], [(2, 3), (0,), (2, 3)]][out["rank"]]
+        ), shapes
         groups = out["fsdp_groups"]
         # One layer per group: each kernel freed after its layer's
         # forward (the third still in use), gathered again for backward

@@ -10,7 +10,8 @@ less than one collective per weight.
 
 Shards follow `torch.chunk` (DTensor's `Shard`): rank r holds rows
 `[r*c, min((r+1)*c, n))` of the sharded dim, c = ceil(n / world); each is
-padded to c rows in the pack so every rank's pack has the same size.
+padded to c rows in the pack so every rank's pack has the same size (the
+padding's contents are never read).
 """
 
 import math
@@ -39,9 +40,10 @@ class Pending:
     """An all-gather of packed shards in flight; `wait()` gives the full
     tensors (each its own contiguous storage, the same layout every time).
 
-    Each shard is written into its place in one flat pack, padded with
-    zeros to its chunk; the full tensors are written straight out of the
-    gathered packs: one copy each way."""
+    Each shard is written into its place in one flat pack, padded to its
+    chunk; the full tensors are written straight out of the gathered
+    packs: one copy each way. The padding is never read back, so it is
+    left as it is (no pass to zero the pack)."""
 
     def __init__(self, shards, specs, group):
         self.specs, self.group = tuple(specs), group
@@ -52,7 +54,7 @@ class Pending:
             chunk, _ = _rows(shape[dim], self.world, self.rank)
             self.sizes.append(chunk * math.prod(shape) // max(shape[dim], 1))
         with torch.no_grad():
-            pack = shards[0].new_zeros(sum(self.sizes))
+            pack = shards[0].new_empty(sum(self.sizes))
             offset = 0
             for shard, size, (dim, shape) in zip(
                 shards, self.sizes, self.specs, strict=True
@@ -108,14 +110,17 @@ class _GatherShards(torch.autograd.Function):
         pending = ctx.pending
         world, rank = pending.world, pending.rank
         # Each rank's rows of every gradient written into its row of one
-        # (world, total) pack, padded with zeros to the chunk.
-        packs = pending.like.new_zeros((world, sum(pending.sizes)))
+        # (world, total) pack, padded to the chunk: the padding's sums are
+        # cut off below, unread, so only a missing gradient is zeroed.
+        packs = pending.like.new_empty((world, sum(pending.sizes)))
         offset = 0
         for grad, size, (dim, shape) in zip(
             grads, pending.sizes, pending.specs, strict=True
         ):
             chunk, _ = _rows(shape[dim], world, rank)
-            if grad is not None:
+            if grad is None:
+                packs[:, offset : offset + size].zero_()
+            else:
                 moved = grad.movedim(dim, 0)
                 for r, first, end in _spans(shape[dim], world, chunk):
                     piece = packs[r, offset : offset + size]
