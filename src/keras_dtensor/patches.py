@@ -416,7 +416,9 @@ PATCHES = (
             "set_distribution",
             "Plain tensors are global values while a distribution is set, as "
             "on JAX: keras_hub's generate loop or user code between calls "
-            "would raise 'got mixed torch.Tensor and DTensor'.",
+            "would raise 'got mixed torch.Tensor and DTensor'. Meanwhile a "
+            "warnings filter quiets torch's 'non-scalar tensor with "
+            "numel=1' warning, printed on every rank.",
             context.wrap_set_distribution,
         )
         for module in (
