@@ -208,6 +208,7 @@ def _data_parallel_cases(names, checkpoint):
         _adam_state_gap(save_in_fit),
         _adam_state_gap(on_batch),
         _storage_cases(),
+        _jit_gap(),
     )
 
 
@@ -249,6 +250,32 @@ def _storage_cases():
     return transposed, own(frozen), len(buffers)
 
 
+def _jit_gap():
+    """DataParallel with `jit_compile=True` (Keras compiles the whole
+    train step; the parameters are views of the owners' buffers) against
+    the same compiled model in one process."""
+    import keras
+    import models
+
+    x, y = models.data("mlp")
+    results = []
+    for distribution in (None, keras.distribution.DataParallel()):
+        keras.utils.set_random_seed(2)
+        scope = distribution.scope() if distribution else _no_scope()
+        with scope:
+            model = models.mlp(keras)
+            model.compile(optimizer="adam", loss="mse", jit_compile=True)
+            history = model.fit(
+                x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
+            )
+            results.append((history.history["loss"], model.get_weights()))
+    (h0, w0), (h1, w1) = results
+    return max(
+        [abs(a - b) for a, b in zip(h0, h1, strict=True)]
+        + [float(abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
+    )
+
+
 def _no_scope():
     import contextlib
 
@@ -260,7 +287,9 @@ def test_every_optimizer_under_data_parallel(tmp_path):
     for result in run_ranks(
         _data_parallel_cases, 2, names, str(tmp_path / "mid-fit")
     ):
-        diffs, split, to_owners, storages, saved, on_batch, storage = result
+        diffs, split, to_owners, storages, saved, on_batch, storage, jit = (
+            result
+        )
         bad = {n: d for n, d in diffs.items() if not d <= TOLERANCE}
         assert not bad, bad
         # Keras's own per-variable updates are split; Adafactor's factored
@@ -283,6 +312,7 @@ def test_every_optimizer_under_data_parallel(tmp_path):
         transposed, frozen_own, buffers = storage
         assert transposed == 1.0
         assert frozen_own and buffers == 2, storage
+        assert jit <= TOLERANCE, jit
         assert saved <= TOLERANCE
         assert on_batch <= TOLERANCE
 
