@@ -75,6 +75,15 @@ def _distribution(keras, mode):
     )
 
 
+def _gap(results):
+    """Max |a - b| of two runs' `(loss history, weights + state)`."""
+    (h0, w0), (h1, w1) = results
+    return max(
+        [abs(a - b) for a, b in zip(h0, h1, strict=True)]
+        + [float(abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
+    )
+
+
 def _optimizer_cases(names, mode="model"):
     """Per optimizer: the largest difference from one process and, for
     DataParallel, whether its update was split between the ranks and in
@@ -133,11 +142,7 @@ def _optimizer_cases(names, mode="model"):
                         for v in model.trainable_weights
                     }
                 )
-        (h0, w0), (h1, w1) = results
-        diffs[name] = max(
-            [abs(a - b) for a, b in zip(h0, h1, strict=True)]
-            + [float(abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
-        )
+        diffs[name] = _gap(results)
     dist.batch_isend_irecv = batch_isend_irecv
     return diffs, split, to_owners, storages
 
@@ -269,11 +274,7 @@ def _jit_gap():
                 x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
             )
             results.append((history.history["loss"], model.get_weights()))
-    (h0, w0), (h1, w1) = results
-    return max(
-        [abs(a - b) for a, b in zip(h0, h1, strict=True)]
-        + [float(abs(a - b).max()) for a, b in zip(w0, w1, strict=True)]
-    )
+    return _gap(results)
 
 
 def _no_scope():
