@@ -249,8 +249,9 @@ def wrap_filter_empty_gradients(original):
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)
-        if context.active() is None:
-            return grads, variables
+        distribution = context.active()
+        if distribution is None or context.is_data_parallel(distribution):
+            return grads, variables  # plain variables: nothing laid out
         grads = grad_reduce.reduce_pending(
             grads, [getattr(v, "value", None) for v in variables]
         )
