@@ -85,6 +85,11 @@ MODELS = {
     "transformer": dict(
         d_model=256, heads=4, mlp=1024, seq=128, batch=8, blocks=2
     ),
+    # The same blocks at sizes where each op's host-side cost outweighs
+    # its arithmetic: a CPU's view of a GPU step (not in the default run).
+    "transformer_small": dict(
+        d_model=32, heads=4, mlp=128, seq=16, batch=8, blocks=2
+    ),
 }
 
 
