@@ -1,11 +1,12 @@
 """keras_hub LLMs under ModelParallel with the layout maps keras_hub ships.
 
-Every family whose backbone has `get_layout_map` (Gemma, Llama, Qwen,
-QwenMoe, Qwen3Moe) and one without it (Mistral, with a user LayoutMap),
-tiny random configs, `preprocessor=None`: the CausalLM's fit (padding
-masks, sample weights), evaluate, predict and generate against the same
-model in one process; Gemma LoRA-tuned. Each rank runs every case once
-with no distribution (the reference) and once distributed.
+Every family whose backbone has `get_layout_map` (Gemma, with two
+key/value heads and with one, Llama, Qwen, QwenMoe, Qwen3Moe) and one
+without it (Mistral, with a user LayoutMap), tiny random configs,
+`preprocessor=None`: the CausalLM's fit (padding masks, sample weights),
+evaluate, predict and generate against the same model in one process;
+Gemma LoRA-tuned. Each rank runs every case once with no distribution
+(the reference) and once distributed.
 """
 
 import numpy as np
@@ -31,6 +32,13 @@ FAMILIES = {
     # name: (backbone, causal LM, extra config); tied and untied
     # embeddings, grouped-query attention, rotary embeddings, MoE routers
     "gemma": ("GemmaBackbone", "GemmaCausalLM", dict(head_dim=4)),
+    # one key/value head (Gemma-2B's shape): cut unevenly over the model
+    # axis, a rank holds none of it
+    "gemma_mqa": (
+        "GemmaBackbone",
+        "GemmaCausalLM",
+        dict(head_dim=4, num_key_value_heads=1),
+    ),
     "llama": ("LlamaBackbone", "LlamaCausalLM", {}),
     "qwen": ("QwenBackbone", "QwenCausalLM", {}),
     "qwen_moe": (
@@ -77,7 +85,9 @@ def _run(family, distribution, lora=False):
     scope = distribution.scope() if distribution else contextlib.nullcontext()
     x, y, w = _data()
     with scope:
-        backbone = getattr(keras_hub.models, backbone_cls)(**COMMON, **extra)
+        backbone = getattr(keras_hub.models, backbone_cls)(
+            **{**COMMON, **extra}
+        )
         lm = getattr(keras_hub.models, lm_cls)(
             backbone=backbone, preprocessor=None
         )

@@ -260,6 +260,60 @@ def _einsum_and_cache(keras, mesh):
         comm.get_total_counts(),
         float((filled.full_tensor() - cache).abs().max()),
     )
+    out.update(_one_key_value_head(keras, placed, layout))
+    return out
+
+
+def _one_key_value_head(keras, placed, layout):
+    """Gemma with one key/value head (Gemma-2B's shape): the query groups
+    split, the single head cut unevenly (a rank holds none of it). The
+    attention einsum sees two letters sharded on the model axis; the
+    cache update meets a key split one way and a cache split another."""
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    out = {}
+    probs = torch.randn(4, 1, 4, 3, 3)  # b k g t s: 4 query heads, 1 k/v
+    value = torch.randn(4, 3, 1, 2)  # b s k h
+    operands = placed(probs, 2), placed(value, 2)
+    with CommDebugMode() as comm:
+        result = keras.ops.einsum("bkgts,bskh->btkgh", *operands)
+    leaves = [t.clone().requires_grad_() for t in (probs, value)]
+    want = torch.einsum("bkgts,bskh->btkgh", *leaves)
+    cotangent = torch.randn(want.shape)
+    (result.full_tensor() * cotangent).sum().backward()
+    (want * cotangent).sum().backward()
+    diffs = [(result.full_tensor() - want).abs().max()] + [
+        (o.grad.full_tensor() - leaf.grad).abs().max()
+        for o, leaf in zip(operands, leaves, strict=True)
+    ]
+    out["mqa_einsum"] = (
+        layout(result),
+        comm.get_total_counts(),
+        float(max(diffs)),
+    )
+    # A cache split by its 4 heads, a replicated update; a replicated
+    # cache of the one head, an update cut unevenly.
+    for name, (heads, cache_dim, update_dim) in {
+        "cut_update": (4, 2, None),
+        "one_head": (1, None, 2),
+    }.items():
+        cache = torch.randn(4, 6, heads, 2)
+        update = torch.randn(4, 1, heads, 2)
+        operands = (
+            placed(cache, cache_dim).detach(),
+            placed(update, update_dim).detach(),
+        )
+        with CommDebugMode() as comm:
+            filled = keras.ops.slice_update(
+                operands[0], (0, 2, 0, 0), operands[1]
+            )
+        cache[:, 2:3] = update
+        out[name] = (
+            layout(filled),
+            comm.get_total_counts(),
+            float((filled.full_tensor() - cache).abs().max()),
+        )
     return out
 
 
@@ -307,3 +361,12 @@ def _check(mesh_shape, diff, greedy, local):
         ("btnh,nhd->btd", row, 0),
     ], local["einsum"]
     assert local["cache"] == (on(Shard(2)), 0, 0.0)
+    # One key/value head: the query groups stay split and the single
+    # value head is gathered (one all-gather); a split cache takes its
+    # part of a replicated key; the single head's cache stays whole.
+    layout, gathers, diff = local["mqa_einsum"]
+    assert (layout, gathers) == (on(Shard(3)), 1), local["mqa_einsum"]
+    assert diff <= 1e-5, diff
+    assert local["cut_update"] == (on(Shard(2)), 0, 0.0)
+    assert local["one_head"][0] == on(Replicate()), local["one_head"]
+    assert local["one_head"][2] == 0.0, local["one_head"]

@@ -11,14 +11,18 @@ either: a column split's output stays sharded, a row split's is one
 pending sum.
 
 Here the layout follows from the subscripts, as for `mm`: on each mesh
-dim, at most one letter may be sharded (the same letter in every operand
-that has it); an operand with that letter but replicated is cut to its
+dim, one letter is sharded (the same letter in every operand that has
+it); an operand with that letter but replicated is cut to its
 shard (no communication); the output is sharded on the letter, or a
 pending sum when the letter is summed over. The einsum then runs once on
-the local shards, through Keras's own code (its dtype rules). Anything
-else (an ellipsis, a repeated or broadcast letter, two letters sharded
-on one mesh dim, a pending sum or any other placement as input, plain
-tensors among DTensors) is left to torch.
+the local shards, through Keras's own code (its dtype rules). Where two
+letters are sharded on one mesh dim (Gemma's query groups against a
+single key/value head cut unevenly), one stays (one that leaves no rank
+empty, then the one cutting the most elements) and the operands cut on
+another are gathered first.
+Anything else (an ellipsis, a repeated or broadcast letter, a pending sum
+or any other placement as input, plain tensors among DTensors) is left to
+torch.
 """
 
 import functools
@@ -69,24 +73,30 @@ def shard_plan(subscripts, operands):
     grads = [list(x.placements) for x in operands]
     placements = []
     for m in range(mesh.ndim):
-        letters = set()
+        letters = {}  # sharded letter -> elements of the operands it cuts
         for sub, x in zip(inputs, operands, strict=True):
             p = x.placements[m]
             if p.is_replicate():
                 continue
             if type(p) is not Shard:
                 return None
-            letters.add(sub[p.dim])
+            letters[sub[p.dim]] = letters.get(sub[p.dim], 0) + x.numel()
         if not letters:
             placements.append(Replicate())
             continue
-        if len(letters) > 1:
-            return None
-        (letter,) = letters
+        # Two letters on one mesh dim (query groups against one key/value
+        # head): a letter every rank holds part of stays over one that
+        # leaves a rank empty, then the one cutting the most elements;
+        # operands cut on another are gathered (the same on every rank).
+        letter = min(
+            letters,
+            key=lambda k: (sizes[k] < mesh.size(m), -letters[k], k),
+        )
         for i, sub in enumerate(inputs):
             if letter in sub:
                 targets[i][m] = grads[i][m] = Shard(sub.index(letter))
             else:
+                targets[i][m] = Replicate()
                 # Its gradient sums over the letter's shards.
                 grads[i][m] = Partial()
         placements.append(

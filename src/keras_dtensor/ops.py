@@ -222,11 +222,18 @@ def wrap_redistribute_local_tensor(original):
     return redistribute_local_tensor
 
 
-def _sharded_like(inputs, start_indices, updates):
-    """`inputs` laid out like `updates` where the update spans a whole dim
-    that `updates` shards and `inputs` replicates (a KV cache made by
-    `ops.zeros`, updated with a head-sharded key): a local cut, no
-    communication, instead of gathering the update onto every rank."""
+def _aligned(inputs, start_indices, updates):
+    """`(inputs, updates)` with each replicated one cut like the other on
+    every mesh dim where the update spans a whole dim the other shards
+    (and every rank gets part of it): a local cut, no communication.
+
+    A KV cache made by `ops.zeros` (replicated) filled with head-sharded
+    keys takes their split, instead of gathering the keys onto every rank;
+    a cache split by heads updated with a replicated key takes its rank's
+    part of the key. A single key/value head on two ranks stays whole on
+    each (as Megatron and vLLM replicate key/value heads when there are
+    fewer than ranks).
+    """
     from torch.distributed.tensor import DTensor
 
     if not (
@@ -235,23 +242,27 @@ def _sharded_like(inputs, start_indices, updates):
         and inputs.device_mesh == updates.device_mesh
         and inputs.ndim == updates.ndim
     ):
-        return inputs
-    placements = list(inputs.placements)
-    for i, (have, want) in enumerate(
-        zip(inputs.placements, updates.placements, strict=True)
-    ):
-        if not (have.is_replicate() and type(want) is Shard):
-            continue
-        dim = want.dim
-        if (
-            start_indices[dim] == 0
-            and inputs.shape[dim] == updates.shape[dim]
-            and Shard(dim) not in placements
-        ):
-            placements[i] = Shard(dim)
-    if placements == list(inputs.placements):
-        return inputs
-    return inputs.redistribute(inputs.device_mesh, placements)
+        return inputs, updates
+    mesh = inputs.device_mesh
+    cut = [list(inputs.placements), list(updates.placements)]
+    pairs = zip(inputs.placements, updates.placements, strict=True)
+    for i, pair in enumerate(pairs):
+        for to, source in ((0, pair[1]), (1, pair[0])):
+            if not (pair[to].is_replicate() and type(source) is Shard):
+                continue
+            dim = source.dim
+            if (
+                start_indices[dim] == 0
+                and inputs.shape[dim] == updates.shape[dim]
+                and inputs.shape[dim] >= mesh.size(i)  # no rank left empty
+                and Shard(dim) not in cut[to]
+            ):
+                cut[to][i] = Shard(dim)
+    if cut[0] != list(inputs.placements):
+        inputs = inputs.redistribute(mesh, cut[0])
+    if cut[1] != list(updates.placements):
+        updates = updates.redistribute(mesh, cut[1])
+    return inputs, updates
 
 
 def wrap_slice_update(original):
@@ -266,11 +277,11 @@ def wrap_slice_update(original):
     each shard.
 
     A replicated `inputs` updated along a whole dim that `updates` shards
-    takes the update's layout (`_sharded_like`): keras_hub builds its KV
-    cache with `ops.zeros`, a replicated value, and fills it with the
-    head-sharded keys and values; as torch's tensor parallelism keeps each
-    rank's heads' cache, each rank then holds its heads only, and no
-    update is gathered.
+    takes the update's layout, and the other way round (`_aligned`):
+    keras_hub builds its KV cache with `ops.zeros`, a replicated value,
+    and fills it with the head-sharded keys and values; as torch's tensor
+    parallelism keeps each rank's heads' cache, each rank then holds its
+    heads only, and no update is gathered.
     """
 
     def slice_update(inputs, start_indices, updates):
@@ -278,7 +289,7 @@ def wrap_slice_update(original):
 
         if isinstance(inputs, DTensor) or isinstance(updates, DTensor):
             start_indices = [int(i) for i in start_indices]
-            inputs = _sharded_like(inputs, start_indices, updates)
+            inputs, updates = _aligned(inputs, start_indices, updates)
         return original(inputs, start_indices, updates)
 
     return slice_update
