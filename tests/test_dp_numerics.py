@@ -1,7 +1,9 @@
 """DataParallel gives one process's numbers for batch-dependent layers:
-BatchNormalization(synchronized=True), seeded random and augmentation
-layers (which need TensorFlow), at 2 and 4 processes, numpy and DataLoader
-input, an uneven last batch."""
+BatchNormalization (global statistics by default, and with
+synchronized=True), seeded random and augmentation layers (which need
+TensorFlow), at 2 and 4 processes, numpy and DataLoader input, an uneven
+last batch. With per-process statistics (SYNC_BATCH_NORM=0) every rank
+holds rank 0's moving statistics, so predict agrees with the model."""
 
 import numpy as np
 import pytest
@@ -66,7 +68,10 @@ def _train(input_kind, synchronized=True):
         )
         data = dict(x=loader)
     history = model.fit(epochs=2, verbose=0, **data)
+    # The same rows on this rank's weights alone, outside any step.
+    whole = keras.ops.convert_to_numpy(model(x, training=False))
     return {
+        "whole": whole,
         "weights": [np.asarray(w) for w in model.get_weights()],
         "paths": [w.path for w in model.weights],
         "history": history.history,
@@ -94,13 +99,26 @@ def _compare(got, want):
 
 
 def _cases():
-    return {kind: _train(kind) for kind in ("numpy", "loader")}
+    import os
+
+    # BatchNormalization without the flag: global statistics by default.
+    out = {
+        "numpy": _train("numpy", synchronized=False),
+        "loader": _train("loader", synchronized=True),
+    }
+    os.environ["KERAS_DTENSOR_SYNC_BATCH_NORM"] = "0"
+    try:
+        out["per_process"] = _train("numpy", synchronized=False)
+    finally:
+        del os.environ["KERAS_DTENSOR_SYNC_BATCH_NORM"]
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_synchronized_batch_norm_and_seeded_noise_equal_one_process(world):
+def test_batch_norm_and_seeded_noise_equal_one_process(world):
     (one,) = run_ranks(_cases, 1, tensorflow=True)
-    for out in run_ranks(_cases, world, timeout=400, tensorflow=True):
+    outs = run_ranks(_cases, world, timeout=400, tensorflow=True)
+    for out in outs:
         for kind in ("numpy", "loader"):
             diffs = _compare(out[kind], one[kind])
             worst = max(diffs, key=diffs.get)
@@ -108,3 +126,14 @@ def test_synchronized_batch_norm_and_seeded_noise_equal_one_process(world):
             # The moving statistics moved (the test can fail).
             moving = out[kind]["paths"].index("bn/moving_mean")
             assert np.abs(out[kind]["weights"][moving]).max() > 1e-3
+    # Per-process statistics: rank 0's moving statistics on every rank
+    # (not one process's), so predict's rows, computed by every rank,
+    # agree with the whole batch on one rank's weights.
+    ranks = [out["per_process"] for out in outs]
+    moving = ranks[0]["paths"].index("bn/moving_mean")
+    for got in ranks:
+        for a, b in zip(got["weights"], ranks[0]["weights"], strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(got["predict"], got["whole"], atol=1e-5)
+    own = np.abs(ranks[0]["weights"][moving] - one["numpy"]["weights"][moving])
+    assert own.max() > 1e-4, own.max()

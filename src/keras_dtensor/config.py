@@ -179,6 +179,16 @@ VARIABLES = (
         "off, the model runs eagerly",
     ),
     Variable(
+        "SYNC_BATCH_NORM",
+        _flag,
+        True,
+        "1/0, true/false, yes/no, on/off",
+        "DataParallel: BatchNormalization normalizes with the global "
+        "batch's mean and variance (one process's numbers, as Keras on "
+        "JAX); off, with each process's own unless synchronized=True (as "
+        "DDP); rank 0's moving statistics are kept on every rank either way",
+    ),
+    Variable(
         "SPLIT_UPDATE",
         _flag,
         True,

@@ -232,14 +232,16 @@ PATCHES = (
         "keras.src.layers.normalization.batch_normalization",
         "BatchNormalization.__init__",
         "synchronized=True raised 'only supported with the TensorFlow "
-        "backend'; under DataParallel it now means global-batch statistics.",
+        "backend'; under DataParallel it means global-batch statistics "
+        "(the default there, as on JAX, unless SYNC_BATCH_NORM=0).",
         data_parallel.wrap_batch_norm_init,
     ),
     Patch(
         "keras.src.backend.torch.nn",
         "moments",
         "Its synchronized=True raised; under DataParallel on N processes it "
-        "computes the global batch's mean and variance (one all-reduce).",
+        "computes the global batch's mean and variance (one all-reduce), "
+        "flag or not unless SYNC_BATCH_NORM=0.",
         data_parallel.wrap_moments,
     ),
     Patch(

@@ -19,6 +19,8 @@ class ModelState:
         reducer: its `GradientReducer` (`None` at world size 1).
         split: its `UpdateSplit` of the optimizer update.
         fit_depth: how many `fit` calls of this model are running.
+        statistics: the moving statistics of its BatchNormalization
+            layers, kept equal to rank 0's after every train step.
     """
 
     def __init__(self):
@@ -26,6 +28,7 @@ class ModelState:
         self.reducer = None
         self.split = None
         self.fit_depth = 0
+        self.statistics = []
 
     def close(self):
         """Removes the reducer's gradient hooks and gives the parameters

@@ -10,7 +10,8 @@ train, test and predict step under `DataParallel`, in this order:
 3. run Keras's own step on the rows, the reducer armed (gradients are
    global when backward ends) and, inside `fit`, the optimizer update
    split by variable (once the split is known to hold, gradients are
-   reduced to their owners only);
+   reduced to their owners only); then rank 0's BatchNormalization moving
+   statistics go to every rank;
 4. predict: gather every rank's outputs back into the global order.
 """
 
@@ -62,8 +63,24 @@ def _prepare(model, step):
         model,
         owners=owners if state.split.owner else None,
     )
+    state.statistics = _moving_statistics(model)
     state.step = step
     return state
+
+
+def _moving_statistics(model):
+    """The moving mean and variance of every BatchNormalization layer of
+    `model`: statistics of each process's rows where they are not
+    synchronized (masked, or `$KERAS_DTENSOR_SYNC_BATCH_NORM=0`), so each
+    train step ends with rank 0's on every rank, as DDP broadcasts its
+    buffers (one broadcast; none without such layers)."""
+    from keras.layers import BatchNormalization
+
+    out = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, BatchNormalization) and layer.built:
+            out += [layer.moving_mean, layer.moving_variance]
+    return out
 
 
 def run_step(model, step, kind, data, distribution):
@@ -109,7 +126,10 @@ def run_step(model, step, kind, data, distribution):
         split.partial = state.reducer.to_owners
     try:
         with random_rows, splitting_updates(split):
-            return step([local])
+            logs = step([local])
+        if state.statistics:
+            broadcast_from_rank0(state.statistics)
+        return logs
     finally:
         state.reducer.end()
         if split is not None:

@@ -1,10 +1,11 @@
-"""`BatchNormalization(synchronized=True)`: statistics of the global batch.
+"""BatchNormalization under DataParallel: statistics of the global batch.
 
-Keras accepts `synchronized=True` only on TensorFlow ("synchronizes the
-global batch statistics ... across all devices at each training step");
-torch's answer is `SyncBatchNorm`. Under `DataParallel` each process
-normalizes its rows; with the flag, the mean and variance are those of the
-global batch, as one process computes them:
+Keras on JAX normalizes a DataParallel batch with the global batch's mean
+and variance (its step runs on global arrays); Keras accepts
+`synchronized=True` only on TensorFlow, torch's answer is `SyncBatchNorm`.
+Here, by default (`$KERAS_DTENSOR_SYNC_BATCH_NORM`), every
+`BatchNormalization` under `DataParallel` normalizes with the mean and
+variance of the global batch, as one process computes them:
 
 - each rank sums `x` and `x**2` over the reduction axes and counts the
   elements; one all-reduce of `[sum, sum of squares, count]` per layer per
@@ -15,9 +16,14 @@ global batch, as one process computes them:
   uneven last batch too).
 
 Moving mean and variance are then updated from global values, equal on
-every rank. Under `ModelParallel` a batch-sharded input already reduces
-over the global batch (DTensor), and in one process there is nothing to
-synchronize: there, and without the flag, Keras's own `moments` runs.
+every rank. With the setting off, each process normalizes its own rows
+unless the layer has `synchronized=True` (DDP's default). Masked
+statistics stay per process. Either way the train step then keeps rank
+0's moving statistics on every rank (`step`, as DDP broadcasts its
+buffers), so `predict`, `evaluate` and saves agree. Under `ModelParallel`
+a batch-sharded input already reduces over the global batch (DTensor),
+and in one process there is nothing to synchronize: there Keras's own
+`moments` runs.
 """
 
 import functools
@@ -26,6 +32,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor.launch import multi_process
 
@@ -96,7 +103,7 @@ def wrap_moments(original):
     @functools.wraps(original)
     def moments(x, axes, keepdims=False, synchronized=False):
         if (
-            synchronized
+            (synchronized or config.get("SYNC_BATCH_NORM"))
             and multi_process()
             and context.is_data_parallel()
             and isinstance(x, torch.Tensor)
