@@ -179,6 +179,14 @@ def _divergence_cases():
             yield x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4]
 
     out["generator"] = error_of((batches(),))
+    # A callback's file in a missing directory: rank 0's error, on every
+    # rank, as plain Keras raises it (one "[Errno 2]", the path).
+    logger = keras.callbacks.CSVLogger("/nonexistent-keras-dtensor/log.csv")
+    try:
+        build().fit(x, y, batch_size=4, verbose=0, callbacks=[logger])
+        out["missing"] = None
+    except OSError as e:
+        out["missing"] = type(e).__name__, e.errno, e.filename, str(e)
 
     # Ranks that build different models (a rank-dependent width).
     keras.utils.set_random_seed(3)
@@ -245,6 +253,11 @@ def test_divergence_and_uneven_data_raise_on_every_rank_within_seconds():
         generator, seconds = out["generator"]
         assert "ranks [0] have 5 batches this epoch" in generator, generator
         assert "(batches per rank: [5, 6])" in generator
+        name, errno, filename, text = out["missing"]
+        assert (name, errno) == ("FileNotFoundError", 2), out["missing"]
+        assert filename == "/nonexistent-keras-dtensor/log.csv", filename
+        assert text.count("[Errno") == 1, text
+        assert "on rank 0 of 2, on behalf of every rank" in text, text
         models, seconds = out["models"]
         assert "built different models: ranks [1] of 2" in models, models
         assert seconds < 20

@@ -111,6 +111,8 @@ def _on_rank_0(name, operation):
             payload = {
                 "error": type(e).__name__,
                 "errno": getattr(e, "errno", None),
+                "strerror": getattr(e, "strerror", None),
+                "filename": getattr(e, "filename", None),
                 "message": str(e),
             }
         payload = json.dumps(payload).encode()
@@ -118,13 +120,17 @@ def _on_rank_0(name, operation):
     if "error" not in outcome:
         return outcome["result"]
     cls = _ERRORS.get(outcome["error"], RuntimeError)
-    message = (
-        f"{outcome['message']} (file_utils.{name} on rank 0 of "
-        f"{launch.world()[0]}, on behalf of every rank)"
+    where = (
+        f" (file_utils.{name} on rank 0 of {launch.world()[0]}, on behalf "
+        "of every rank)"
     )
     if issubclass(cls, OSError) and outcome["errno"] is not None:
-        raise cls(outcome["errno"], message)
-    raise cls(message)
+        # OSError(errno, strerror, filename) prints "[Errno N] ...: 'f'".
+        strerror = (outcome["strerror"] or outcome["message"]) + where
+        if outcome["filename"] is None:
+            raise cls(outcome["errno"], strerror)
+        raise cls(outcome["errno"], strerror, outcome["filename"])
+    raise cls(outcome["message"] + where)
 
 
 def _writes(mode):
