@@ -21,6 +21,13 @@ import torch.distributed as dist
 
 __all__ = ["Pending", "finish", "gather_shards", "start"]
 
+# torch 2.13 renamed these (`*_single`) and warns on every call of the old
+# names; older torch has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
+
 
 def _rows(n, world, rank):
     chunk = math.ceil(n / world)
@@ -66,7 +73,7 @@ class Pending:
                     piece[:rows].copy_(shard.movedim(dim, 0))
                 offset += size
             self.gathered = pack.new_empty(self.world * pack.numel())
-            self.work = dist.all_gather_into_tensor(
+            self.work = _all_gather(
                 self.gathered, pack, group=group, async_op=True
             )
         self.like = pack.new_empty(0)
@@ -128,9 +135,7 @@ class _GatherShards(torch.autograd.Function):
                     piece[: end - first].copy_(moved[first:end])
             offset += size
         local = packs.new_empty(packs.shape[1])
-        dist.reduce_scatter_tensor(
-            local, packs.reshape(-1), group=pending.group
-        )
+        _reduce_scatter(local, packs.reshape(-1), group=pending.group)
         out, offset = [], 0
         for size, (dim, shape) in zip(
             pending.sizes, pending.specs, strict=True
