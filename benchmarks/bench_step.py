@@ -13,7 +13,9 @@ machine as the 2-process variants do), torch DDP, torch TP
 keras-dtensor DataParallel, keras-dtensor ModelParallel (the TP split),
 keras-dtensor FSDP-style layout (weights sharded over "batch"). Models: MLP
 4 x Dense(1024), batch 64; transformer 2 blocks, d_model 256, 4 heads, MLP
-1024, seq 128, batch 8. Adam, fp32, MSE on random targets.
+1024, seq 128, batch 8 (`--models transformer_small`: d_model 32, MLP 128,
+seq 16, where each op's host-side cost outweighs its arithmetic, as on a
+GPU). Adam, fp32, MSE on random targets.
 
 Per variant: median and min ms/step over the timed steps of every round,
 peak RSS per process, parameter + optimizer bytes held per rank, and
