@@ -1,6 +1,8 @@
 """DataParallel gives one process's numbers for batch-dependent layers:
 BatchNormalization (global statistics by default, and with
-synchronized=True), seeded random and augmentation layers (which need
+synchronized=True; one with renormalization), next to per-sample
+statistics (GroupNormalization, which stay local), seeded random and
+augmentation layers (which need
 TensorFlow), at 2 and 4 processes, numpy and DataLoader input, an uneven
 last batch. With per-process statistics (SYNC_BATCH_NORM=0) every rank
 holds rank 0's moving statistics, so predict agrees with the model."""
@@ -24,6 +26,8 @@ def _convnet(keras, synchronized):
     h = keras.layers.Conv2D(6, 3, padding="same", name="conv")(h)
     h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn")(h)
     h = keras.layers.Activation("relu")(h)
+    # Per-sample statistics (not over the batch): computed locally.
+    h = keras.layers.GroupNormalization(groups=3, name="gn")(h)
     h = keras.layers.SpatialDropout2D(0.3, seed=1)(h)
     h = keras.layers.GaussianNoise(0.1, seed=2)(h)
     h = keras.layers.GlobalAveragePooling2D()(h)
@@ -31,7 +35,7 @@ def _convnet(keras, synchronized):
     h = keras.layers.Dropout(0.3, seed=3)(h)
     h = keras.layers.GaussianDropout(0.2, seed=4)(h)
     h = keras.layers.BatchNormalization(
-        synchronized=synchronized, name="bn_dense"
+        synchronized=synchronized, renorm=True, name="bn_dense"
     )(h)
     outputs = keras.layers.Dense(3, name="out")(h)
     model = keras.Model(inputs, outputs)

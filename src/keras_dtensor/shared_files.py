@@ -100,6 +100,17 @@ def active() -> bool:
     return _ACTIVE.get()
 
 
+def _path_text(filename):
+    """An error's filename as JSON can carry it (bytes and path-likes as
+    text), so rank 0 always reaches the broadcast."""
+    if filename is None or isinstance(filename, (str, int)):
+        return filename
+    try:
+        return os.fsdecode(filename)
+    except TypeError:
+        return str(filename)
+
+
 def _on_rank_0(name, operation):
     """Runs `operation()` on rank 0; returns its JSON result on every rank."""
     _, rank = launch.world()
@@ -112,7 +123,7 @@ def _on_rank_0(name, operation):
                 "error": type(e).__name__,
                 "errno": getattr(e, "errno", None),
                 "strerror": getattr(e, "strerror", None),
-                "filename": getattr(e, "filename", None),
+                "filename": _path_text(getattr(e, "filename", None)),
                 "message": str(e),
             }
         payload = json.dumps(payload).encode()

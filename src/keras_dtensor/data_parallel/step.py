@@ -69,17 +69,18 @@ def _prepare(model, step):
 
 
 def _moving_statistics(model):
-    """The moving mean and variance of every BatchNormalization layer of
-    `model`: statistics of each process's rows where they are not
-    synchronized (masked, or `$KERAS_DTENSOR_SYNC_BATCH_NORM=0`), so each
-    train step ends with rank 0's on every rank, as DDP broadcasts its
-    buffers (one broadcast; none without such layers)."""
+    """The moving statistics of every BatchNormalization layer of `model`
+    (mean and variance, and renormalization's): statistics of each
+    process's rows where they are not synchronized (masked, or
+    `$KERAS_DTENSOR_SYNC_BATCH_NORM=0`), so each train step ends with rank
+    0's on every rank, as DDP broadcasts its buffers (one broadcast; none
+    without such layers)."""
     from keras.layers import BatchNormalization
 
     out = []
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, BatchNormalization) and layer.built:
-            out += [layer.moving_mean, layer.moving_variance]
+            out += layer.non_trainable_variables
     return out
 
 

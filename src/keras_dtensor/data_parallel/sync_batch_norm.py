@@ -4,8 +4,10 @@ Keras on JAX normalizes a DataParallel batch with the global batch's mean
 and variance (its step runs on global arrays); Keras accepts
 `synchronized=True` only on TensorFlow, torch's answer is `SyncBatchNorm`.
 Here, by default (`$KERAS_DTENSOR_SYNC_BATCH_NORM`), every
-`BatchNormalization` under `DataParallel` normalizes with the mean and
-variance of the global batch, as one process computes them:
+`BatchNormalization` under `DataParallel` (every `ops.moments` over the
+batch axis) normalizes with the mean and variance of the global batch, as
+one process computes them; statistics over other axes (GroupNormalization,
+LayerNormalization) are per sample and stay local:
 
 - each rank sums `x` and `x**2` over the reduction axes and counts the
   elements; one all-reduce of `[sum, sum of squares, count]` per layer per
@@ -103,13 +105,15 @@ def wrap_moments(original):
     @functools.wraps(original)
     def moments(x, axes, keepdims=False, synchronized=False):
         if (
-            (synchronized or config.get("SYNC_BATCH_NORM"))
-            and multi_process()
+            multi_process()
             and context.is_data_parallel()
             and isinstance(x, torch.Tensor)
         ):
             axes = tuple(a % x.dim() for a in axes)
-            return _global_moments(x, axes, keepdims)
+            # Over the batch axis, as on JAX's global arrays; per-sample
+            # statistics (GroupNormalization, LayerNormalization) stay.
+            if synchronized or (0 in axes and config.get("SYNC_BATCH_NORM")):
+                return _global_moments(x, axes, keepdims)
         return original(x, axes, keepdims=keepdims, synchronized=False)
 
     return moments
