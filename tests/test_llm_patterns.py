@@ -292,6 +292,23 @@ def _one_key_value_head(keras, placed, layout):
         comm.get_total_counts(),
         float(max(diffs)),
     )
+    # Two letters on one mesh axis, each operand the larger in turn: the
+    # contracted letter kept (output a pending sum, the other operand cut
+    # to it) or the free one (the other operand gathered).
+    for name, (rows, cols) in {"keep_j": (16, 2), "keep_k": (2, 8)}.items():
+        a, b = torch.randn(rows, 4), torch.randn(4, cols * 4)
+        operands = placed(a, 1), placed(b, 1)
+        result = keras.ops.einsum("ij,jk->ik", *operands)
+        leaves = [t.clone().requires_grad_() for t in (a, b)]
+        want = torch.einsum("ij,jk->ik", *leaves)
+        cotangent = torch.randn(want.shape)
+        (result.full_tensor() * cotangent).sum().backward()
+        (want * cotangent).sum().backward()
+        diffs = [(result.full_tensor() - want).abs().max()] + [
+            (o.grad.full_tensor() - leaf.grad).abs().max()
+            for o, leaf in zip(operands, leaves, strict=True)
+        ]
+        out[name] = layout(result), float(max(diffs))
     # A cache split by its 4 heads, a replicated update; a replicated
     # cache of the one head, an update cut unevenly.
     for name, (heads, cache_dim, update_dim) in {
@@ -368,5 +385,8 @@ def _check(mesh_shape, diff, greedy, local):
     assert (layout, gathers) == (on(Shard(3)), 1), local["mqa_einsum"]
     assert diff <= 1e-5, diff
     assert local["cut_update"] == (on(Shard(2)), 0, 0.0)
+    assert local["keep_j"][0] == on(Partial()), local["keep_j"]
+    assert local["keep_k"][0] == on(Shard(1)), local["keep_k"]
+    assert max(local["keep_j"][1], local["keep_k"][1]) <= 1e-5
     assert local["one_head"][0] == on(Replicate()), local["one_head"]
     assert local["one_head"][2] == 0.0, local["one_head"]
