@@ -264,6 +264,28 @@ def _einsum_and_cache(keras, mesh):
     return out
 
 
+def _einsum_against_whole(keras, subscripts, whole, operands, forward=None):
+    """`(result, largest difference)`: `ops.einsum` on DTensor `operands`
+    against torch's on the `whole` tensors, values and gradients; the
+    forward alone inside the context `forward` (a `CommDebugMode`)."""
+    import contextlib
+
+    import torch
+
+    with forward or contextlib.nullcontext():
+        result = keras.ops.einsum(subscripts, *operands)
+    leaves = [t.clone().requires_grad_() for t in whole]
+    want = torch.einsum(subscripts, *leaves)
+    cotangent = torch.randn(want.shape)
+    (result.full_tensor() * cotangent).sum().backward()
+    (want * cotangent).sum().backward()
+    diffs = [(result.full_tensor() - want).abs().max()] + [
+        (o.grad.full_tensor() - leaf.grad).abs().max()
+        for o, leaf in zip(operands, leaves, strict=True)
+    ]
+    return result, float(max(diffs))
+
+
 def _one_key_value_head(keras, placed, layout):
     """Gemma with one key/value head (Gemma-2B's shape): the query groups
     split, the single head cut unevenly (a rank holds none of it). The
@@ -275,40 +297,24 @@ def _one_key_value_head(keras, placed, layout):
     out = {}
     probs = torch.randn(4, 1, 4, 3, 3)  # b k g t s: 4 query heads, 1 k/v
     value = torch.randn(4, 3, 1, 2)  # b s k h
-    operands = placed(probs, 2), placed(value, 2)
-    with CommDebugMode() as comm:
-        result = keras.ops.einsum("bkgts,bskh->btkgh", *operands)
-    leaves = [t.clone().requires_grad_() for t in (probs, value)]
-    want = torch.einsum("bkgts,bskh->btkgh", *leaves)
-    cotangent = torch.randn(want.shape)
-    (result.full_tensor() * cotangent).sum().backward()
-    (want * cotangent).sum().backward()
-    diffs = [(result.full_tensor() - want).abs().max()] + [
-        (o.grad.full_tensor() - leaf.grad).abs().max()
-        for o, leaf in zip(operands, leaves, strict=True)
-    ]
-    out["mqa_einsum"] = (
-        layout(result),
-        comm.get_total_counts(),
-        float(max(diffs)),
+    comm = CommDebugMode()
+    result, diff = _einsum_against_whole(
+        keras,
+        "bkgts,bskh->btkgh",
+        (probs, value),
+        (placed(probs, 2), placed(value, 2)),
+        forward=comm,
     )
+    out["mqa_einsum"] = layout(result), comm.get_total_counts(), diff
     # Two letters on one mesh axis, each operand the larger in turn: the
     # contracted letter kept (output a pending sum, the other operand cut
     # to it) or the free one (the other operand gathered).
     for name, (rows, cols) in {"keep_j": (16, 2), "keep_k": (2, 8)}.items():
         a, b = torch.randn(rows, 4), torch.randn(4, cols * 4)
-        operands = placed(a, 1), placed(b, 1)
-        result = keras.ops.einsum("ij,jk->ik", *operands)
-        leaves = [t.clone().requires_grad_() for t in (a, b)]
-        want = torch.einsum("ij,jk->ik", *leaves)
-        cotangent = torch.randn(want.shape)
-        (result.full_tensor() * cotangent).sum().backward()
-        (want * cotangent).sum().backward()
-        diffs = [(result.full_tensor() - want).abs().max()] + [
-            (o.grad.full_tensor() - leaf.grad).abs().max()
-            for o, leaf in zip(operands, leaves, strict=True)
-        ]
-        out[name] = layout(result), float(max(diffs))
+        result, diff = _einsum_against_whole(
+            keras, "ij,jk->ik", (a, b), (placed(a, 1), placed(b, 1))
+        )
+        out[name] = layout(result), diff
     # A cache split by its 4 heads, a replicated update; a replicated
     # cache of the one head, an update cut unevenly.
     for name, (heads, cache_dim, update_dim) in {
