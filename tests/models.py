@@ -132,6 +132,12 @@ def data(model_name, n=64, seed=0):
 
 
 OPTIMIZERS = {
+    # The optimizer of parity tests where the optimizer is not the point:
+    # SGD's update is the gradient times lr, so a wrong gradient moves the
+    # weights by lr times the error and rounding stays rounding. Adam
+    # divides each gradient element by its own size: rounding on a
+    # near-zero gradient (whose sign depends on the CPU's kernels) becomes
+    # an lr-sized step (shared/HAZARDS.md, 19).
     "sgd": lambda keras: keras.optimizers.SGD(0.05, momentum=0.9),
     "adam": lambda keras: keras.optimizers.Adam(0.002),
     "adamw": lambda keras: keras.optimizers.AdamW(0.002, weight_decay=0.05),

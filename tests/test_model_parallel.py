@@ -491,6 +491,8 @@ def _tp_local(keras, world):
     import os
     import warnings
 
+    import models
+
     from keras_dtensor import sharded_check
 
     class Probe(keras.layers.Layer):
@@ -582,7 +584,7 @@ def _tp_local(keras, world):
         with distribution.scope() if distribution else _null():
             probe = Probe()
             model = build(kind, probe)
-            model.compile(optimizer="adam", loss="mse")
+            model.compile(optimizer=models.OPTIMIZERS["sgd"](keras), loss="mse")
             history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
             seen = probe.seen
             predicted = model.predict(x, batch_size=8, verbose=0)
