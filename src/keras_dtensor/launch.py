@@ -323,13 +323,27 @@ def _destroy():
             )
 
 
+def _default_store():
+    """The default group's store, or `None` where torch hides it."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
 def every_rank_joins(what: str, why: str) -> None:
     """Raises on the ranks that arrived if some rank does not join `what`.
 
     A collective called on some ranks only waits for the others until the
-    process group's timeout; a monitored barrier first (gloo, up to
-    `$KERAS_DTENSOR_SAVE_TIMEOUT` seconds) turns that into an error naming
-    the call. No-op without a group of several processes.
+    process group's timeout, and meanwhile pairs with whatever collective
+    the others run next (corrupting both). The ranks first meet in the
+    process group's store, which no collective can pair with, for up to
+    `$KERAS_DTENSOR_SAVE_TIMEOUT` seconds; a rank that waits that long
+    raises an error naming the call, and the ranks that arrive at the same
+    call later raise at once. No-op without a group of several processes.
 
     Args:
         what: the call, e.g. `"save_checkpoint('ckpt/3')"`.
@@ -338,16 +352,40 @@ def every_rank_joins(what: str, why: str) -> None:
     if not multi_process():
         return
     timeout = config.get("SAVE_TIMEOUT")
+    size, rank = dist.get_world_size(), dist.get_rank()
     start = time.monotonic()
+    store = _default_store()
     try:
-        dist.monitored_barrier(
-            timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
-        )
+        if store is None:  # a torch without the getter: gloo's barrier
+            dist.monitored_barrier(
+                timeout=datetime.timedelta(seconds=timeout),
+                wait_all_ranks=True,
+            )
+            return
+        # The n-th join of every rank meets at key n (each rank counts its
+        # own joins in the store: no state in this process).
+        prefix = "keras_dtensor/joins"
+        call = store.add(f"{prefix}/rank{rank}", 1)
+        key = f"{prefix}/{call}"
+        if store.check([f"{key}/abandoned"]):
+            raise RuntimeError(
+                f"rank {store.get(f'{key}/abandoned').decode()} gave up "
+                "waiting at this call earlier"
+            )
+        if store.add(key, 1) == size:
+            store.set(f"{key}/all", b"1")
+        try:
+            store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout))
+        except RuntimeError:
+            store.set(f"{key}/abandoned", str(rank).encode())
+            raise RuntimeError(
+                f"{store.add(key, 0)} of {size} ranks arrived"
+            ) from None
     except RuntimeError as e:
         waited = time.monotonic() - start
         raise RuntimeError(
             f"{what} must be called on every rank: {why}. Rank "
-            f"{dist.get_rank()} of {dist.get_world_size()} waited "
+            f"{rank} of {size} waited "
             f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
             f"for the others, which did not arrive or died. Details: {e}"
         ) from None

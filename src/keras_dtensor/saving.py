@@ -35,6 +35,7 @@ import uuid
 
 import torch.distributed as dist
 
+from keras_dtensor import context
 from keras_dtensor import data_parallel
 from keras_dtensor import launch
 from keras_dtensor import shared_files
@@ -141,6 +142,24 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
     return result
 
 
+def _is_collective(model):
+    """Whether saving `model` needs every rank: under a distribution, or a
+    model holding sharded variables or optimizer slots that DataParallel
+    left on their owners. Otherwise the model is a plain one-process
+    model, saved as plain Keras saves it, on any subset of ranks (the
+    `if rank == 0: model.save_weights(...)` of torchrun scripts)."""
+    from torch.distributed.tensor import DTensor
+
+    if context.current() is not None:
+        return True
+    if data_parallel.has_stale_state(model):
+        return True
+    variables = list(getattr(model, "variables", ()))
+    optimizer = getattr(model, "optimizer", None)
+    variables += list(getattr(optimizer, "variables", ()))
+    return any(isinstance(v.value, DTensor) for v in variables)
+
+
 def wrap_save(original, what):
     """Wraps a Keras writer `original(model, filepath, ...)`.
 
@@ -153,7 +172,11 @@ def wrap_save(original, what):
     """
 
     def _save(model, filepath, *args, **kwargs):
-        if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
+        if (
+            not multi_process()
+            or not isinstance(filepath, (str, os.PathLike))
+            or not _is_collective(model)
+        ):
             return original(model, filepath, *args, **kwargs)
         # Every rank runs Keras's writer on its own target: not the shared
         # file operations of callbacks.

@@ -28,6 +28,7 @@ trained with DataParallel calls it first.
 """
 
 from keras_dtensor.data_parallel.metrics import wrap_compute_loss
+from keras_dtensor.data_parallel.metrics import wrap_compute_loss_without_rows
 from keras_dtensor.data_parallel.metrics import wrap_compute_metrics
 from keras_dtensor.data_parallel.metrics import wrap_get_metrics_result
 from keras_dtensor.data_parallel.random_rows import SHAPED_DRAWS
@@ -39,6 +40,7 @@ from keras_dtensor.data_parallel.step import wrap_distribute_tensor
 from keras_dtensor.data_parallel.step import wrap_fit
 from keras_dtensor.data_parallel.sync_batch_norm import wrap_batch_norm_init
 from keras_dtensor.data_parallel.sync_batch_norm import wrap_moments
+from keras_dtensor.data_parallel.update_split import has_stale_state
 from keras_dtensor.data_parallel.update_split import sync_optimizer_state
 from keras_dtensor.data_parallel.update_split import (
     wrap_add_variable_from_reference,
@@ -47,6 +49,7 @@ from keras_dtensor.data_parallel.update_split import wrap_backend_update_step
 
 __all__ = [
     "SHAPED_DRAWS",
+    "has_stale_state",
     "run_step",
     "sync_optimizer_state",
     "update_is_split",
@@ -54,6 +57,7 @@ __all__ = [
     "wrap_backend_update_step",
     "wrap_batch_norm_init",
     "wrap_compute_loss",
+    "wrap_compute_loss_without_rows",
     "wrap_compute_metrics",
     "wrap_distribute_tensor",
     "wrap_dropout",

@@ -31,6 +31,7 @@ __all__ = [
     "UpdateSplit",
     "broadcast_from_rank0",
     "splitting_updates",
+    "has_stale_state",
     "sync_optimizer_state",
     "wrap_add_variable_from_reference",
     "wrap_backend_update_step",
@@ -297,6 +298,14 @@ def wrap_add_variable_from_reference(original):
         return slot
 
     return add_variable_from_reference
+
+
+def has_stale_state(model):
+    """Whether some of `model`'s optimizer slots are held by their owners
+    only (`sync_optimizer_state` would bring them back)."""
+    state = state_of(model, create=False)
+    split = None if state is None else state.split
+    return split is not None and any(split.stale.values())
 
 
 def sync_optimizer_state(model):
