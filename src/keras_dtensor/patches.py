@@ -163,6 +163,14 @@ PATCHES = (
     ),
     Patch(
         "keras.src.trainers.trainer",
+        "Trainer.compute_loss",
+        "DataParallel: a batch with fewer rows than processes leaves some "
+        "ranks none; Keras's loss over no rows is an empty tensor, whose "
+        "backward raises. There it is a zero that contributes nothing.",
+        data_parallel.wrap_compute_loss_without_rows,
+    ),
+    Patch(
+        "keras.src.trainers.trainer",
         "Trainer.compute_metrics",
         "DataParallel: the compiled metrics of this train step were "
         "already updated with the loss; only their results are read.",

@@ -11,20 +11,33 @@ metrics after the optimizer step, but they depend only on `y` and
 `compute_metrics` only reads the results (`wrap_compute_metrics`). Metrics
 still changed after that (a custom `train_step` or `compute_metrics`) are
 summed by one all-reduce when Keras reads the results.
+
+A custom `train_step`/`test_step` returns logs it computed itself
+(`{m.name: m.result() for m in self.metrics}` in Keras's guides), from
+this rank's metric states: `global_logs` puts each metric's global result
+in their place, so progress bars, history and callbacks see one value on
+every rank. A value that is no metric's result stays this rank's own, and
+says so once.
 """
 
+import contextlib
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
 
+from keras_dtensor import callbacks
 from keras_dtensor import context
 from keras_dtensor.data_parallel.state import state_of
 
 __all__ = [
     "EarlyMetrics",
+    "global_logs",
+    "without_rows",
     "is_keras_train_step",
     "wrap_compute_loss",
+    "wrap_compute_loss_without_rows",
     "wrap_compute_metrics",
     "wrap_get_metrics_result",
 ]
@@ -44,12 +57,13 @@ class EarlyMetrics:
 
     Args:
         states: the metric state tensors, in the same order on every rank.
+        frozen: `{id(state): value}` to sum instead (`without_rows`).
     """
 
-    def __init__(self, states):
+    def __init__(self, states, frozen=None):
         self.states = states
         self.versions = [s._version for s in states]
-        self.flat = _flat_double(states)
+        self.flat = _flat_double(states, frozen)
         self.work = dist.all_reduce(self.flat, async_op=True)
 
     def summed(self):
@@ -69,8 +83,53 @@ class EarlyMetrics:
         return out
 
 
-def _flat_double(tensors):
+def _flat_double(tensors, frozen=None):
+    if frozen:
+        tensors = [frozen.get(id(t), t) for t in tensors]
     return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+@contextlib.contextmanager
+def without_rows(model, rows):
+    """A step of a rank that got no rows of the batch contributes nothing
+    to the metrics: their states are summed as they were before the step,
+    and are put back when it ends (a mean over no rows is NaN, which
+    Keras's loss tracker would add with weight zero). Its gradients
+    weigh zero (`reducer`).
+
+    Args:
+        model: the Keras model.
+        rows: this rank's rows of the batch.
+    """
+    if rows:
+        yield
+        return
+    state = state_of(model)
+    states = [v.value for m in model.metrics for v in m.variables]
+    state.frozen = {id(s): s.detach().clone() for s in states}
+    try:
+        yield
+    finally:
+        # The early sum took the frozen values: it stays current for the
+        # states that nothing wrote since (as on the other ranks), so
+        # every rank sums the same states later.
+        early = None if state.reducer is None else state.reducer.early
+        current = set()
+        if early is not None:
+            current = {
+                id(s)
+                for s, version in zip(early.states, early.versions, strict=True)
+                if s._version == version
+            }
+        with torch.no_grad():
+            for s in states:
+                s.copy_(state.frozen[id(s)])
+        if early is not None:
+            early.versions = [
+                s._version if id(s) in current else version
+                for s, version in zip(early.states, early.versions, strict=True)
+            ]
+        state.frozen = None
 
 
 def _unflatten(flat, like):
@@ -107,7 +166,7 @@ def wrap_get_metrics_result(original):
         summed = {} if early is None else early.summed()
         late = [s for s in flat_states if id(s) not in summed]
         if late:
-            flat = _flat_double(late)
+            flat = _flat_double(late, None if state is None else state.frozen)
             dist.all_reduce(flat)
             for s, value in zip(late, _unflatten(flat, late), strict=True):
                 summed[id(s)] = value
@@ -128,12 +187,68 @@ def _keras_steps():
     from keras.src.backend.torch.trainer import TorchTrainer
     from keras.src.trainers.trainer import Trainer
 
-    return TorchTrainer.train_step, Trainer.compute_metrics
+    return TorchTrainer.train_step, Trainer.compute_metrics, TorchTrainer
 
 
 def is_keras_train_step(model):
     """Whether `model` trains with Keras's own `train_step`."""
     return type(model).train_step is _keras_steps()[0]
+
+
+def global_logs(model, kind, logs):
+    """The logs of a DataParallel train or test step, global.
+
+    Keras's own steps return `get_metrics_result()`, already global. A
+    custom step's logs are rebuilt: every value whose key names a result
+    of the model's metrics (nested dicts too, as `compile_metrics`
+    returns) becomes that result summed over every rank's metric states
+    (one all-reduce, on every rank alike: decided by the step's class).
+    Values that are no metric's result stay this rank's own, with one
+    warning per model.
+
+    Args:
+        model: the Keras model.
+        kind: `"train"` or `"test"`.
+        logs: what the step returned.
+
+    Returns:
+        The logs to hand to Keras.
+    """
+    name = f"{kind}_step"
+    if getattr(type(model), name) is getattr(_keras_steps()[2], name):
+        return logs
+    if not isinstance(logs, dict):
+        return logs
+    results = model.get_metrics_result()
+    local = []
+
+    def rebuild(values):
+        out = {}
+        for key, value in values.items():
+            if isinstance(value, dict):
+                out[key] = rebuild(value)
+            elif key in results:
+                out[key] = results[key]
+            else:
+                out[key] = value
+                local.append(key)
+        return out
+
+    out = rebuild(logs)
+    state = state_of(model)
+    if local and kind not in state.local_logs_warned:
+        state.local_logs_warned.add(kind)
+        if not callbacks.silent():
+            warnings.warn(
+                f"DataParallel: the custom {name} of model "
+                f"'{model.name}' returns {sorted(local)}, which are not "
+                "results of the model's metrics (`model.metrics`): each "
+                "process reports its own value, computed from its rows "
+                "of the batch. Update a `keras.metrics` metric in the "
+                "step and return its `result()` to log the global value.",
+                stacklevel=2,
+            )
+    return out
 
 
 def _armed_reducer(model):
@@ -175,6 +290,29 @@ def wrap_compute_loss(original):
         return loss
 
     return _compute_loss
+
+
+def wrap_compute_loss_without_rows(original):
+    """Wraps `Trainer.compute_loss`: on a DataParallel rank with no rows
+    of the batch (`without_rows`), the loss Keras reduces over no rows
+    (an empty tensor: Keras leaves a `(0,)` loss unreduced) becomes a
+    scalar zero that still reaches every weight, so a train step's
+    backward runs as on the other ranks and contributes nothing."""
+
+    @functools.wraps(original)
+    def compute_loss(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        if (
+            isinstance(loss, torch.Tensor)
+            and loss.ndim
+            and loss.numel() == 0
+            and getattr(state_of(self, create=False), "frozen", None)
+            is not None
+        ):
+            return loss.sum()
+        return loss
+
+    return compute_loss
 
 
 def wrap_compute_metrics(original):

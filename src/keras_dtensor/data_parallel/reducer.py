@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from keras_dtensor import config
 from keras_dtensor.data_parallel.metrics import EarlyMetrics
+from keras_dtensor.data_parallel.state import state_of
 from keras_dtensor.launch import world
 
 __all__ = ["GradientReducer"]
@@ -182,7 +183,10 @@ class GradientReducer:
                         for v in metric.variables
                     ]
             if states:
-                self.early = EarlyMetrics(states)
+                self.early = EarlyMetrics(
+                    states,
+                    getattr(state_of(model, create=False), "frozen", None),
+                )
             if self.weight is None:  # per-process rows: sum them too
                 self.total_rows = torch.tensor(
                     [float(self.rows)], dtype=torch.float64
@@ -193,7 +197,10 @@ class GradientReducer:
         index, view = self.slot[id(param)]
         # Each rank's loss is a mean over its rows: weight by rows.
         scale = float(self.rows) if self.weight is None else self.weight
-        torch.mul(param.grad, scale, out=view)
+        if scale:
+            torch.mul(param.grad, scale, out=view)
+        else:  # no rows: nothing (a mean over none is NaN)
+            view.zero_()
         param.grad = view
         self.ready[index] += 1
         if self.ready[index] == len(self.buckets[index]):

@@ -26,15 +26,17 @@ def _to_tensor(x):
     return None if x is None else convert_to_tensor(x)
 
 
-def local_rows(batch, distribution, require_rows=True):
+def local_rows(batch, distribution):
     """This process's rows of a batch, and how many there are.
+
+    A global batch with fewer rows than processes leaves the last ranks
+    with none: they get the batch's first zero rows (shapes and dtypes
+    kept), and the step contributes nothing from them (`step`).
 
     Args:
         batch: a nested structure of arrays/tensors (the global batch, or
             this process's own rows when `auto_shard_dataset=False`).
         distribution: the active `DataParallel`.
-        require_rows: raise if a rank would get no rows (train/evaluate:
-            an empty batch has no mean loss).
 
     Returns:
         `(local_batch, rows)`.
@@ -48,13 +50,6 @@ def local_rows(batch, distribution, require_rows=True):
     if not distribution.auto_shard_dataset:
         return tree.map_structure(_to_tensor, batch), total
     size, rank = world()
-    if require_rows and total < size:
-        raise ValueError(
-            f"A global batch of {total} rows cannot be split over {size} "
-            "processes (some would get no rows, and an empty batch has no "
-            "mean loss). Use a batch size of at least the number of "
-            "processes, or drop the last partial batch."
-        )
     start, length = _row_split(total, size)[rank]
 
     def cut(x):

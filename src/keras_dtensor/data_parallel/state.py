@@ -21,6 +21,10 @@ class ModelState:
         fit_depth: how many `fit` calls of this model are running.
         statistics: the moving statistics of its BatchNormalization
             layers, kept equal to rank 0's after every train step.
+        frozen: during a step of a rank with no rows, its metric states
+            as they were before the step (`metrics.without_rows`).
+        local_logs_warned: the step kinds (`"train"`, `"test"`) whose
+            custom step was found to log values of its own rank.
     """
 
     def __init__(self):
@@ -29,6 +33,8 @@ class ModelState:
         self.split = None
         self.fit_depth = 0
         self.statistics = []
+        self.frozen = None
+        self.local_logs_warned = set()
 
     def close(self):
         """Removes the reducer's gradient hooks and gives the parameters

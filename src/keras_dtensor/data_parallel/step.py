@@ -21,7 +21,9 @@ import functools
 from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor.data_parallel.flat_params import OwnerBuffers
+from keras_dtensor.data_parallel.metrics import global_logs
 from keras_dtensor.data_parallel.metrics import is_keras_train_step
+from keras_dtensor.data_parallel.metrics import without_rows
 from keras_dtensor.data_parallel.random_rows import split_rows
 from keras_dtensor.data_parallel.reducer import GradientReducer
 from keras_dtensor.data_parallel.rows import gather_rows
@@ -103,11 +105,12 @@ def run_step(model, step, kind, data, distribution):
     (batch,) = data
     if kind == "predict":
         counts = row_counts(batch, distribution)
-        local, _ = local_rows(batch, distribution, require_rows=False)
+        local, _ = local_rows(batch, distribution)
         return gather_rows(step([local]), counts)
     local, rows = local_rows(batch, distribution)
     if kind != "train":
-        return step([local])
+        with without_rows(model, rows):
+            return global_logs(model, kind, step([local]))
     state = _prepare(model, step)
     # A global batch split here: every rank knows the global row count.
     global_rows = None
@@ -126,11 +129,11 @@ def run_step(model, step, kind, data, distribution):
     if split is not None:
         split.partial = state.reducer.to_owners
     try:
-        with random_rows, splitting_updates(split):
+        with random_rows, splitting_updates(split), without_rows(model, rows):
             logs = step([local])
         if state.statistics:
             broadcast_from_rank0(state.statistics)
-        return logs
+        return global_logs(model, kind, logs)
     finally:
         state.reducer.end()
         if split is not None:
