@@ -2,7 +2,8 @@
 
 A custom `train_step`/`test_step` in the style of Keras's guide
 "Customizing what happens in fit() with PyTorch" (compiled metrics, and
-its own trackers), a global batch with fewer rows than processes, and the
+its own trackers), a global batch with fewer rows than processes, losses
+a layer adds from its whole input, and the
 `if rank == 0: model.save_weights(...)` idiom of torchrun scripts. One
 spawned group runs every case (processes are the suite's cost); each rank
 computes the one-process reference itself.
@@ -186,6 +187,57 @@ def _few_rows(keras, x, y):
     return _gap(*runs)
 
 
+def _batch_losses(keras, x, y):
+    """Losses a layer adds from its whole input (a router's balance, as
+    an MoE's load-balancing loss: a product of two means over the batch;
+    an activity regularizer's sum): at 32 rows (even shards, DTensors)
+    and 25 (a last batch of one row: the gathered batch)."""
+
+    class Balance(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.gate = keras.layers.Dense(4, name="gate")
+
+        def call(self, x, training=None):
+            p = keras.ops.softmax(self.gate(x), axis=-1)
+            if training:  # as keras_hub's MoE blocks: not in Keras's build
+                flat = keras.ops.reshape(p, (-1, 4))
+                chosen = keras.ops.cast(flat > 0.25, "float32")
+                balance = keras.ops.mean(chosen, axis=0) * keras.ops.mean(
+                    flat, axis=0
+                )
+                self.add_loss(2.0 * keras.ops.sum(balance))
+            return x * keras.ops.sum(p, axis=-1, keepdims=True)
+
+    def build():
+        inputs = keras.Input((3, 8))
+        h = keras.layers.Dense(8, activation="relu")(inputs)
+        h = Balance(name="balance")(h)
+        h = keras.layers.Dense(
+            8, activity_regularizer=keras.regularizers.L2(0.01)
+        )(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    rows = np.resize(x, (32, 3, 8))
+    targets = np.resize(y, (32, 3, 2))
+    out = {}
+    for n in (32, 25):
+        runs = [
+            _fit(
+                keras,
+                d,
+                build,
+                {"loss": "mse"},
+                rows[:n],
+                targets[:n],
+                batch_size=8,
+            )
+            for d in (None, keras.distribution.DataParallel())
+        ]
+        out[n] = _gap(*runs)
+    return out
+
+
 def _rank_0_saves(keras, torch, directory):
     """`if rank == 0: save` with no distribution set: plain Keras, alone;
     then under a distribution, alone: it raises after the timeout, having
@@ -248,6 +300,7 @@ def _workflows(directory):
     return {
         "custom": _custom_steps(keras, torch, x, y),
         "few_rows": _few_rows(keras, x, y),
+        "batch_losses": _batch_losses(keras, x, y),
         "saves": _rank_0_saves(keras, torch, directory),
     }
 
@@ -268,6 +321,8 @@ def test_workflows_equal_one_process(tmp_path):
             assert custom["warnings"] == []
         # A last batch of one row on 2 processes trains as one process.
         assert out["few_rows"] <= TOLERANCE, out["few_rows"]
+        # Losses added from the whole batch are the global batch's.
+        assert max(out["batch_losses"].values()) <= TOLERANCE, out
         saves = out["saves"]
         if rank == 0:
             assert saves["same"]

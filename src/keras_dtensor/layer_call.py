@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import context
+from keras_dtensor import data_parallel
 from keras_dtensor import local_batch
 from keras_dtensor import sharded_layers
 from keras_dtensor.data import distribute_batch
@@ -113,8 +114,10 @@ def wrap_call(original):
 
     def __call__(self, *args, **kwargs):
         distribution = context.active()
-        if distribution is None or context.is_data_parallel(distribution):
+        if distribution is None:
             return original(self, *args, **kwargs)
+        if context.is_data_parallel(distribution):
+            return data_parallel.call_layer(self, original, args, kwargs)
         if not torch.compiler.is_compiling() and local_batch.active():
             return local_batch.inner_call(self, original, args, kwargs)
         if _in_layer_call():

@@ -376,6 +376,14 @@ PATCHES = (
     ),
     Patch(
         "keras.src.layers.layer",
+        "Layer.add_loss",
+        "DataParallel: a loss a layer adds from its whole input (an MoE "
+        "load-balancing loss, an activity regularizer) was each rank's "
+        "own; the layer is marked, and runs over the global batch.",
+        data_parallel.wrap_add_loss,
+    ),
+    Patch(
+        "keras.src.layers.layer",
         "Layer.__call__",
         "Eager model(x) outside fit gets plain inputs; the outermost call "
         "lays them out like a fit batch, and tensors a layer creates are "

@@ -19,7 +19,9 @@ DTensor would only add per-op dispatch cost. Instead:
 - `BatchNormalization(synchronized=True)` normalizes with the global
   batch's statistics (`sync_batch_norm`);
 - seeded random layers use this rank's rows of the global draw
-  (`random_rows`).
+  (`random_rows`);
+- a layer that adds losses in its call computes them over the global
+  batch (`batch_terms`).
 
 The package is entered through `run_step` (`step`) and the hooks the
 `PATCHES` table installs; its per-model state lives on the model (`state`).
@@ -27,6 +29,8 @@ The package is entered through `run_step` (`step`) and the hooks the
 trained with DataParallel calls it first.
 """
 
+from keras_dtensor.data_parallel.batch_terms import call_layer
+from keras_dtensor.data_parallel.batch_terms import wrap_add_loss
 from keras_dtensor.data_parallel.metrics import wrap_compute_loss
 from keras_dtensor.data_parallel.metrics import wrap_compute_loss_without_rows
 from keras_dtensor.data_parallel.metrics import wrap_compute_metrics
@@ -49,10 +53,12 @@ from keras_dtensor.data_parallel.update_split import wrap_backend_update_step
 
 __all__ = [
     "SHAPED_DRAWS",
+    "call_layer",
     "has_stale_state",
     "run_step",
     "sync_optimizer_state",
     "update_is_split",
+    "wrap_add_loss",
     "wrap_add_variable_from_reference",
     "wrap_backend_update_step",
     "wrap_batch_norm_init",

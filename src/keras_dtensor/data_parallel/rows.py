@@ -11,7 +11,14 @@ import torch.distributed as dist
 from keras_dtensor.launch import all_gather_ints
 from keras_dtensor.launch import world
 
-__all__ = ["gather_rows", "leading_rows", "local_rows", "row_counts"]
+__all__ = [
+    "gather_rows",
+    "leading_rows",
+    "local_rows",
+    "row_counts",
+    "row_range",
+    "split_counts",
+]
 
 
 def _row_split(total, size):
@@ -58,6 +65,11 @@ def local_rows(batch, distribution):
     return tree.map_structure(cut, batch), length
 
 
+def split_counts(total):
+    """Rows of each rank, in rank order, of a global batch of `total`."""
+    return [n for _, n in _row_split(total, world()[0])]
+
+
 def row_range(total):
     """`(start, length)` of this process's rows of a global batch."""
     size, rank = world()
@@ -78,7 +90,7 @@ def row_counts(batch, distribution):
     `auto_shard_dataset=False` each rank's own count is exchanged.
     """
     if distribution.auto_shard_dataset:
-        return [n for _, n in _row_split(leading_rows(batch), world()[0])]
+        return split_counts(leading_rows(batch))
     return all_gather_ints(leading_rows(batch))
 
 

@@ -21,6 +21,8 @@ class ModelState:
         fit_depth: how many `fit` calls of this model are running.
         statistics: the moving statistics of its BatchNormalization
             layers, kept equal to rank 0's after every train step.
+        probed: whether the layers adding losses were looked for, for
+            this train function (`batch_terms.find_loss_layers`).
         frozen: during a step of a rank with no rows, its metric states
             as they were before the step (`metrics.without_rows`).
         local_logs_warned: the step kinds (`"train"`, `"test"`) whose
@@ -34,6 +36,7 @@ class ModelState:
         self.fit_depth = 0
         self.statistics = []
         self.frozen = None
+        self.probed = False
         self.local_logs_warned = set()
 
     def close(self):

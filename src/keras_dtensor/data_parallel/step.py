@@ -20,6 +20,8 @@ import functools
 
 from keras_dtensor import config
 from keras_dtensor import context
+from keras_dtensor.data_parallel.batch_terms import find_loss_layers
+from keras_dtensor.data_parallel.batch_terms import step_scope
 from keras_dtensor.data_parallel.flat_params import OwnerBuffers
 from keras_dtensor.data_parallel.metrics import global_logs
 from keras_dtensor.data_parallel.metrics import is_keras_train_step
@@ -66,6 +68,7 @@ def _prepare(model, step):
         owners=owners if state.split.owner else None,
     )
     state.statistics = _moving_statistics(model)
+    state.probed = False
     state.step = step
     return state
 
@@ -112,6 +115,9 @@ def run_step(model, step, kind, data, distribution):
         with without_rows(model, rows):
             return global_logs(model, kind, step([local]))
     state = _prepare(model, step)
+    if not state.probed:
+        state.probed = True
+        find_loss_layers(model, local)
     # A global batch split here: every rank knows the global row count.
     global_rows = None
     random_rows = contextlib.nullcontext()
@@ -129,7 +135,12 @@ def run_step(model, step, kind, data, distribution):
     if split is not None:
         split.partial = state.reducer.to_owners
     try:
-        with random_rows, splitting_updates(split), without_rows(model, rows):
+        with (
+            random_rows,
+            splitting_updates(split),
+            without_rows(model, rows),
+            step_scope(rows, global_rows),
+        ):
             logs = step([local])
         if state.statistics:
             broadcast_from_rank0(state.statistics)

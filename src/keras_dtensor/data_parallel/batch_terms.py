@@ -1,0 +1,343 @@
+"""Losses a layer adds in its call, computed over the global batch.
+
+Keras on JAX runs a DataParallel step on global arrays: a loss a layer
+adds from statistics of its whole input (a mixture of experts'
+load-balancing loss, an activity regularizer's sum) is the global batch's.
+Here each rank computes on its own rows, and such a term is not a mean of
+per-row terms: the ranks' own values, weighted by rows, are another
+function. So a layer seen calling `add_loss` (in a symbolic training
+call of the model once per train function, `find_loss_layers`, or any
+earlier call; `wrap_add_loss`) runs its calls inside a
+DataParallel train step on DTensors over the batch mesh (`call_layer`):
+its batch-aligned inputs as this rank's shard of the global batch, its
+trainable weights replicated, so every reduction over the batch inside it
+is global (DTensor's all-reduce), as on JAX, and the loss it adds is the
+same global value on every rank.
+
+Gradients keep the gradient reducer's convention (each rank's gradients
+are scaled by its share `w` of the rows, then summed):
+
+- the weights of such a layer get, from DTensor's backward, the whole
+  gradient of its terms on every rank (a sum over the ranks' shares):
+  the same on every rank, which the reducer's weights (summing to one)
+  keep;
+- the gradient entering its outputs from the rest of this rank's loss is
+  scaled by `w` (that loss is this rank's mean), and the gradient leaving
+  through its inputs by `1 / w` (the reducer scales it by `w` again), so
+  every path counts once.
+
+A global batch that the ranks split unevenly (a last partial batch) does
+not fit DTensor's even shards: there the layer runs on the gathered global
+batch on every rank, the same result with more compute (as does a layer
+whose ops DTensor cannot shard, with one warning). Inside a traced
+(compiled) call the layer runs on this rank's rows.
+"""
+
+import functools
+import warnings
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.experimental import implicit_replication
+
+from keras_dtensor import callbacks
+from keras_dtensor import context
+from keras_dtensor import instance_patches
+from keras_dtensor.data_parallel.rows import gather_rows
+from keras_dtensor.data_parallel.rows import split_counts
+from keras_dtensor.launch import all_gather_ints
+from keras_dtensor.launch import world
+
+__all__ = ["call_layer", "find_loss_layers", "step_scope", "wrap_add_loss"]
+
+_ADDS_LOSSES = "_keras_dtensor_adds_losses"
+# A layer whose DTensor run failed: it runs on the gathered global batch.
+_GATHERED = "_keras_dtensor_adds_losses_gathered"
+_STEP = "keras_dtensor_data_parallel_step"
+
+
+class _Step:
+    """The running train step: this rank's rows and the global batch's
+    (`None` until counted, when each process feeds its own rows)."""
+
+    def __init__(self, rows, global_rows):
+        self.rows = rows
+        self.global_rows = global_rows
+        self.counts = None
+        self.inside = False  # a layer of the step runs over the batch
+
+    def count(self):
+        """Every rank's rows, in rank order (counted once, by every rank:
+        a collective when each process feeds its own rows)."""
+        if self.counts is None:
+            if self.global_rows is None:
+                self.counts = all_gather_ints(self.rows)
+            else:
+                self.counts = split_counts(self.global_rows)
+            self.global_rows = sum(self.counts)
+        return self.counts
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's rows, in order (the global batch); backward:
+    this rank's rows of the gradient (the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, counts):
+        _, rank = world()
+        ctx.start = sum(counts[:rank])
+        ctx.rows = counts[rank]
+        return gather_rows(x.detach(), counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.start : ctx.start + ctx.rows], None
+
+
+class _OwnRows(torch.autograd.Function):
+    """Forward: this rank's rows of a global-batch tensor; backward: every
+    rank's gradient of its rows, gathered (the global gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, counts):
+        _, rank = world()
+        ctx.counts = counts
+        start = sum(counts[:rank])
+        return x[start : start + counts[rank]].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_rows(grad.contiguous(), ctx.counts), None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _global_state():
+    from keras.src.backend.common import global_state
+
+    return global_state
+
+
+class step_scope:  # noqa: N801 (a context manager, used as `with`)
+    """Marks a DataParallel train step on this rank's `rows` of a global
+    batch of `global_rows` (`None`: counted when needed)."""
+
+    def __init__(self, rows, global_rows):
+        self.step = _Step(rows, global_rows)
+
+    def __enter__(self):
+        state = _global_state()
+        self.previous = state.get_global_attribute(_STEP)
+        state.set_global_attribute(_STEP, self.step)
+
+    def __exit__(self, *exc):
+        _global_state().set_global_attribute(_STEP, self.previous)
+
+
+def _to_local(x):
+    """A DTensor loss as a plain tensor: the global value."""
+    if isinstance(x, DTensor):
+        return x.full_tensor()
+    return x
+
+
+def wrap_add_loss(original):
+    """Wraps `Layer.add_loss`: the layer is marked as adding losses (its
+    calls in a DataParallel train step then run over the global batch),
+    and a loss computed on DTensors is handed to Keras as its global
+    value."""
+
+    @functools.wraps(original)
+    def add_loss(self, loss):
+        if not instance_patches.get_on(self, _ADDS_LOSSES):
+            instance_patches.set_on(self, _ADDS_LOSSES, True)
+        step = _step()
+        if step is None or not step.inside:  # DTensors are ours only there
+            return original(self, loss)
+        if isinstance(loss, DTensor):
+            loss = _to_local(loss)
+        elif isinstance(loss, (list, tuple)):
+            loss = type(loss)(_to_local(x) for x in loss)
+        return original(self, loss)
+
+    return add_loss
+
+
+def find_loss_layers(model, batch):
+    """Marks the layers of `model` that add losses in a training call.
+
+    A layer marks itself whenever it calls `add_loss`, but Keras builds
+    models with `training=False`, where keras_hub's MoE blocks add none:
+    the first train step would compute their losses on this rank's rows.
+    So once per train function, `model` runs symbolically on the batch's
+    shapes with `training=True` (no state changes, no collectives).
+
+    Args:
+        model: the Keras model.
+        batch: the step's batch, `(x, y, sample_weight)` or `x`.
+    """
+    from keras.src import backend
+    from keras.src import tree
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+    spec = tree.map_structure(
+        lambda t: (
+            backend.KerasTensor(tuple(t.shape), dtype=t.dtype)
+            if isinstance(t, torch.Tensor)
+            else t
+        ),
+        x,
+    )
+    try:
+        backend.compute_output_spec(model, spec, training=True)
+    except Exception:  # noqa: S110 - a model Keras cannot trace: as before
+        pass
+
+
+def _step():
+    return _global_state().get_global_attribute(_STEP)
+
+
+def call_layer(layer, original, args, kwargs):
+    """`layer(*args, **kwargs)` in a DataParallel step: over the global
+    batch if the layer adds losses and a train step runs, else as is."""
+    step = None
+    if instance_patches.get_on(layer, _ADDS_LOSSES):
+        step = _step()
+    if (
+        step is None
+        or step.inside
+        or not torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+    ):
+        return original(layer, *args, **kwargs)
+    step.inside = True
+    try:
+        return _on_global_batch(layer, original, args, kwargs, step)
+    finally:
+        step.inside = False
+
+
+def _on_global_batch(layer, original, args, kwargs, step):
+    counts = step.count()
+    share = step.rows / step.global_rows
+    size, _ = world()
+    if step.global_rows % size == 0 and not instance_patches.get_on(
+        layer, _GATHERED
+    ):
+        try:
+            return _as_dtensors(layer, original, args, kwargs, step, share)
+        except RuntimeError as e:
+            if "propagation" not in str(e) and "DTensor" not in str(e):
+                raise
+            instance_patches.set_on(layer, _GATHERED, True)
+            if not callbacks.silent():
+                warnings.warn(
+                    f"DataParallel: layer '{layer.name}' adds losses and "
+                    "could not run as DTensors over the batch "
+                    f"({' '.join(str(e).split())[:200]}); it now runs on "
+                    "the whole global batch on every rank (the same "
+                    "results, more compute).",
+                    stacklevel=4,
+                )
+    return _gathered(layer, original, args, kwargs, step, counts, share)
+
+
+def _batch_aligned(x, step):
+    return (
+        isinstance(x, torch.Tensor)
+        and not isinstance(x, DTensor)
+        and x.dim() > 0
+        and x.shape[0] == step.rows
+    )
+
+
+def _gathered(layer, original, args, kwargs, step, counts, share):
+    """The layer on the global batch, the same on every rank; this rank
+    keeps its rows of the outputs. For a global batch the ranks split
+    unevenly, which DTensor's even shards cannot hold."""
+    from keras.src import tree
+
+    def gather(x):
+        if not _batch_aligned(x, step):
+            return x
+        if x.requires_grad and share:
+            x = _ScaleGrad.apply(x, 1.0 / share)
+        return _GatherRows.apply(x, counts)
+
+    args, kwargs = tree.map_structure(gather, (args, kwargs))
+    outputs = original(layer, *args, **kwargs)
+
+    def own(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.shape[0] != step.global_rows:
+            return x
+        out = _OwnRows.apply(x, counts)
+        return _ScaleGrad.apply(out, share) if out.requires_grad else out
+
+    return tree.map_structure(own, outputs)
+
+
+def _as_dtensors(layer, original, args, kwargs, step, share):
+    """The layer on DTensors: this rank's rows as its shard of the global
+    batch, the trainable weights replicated."""
+    from keras.src import tree
+
+    mesh = context.current().device_mesh.backend_mesh
+    global_rows = step.global_rows
+
+    def shard(x):
+        if not _batch_aligned(x, step):
+            return x
+        if x.requires_grad and share:
+            x = _ScaleGrad.apply(x, 1.0 / share)
+        shape = (global_rows, *x.shape[1:])
+        return DTensor.from_local(
+            x,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+
+    args, kwargs = tree.map_structure(shard, (args, kwargs))
+    swapped = []
+    for variable in layer.trainable_variables:
+        value = variable._value
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            variable._value = DTensor.from_local(
+                value, mesh, [Replicate()], run_check=False
+            )
+            swapped.append((variable, value))
+    try:
+        with implicit_replication():
+            outputs = original(layer, *args, **kwargs)
+    finally:
+        for variable, value in swapped:
+            variable._value = value
+
+    def local(x):
+        if not isinstance(x, DTensor):
+            return x
+        if x.placements[0] == Shard(0):
+            out = x.to_local()
+            return _ScaleGrad.apply(out, share) if out.requires_grad else out
+        return x.full_tensor()
+
+    return tree.map_structure(local, outputs)
