@@ -92,10 +92,21 @@ def _full_disk_save(save, path, limit_bytes):
 
     import torch.distributed as dist
 
+    from keras_dtensor import launch
+
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if dist.get_rank() == 0:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit[1]))
+    joins = launch.every_rank_joins
+
+    def join_then_fill(*args):
+        # The ranks meet in the rendezvous store first: a file store here,
+        # which a process-wide file size limit would break too (a job's
+        # store is not on the disk it saves to: TCP under torchrun).
+        joins(*args)
+        if dist.get_rank() == 0:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit[1]))
+
+    launch.every_rank_joins = join_then_fill
     start = time.monotonic()
     try:
         save(path)
@@ -103,6 +114,7 @@ def _full_disk_save(save, path, limit_bytes):
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     finally:
+        launch.every_rank_joins = joins
         if dist.get_rank() == 0:
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
             signal.signal(signal.SIGXFSZ, signal.SIG_DFL)

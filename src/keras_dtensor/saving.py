@@ -17,8 +17,12 @@ single-process Keras loads them.
 weights member in place inside the zip, where Keras writes a temporary
 `.h5` and copies it in (the weights written twice).
 
-A save called on some ranks only would hang in the first transfer; a
-monitored barrier first turns that into an error naming the missing ranks.
+A save called on some ranks only would hang in the first transfer; the
+ranks first meet in the process group's store, which turns that into an
+error naming the call. A model with nothing distributed (no distribution
+set, no sharded variable, no optimizer slot held by another rank) is
+saved by each calling rank alone, as plain Keras saves it (the
+`if rank == 0:` idiom), staged and renamed into place.
 A file rank 0 cannot create (missing directory, no permission) is found
 before any transfer, and the outcome of the write is shared at the end:
 every rank raises the same error instead of the others waiting for the
@@ -90,6 +94,27 @@ def _raise_if_failed(failures, what, filepath, own=None):
         f"{what}({filepath!r}) failed on rank {rank} of "
         f"{dist.get_world_size()}: {message}"
     )
+
+
+def _write_alone(original, model, filepath, *args, **kwargs):
+    """Keras's writer on this rank alone, into a staging directory of its
+    own next to the target, then renamed into place: ranks that all save
+    the same file (no rank check in the script) each replace it whole, and
+    a reader never sees a half-written file."""
+    final = os.fspath(filepath)
+    name = os.path.basename(final)
+    directory = os.path.dirname(final) or "."
+    staging = os.path.join(directory, f".{uuid.uuid4().hex}.{name}.d")
+    try:
+        os.mkdir(staging)
+    except OSError:  # Keras's own error for the target
+        return original(model, filepath, *args, **kwargs)
+    try:
+        result = original(model, os.path.join(staging, name), *args, **kwargs)
+        _move_into_place(staging, name, directory)
+        return result
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
@@ -172,12 +197,10 @@ def wrap_save(original, what):
     """
 
     def _save(model, filepath, *args, **kwargs):
-        if (
-            not multi_process()
-            or not isinstance(filepath, (str, os.PathLike))
-            or not _is_collective(model)
-        ):
+        if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
+        if not _is_collective(model):
+            return _write_alone(original, model, filepath, *args, **kwargs)
         # Every rank runs Keras's writer on its own target: not the shared
         # file operations of callbacks.
         with shared_files.suspended():
