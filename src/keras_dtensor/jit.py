@@ -34,8 +34,28 @@ e.g. a sliced view returned across a graph break. The first call of each input
 signature is the trial: the model's non-trainable state (seeds, running
 statistics) is restored before the eager rerun, so the numbers are those
 of an eager step.
+
+A forward with a graph break that dynamo cannot resume (inside Keras's
+`name_scope`, or in a Functional's loop over its layers; e.g. Keras's
+`dot_product_attention` builds torch's `SDPAParams`, which keras_hub's
+attention calls) is compiled frame by frame: every layer's call runs
+through the same Keras functions (`Functional`'s per-layer `call`,
+`Layer.__call__`, `_setattr_hook`), compiled again for each layer as
+dynamo guards on the layer (its class, `_parent_path`, its arguments).
+keras_hub's Llama of 2 layers compiles 113 times in its first call (28 of
+them a function already compiled for another layer), about a minute.
+Once a function has been compiled `torch._dynamo.config.recompile_limit`
+times, dynamo runs it eagerly on its own, rank by rank; input shapes that
+keep changing (one compilation each) end there too. So once a function of
+the forward reaches that limit, the whole forward runs eagerly from the
+next call on, on every rank, with one warning: the ranks agree first (one
+all-gather of two ints after a signature's 1st, 2nd, 4th, 8th... call,
+the same calls on every rank), so no rank runs compiled while another runs
+eagerly. A rank whose compiled trial failed makes every rank eager the same
+way. The first call still pays for what it compiled.
 """
 
+import collections
 import hashlib
 import warnings
 
@@ -45,6 +65,7 @@ from keras_dtensor import callbacks
 from keras_dtensor import config
 from keras_dtensor import context
 from keras_dtensor import instance_patches
+from keras_dtensor import launch
 from keras_dtensor.layout import contiguous_strides
 
 __all__ = [
@@ -80,8 +101,45 @@ def _brief(error):
     return " ".join(text.split())[:300]
 
 
+class _Compiles:
+    """Counts, while open, the compilations dynamo starts: `most` is the
+    highest number of times one function (code object) has been compiled,
+    dynamo's own count (`recompile_limit` caps it)."""
+
+    def __init__(self):
+        self.most = 0
+
+    def _started(self, args):
+        from torch._dynamo.callback import CallbackTrigger
+
+        if args.callback_trigger != CallbackTrigger.DYNAMO:
+            return
+        parts = str(args.compile_id).split("/")
+        if parts[0].startswith("!"):  # compiled autograd: "!0/frame/n"
+            parts = parts[1:]
+        if len(parts) == 2 and parts[1].isdigit():
+            self.most = max(self.most, int(parts[1]) + 1)
+
+    def __enter__(self):
+        # Registered per call: `torch._dynamo.reset()` clears callbacks.
+        torch._dynamo.callback_handler.register_start_callback(self._started)
+        return self
+
+    def __exit__(self, *exc):
+        torch._dynamo.callback_handler.remove_start_callback(self._started)
+        return False
+
+
+def _agreed_max(values):
+    """The highest of every rank's `values`, column by column (a
+    collective; `values` alone without a group)."""
+    rows = launch.all_gather_int_lists(list(values))
+    return [max(column) for column in zip(*rows, strict=True)]
+
+
 class _Forward:
-    """A model's compiled forward, eager from the first failure."""
+    """A model's compiled forward, eager from the first failure, or once a
+    function of it reached dynamo's recompile limit (every rank agreeing)."""
 
     def __init__(self, model):
         self._name = model.name
@@ -89,12 +147,31 @@ class _Forward:
         self._eager = model.call
         self._compiled = torch.compile(model.call, dynamic=False)
         self._tried = set()
-        self.error = None
+        self._calls = collections.Counter()  # by signature
+        self._most = 0  # the most compilations of one of its functions
+        self._all_eager = False  # agreed by every rank
+        self.error = None  # this rank's failed trial
+        self.recompiles = None  # the count that made every rank eager
 
     def __call__(self, *args, **kwargs):
-        if self.error is not None:
+        if self._all_eager or torch.compiler.is_compiling():
+            # (Inside another compiled region: traced by that one.)
             return self._eager(*args, **kwargs)
         key = _signature(args, kwargs)
+        with _Compiles() as compiles:
+            outputs = self._run(key, args, kwargs)
+        self._most = max(self._most, compiles.most)
+        # Every rank calls with the same signatures (global batch shapes):
+        # the ranks agree at the same calls, a signature's 1st, 2nd, 4th...
+        self._calls[key] += 1
+        count = self._calls[key]
+        if count & (count - 1) == 0:
+            self._agree()
+        return outputs
+
+    def _run(self, key, args, kwargs):
+        if self.error is not None:
+            return self._eager(*args, **kwargs)
         if key in self._tried:
             return self._compiled(*args, **kwargs)
         saved = [(v, v.value.detach().clone()) for v in self._state()]
@@ -113,6 +190,30 @@ class _Forward:
             return self._eager(*args, **kwargs)
         self._tried.add(key)
         return outputs
+
+    def _agree(self):
+        limit = torch._dynamo.config.recompile_limit
+        most, failed = _agreed_max([self._most, int(self.error is not None)])
+        if not failed and most < limit:
+            return
+        self._all_eager = True
+        if failed:
+            if self.error is None:  # this rank warned if its own failed
+                _warn(
+                    f"jit_compile=True: torch.compile could not run the "
+                    f"forward of model {self._name!r} on another process; "
+                    f"it runs eagerly on every process."
+                )
+            return
+        self.recompiles = most
+        _warn(
+            f"jit_compile=True: torch.compile compiled a function of the "
+            f"forward of model {self._name!r} {most} times, "
+            f"torch._dynamo.config.recompile_limit (once per layer where "
+            f"a graph break splits the forward into each layer's calls, "
+            f"and again for each new input shape); it runs eagerly from "
+            f"now on, on every process (TORCH_LOGS=recompiles says why)."
+        )
 
 
 def _compile_forward(model):
