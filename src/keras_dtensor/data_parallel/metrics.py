@@ -235,8 +235,10 @@ def global_logs(model, kind, logs):
         return out
 
     out = rebuild(logs)
+    if not local:
+        return out
     state = state_of(model)
-    if local and kind not in state.local_logs_warned:
+    if kind not in state.local_logs_warned:
         state.local_logs_warned.add(kind)
         if not callbacks.silent():
             warnings.warn(
