@@ -67,7 +67,7 @@ def worker(args):
     import torch.distributed.checkpoint as dcp
 
     import keras_dtensor
-    from keras_dtensor import checkpoint
+    from keras_dtensor.checkpoint import api
 
     world = keras.distribution.get_device_count()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
@@ -86,7 +86,7 @@ def worker(args):
     x = np.random.randint(0, args.vocab, size=(32, 4)).astype("int32")
     y = np.zeros((32, 256), "float32")
     model.train_on_batch(x, y)
-    state = checkpoint._state_dict(model)
+    state = api._state_dict(model)
     rank = dist.get_rank()
     root = args.root
     rows = []

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import keras_dtensor  # noqa: F401 - before keras: KERAS_BACKEND=torch
-from keras_dtensor import launch
+from keras_dtensor.backend import launch
 
 VOCAB, WIDTH, UNITS, SEQ = 1_000_000, 128, 256, 8
 

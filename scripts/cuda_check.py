@@ -86,7 +86,7 @@ def devices(model):
 
 def main():
     keras.distribution.initialize()
-    from keras_dtensor import distribution_lib
+    from keras_dtensor.backend import distribution_lib
 
     rank = distribution_lib.process_id()
     world = distribution_lib.num_processes()

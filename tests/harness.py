@@ -86,7 +86,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
             ranks that did not finish in time.
     """
     # No PYTHONHASHSEED: ranks hash strings differently, as under plain
-    # torchrun (keras_dtensor.placement_order makes that safe).
+    # torchrun (keras_dtensor.backend.placement_order makes that safe).
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

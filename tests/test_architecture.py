@@ -70,12 +70,12 @@ def test_the_cycle_check_finds_a_cycle():
 def test_the_backend_imports_nothing_above_it():
     modules = _modules()
     low = {
-        "keras_dtensor.distribution_lib",
-        "keras_dtensor.launch",
-        "keras_dtensor.layout",
-        "keras_dtensor.errors",
+        "keras_dtensor.backend.distribution_lib",
+        "keras_dtensor.backend.launch",
+        "keras_dtensor.backend.layout",
+        "keras_dtensor.backend.errors",
         "keras_dtensor.config",
-        "keras_dtensor.placement_order",
+        "keras_dtensor.backend.placement_order",
     }
     for name in low:
         assert _imports(modules[name], modules) <= low, name

@@ -54,7 +54,7 @@ def _checksum(array):
 def _shard_checksums(model):
     """This rank's `(ranges, crc32)` of every weight and optimizer
     variable: what it holds, without gathering anything."""
-    from keras_dtensor.sharded_init import local_slices
+    from keras_dtensor.hooks.sharded_init import local_slices
 
     out = []
     for variable in _variables(model):
@@ -92,7 +92,7 @@ def _full_disk_save(save, path, limit_bytes):
 
     import torch.distributed as dist
 
-    from keras_dtensor import launch
+    from keras_dtensor.backend import launch
 
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     joins = launch.every_rank_joins
@@ -125,7 +125,7 @@ def _streamed_saves(directory):
     """Saves of the table on a 2 x 2 mesh (two replicas of each shard)."""
     import keras
 
-    from keras_dtensor import stream_save
+    from keras_dtensor.saving import h5_stream
 
     mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
@@ -157,7 +157,7 @@ def _streamed_saves(directory):
             ),
         }
         table = model.get_layer("table").embeddings.value
-        out["owners"] = stream_save.shard_owners(
+        out["owners"] = h5_stream.shard_owners(
             table.shape, table.device_mesh, table.placements
         )
         # Mid-variable; and in model.save's config, before any weight.
@@ -423,7 +423,7 @@ def _check_streamed_saves(saved, tmp_path):
 def test_pieces_are_contiguous_bounded_and_in_file_order(
     shape, itemsize, piece_bytes
 ):
-    from keras_dtensor.stream_save import pieces
+    from keras_dtensor.saving.h5_stream import pieces
 
     flat = np.arange(int(np.prod(shape))).reshape(shape)
     covered = []

@@ -33,26 +33,26 @@ def _zeros_like(state):
 
 
 def test_digests_are_the_files_sha256_and_crc_option_is_restored(tmp_path):
-    from keras_dtensor import checkpoint_files
-    from keras_dtensor import checkpoint_storage
+    from keras_dtensor.checkpoint import manifest
+    from keras_dtensor.checkpoint import writer
 
-    writer = checkpoint_storage.DigestingWriter(tmp_path)
+    writer = writer.DigestingWriter(tmp_path)
     dcp.save(_state(), storage_writer=writer)
     files = sorted(os.listdir(tmp_path))
     assert ".metadata" in files
     assert writer.digests == {
-        name: checkpoint_files.hash_file(tmp_path / name) for name in files
+        name: manifest.hash_file(tmp_path / name) for name in files
     }
     assert torch.serialization.get_crc32_options()
 
 
 def test_reads_equal_dcp_direct_where_plain(tmp_path, monkeypatch):
-    from keras_dtensor import checkpoint_reader
+    from keras_dtensor.checkpoint import reader
 
     state = _state()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path))
     direct = []
-    read_direct = checkpoint_reader.SafeReader._read_direct
+    read_direct = reader.SafeReader._read_direct
 
     def counting(self, f, item, planner, layouts):
         done = read_direct(self, f, item, planner, layouts)
@@ -60,9 +60,9 @@ def test_reads_equal_dcp_direct_where_plain(tmp_path, monkeypatch):
             direct.append(item.dest_index.fqn)
         return done
 
-    monkeypatch.setattr(checkpoint_reader.SafeReader, "_read_direct", counting)
+    monkeypatch.setattr(reader.SafeReader, "_read_direct", counting)
     mine, theirs = _zeros_like(state), _zeros_like(state)
-    dcp.load(mine, storage_reader=checkpoint_reader.SafeReader(tmp_path))
+    dcp.load(mine, storage_reader=reader.SafeReader(tmp_path))
     dcp.load(theirs, storage_reader=dcp.FileSystemReader(tmp_path))
     for key, value in state.items():
         assert torch.equal(mine[key], value), key
@@ -72,7 +72,7 @@ def test_reads_equal_dcp_direct_where_plain(tmp_path, monkeypatch):
 
 
 def test_byte_range_of_boxes():
-    from keras_dtensor import checkpoint_reader as reader
+    from keras_dtensor.checkpoint import reader as reader
 
     storage = reader._Storage(torch.float32, "0", 4 * 6 * 5)
     saved = reader._Saved(storage, 0, (4, 6, 5), (30, 5, 1), data_start=64)
@@ -91,7 +91,7 @@ class _Payload:
 
 
 def test_pickled_items_are_refused(tmp_path):
-    from keras_dtensor import checkpoint_reader
+    from keras_dtensor.checkpoint import reader
 
     marker = tmp_path / "ran"
     payload = io.BytesIO(pickle.dumps(_Payload(str(marker))))
@@ -99,6 +99,6 @@ def test_pickled_items_are_refused(tmp_path):
     with pytest.raises(BaseException, match="Refusing to unpickle"):
         dcp.load(
             {"x": torch.zeros(3)},
-            storage_reader=checkpoint_reader.SafeReader(tmp_path),
+            storage_reader=reader.SafeReader(tmp_path),
         )
     assert not marker.exists()

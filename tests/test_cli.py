@@ -76,7 +76,7 @@ def test_torchrun_without_initialize_starts_the_group_lazily(tmp_path):
 def _placement_order(hash_seed, uninstall):
     code = (
         "import keras_dtensor\n"
-        "from keras_dtensor import placement_order\n"
+        "from keras_dtensor.backend import placement_order\n"
         + ("keras_dtensor.uninstall()\n" if uninstall else "")
         + "print(placement_order.order_digest())"
     )

@@ -28,7 +28,7 @@ def _backend_checks():
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
 
-    from keras_dtensor import distribution_lib
+    from keras_dtensor.backend import distribution_lib
 
     world = keras.distribution.get_device_count()
     out = {
@@ -168,8 +168,8 @@ def _multi_axis_checks():
 
     mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
     glob = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
-    from keras_dtensor.distribution_lib import DTensorLayout
-    from keras_dtensor.layout import to_placements
+    from keras_dtensor.backend.distribution_lib import DTensorLayout
+    from keras_dtensor.backend.layout import to_placements
 
     # One dimension over two mesh axes, major to minor in mesh order.
     placements = to_placements(

@@ -92,7 +92,7 @@ def _train(keras, build, distribution, batches):
 def _case(keras, build, batches):
     import warnings
 
-    from keras_dtensor import instance_patches
+    from keras_dtensor.backend import object_state
 
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
@@ -105,7 +105,7 @@ def _case(keras, build, batches):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, got, compiled = _train(keras, build, distribution, batches)
-    forward = instance_patches.get_on(model, "call")
+    forward = object_state.get_on(model, "call")
     return {
         "diff": max(
             float(np.abs(a - b).max())

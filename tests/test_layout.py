@@ -4,8 +4,8 @@ import pytest
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_dtensor.layout import normalize_axes
-from keras_dtensor.layout import to_placements
+from keras_dtensor.backend.layout import normalize_axes
+from keras_dtensor.backend.layout import to_placements
 
 MESH = ((2, 4), ("batch", "model"))
 

@@ -185,7 +185,7 @@ def _features(cache):
     # KERAS_DTENSOR_JIT=0 the model runs eagerly (nothing compiled).
     import os
 
-    from keras_dtensor import instance_patches
+    from keras_dtensor.backend import object_state
 
     _, reference = models.train(keras, "mlp", "adam", jit_compile=True)
     _, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
@@ -194,9 +194,7 @@ def _features(cache):
     try:
         model, got = models.train(keras, "mlp", "adam", tp(), jit_compile=True)
         out["jit_off"] = models.max_diff(reference, got)
-        out["jit_off_compiled"] = (
-            instance_patches.get_on(model, "call") is not None
-        )
+        out["jit_off_compiled"] = object_state.get_on(model, "call") is not None
     finally:
         del os.environ["KERAS_DTENSOR_JIT"]
     out["jit_attention"] = _jit_attention(keras, models, mesh)
@@ -493,7 +491,7 @@ def _tp_local(keras, world):
 
     import models
 
-    from keras_dtensor import sharded_check
+    from keras_dtensor.model_parallel import exactness
 
     class Probe(keras.layers.Layer):
         def call(self, x):
@@ -588,7 +586,7 @@ def _tp_local(keras, world):
             history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
             seen = probe.seen
             predicted = model.predict(x, batch_size=8, verbose=0)
-            records = model.__dict__.get(sharded_check._RECORDS)
+            records = model.__dict__.get(exactness._RECORDS)
             return {
                 "seen": seen,
                 "loss": history.history["loss"],
@@ -649,7 +647,7 @@ def _uneven_gather():
     import torch
     import torch.distributed as dist
 
-    from keras_dtensor import group_gather
+    from keras_dtensor.model_parallel import packed_gather
 
     world, rank = dist.get_world_size(), dist.get_rank()
     generator = torch.Generator().manual_seed(3)
@@ -670,7 +668,7 @@ def _uneven_gather():
 
     torch.Tensor.new_empty = poisoned
     try:
-        gathered = group_gather.gather_shards(shards, specs, None)
+        gathered = packed_gather.gather_shards(shards, specs, None)
         forward = max(
             float((g - t).abs().max())
             for g, t in zip(gathered, full, strict=True)
@@ -839,7 +837,7 @@ def _jit_attention(keras, models, mesh):
     the recompile limit, and it runs eagerly from the next, jit.py.)"""
     import warnings
 
-    from keras_dtensor import instance_patches
+    from keras_dtensor.backend import object_state
 
     _, reference = models.train(keras, "transformer", "adam")
     distribution = keras.distribution.ModelParallel(
@@ -852,7 +850,7 @@ def _jit_attention(keras, models, mesh):
         model, got = models.train(
             keras, "transformer", "adam", distribution, jit_compile=True
         )
-    forward = instance_patches.get_on(model, "call")
+    forward = object_state.get_on(model, "call")
     return {
         "diff": models.max_diff(reference, got),
         "compiled": forward is not None and forward.error is None,
@@ -1153,7 +1151,7 @@ def _fragmented_garbage():
 def test_release_free_memory_gives_freed_blocks_back():
     """`allocator.release_free_memory` (which `fit` calls under a
     distribution on several processes, see `_fit_releases_free_memory`)."""
-    from keras_dtensor import allocator
+    from keras_dtensor.hooks import allocator
 
     if not allocator.available():
         pytest.skip("not glibc")
@@ -1170,7 +1168,7 @@ def _fit_releases_free_memory(keras, distribution):
     about 85 MiB freed but kept by glibc just before it."""
     import models
 
-    from keras_dtensor import allocator
+    from keras_dtensor.hooks import allocator
 
     if not allocator.available():
         return None

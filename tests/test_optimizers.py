@@ -325,7 +325,7 @@ def _comparison_fallback():
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
-    from keras_dtensor import ops
+    from keras_dtensor.ops import strategies
 
     calls = []
 
@@ -333,11 +333,11 @@ def _comparison_fallback():
         calls.append(1)
         return elementwise(*args, **kwargs)
 
-    elementwise, ops.elementwise = ops.elementwise, counted
+    elementwise, strategies.elementwise = strategies.elementwise, counted
     aten = torch.ops.aten
     comparisons = [
         getattr(getattr(aten, n), o)
-        for n in ops._COMPARISONS
+        for n in strategies._COMPARISONS
         for o in ("Tensor", "Scalar")
     ]
     # Emulate a torch without these strategies (test process only).
@@ -345,8 +345,8 @@ def _comparison_fallback():
     for op in comparisons:
         propagator.op_single_dim_strategy_funcs.pop(op, None)
         propagator.op_strategy_funcs.pop(op, None)
-    assert set(ops.missing_comparisons()) == set(comparisons)
-    ops.register_elementwise(comparisons)
+    assert set(strategies.missing_comparisons()) == set(comparisons)
+    strategies.register_elementwise(comparisons)
     world = keras.distribution.get_device_count()
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
     a = torch.arange(12.0).reshape(4, 3)

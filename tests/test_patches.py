@@ -11,15 +11,15 @@ from packaging.specifiers import SpecifierSet
 
 import keras_dtensor
 from keras_dtensor import compat
-from keras_dtensor import distribution_lib
-from keras_dtensor import patch_rows
 from keras_dtensor import patches
+from keras_dtensor.backend import distribution_lib
+from keras_dtensor.patches import rows
 
-ATTRIBUTES = [p for p in patches.PATCHES if isinstance(p, patch_rows.Patch)]
+ATTRIBUTES = [p for p in patches.PATCHES if isinstance(p, rows.Patch)]
 
 
 def _current(patch):
-    return patch.owner().__dict__.get(patch.name, patch_rows.MISSING)
+    return patch.owner().__dict__.get(patch.name, rows.MISSING)
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_table_matches_installed_versions():
         # Wrapped functions keep the original they replaced.
         current = _current(patch)
         if callable(current) and hasattr(current, "__wrapped__"):
-            assert getattr(current, patch_rows.TAG) == patch.target
+            assert getattr(current, rows.TAG) == patch.target
 
 
 def test_uninstall_restores_originals_exactly(reinstall):
@@ -66,7 +66,7 @@ def test_uninstall_restores_originals_exactly(reinstall):
         if own:
             assert _current(patch) is original, patch.target
         else:
-            assert _current(patch) is patch_rows.MISSING, patch.target
+            assert _current(patch) is rows.MISSING, patch.target
     assert importlib.import_module("keras.src.backend").distribution_lib is None
     keras_dtensor.uninstall()  # a second uninstall does nothing
     keras_dtensor.install()
@@ -165,8 +165,8 @@ before_modules = {k[0] for k in before}
 import numpy as np
 
 import keras_dtensor
-from keras_dtensor import instance_patches
-from keras_dtensor import jit
+from keras_dtensor.backend import object_state
+from keras_dtensor.hooks import jit
 
 x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
 mesh = keras.distribution.DeviceMesh((1,), ["model"])
@@ -183,7 +183,7 @@ for distribution in (
         model.fit(x, x[:, :2], epochs=1, verbose=0)
         jit._compile_forward(model)
     models.append(model)
-assert instance_patches.status(), "the workload set no per-object attribute"
+assert object_state.status(), "the workload set no per-object attribute"
 keras_dtensor.uninstall()
 after = snapshot()
 # torch adds single-dim rules lazily as ops first run (prims.fma): there,
@@ -199,7 +199,7 @@ for model in models:
     ours = [a for a in vars(model) if "keras_dtensor" in a]
     assert not ours and "call" not in vars(model), ours
     assert not hasattr(model.train_function, "__keras_dtensor_patch__")
-assert not instance_patches.status()
+assert not object_state.status()
 print("EXACT")
 """
 
@@ -252,17 +252,17 @@ def test_per_object_attributes_do_not_keep_their_object_alive():
     import gc
     import weakref
 
-    from keras_dtensor import instance_patches
+    from keras_dtensor.backend import object_state
 
     class Model:
         pass
 
     model = Model()
-    instance_patches.set_on(model, "step", functools.partial(id, model))
-    assert ("Model", "step") in instance_patches.status()
-    assert instance_patches.get_on(model, "step") is model.step
+    object_state.set_on(model, "step", functools.partial(id, model))
+    assert ("Model", "step") in object_state.status()
+    assert object_state.get_on(model, "step") is model.step
     alive = weakref.ref(model)
     del model
     gc.collect()
     assert alive() is None
-    assert ("Model", "step") not in instance_patches.status()
+    assert ("Model", "step") not in object_state.status()

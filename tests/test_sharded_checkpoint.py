@@ -142,13 +142,13 @@ def _load_data_parallel(root, h5):
     import keras
 
     import keras_dtensor
-    from keras_dtensor import checkpoint
+    from keras_dtensor.checkpoint import api
 
     distribution = keras.distribution.DataParallel()
     model = _model(keras, distribution)
     with _scope(distribution):
         latest = keras_dtensor.latest_checkpoint(root)
-        checkpoint.export_weights(model, latest, h5)
+        api.export_weights(model, latest, h5)
         return {
             "weights": model.get_weights(),
             "iterations": int(model.optimizer.iterations.numpy()),
@@ -210,9 +210,9 @@ class _Payload:
 
 
 def test_metadata_that_would_run_code_is_refused(tmp_path):
-    from keras_dtensor import checkpoint_files
+    from keras_dtensor.checkpoint import manifest
 
     path = tmp_path / ".metadata"
     path.write_bytes(pickle.dumps({"storage_data": _Payload()}))
     with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
-        checkpoint_files.read_metadata(str(path))
+        manifest.read_metadata(str(path))

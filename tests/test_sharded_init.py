@@ -67,7 +67,7 @@ def _chunk_shape(shape, dim, world):
 def _cases():
     import keras
 
-    from keras_dtensor import sharded_init
+    from keras_dtensor.hooks import sharded_init
 
     sharded_init._BLOCK_ELEMENTS = 32  # many blocks per shard
     runs = []

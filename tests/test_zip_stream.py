@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from keras_dtensor import crc32
-from keras_dtensor import zip_format
-from keras_dtensor import zip_stream
+from keras_dtensor.saving import crc32
+from keras_dtensor.saving import zip_records
+from keras_dtensor.saving import zip_writer
 
 
 def _archive(path, directory, rows=300):
@@ -24,7 +24,7 @@ def _archive(path, directory, rows=300):
     values = np.arange(rows * 64, dtype="float32").reshape(rows, 64)
     with (
         open(path, "wb") as f,
-        zip_stream.StoredZip(f) as archive,
+        zip_writer.StoredZip(f) as archive,
     ):
         archive.writestr("metadata.json", b'{"keras_version": "3"}')
         archive.writestr("config.json", '{"n\u00e9": 1}'.encode())
@@ -73,8 +73,8 @@ def test_zip64_fields_where_sizes_offsets_and_counts_need_them(
 ):
     # The limits lowered: every offset and size past them, so every
     # ZIP64 field and the ZIP64 end record are written and read back.
-    monkeypatch.setattr(zip_format, "_LIMIT", 40)
-    monkeypatch.setattr(zip_format, "_COUNT_LIMIT", 3)
+    monkeypatch.setattr(zip_records, "_LIMIT", 40)
+    monkeypatch.setattr(zip_records, "_COUNT_LIMIT", 3)
     path = str(tmp_path / "a.zip")
     values = _archive(path, str(tmp_path))
     with open(path, "rb") as f:
@@ -85,7 +85,7 @@ def test_zip64_fields_where_sizes_offsets_and_counts_need_them(
 def test_a_window_reads_back_and_truncates(tmp_path):
     with (
         open(tmp_path / "a.zip", "wb") as f,
-        zip_stream.StoredZip(f) as archive,
+        zip_writer.StoredZip(f) as archive,
     ):
         archive.writestr("first", b"xyz")
         with archive.member("m") as window:
@@ -104,7 +104,7 @@ def test_an_error_in_a_member_leaves_no_central_directory(tmp_path):
     with (
         pytest.raises(RuntimeError, match="boom"),
         open(tmp_path / "a.zip", "wb") as f,
-        zip_stream.StoredZip(f) as archive,
+        zip_writer.StoredZip(f) as archive,
         archive.member("m") as window,
     ):
         window.write(b"partial")
@@ -114,7 +114,7 @@ def test_an_error_in_a_member_leaves_no_central_directory(tmp_path):
 
 
 def test_a_second_member_waits_for_the_open_one(tmp_path):
-    with open(tmp_path / "a.zip", "wb") as f, zip_stream.StoredZip(f) as a:
+    with open(tmp_path / "a.zip", "wb") as f, zip_writer.StoredZip(f) as a:
         with a.member("m"):
             with pytest.raises(ValueError, match="'m' is still being"):
                 a.writestr("n", b"")
@@ -140,14 +140,14 @@ def test_pieces_checksummed_as_written_survive_overwrites(
 ):
     # Writes at random offsets, some over earlier ones, some truncations:
     # the member's CRC-32 (joined from pieces and bytes read back) holds.
-    monkeypatch.setattr(zip_stream, "_SUMMED", summed)
+    monkeypatch.setattr(zip_writer, "_SUMMED", summed)
     rng = random.Random(summed)
     for trial in range(20):
         expected = bytearray()
         path = tmp_path / f"{trial}.zip"
         with (
             open(path, "wb") as f,
-            zip_stream.StoredZip(f) as archive,
+            zip_writer.StoredZip(f) as archive,
             archive.member("m") as window,
         ):
             for _ in range(30):
@@ -170,7 +170,7 @@ def test_pieces_checksummed_as_written_survive_overwrites(
 def test_plain_keras_loads_the_archive_with_assets(tmp_path):
     import keras
 
-    from keras_dtensor import saving
+    from keras_dtensor.saving import collective
 
     @keras.saving.register_keras_serializable("test_zip_stream")
     class Scaled(keras.layers.Layer):
@@ -198,7 +198,7 @@ def test_plain_keras_loads_the_archive_with_assets(tmp_path):
     model.layers[-1].factor = 5.0
     path = str(tmp_path / "m.keras")
     with open(path, "wb") as f:
-        saving._save_archive(model, f)
+        collective._save_archive(model, f)
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None
         assets = [n for n in z.namelist() if n.endswith("/factor.txt")]

@@ -82,8 +82,8 @@ def uninstall():
     >>> keras_dtensor.is_installed()
     False
     """
-    from keras_dtensor import context
     from keras_dtensor import patches
+    from keras_dtensor.backend import context
 
     patches.restore()
     context.set_global_values(None)
@@ -102,18 +102,18 @@ install()
 def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
     """Per-rank memory of `distribution`'s layouts, built on `meta`.
 
-    See `keras_dtensor.memory_plan.plan`.
+    See `keras_dtensor.planning.memory.plan`.
     """
-    from keras_dtensor.memory_plan import plan as _plan
+    from keras_dtensor.planning.memory import plan as _plan
 
     return _plan(model_or_build_fn, distribution, optimizer, **kwargs)
 
 
 _LAZY = {
-    "save_checkpoint": "keras_dtensor.checkpoint",
-    "load_checkpoint": "keras_dtensor.checkpoint",
-    "latest_checkpoint": "keras_dtensor.checkpoint",
-    "ShardedCheckpoint": "keras_dtensor.checkpoint_callback",
+    "save_checkpoint": "keras_dtensor.checkpoint.api",
+    "load_checkpoint": "keras_dtensor.checkpoint.api",
+    "latest_checkpoint": "keras_dtensor.checkpoint.api",
+    "ShardedCheckpoint": "keras_dtensor.checkpoint.callback",
 }
 
 

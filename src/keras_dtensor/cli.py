@@ -27,9 +27,9 @@ def _info(args):
     import keras_dtensor
     from keras_dtensor import compat
     from keras_dtensor import config
-    from keras_dtensor import instance_patches
-    from keras_dtensor import launch
     from keras_dtensor import patches
+    from keras_dtensor.backend import launch
+    from keras_dtensor.backend import object_state
 
     print(f"keras-dtensor {keras_dtensor.__version__}")
     print(f"keras         {keras.__version__} ({compat.SUPPORTED_KERAS})")
@@ -49,7 +49,7 @@ def _info(args):
     print("\nhooks into Keras and torch (src/keras_dtensor/patches.py):")
     for target, state, why in patches.status():
         print(f"  [{state}] {target}\n      {why}")
-    attached = instance_patches.status()
+    attached = object_state.status()
     print(
         "\nattributes set on single objects (undone by uninstall()): "
         + (", ".join(f"{t}.{n}" for t, n in attached) or "none")

@@ -92,7 +92,7 @@ def main(argv=None):
     import keras
     import numpy as np
 
-    from keras_dtensor import distribution_lib  # installs into Keras
+    from keras_dtensor.backend import distribution_lib  # installs into Keras
 
     keras.distribution.initialize()
     rank = distribution_lib.process_id()

@@ -16,7 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from keras_dtensor import placement_order  # noqa: E402
+from keras_dtensor.backend import placement_order  # noqa: E402
 
 
 def build():

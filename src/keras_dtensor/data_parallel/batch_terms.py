@@ -42,13 +42,13 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
-from keras_dtensor import callbacks
-from keras_dtensor import context
-from keras_dtensor import instance_patches
+from keras_dtensor.backend import context
+from keras_dtensor.backend import object_state
+from keras_dtensor.backend.launch import all_gather_ints
+from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.rows import gather_rows
 from keras_dtensor.data_parallel.rows import split_counts
-from keras_dtensor.launch import all_gather_ints
-from keras_dtensor.launch import world
+from keras_dtensor.hooks import callbacks
 
 __all__ = ["call_layer", "find_loss_layers", "step_scope", "wrap_add_loss"]
 
@@ -162,8 +162,8 @@ def wrap_add_loss(original):
 
     @functools.wraps(original)
     def add_loss(self, loss):
-        if not instance_patches.get_on(self, _ADDS_LOSSES):
-            instance_patches.set_on(self, _ADDS_LOSSES, True)
+        if not object_state.get_on(self, _ADDS_LOSSES):
+            object_state.set_on(self, _ADDS_LOSSES, True)
         step = _step()
         if step is None or not step.inside:  # DTensors are ours only there
             return original(self, loss)
@@ -216,7 +216,7 @@ def call_layer(layer, original, args, kwargs):
     """`layer(*args, **kwargs)` in a DataParallel step: over the global
     batch if the layer adds losses and a train step runs, else as is."""
     step = None
-    if instance_patches.get_on(layer, _ADDS_LOSSES):
+    if object_state.get_on(layer, _ADDS_LOSSES):
         step = _step()
     if (
         step is None
@@ -236,7 +236,7 @@ def _on_global_batch(layer, original, args, kwargs, step):
     counts = step.count()
     share = step.rows / step.global_rows
     size, _ = world()
-    if step.global_rows % size == 0 and not instance_patches.get_on(
+    if step.global_rows % size == 0 and not object_state.get_on(
         layer, _GATHERED
     ):
         try:
@@ -244,7 +244,7 @@ def _on_global_batch(layer, original, args, kwargs, step):
         except RuntimeError as e:
             if "propagation" not in str(e) and "DTensor" not in str(e):
                 raise
-            instance_patches.set_on(layer, _GATHERED, True)
+            object_state.set_on(layer, _GATHERED, True)
             if not callbacks.silent():
                 warnings.warn(
                     f"DataParallel: layer '{layer.name}' adds losses and "

@@ -27,9 +27,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from keras_dtensor import callbacks
-from keras_dtensor import context
+from keras_dtensor.backend import context
 from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.hooks import callbacks
 
 __all__ = [
     "EarlyMetrics",

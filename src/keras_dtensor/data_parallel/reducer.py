@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
+from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.metrics import EarlyMetrics
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.launch import world
 
 __all__ = ["GradientReducer"]
 

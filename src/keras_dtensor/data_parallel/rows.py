@@ -8,8 +8,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_dtensor.launch import all_gather_ints
-from keras_dtensor.launch import world
+from keras_dtensor.backend.launch import all_gather_ints
+from keras_dtensor.backend.launch import world
 
 __all__ = [
     "gather_rows",

@@ -4,7 +4,7 @@ Kept on the model itself (through `instance_patches`, so `uninstall()`
 takes it off and removes the gradient hooks): no module-level state.
 """
 
-from keras_dtensor import instance_patches
+from keras_dtensor.backend import object_state
 
 __all__ = ["ModelState", "state_of"]
 
@@ -52,9 +52,9 @@ class ModelState:
 
 def state_of(model, create=True):
     """The model's `ModelState` (made on first use when `create`)."""
-    state = instance_patches.get_on(model, _ATTRIBUTE)
+    state = object_state.get_on(model, _ATTRIBUTE)
     if state is None and create:
-        state = instance_patches.set_on(
+        state = object_state.set_on(
             model, _ATTRIBUTE, ModelState(), undo=ModelState.close
         )
     return state

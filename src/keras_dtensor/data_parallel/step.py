@@ -1,7 +1,7 @@
 """The one entry of DataParallel: a step on this process's rows.
 
-`run_step` is called by the step functions (`keras_dtensor.data`) for every
-train, test and predict step under `DataParallel`, in this order:
+`run_step` is called by the step functions (`keras_dtensor.hooks.data`) for
+every train, test and predict step under `DataParallel`, in this order:
 
 1. take this process's rows of the batch (`rows.local_rows`);
 2. train: on a new train function, bring stale optimizer slots back,
@@ -19,7 +19,8 @@ import contextlib
 import functools
 
 from keras_dtensor import config
-from keras_dtensor import context
+from keras_dtensor.backend import context
+from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.batch_terms import find_loss_layers
 from keras_dtensor.data_parallel.batch_terms import step_scope
 from keras_dtensor.data_parallel.flat_params import OwnerBuffers
@@ -38,7 +39,6 @@ from keras_dtensor.data_parallel.update_split import UpdateSplit
 from keras_dtensor.data_parallel.update_split import broadcast_from_rank0
 from keras_dtensor.data_parallel.update_split import splitting_updates
 from keras_dtensor.data_parallel.update_split import sync_optimizer_state
-from keras_dtensor.launch import world
 
 __all__ = [
     "run_step",

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
-from keras_dtensor import context
-from keras_dtensor.launch import multi_process
+from keras_dtensor.backend import context
+from keras_dtensor.backend.launch import multi_process
 
 __all__ = ["wrap_batch_norm_init", "wrap_moments"]
 

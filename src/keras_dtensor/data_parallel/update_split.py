@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
-from keras_dtensor import instance_patches
+from keras_dtensor.backend import object_state
+from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.launch import world
 
 __all__ = [
     "UpdateSplit",
@@ -191,7 +191,7 @@ def _keras_defined(cls, name):
 
 def _slots(optimizer):
     """`[(slot, the model variable it was made for)]` of `optimizer`."""
-    return instance_patches.get_on(optimizer, _SLOTS, [])
+    return object_state.get_on(optimizer, _SLOTS, [])
 
 
 def _splittable(optimizer):
@@ -291,9 +291,9 @@ def wrap_add_variable_from_reference(original):
     @functools.wraps(original)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
         slot = original(self, reference_variable, *args, **kwargs)
-        slots = instance_patches.get_on(self, _SLOTS)
+        slots = object_state.get_on(self, _SLOTS)
         if slots is None:
-            slots = instance_patches.set_on(self, _SLOTS, [])
+            slots = object_state.set_on(self, _SLOTS, [])
         slots.append((slot, reference_variable))
         return slot
 

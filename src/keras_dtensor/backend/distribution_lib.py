@@ -1,0 +1,385 @@
+"""Keras backend distribution module for torch, on DTensor.
+
+Same functions and signatures as `keras/src/backend/jax/distribution_lib.py`.
+Installed as `keras.src.backend.distribution_lib` by `keras_dtensor.install()`.
+
+One device per process: global device `i` is rank `i`. A Keras `DeviceMesh`
+becomes a torch `DeviceMesh` over those ranks (built once, cached); a
+`TensorLayout` becomes a `DTensorLayout`, the torch mesh plus one placement
+per mesh dimension.
+"""
+
+import collections
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+
+from keras_dtensor.backend import launch
+from keras_dtensor.backend.errors import describe_mesh
+from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.backend.layout import to_placements
+
+__all__ = [
+    "DTensorLayout",
+    "distribute_data_input",
+    "distribute_tensor",
+    "distribute_variable",
+    "get_device_count",
+    "initialize",
+    "initialize_rng",
+    "device_ranks",
+    "list_devices",
+    "num_processes",
+    "process_id",
+]
+
+_MESH_CACHE = "keras_dtensor_backend_meshes"
+
+DTensorLayout = collections.namedtuple(
+    "DTensorLayout", ["device_mesh", "placements"]
+)
+DTensorLayout.__doc__ = """The torch form of a Keras `TensorLayout`.
+
+Fields:
+    device_mesh: the torch `DeviceMesh` (the Keras mesh without its
+        size-1 axes).
+    placements: one `Shard`/`Replicate` per torch mesh dimension.
+"""
+
+
+def _keras_device_type(device_type=None):
+    own = "gpu" if launch.device_type() == "cuda" else "cpu"
+    if not device_type:
+        return own
+    device_type = device_type.lower()
+    if device_type not in ("cpu", own):
+        raise ValueError(
+            f"This process computes on {own!r}; one device per process, so "
+            f"there are no {device_type!r} devices to list. Received: "
+            f"device_type={device_type!r}"
+        )
+    return device_type
+
+
+def list_devices(device_type=None):
+    """Return all the available devices based on the device type.
+
+    One device per process, so this lists `world_size` devices named by
+    global rank: `cpu:0 .. cpu:N-1`, or `gpu:0 .. gpu:N-1` on CUDA.
+
+    Args:
+        device_type: `"cpu"` or `"gpu"`. Defaults to this process's type.
+
+    Returns:
+        List of device names, one per process.
+
+    Example:
+    >>> keras.distribution.list_devices()  # under torchrun, 2 CPU ranks
+    ['cpu:0', 'cpu:1']
+    """
+    kind = _keras_device_type(device_type)
+    return [f"{kind}:{i}" for i in range(launch.num_processes())]
+
+
+def get_device_count(device_type=None):
+    """Returns the number of devices: one per process.
+
+    Args:
+        device_type: `"cpu"` or `"gpu"`; every process has one of either.
+
+    Returns:
+        The world size.
+    """
+    return len(list_devices(device_type))
+
+
+def initialize(job_addresses, num_processes, process_id):
+    """Starts the process group and agrees on one random seed.
+
+    Under torchrun all arguments may be `None`: the environment has them.
+    Otherwise `job_addresses` is `"host:port[,host:port...]"`, the first
+    being the rendezvous, with `num_processes` and `process_id` as in Keras.
+
+    Args:
+        job_addresses: comma separated addresses, or `None`.
+        num_processes: world size, or `None`.
+        process_id: this process's rank, or `None`.
+    """
+    launch.init_process_group(job_addresses, num_processes, process_id)
+    launch.agree_on_seed()
+
+
+def initialize_rng():
+    """Makes every process use the same global seed (see `launch`)."""
+    launch.agree_on_seed()
+
+
+def num_processes():
+    """Return the number of processes for the current distribution setting."""
+    return launch.num_processes()
+
+
+def process_id():
+    """Return the current process ID for the distribution setting."""
+    return launch.process_id()
+
+
+def device_ranks(device_mesh):
+    """Global ranks of the mesh's devices, checked without communication."""
+    world = launch.num_processes()
+    names = [str(d) for d in np.asarray(device_mesh.devices).flatten()]
+    ranks = []
+    for name in names:
+        _, _, index = name.partition(":")
+        if not index.isdigit():
+            mesh = describe_mesh(device_mesh.shape, device_mesh.axis_names)
+            raise ValueError(
+                f"Device {name!r} of the {mesh} is not of the form "
+                "'cpu:<rank>' or 'gpu:<rank>'."
+            )
+        ranks.append(int(index))
+    if len(ranks) != world or sorted(ranks) != list(range(world)):
+        raise ValueError(
+            f"The {describe_mesh(device_mesh.shape, device_mesh.axis_names)} "
+            f"has {len(ranks)} devices {names}, but this job has {world} "
+            "processes (one device per process): the mesh must hold each "
+            f"of {list_devices()} exactly once."
+        )
+    return ranks
+
+
+def _kept_axes(device_mesh):
+    """Indices of the mesh axes the torch mesh keeps: those of size > 1.
+
+    Sharding over one device is replication, and a size-1 mesh dimension
+    only adds per-op work and no-op collectives to every DTensor op. A
+    mesh of one device keeps its first axis.
+    """
+    kept = [i for i, n in enumerate(device_mesh.shape) if n > 1]
+    return kept or [0]
+
+
+def _to_backend_mesh(device_mesh):
+    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`.
+
+    Axes of size 1 are left out (see `_kept_axes`). Building a
+    multi-dimensional torch mesh creates process groups (a collective), so
+    meshes are cached by devices, shape and axis names.
+
+    Args:
+        device_mesh: `keras.distribution.DeviceMesh` instance to convert.
+
+    Returns:
+        A `torch.distributed.device_mesh.DeviceMesh`.
+    """
+    from keras.src.backend.common import global_state
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = device_ranks(device_mesh)
+    launch.ensure_process_group()
+    kept = _kept_axes(device_mesh)
+    shape = tuple(device_mesh.shape[i] for i in kept)
+    names = tuple(device_mesh.axis_names[i] for i in kept)
+    key = (shape, names, *ranks)
+    cache = global_state.get_global_attribute(
+        _MESH_CACHE, {}, set_to_default=True
+    )
+    if key not in cache:
+        cache[key] = DeviceMesh(
+            launch.device_type(),
+            torch.tensor(ranks, dtype=torch.int64).reshape(shape),
+            mesh_dim_names=names,
+        )
+    return cache[key]
+
+
+def _to_backend_layout(tensor_layout):
+    """Convert the `TensorLayout` to a `DTensorLayout`.
+
+    Args:
+        tensor_layout: `TensorLayout` instance to convert.
+
+    Returns:
+        A `DTensorLayout` (torch mesh, placements).
+    """
+    if tensor_layout.device_mesh is None:
+        raise ValueError(
+            "Cannot create sharding when device mesh is not set "
+            "for TensorLayout."
+        )
+    mesh = tensor_layout.device_mesh
+    placements = to_placements(tensor_layout.axes, mesh.shape, mesh.axis_names)
+    kept = _kept_axes(mesh)
+    return DTensorLayout(
+        mesh.backend_mesh,
+        tuple(
+            placements[i] if mesh.shape[i] > 1 else Replicate() for i in kept
+        ),
+    )
+
+
+def _as_backend_layout(layout, path=None, shape=None):
+    """The `DTensorLayout` of `layout`, checked against `path`'s shape.
+
+    Args:
+        layout: `TensorLayout` or `DTensorLayout`.
+        path: the variable or tensor path, for error messages.
+        shape: the tensor's global shape, when known.
+    """
+    from keras.src.distribution import TensorLayout
+
+    if isinstance(layout, TensorLayout):
+        mesh = layout.device_mesh
+        if mesh is not None and (path is not None or shape is not None):
+            to_placements(
+                layout.axes,
+                mesh.shape,
+                mesh.axis_names,
+                path=path,
+                shape=shape,
+            )
+        return layout.backend_layout
+    if isinstance(layout, DTensorLayout):
+        return layout
+    raise ValueError(
+        "Expected a `keras.distribution.TensorLayout` or a `DTensorLayout`. "
+        f"Received: layout={layout!r}"
+    )
+
+
+def shard_global_tensor(tensor, layout):
+    """Cuts this rank's shard out of a global value held by every rank.
+
+    No communication: every rank holds the same global `tensor` (Keras's
+    single-program semantics) and keeps its own slice. Differentiable: the
+    gradient of `tensor` is the full (gathered) gradient on every rank.
+
+    Args:
+        tensor: a plain `torch.Tensor` with the global shape.
+        layout: a `DTensorLayout`, already checked against the tensor's
+            shape (see `_as_backend_layout`).
+
+    Returns:
+        A `DTensor`.
+    """
+    mesh = layout.device_mesh
+    replicated = DTensor.from_local(
+        tensor, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    if all(p.is_replicate() for p in layout.placements):
+        return replicated
+    # Replicate -> Shard is a local chunk: no communication.
+    return replicated.redistribute(mesh, layout.placements)
+
+
+def distribute_tensor(tensor, layout):
+    """Distribute the tensor based on the layout.
+
+    A plain tensor is the global value: each rank keeps its shard. A
+    `DTensor` with other placements is redistributed (differentiably). A
+    tensor already in place is returned unchanged. In a job of one process
+    every layout is replication: a plain tensor is checked against the
+    layout and returned as a plain tensor, as plain Keras computes.
+
+    Args:
+        tensor: `torch.Tensor` or `DTensor`.
+        layout: `TensorLayout` or `DTensorLayout`.
+
+    Returns:
+        A `DTensor` with the layout's placements (a plain tensor in a job
+        of one process).
+
+    Example:
+    >>> layout = keras.distribution.TensorLayout((None, "model"), mesh)
+    >>> keras.distribution.distribute_tensor(torch.ones(4, 8), layout)
+    """
+    if isinstance(tensor, DTensor):
+        layout = _as_backend_layout(layout)
+        if tensor.device_mesh == layout.device_mesh and tuple(
+            tensor.placements
+        ) == tuple(layout.placements):
+            return tensor
+        return tensor.redistribute(layout.device_mesh, layout.placements)
+    if not isinstance(tensor, torch.Tensor):
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        tensor = convert_to_tensor(tensor)
+    if launch.num_processes() == 1:
+        _check_only(layout, tuple(tensor.shape))
+        return tensor
+    layout = _as_backend_layout(layout, shape=tuple(tensor.shape))
+    return shard_global_tensor(tensor, layout)
+
+
+def _check_only(layout, shape, path=None):
+    """Raises for `layout` what `_as_backend_layout` would, building no
+    torch mesh (a job of one process computes on plain tensors)."""
+    from keras.src.distribution import TensorLayout
+
+    if isinstance(layout, TensorLayout) and layout.device_mesh is not None:
+        mesh = layout.device_mesh
+        to_placements(
+            layout.axes, mesh.shape, mesh.axis_names, path=path, shape=shape
+        )
+    elif not isinstance(layout, (TensorLayout, DTensorLayout)):
+        _as_backend_layout(layout)
+
+
+def distribute_variable(value, layout):
+    """Create a distributed variable value for the layout.
+
+    Args:
+        value: the variable's initial global value.
+        layout: `TensorLayout` or `DTensorLayout`.
+
+    Returns:
+        A `torch.nn.Parameter` holding a `DTensor` (a plain tensor in a job
+        of one process).
+    """
+    return torch.nn.Parameter(distribute_tensor(value, layout))
+
+
+def distribute_data_input(per_process_batch, layout, batch_dim_name):
+    """Distribute the input data with the corresponding layout.
+
+    Note that the input here is this process's batch: its slice of the
+    global batch along the batch axis (processes that share a batch-axis
+    coordinate hold the same slice). No communication.
+
+    Args:
+        per_process_batch: `torch.Tensor` (or array) of this process.
+        layout: `TensorLayout` or `DTensorLayout` of the global batch.
+        batch_dim_name: name of the mesh axis that shards the batch.
+
+    Returns:
+        A global batch `DTensor` distributed according to `layout` (the
+        plain batch in a job of one process, where it is the global one).
+    """
+    if isinstance(per_process_batch, DTensor):
+        return distribute_tensor(per_process_batch, layout)
+    if not isinstance(per_process_batch, torch.Tensor):
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        per_process_batch = convert_to_tensor(per_process_batch)
+    if launch.num_processes() == 1:
+        _check_only(layout, tuple(per_process_batch.shape))
+        return per_process_batch
+    layout = _as_backend_layout(layout)
+    mesh = layout.device_mesh
+    parts = 1
+    for size, placement in zip(mesh.shape, layout.placements, strict=True):
+        if placement.is_shard():
+            parts *= size
+    shape = list(per_process_batch.shape)
+    if shape and parts > 1:
+        shape[0] = shape[0] * parts
+    return DTensor.from_local(
+        per_process_batch,
+        mesh,
+        layout.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
+    )

@@ -1,0 +1,391 @@
+"""Process-group lifecycle: torchrun environment -> `init_process_group`.
+
+One device per process. Under `torchrun` the rank, world size and
+rendezvous come from the environment; `keras.distribution.initialize()`
+may also pass Keras's own `job_addresses`/`num_processes`/`process_id`.
+Without either, the job is a single process and a world-size-1 group is
+started in memory when a mesh needs one.
+"""
+
+import atexit
+import datetime
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from keras_dtensor import config
+
+__all__ = [
+    "all_gather_bytes",
+    "all_gather_int_lists",
+    "all_gather_ints",
+    "broadcast_bytes",
+    "device_type",
+    "ensure_process_group",
+    "init_process_group",
+    "local_device",
+    "agree_on_seed",
+    "every_rank_joins",
+    "multi_process",
+    "process_id",
+    "num_processes",
+    "under_launcher",
+    "world",
+]
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by torchrun (or sets its env).
+
+    That is `RANK` and `WORLD_SIZE`, with either torchrun's `MASTER_ADDR`
+    or `KERAS_DTENSOR_INIT_METHOD` (a `file://` or `tcp://` rendezvous URL,
+    e.g. a file on a shared filesystem).
+    """
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and (
+        "MASTER_ADDR" in os.environ or config.get("INIT_METHOD") is not None
+    )
+
+
+def device_type() -> str:
+    """`"cuda"` when this process computes on a GPU, else `"cpu"`."""
+    from keras.src.backend.torch.core import get_device
+
+    return "cuda" if str(get_device()).startswith("cuda") else "cpu"
+
+
+def local_device() -> torch.device:
+    """This process's own device: `cuda:LOCAL_RANK` on GPUs, else `cpu`.
+
+    The global rank is never used as a CUDA index: rank 9 of a job with 8
+    GPUs per node is `cuda:1` on the second node.
+    """
+    if device_type() == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _timeout(timeout):
+    if timeout is None:
+        timeout = config.get("TIMEOUT")
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=timeout)
+    return timeout
+
+
+def _backend():
+    backend = config.get("BACKEND")
+    if backend is not None:
+        return backend
+    return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
+
+
+def init_process_group(
+    job_addresses=None, num_processes=None, process_id=None, timeout=None
+):
+    """Starts the default process group, once.
+
+    Args:
+        job_addresses: Keras's comma-separated job addresses; the first one
+            (`host:port`) is the rendezvous. `None` under torchrun.
+        num_processes: world size when `job_addresses` is given.
+        process_id: this process's rank when `job_addresses` is given.
+        timeout: seconds (or `timedelta`) for collectives; defaults to
+            `$KERAS_DTENSOR_TIMEOUT` or 300 s, far below torch's 30 min.
+
+    Returns:
+        `True` if this call started the group, `False` if one was running.
+    """
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        if num_processes is not None and num_processes != world:
+            raise ValueError(
+                "The process group is already running with "
+                f"{world} processes. Received: num_processes={num_processes}"
+            )
+        return False
+    timeout = _timeout(timeout)
+    if job_addresses:
+        addresses = job_addresses.split(",")
+        if num_processes is not None and len(addresses) > 1:
+            if num_processes != len(addresses):
+                raise ValueError(
+                    f"The provided job_addresses {addresses} has "
+                    f"{len(addresses)} jobs, but num_processes is "
+                    f"{num_processes}"
+                )
+        if num_processes is None:
+            num_processes = len(addresses)
+        if process_id is None:
+            raise ValueError(
+                "`process_id` is required with `job_addresses`. Received: "
+                f"job_addresses={job_addresses}, process_id=None"
+            )
+        url = f"tcp://{addresses[0]}"
+        store, rank, world = next(
+            dist.rendezvous(
+                url, rank=process_id, world_size=num_processes, timeout=timeout
+            )
+        )
+    elif under_launcher():
+        url = config.get("INIT_METHOD") or "env://"
+        kwargs = {}
+        if url != "env://":
+            kwargs = dict(
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
+        store, rank, world = next(
+            dist.rendezvous(url, timeout=timeout, **kwargs)
+        )
+    else:
+        store, rank, world = dist.HashStore(), 0, 1
+    # A fresh key space per torchrun restart: keys left by the failed
+    # attempt in the agent's store would otherwise be read by this one.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"keras_dtensor/{restart}", store)
+    if device_type() == "cuda":
+        torch.cuda.set_device(local_device())
+    dist.init_process_group(
+        _backend(), store=store, rank=rank, world_size=world, timeout=timeout
+    )
+    atexit.register(_destroy)
+    _check_placement_order()
+    agree_on_seed()
+    return True
+
+
+def agree_on_seed():
+    """Makes every process use the same global Keras seed.
+
+    If `keras.utils.set_random_seed()` was not called, rank 0 draws a seed
+    and broadcasts it (Keras-JAX's `initialize_rng` does this with a psum),
+    so initial weights and shuffles agree on every rank. Runs whenever the
+    group starts, lazily or through `initialize()`.
+    """
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    if rng_utils.get_random_seed() is not None:
+        return
+    seed = torch.tensor(
+        [seed_generator.make_default_seed()],
+        dtype=torch.int64,
+        device=local_device(),
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    rng_utils.set_random_seed(int(seed.item()))
+
+
+def _check_placement_order():
+    """Raises unless every rank orders sets of placements the same way.
+
+    DTensor breaks ties between equally cheap sharding strategies in that
+    order; `placement_order` makes it independent of `PYTHONHASHSEED`.
+    Ranks that disagree (its hashes taken off by `uninstall()` on some
+    ranks only) could run different collectives and hang: fail at start.
+    """
+    from keras_dtensor.backend import placement_order
+
+    digests = all_gather_ints(placement_order.order_digest())
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(
+            "keras_dtensor: ranks order DTensor placements differently "
+            f"(ranks {odd} differ from rank 0 of {len(digests)}), so they "
+            "may choose different sharding strategies and hang. Import "
+            "keras_dtensor on every rank before the first DTensor op, and "
+            "do not call keras_dtensor.uninstall() on some ranks only."
+        )
+
+
+def ensure_process_group():
+    """Starts the process group if a mesh or collective needs one."""
+    if not dist.is_initialized():
+        init_process_group()
+
+
+def world() -> tuple[int, int]:
+    """`(world size, rank)` of the running group; `(1, 0)` without one.
+
+    Never starts a group (unlike `num_processes`/`process_id`).
+    """
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def all_gather_ints(value: int) -> list[int]:
+    """Every rank's `value`, in rank order (a collective; `[value]` alone).
+
+    Example:
+    >>> launch.all_gather_ints(rows)  # on 2 ranks with 3 and 4 rows
+    [3, 4]
+    """
+    return [row[0] for row in all_gather_int_lists([value])]
+
+
+def all_gather_int_lists(values: list[int]) -> list[list[int]]:
+    """Every rank's list of ints (the same length on every rank), by rank."""
+    size, _ = world()
+    if size == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine)
+    return [g.tolist() for g in gathered]
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """`src`'s `data` on every rank (a collective; `data` alone at size 1).
+
+    Bytes travel as uint8 tensors: nothing from a peer is unpickled.
+    """
+    size, rank = world()
+    if size == 1:
+        return data
+    length = torch.tensor([len(data) if rank == src else 0])
+    dist.broadcast(length, src=src)
+    if rank == src:
+        buffer = torch.tensor(list(data), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, src=src)
+    return data if rank == src else bytes(buffer.tolist())
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's `data`, in rank order (a collective; as uint8 tensors)."""
+    size, _ = world()
+    if size == 1:
+        return [data]
+    lengths = all_gather_ints(len(data))
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(gathered, padded)
+    return [
+        bytes(g[:n].tolist()) for g, n in zip(gathered, lengths, strict=True)
+    ]
+
+
+def multi_process() -> bool:
+    """Whether a process group with more than one process is running."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def num_processes() -> int:
+    """World size; starts the group lazily under torchrun."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if under_launcher():
+        ensure_process_group()
+        return dist.get_world_size()
+    return 1
+
+
+def process_id() -> int:
+    """Global rank; starts the group lazily under torchrun."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    if under_launcher():
+        ensure_process_group()
+        return dist.get_rank()
+    return 0
+
+
+# How long `_destroy` lets go of the GIL at exit; see there.
+_EXIT_GRACE_S = 0.05
+
+
+def _destroy():
+    # A gloo worker thread drops its last reference to a finished collective
+    # after the waiter has already woken up, and for tensors Python has seen
+    # that drop needs the GIL. Once the interpreter is finalizing, a thread
+    # asking for the GIL is ended with `pthread_exit`, whose unwinding through
+    # gloo's `noexcept` frames calls `std::terminate` ("terminate called
+    # without an active exception", SIGABRT, a failed torchrun job). Main
+    # holds the GIL from the last collective to here, so a worker may still
+    # be queued for it: sleeping hands it over while Python is still alive.
+    # `destroy_process_group` does not join gloo's threads (the group lives on
+    # in Python references), so it cannot do this.
+    time.sleep(_EXIT_GRACE_S)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # teardown must not mask the real exit
+            warnings.warn(
+                f"keras_dtensor: process group teardown: {e}", stacklevel=1
+            )
+
+
+def _default_store():
+    """The default group's store, or `None` where torch hides it."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def every_rank_joins(what: str, why: str) -> None:
+    """Raises on the ranks that arrived if some rank does not join `what`.
+
+    A collective called on some ranks only waits for the others until the
+    process group's timeout, and meanwhile pairs with whatever collective
+    the others run next (corrupting both). The ranks first meet in the
+    process group's store, which no collective can pair with, for up to
+    `$KERAS_DTENSOR_SAVE_TIMEOUT` seconds; a rank that waits that long
+    raises an error naming the call, and the ranks that arrive at the same
+    call later raise at once. No-op without a group of several processes.
+
+    Args:
+        what: the call, e.g. `"save_checkpoint('ckpt/3')"`.
+        why: what makes it collective, for the message.
+    """
+    if not multi_process():
+        return
+    timeout = config.get("SAVE_TIMEOUT")
+    size, rank = dist.get_world_size(), dist.get_rank()
+    start = time.monotonic()
+    store = _default_store()
+    try:
+        if store is None:  # a torch without the getter: gloo's barrier
+            dist.monitored_barrier(
+                timeout=datetime.timedelta(seconds=timeout),
+                wait_all_ranks=True,
+            )
+            return
+        # The n-th join of every rank meets at key n (each rank counts its
+        # own joins in the store: no state in this process).
+        prefix = "keras_dtensor/joins"
+        call = store.add(f"{prefix}/rank{rank}", 1)
+        key = f"{prefix}/{call}"
+        if store.check([f"{key}/abandoned"]):
+            raise RuntimeError(
+                f"rank {store.get(f'{key}/abandoned').decode()} gave up "
+                "waiting at this call earlier"
+            )
+        if store.add(key, 1) == size:
+            store.set(f"{key}/all", b"1")
+        try:
+            store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout))
+        except RuntimeError:
+            store.set(f"{key}/abandoned", str(rank).encode())
+            raise RuntimeError(
+                f"{store.add(key, 0)} of {size} ranks arrived"
+            ) from None
+    except RuntimeError as e:
+        waited = time.monotonic() - start
+        raise RuntimeError(
+            f"{what} must be called on every rank: {why}. Rank "
+            f"{rank} of {size} waited "
+            f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
+            f"for the others, which did not arrive or died. Details: {e}"
+        ) from None

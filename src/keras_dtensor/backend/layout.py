@@ -1,0 +1,119 @@
+"""Pure layout translation: Keras `TensorLayout` axes -> DTensor placements.
+
+Nothing here touches a process group, so all of it is unit-tested without
+one. A Keras layout names, for every tensor dimension, the mesh axis (or
+axes, major to minor as in a JAX `PartitionSpec`) that shards it. A DTensor
+placement list names, for every *mesh* dimension, what it does to the
+tensor. This module converts the first into the second.
+"""
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras_dtensor.backend.errors import layout_error
+
+__all__ = [
+    "contiguous_strides",
+    "normalize_axes",
+    "to_placements",
+]
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous (row-major) tensor of `shape`, in
+    elements; a dimension of size 0 counts as 1, as in torch."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def normalize_axes(axes) -> tuple:
+    """Returns the axes with every entry a tuple of mesh-axis names.
+
+    Args:
+        axes: a sequence whose entries are `None`, one axis name, or a
+            tuple/list of axis names (one dimension over several axes).
+
+    Returns:
+        A tuple of tuples; `()` for a replicated dimension.
+
+    Example:
+    >>> normalize_axes((None, "model", ("batch", "model")))
+    ((), ('model',), ('batch', 'model'))
+    """
+    result = []
+    for entry in axes:
+        if entry is None:
+            result.append(())
+        elif isinstance(entry, str):
+            result.append((entry,))
+        else:
+            result.append(tuple(entry))
+    return tuple(result)
+
+
+def to_placements(axes, mesh_shape, axis_names, *, path=None, shape=None):
+    """Converts layout axes to one DTensor placement per mesh dimension.
+
+    Args:
+        axes: the `TensorLayout.axes`, one entry per tensor dimension
+            (trailing dimensions may be left out: they are replicated).
+        mesh_shape: shape of the device mesh.
+        axis_names: names of the mesh axes.
+        path: the variable or tensor path, used in error messages.
+        shape: the tensor's global shape, when known; checked against
+            the number of axes.
+
+    Returns:
+        A tuple of `Shard`/`Replicate`, one per mesh dimension.
+
+    Raises:
+        ValueError: an unknown axis name, an axis used twice, more axes
+            than tensor dimensions, or a dimension sharded over several
+            mesh axes in an order other than the mesh's (DTensor shards a
+            dimension over mesh axes in mesh order).
+
+    Example:
+    >>> to_placements((None, "model"), (1, 2), ("batch", "model"))
+    (Replicate(), Shard(dim=1))
+    """
+    axis_names = tuple(axis_names)
+    normalized = normalize_axes(axes)
+
+    def fail(reason):
+        return layout_error(
+            reason,
+            axes=axes,
+            mesh_shape=mesh_shape,
+            axis_names=axis_names,
+            path=path,
+            shape=shape,
+        )
+
+    if shape is not None and len(normalized) > len(shape):
+        raise fail(
+            f"the layout has {len(normalized)} axes but the tensor has "
+            f"{len(shape)} dimensions"
+        )
+    placements = [Replicate()] * len(axis_names)
+    used = set()
+    for dim, names in enumerate(normalized):
+        mesh_dims = []
+        for name in names:
+            if name not in axis_names:
+                raise fail(f"axis {name!r} is not a mesh axis")
+            if name in used:
+                raise fail(f"mesh axis {name!r} is used more than once")
+            used.add(name)
+            mesh_dims.append(axis_names.index(name))
+        if mesh_dims != sorted(mesh_dims):
+            raise fail(
+                f"dimension {dim} is sharded over {names}, which is not "
+                "the mesh's axis order; list the axes major to minor in "
+                "mesh order"
+            )
+        for mesh_dim in mesh_dims:
+            placements[mesh_dim] = Shard(dim)
+    return tuple(placements)

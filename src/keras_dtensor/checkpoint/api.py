@@ -1,0 +1,376 @@
+"""Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
+
+A Keras weights file goes through one writer; a checkpoint here is written
+by every rank at once, each its own shards, and read back by any number of
+processes under any layout (DCP reshards on load):
+
+- **What**: every model variable (weights, seed-generator states, ...) as
+  `model/<path>`, every optimizer variable (slots, iteration count,
+  learning rate) as `optimizer/<path>`, Keras's global seed generator as
+  `rng/keras`, and each rank's torch generator state as `rng/torch/<rank>`
+  (restored when the number of processes is the same). Keys are Keras
+  variable paths, without the optimizer's own (auto-numbered) name (a
+  repeated path gets `#1`, `#2`, ... in creation order).
+- **Atomic**: the files are written into a hidden directory next to the
+  target; when every rank has finished, rank 0 writes the manifest
+  (`keras_dtensor.json`: the SHA-256 and size of every file, taken by
+  each rank as it wrote its files, the keys, shapes and dtypes) last,
+  then renames the directory into place. A
+  checkpoint without its manifest is never loaded, so a kill at any moment
+  leaves the previous checkpoint loadable.
+- **Safe**: loading checks every file against the manifest (the ranks
+  share the hashing) before the live model is touched, and reads DCP's
+  pickled `.metadata` through an allow-list of DCP's own metadata types:
+  nothing from the files can run code. A missing, truncated or altered
+  file raises on every rank, naming the file and the variables it holds.
+  Then the tensors are read straight into the variables where the layout
+  allows it (`checkpoint_reader`), through DCP's reader elsewhere.
+- **Async**: `save_checkpoint(..., async_save=True)` returns once the
+  state is staged in memory; the files are written in the background (on
+  a separate gloo group) and committed by `PendingCheckpoint.result()`,
+  which every rank calls.
+
+Every rank must call these functions, in the same order (they are
+collective). Without a process group they run in the one process.
+"""
+
+import json
+import os
+import shutil
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from keras_dtensor.backend import launch
+from keras_dtensor.checkpoint import manifest
+
+__all__ = [
+    "PendingCheckpoint",
+    "export_weights",
+    "import_weights",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+FORMAT = manifest.FORMAT
+MANIFEST = manifest.MANIFEST
+_ASYNC_GROUP = "keras_dtensor_checkpoint_group"
+
+
+def _value(variable):
+    value = variable.value
+    return value.detach() if isinstance(value, torch.nn.Parameter) else value
+
+
+def _keyed(prefix, variables, out, drop_first=False):
+    seen = {}
+    for variable in variables:
+        path = variable.path
+        if drop_first:  # the optimizer's own name: "adam", or "adam_1"
+            path = path.partition("/")[2] or path
+        key = f"{prefix}/{path}"
+        count = seen.get(key, 0)
+        seen[key] = count + 1
+        out[key if count == 0 else f"{key}#{count}"] = variable
+
+
+def _variables(model):
+    """`{key: Keras variable}` of everything a checkpoint holds."""
+    from keras.src.backend.common import global_state
+
+    out = {}
+    _keyed("model", model.variables, out)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        _keyed("optimizer", optimizer.variables, out, drop_first=True)
+    generator = global_state.get_global_attribute("global_seed_generator")
+    if generator is not None:
+        out["rng/keras"] = generator.state
+    return out
+
+
+def _state_dict(model):
+    """The tensors to save or load into, by key (views of the variables)."""
+    from keras_dtensor import data_parallel
+
+    data_parallel.sync_optimizer_state(model)  # DataParallel's stale slots
+    state = {key: _value(v) for key, v in _variables(model).items()}
+    _, rank = launch.world()
+    state[f"rng/torch/{rank}"] = torch.get_rng_state()
+    return state
+
+
+class _Names:
+    """The hidden directory a save writes into, and its final place."""
+
+    def __init__(self, directory):
+        self.final = os.path.abspath(os.fspath(directory))
+        parent, name = os.path.split(self.final)
+        token = launch.broadcast_bytes(uuid.uuid4().hex.encode()).decode()
+        self.parent = parent
+        self.staging = os.path.join(parent, f".{name}.{token}.partial")
+
+
+def _commit(names, state, world, extra, digests):
+    """Writes the manifest last, then moves the checkpoint into place.
+
+    `digests` are this rank's `{file: {sha256, size}}`, taken as it wrote.
+    """
+    _, rank = launch.world()
+    files = sorted(os.listdir(names.staging))
+    hashes = manifest.gathered_hashes(names.staging, files, digests)
+    problem = None
+    if rank == 0:
+        contents = {
+            "format": FORMAT,
+            "processes": world,
+            "extra": extra,
+            "files": hashes,
+            "keys": {
+                k: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+                for k, t in state.items()
+                if not k.startswith("rng/torch/")
+            },
+        }
+        try:
+            path = os.path.join(names.staging, MANIFEST)
+            with open(path, "w") as f:
+                json.dump(contents, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            old = None
+            if os.path.exists(names.final):
+                old = f"{names.staging}.old"
+                os.replace(names.final, old)
+            os.replace(names.staging, names.final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            problem = e
+    problem = manifest.agree(problem)
+    if problem:
+        raise RuntimeError(
+            f"Checkpoint {names.final!r} was not committed: {problem}"
+        )
+    return names.final
+
+
+class PendingCheckpoint:
+    """A checkpoint being written in the background (`async_save=True`).
+
+    `result()` waits for the files, then commits them (a collective: every
+    rank calls it) and returns the checkpoint's path.
+    """
+
+    def __init__(self, future, names, state, world, extra, writer):
+        self._future = future
+        self._writer = writer
+        self._names = names
+        self._state = state
+        self._world = world
+        self._extra = extra
+        self._path = None
+
+    def result(self):
+        if self._path is None:
+            problem = None
+            try:
+                self._future.result()
+            except Exception as e:  # reported on every rank alike
+                problem = e
+            problem = manifest.agree(problem)
+            if problem:
+                raise RuntimeError(
+                    f"Checkpoint {self._names.final!r} failed: {problem}"
+                )
+            self._path = _commit(
+                self._names,
+                self._state,
+                self._world,
+                self._extra,
+                self._writer.digests,
+            )
+            self._state = self._writer = None
+        return self._path
+
+
+def _async_group():
+    from keras.src.backend.common import global_state
+
+    group = global_state.get_global_attribute(_ASYNC_GROUP)
+    if group is None and dist.is_initialized():
+        group = dist.new_group(backend="gloo")
+        global_state.set_global_attribute(_ASYNC_GROUP, group)
+    return group
+
+
+def save_checkpoint(model, directory, async_save=False, extra=None):
+    """Saves `model`'s variables and optimizer state as a DCP checkpoint.
+
+    Every rank writes its own shards (one copy of each replicated value).
+    The checkpoint appears at `directory` only once complete (see the
+    module docstring); an existing checkpoint there is replaced.
+
+    Args:
+        model: a built Keras model (its optimizer is built if needed).
+        directory: where the checkpoint goes (a directory).
+        async_save: return once the state is staged in memory; then call
+            `.result()` (on every rank) to commit.
+        extra: a JSON-serializable dict kept in the manifest (rank 0's).
+
+    Returns:
+        The checkpoint's absolute path, or a `PendingCheckpoint`.
+
+    Example:
+    >>> path = keras_dtensor.save_checkpoint(model, "ckpt/epoch-3")
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from keras_dtensor.checkpoint import writer
+
+    launch.every_rank_joins(
+        f"save_checkpoint({os.fspath(directory)!r})",
+        "every rank writes its shards",
+    )
+    world, rank = launch.world()
+    names = _Names(directory)
+    problem = None
+    if rank == 0:
+        try:
+            os.makedirs(names.parent, exist_ok=True)
+            _remove_partials(names.parent)
+            os.makedirs(names.staging)
+        except OSError as e:
+            problem = e
+    problem = manifest.agree(problem)
+    if problem:
+        raise RuntimeError(f"Cannot save checkpoint {names.final!r}: {problem}")
+    state = _state_dict(model)
+    storage_writer = writer.DigestingWriter(names.staging)
+    if async_save:
+        future = dcp.async_save(
+            state, storage_writer=storage_writer, process_group=_async_group()
+        )
+        return PendingCheckpoint(
+            future, names, state, world, extra, storage_writer
+        )
+    dcp.save(state, storage_writer=storage_writer)
+    return _commit(names, state, world, extra, storage_writer.digests)
+
+
+def _remove_partials(parent):
+    for name in os.listdir(parent):
+        if name.startswith(".") and name.endswith((".partial", ".old")):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _check_keys(directory, contents, state):
+    saved = contents["keys"]
+    problems = []
+    for key, tensor in state.items():
+        if key.startswith("rng/"):
+            continue
+        if key not in saved:
+            problems.append(f"{key} is not in the checkpoint")
+        elif list(tensor.shape) != saved[key][0]:
+            problems.append(
+                f"{key} has shape {tuple(tensor.shape)} here and "
+                f"{tuple(saved[key][0])} in the checkpoint"
+            )
+    if problems:
+        raise ValueError(
+            f"Checkpoint {directory!r} does not fit this model: "
+            f"{'; '.join(problems[:8])}. Nothing was loaded."
+        )
+
+
+def load_checkpoint(model, directory):
+    """Loads a checkpoint into `model` (and its optimizer), resharding.
+
+    The model may run on another number of processes or under other
+    layouts than the one that saved: each rank reads the parts of its
+    shards. Files are checked first; a damaged checkpoint raises and
+    leaves the model as it was.
+
+    Args:
+        model: a built Keras model of the same architecture.
+        directory: a checkpoint written by `save_checkpoint`.
+
+    Returns:
+        The checkpoint's manifest (a dict).
+
+    Example:
+    >>> keras_dtensor.load_checkpoint(model, "ckpt/epoch-3")
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from keras_dtensor.checkpoint import reader
+
+    directory = os.path.abspath(os.fspath(directory))
+    launch.every_rank_joins(
+        f"load_checkpoint({directory!r})", "the ranks check the files together"
+    )
+    contents = manifest.read_manifest(directory)
+    manifest.verify(directory, contents)
+    state = _state_dict(model)
+    world, rank = launch.world()
+    rng_key = f"rng/torch/{rank}"
+    if contents["processes"] != world:
+        del state[rng_key]  # another number of processes: no such stream
+    if "rng/keras" in state and "rng/keras" not in contents["keys"]:
+        del state["rng/keras"]
+    _check_keys(directory, contents, state)
+    with torch.no_grad():
+        dcp.load(state, storage_reader=reader.SafeReader(directory))
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key])
+    return contents
+
+
+def latest_checkpoint(root, prefix=""):
+    """The newest complete checkpoint directly under `root`, or `None`.
+
+    Newest by name: name them so they sort (`epoch-0003`, ...).
+
+    Args:
+        root: the folder of checkpoints.
+        prefix: consider only names that start with it.
+    """
+    if not os.path.isdir(root):
+        return None
+    complete = [
+        name
+        for name in sorted(os.listdir(root))
+        if name.startswith(prefix)
+        and not name.startswith(".")
+        and os.path.exists(os.path.join(root, name, MANIFEST))
+    ]
+    return (
+        os.path.join(os.path.abspath(root), complete[-1]) if complete else None
+    )
+
+
+def export_weights(model, directory, filepath):
+    """Writes a checkpoint's weights as an ordinary Keras `.weights.h5`.
+
+    Loads the checkpoint into `model` (any number of processes, any
+    layout), then `model.save_weights(filepath)`: plain single-process
+    Keras loads the file.
+
+    Example:
+    >>> keras_dtensor.checkpoint.api.export_weights(model, "ckpt/epoch-3",
+    ...                                         "model.weights.h5")
+    """
+    load_checkpoint(model, directory)
+    model.save_weights(filepath)
+
+
+def import_weights(model, filepath, directory):
+    """Turns a Keras `.weights.h5` into a sharded checkpoint at `directory`
+    (`model.load_weights(filepath)`, then `save_checkpoint`)."""
+    model.load_weights(filepath)
+    return save_checkpoint(model, directory)

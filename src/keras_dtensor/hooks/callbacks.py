@@ -1,0 +1,56 @@
+"""Callbacks and console output in a multi-process run.
+
+1. Keras runs batch-end callbacks on a thread pool when the backend says
+   it is thread-safe. Those callbacks convert the batch's logs (and
+   `predict`'s outputs) to numpy: for a DTensor that is a collective, and a
+   collective issued from a worker thread interleaves with the main
+   thread's collectives in a different order on each rank (seen as
+   "Received data size doesn't match expected size" in `predict`). With
+   several processes, callbacks are dispatched synchronously.
+
+2. Every Keras message goes through `keras.src.utils.io_utils.print_msg`;
+   with several processes the other ranks' copies are dropped, since logged
+   values are global and identical on every rank. Set
+   `KERAS_DTENSOR_LOG_ALL_RANKS=1` to print on every rank.
+"""
+
+import torch.distributed as dist
+
+from keras_dtensor import config
+from keras_dtensor.backend.launch import multi_process
+
+__all__ = ["silent", "wrap_configure_async_dispatch", "wrap_print_msg"]
+
+
+def wrap_configure_async_dispatch(original):
+    """Wraps `CallbackList._configure_async_dispatch` (see 1. above)."""
+
+    def _configure_async_dispatch(self, callbacks):
+        original(self, callbacks)
+        if multi_process():
+            self._async_train = False
+            self._async_test = False
+            self._async_predict = False
+
+    return _configure_async_dispatch
+
+
+def silent():
+    """Whether this rank keeps quiet (all but rank 0, unless
+    `KERAS_DTENSOR_LOG_ALL_RANKS=1`)."""
+    return (
+        multi_process()
+        and dist.get_rank() != 0
+        and not config.get("LOG_ALL_RANKS")
+    )
+
+
+def wrap_print_msg(original):
+    """Wraps `io_utils.print_msg`: a no-op on ranks other than 0."""
+
+    def _print_msg(message, line_break=True):
+        if silent():
+            return None
+        return original(message, line_break=line_break)
+
+    return _print_msg

@@ -1,0 +1,189 @@
+"""Where data enters the distributed computation: batches become DTensors.
+
+Keras's single-program semantics hold on every rank: the data a user
+passes (arrays, DataLoader, PyDataset, generator) yields the *global* batch
+on every process, and each process keeps its slice along the batch axis.
+With `auto_shard_dataset=False` (or a tf.data dataset that Keras already
+sharded per process) each process yields its own slice instead.
+
+Plain tensors are converted here, at the boundary, with the layout they
+really have. Nothing downstream guesses that a plain tensor is replicated.
+"""
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor import data_parallel
+from keras_dtensor.backend import context
+from keras_dtensor.backend import object_state
+from keras_dtensor.hooks import input_checks
+from keras_dtensor.planning import lint
+
+__all__ = [
+    "distribute_batch",
+    "wrap_get_data_adapter",
+    "wrap_get_iterator",
+    "wrap_make_function",
+]
+
+_LAYOUTS = "_keras_dtensor_data_layouts"
+
+
+def _data_layout(distribution, ndim):
+    """The batch layout for `ndim`, cached on the distribution object."""
+    cache = object_state.get_on(distribution, _LAYOUTS)
+    if cache is None:
+        cache = object_state.set_on(distribution, _LAYOUTS, {})
+    if ndim not in cache:
+        from keras_dtensor.backend.distribution_lib import _as_backend_layout
+
+        layout = distribution.get_data_layout((None,) * ndim)
+        cache[ndim] = _as_backend_layout(layout)
+    return cache[ndim]
+
+
+def _distribute_leaf(x, distribution, per_process):
+    from keras_dtensor.backend.distribution_lib import distribute_data_input
+    from keras_dtensor.backend.distribution_lib import shard_global_tensor
+
+    if isinstance(x, DTensor) or x is None:
+        return x
+    if isinstance(x, np.ndarray) or (
+        isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+    ):
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        x = convert_to_tensor(x)
+        if x.ndim == 0:
+            return x
+        layout = _data_layout(distribution, x.ndim)
+        if per_process:
+            return distribute_data_input(x, layout, distribution.batch_dim_name)
+        return shard_global_tensor(x, layout)
+    return x
+
+
+def distribute_batch(batch, distribution, per_process=False):
+    """Converts every array in a batch to a DTensor sharded by batch.
+
+    Args:
+        batch: a nested structure of arrays and tensors.
+        distribution: the active `keras.distribution.Distribution`.
+        per_process: whether the batch is this process's slice (else it
+            is the global batch, identical on every process).
+
+    Returns:
+        The same structure with `DTensor` leaves.
+    """
+    from keras.src import tree
+
+    return tree.map_structure(
+        lambda x: _distribute_leaf(x, distribution, per_process), batch
+    )
+
+
+def wrap_get_iterator(original):
+    """Wraps `TorchEpochIterator._get_iterator`: batches become DTensors."""
+
+    def _get_iterator(self):
+        iterator = original(self)
+        distribution = context.active()
+        if distribution is None:
+            return iterator
+        per_process = not distribution.auto_shard_dataset
+        if per_process:
+            iterator = input_checks.same_number_of_batches(
+                iterator, self.data_adapter.num_batches
+            )
+        else:
+            iterator = input_checks.same_global_batches(
+                iterator, self.data_adapter.num_batches
+            )
+        if context.is_data_parallel(distribution):
+            return iterator  # local mode: the step function takes its rows
+        return (
+            distribute_batch(batch, distribution, per_process)
+            for batch in iterator
+        )
+
+    return _get_iterator
+
+
+def wrap_make_function(original, kind):
+    """Wraps `TorchTrainer.make_{train,test,predict}_function`.
+
+    The step functions receive batches from the epoch iterator (already
+    DTensors) and from `train_on_batch`/`test_on_batch`/`predict_on_batch`
+    (the user's global arrays). Whatever is still plain when a step starts
+    is laid out as a global batch, so `y` and `sample_weight` meet
+    `y_pred` as DTensors too.
+
+    Args:
+        original: the `make_*_function` method.
+        kind: `"train"`, `"test"` or `"predict"`.
+    """
+    attribute = f"{kind}_function"
+
+    def make_function(self, force=False):
+        result = original(self, force)
+        step = getattr(self, attribute)
+        if step is None or object_state.get_on(self, attribute) is step:
+            return result
+        distribution = context.current()
+        if distribution is not None and kind == "train":
+            lint.warn_unmatched_layout_keys(self, distribution)
+
+        def distributed_step(data):
+            distribution = context.active()
+            if distribution is None:
+                return step(data)
+            if context.is_data_parallel(distribution):
+                return data_parallel.run_step(
+                    self, step, kind, data, distribution
+                )
+            data = distribute_batch(data, distribution)
+            with context.global_values():
+                logs = step(data)
+            if kind == "train":
+                # Keras's train_step clears gradients after the next
+                # step's forward: they would sit through it (and between
+                # steps) beside its activations. Applied, they are dropped.
+                self.zero_grad(set_to_none=True)
+            return logs
+
+        return object_state.set_on(self, attribute, distributed_step)
+
+    return make_function
+
+
+def wrap_get_data_adapter(original):
+    """Wraps `data_adapters.get_data_adapter`.
+
+    With several processes and `auto_shard_dataset=True`, Keras lets only
+    tf.data through, and shards it per process itself (`rebatch` to global
+    batch / processes, then `shard`): that needs every global batch to
+    divide evenly, and gives ranks different batch counts when the last one
+    does not (60 rows in batches of 8 over 2 processes: 8 and 7 batches).
+    Here every input kind, tf.data included, yields the global batch on
+    every process and `wrap_get_iterator`/the step keeps this process's rows,
+    so the adapter is built as for one process. (Each process reads the
+    whole input; a pipeline that should read only its own part can shard
+    itself and pass `auto_shard_dataset=False`.)
+    """
+
+    def _get_data_adapter(x, *args, **kwargs):
+        distribution = context.current()
+        if (
+            distribution is None
+            or not getattr(distribution, "_is_multi_process", False)
+            or not distribution.auto_shard_dataset
+        ):
+            return original(x, *args, **kwargs)
+        distribution.auto_shard_dataset = False
+        try:
+            return original(x, *args, **kwargs)
+        finally:
+            distribution.auto_shard_dataset = True
+
+    return _get_data_adapter

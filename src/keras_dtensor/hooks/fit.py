@@ -1,0 +1,53 @@
+"""`fit`/`evaluate`/`predict` on N processes: what surrounds each call.
+
+Under a distribution on several processes every rank runs the call, and
+it is a sequence of collectives. Around it:
+
+- Keras's file operations are shared (`shared_files`): callbacks with the
+  same arguments on every rank work as in one process;
+- a collective that fails because a peer died, stalled or ran other code
+  raises an error that says so, naming this rank, instead of gloo's bare
+  "Connection closed by peer" (`errors.collective_failure`).
+
+Without a distribution, or in one process, the call runs untouched.
+"""
+
+import functools
+
+from keras_dtensor import config
+from keras_dtensor.backend import context
+from keras_dtensor.backend import errors
+from keras_dtensor.backend import launch
+from keras_dtensor.hooks import shared_files
+
+__all__ = ["wrap_trainer_call"]
+
+
+def wrap_trainer_call(original):
+    """Wraps `TorchTrainer.fit`, `.evaluate` or `.predict` (see above)."""
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        if (
+            shared_files.active()
+            or context.current() is None
+            or not launch.multi_process()
+        ):
+            return original(self, *args, **kwargs)
+        try:
+            with shared_files.shared():
+                return original(self, *args, **kwargs)
+        except RuntimeError as e:
+            world, rank = launch.world()
+            clearer = errors.collective_failure(
+                e,
+                operation=original.__name__,
+                rank=rank,
+                world=world,
+                timeout=config.get("TIMEOUT"),
+            )
+            if clearer is None:
+                raise
+            raise clearer from e
+
+    return call

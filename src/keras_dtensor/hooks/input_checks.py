@@ -1,0 +1,183 @@
+"""Cross-rank input checks: every rank must feed the same steps.
+
+With `auto_shard_dataset=True` every process yields the same global
+batches (each keeps its own rows); with `False` each feeds its own, and
+all must yield the same number of batches. A difference would train on
+the wrong rows with no error, or leave ranks waiting in a collective
+forever: these checks turn both into an error on every rank.
+"""
+
+import numpy as np
+import torch
+
+from keras_dtensor import config
+from keras_dtensor.backend.launch import all_gather_ints
+
+__all__ = ["same_global_batches", "same_number_of_batches"]
+
+
+def _uneven_error(counts, global_batches=False):
+    low = min(counts)
+    done = [r for r, c in enumerate(counts) if c == low]
+    more = [r for r, c in enumerate(counts) if c != low]
+    if global_batches:
+        how = (
+            "With auto_shard_dataset=True (the default) every process must "
+            "yield the same global batches"
+        )
+        fix = "Give every process the same dataset"
+    else:
+        how = (
+            "With auto_shard_dataset=False each process feeds its own data, "
+            "and every process must yield the same number of batches"
+        )
+        fix = (
+            "Even out the per-process data, or let keras-dtensor shard one "
+            "global dataset"
+        )
+    return RuntimeError(
+        f"{how}: ranks {done} have {low} batches this epoch while ranks "
+        f"{more} have more (batches per rank: {counts}). {fix}."
+    )
+
+
+_SAMPLE = 1 << 16
+
+
+def _sample(flat):
+    """At most ~64K evenly spaced elements: a reordered or different batch
+    changes them, and a large batch costs no more than a small one."""
+    step = max(1, len(flat) // _SAMPLE)
+    return flat[::step]
+
+
+def _digest(batch):
+    """A checksum of a batch's numeric contents (-1 for no batch)."""
+    import zlib
+
+    from keras.src import tree
+
+    if batch is None:
+        return -1
+    crc = 0
+    for leaf in tree.flatten(batch):
+        if leaf is None:
+            continue
+        if isinstance(leaf, torch.Tensor):  # any dtype, bfloat16 too
+            crc = zlib.crc32(repr(tuple(leaf.shape)).encode(), crc)
+            raw = _sample(leaf.detach().reshape(-1)).contiguous()
+            leaf = raw.cpu().view(torch.uint8).numpy()
+        leaf = np.asarray(leaf)
+        if leaf.dtype.kind not in "biufc":  # strings, objects: skipped
+            continue
+        raw = np.ascontiguousarray(_sample(leaf.reshape(-1)))
+        crc = zlib.crc32(raw.tobytes(), crc)
+        crc = zlib.crc32(repr(leaf.shape).encode(), crc)
+    return crc
+
+
+def same_global_batches(iterator, num_batches=None):
+    """Checks that every rank sees the same global batches, as many of them.
+
+    With `auto_shard_dataset=True` every process must yield the same global
+    batches (each keeps its own rows). A pipeline that differs per process,
+    typically a shuffle seeded differently on each rank, would train on
+    overlapping and missing rows with no error; one that yields more
+    batches on one rank would leave the others waiting in a collective.
+    Known batch counts are compared once per epoch; a checksum of the
+    batch is compared on the first batch and then every
+    `KERAS_DTENSOR_CHECK_EVERY` batches (one all-gather of one integer).
+    With an unknown count (a generator) the ranks also exchange, with every
+    batch, whether they have one, and all stop together or all raise.
+    """
+    # iter() now, as Keras does when it prepares the next epoch: a
+    # DataLoader draws its seed there, and later would shift the RNG.
+    return _checked_batches(iter(iterator), num_batches)
+
+
+def _raise_if_batches_differ(digests, index):
+    if len(set(digests)) == 1:
+        return
+    groups = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    raise RuntimeError(
+        "With auto_shard_dataset=True (the default) every process must "
+        "yield the same global batches, and each keeps its own rows; here "
+        f"the processes' batch {index} of this epoch differs (ranks with "
+        f"equal batches: {sorted(groups.values())}). Seed every source of "
+        "randomness in the input pipeline the same way on every rank "
+        "(keras.utils.set_random_seed(seed) before building it, or explicit "
+        "seeds), or, if each process deliberately feeds its own rows, pass "
+        "auto_shard_dataset=False. (A rank that is not running this same "
+        "fit/evaluate/predict at all shows up here too: every rank must "
+        "call it.)"
+    )
+
+
+def _checked_batches(iterator, num_batches):
+    counts = all_gather_ints(-1 if num_batches is None else num_batches)
+    known = all(c >= 0 for c in counts)
+    if known and len(set(counts)) > 1:
+        raise _uneven_error(counts, global_batches=True)
+    every = config.get("CHECK_EVERY")
+    index = 0
+    while True:
+        checked = index == 0 or (every and index % every == 0)
+        if known and not checked:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+        else:
+            try:
+                batch = next(iterator)
+                mine = _digest(batch) if checked else 0
+            except StopIteration:
+                batch, mine = None, -1
+            digests = all_gather_ints(mine)
+            ended = [d == -1 for d in digests]
+            if all(ended):
+                return
+            if any(ended):
+                raise _uneven_error(
+                    [index + (not e) for e in ended], global_batches=True
+                )
+            if checked:
+                _raise_if_batches_differ(digests, index)
+        index += 1
+        yield batch
+
+
+def same_number_of_batches(iterator, num_batches):
+    """Checks that every rank yields the same number of per-process batches.
+
+    Each process feeds its own data here; a rank that stopped early would
+    leave the others waiting in a collective forever. Known sizes are
+    compared once, up front; for unknown sizes (generators, iterable
+    datasets) the ranks exchange before each batch whether they have one,
+    and all stop together or all raise naming who ran out.
+    """
+    return _counted_batches(iter(iterator), num_batches)  # iter(): see above
+
+
+def _counted_batches(iterator, num_batches):
+    counts = all_gather_ints(-1 if num_batches is None else num_batches)
+    if all(c >= 0 for c in counts):
+        if len(set(counts)) > 1:
+            raise _uneven_error(counts)
+        yield from iterator
+        return
+    count = 0
+    while True:
+        try:
+            batch, has = next(iterator), 1
+        except StopIteration:
+            batch, has = None, 0
+        flags = all_gather_ints(has)
+        if not any(flags):
+            return
+        if not all(flags):
+            raise _uneven_error([count + f for f in flags])
+        count += 1
+        yield batch

@@ -1,0 +1,323 @@
+"""`jit_compile=True` under a distribution: compile the forward pass.
+
+Keras's torch trainer compiles the whole `train_step`, which breaks the
+graph at `loss.backward()`. With DTensor weights the first graph returns
+several outputs that require grad (the loss and what the metrics use
+later) and only the loss gets a gradient; AOTAutograd then meets a plain
+zero tangent where it guessed a DTensor ("Expected a DTensor tangent but
+got a plain Tensor"). Dynamic shapes also fail in
+`DTensor.__tensor_unflatten__`.
+
+So under a distribution the step runs eagerly around a compiled model
+forward (`torch.compile(model.call, dynamic=False)`): the graph has one
+differentiable output, its tangent is the DTensor gradient of the loss,
+and each batch shape compiles once. Loss, backward, optimizer and metrics
+run eagerly on DTensors.
+
+torch's on-disk compile cache keys a DTensor the same on every rank, and
+the ranks of a machine share that cache: a warm run could load a program
+another rank compiled and train different numbers with no error. The key
+names the rank (`wrap_stable_hash_for_caching`). `KERAS_DTENSOR_JIT=0`
+runs the model eagerly instead.
+
+A compiled piece whose output is a view of its input is rebuilt by
+AOTAutograd with `as_strided` in torch 2.13 (torch 2.14 replays the
+view), an op DTensor refuses and cannot differentiate: Keras's
+`MultiHeadAttention` returns a transposed view across a graph break.
+Where the view is a permutation of the input's dims, or a reshape of a
+contiguous input (keras_hub's Qwen-MoE router), it is rebuilt with
+`permute` or `view` instead (`wrap_gen_alias_from_base`).
+
+Where torch cannot run a compiled forward over DTensors, the model runs
+eagerly instead of failing `fit`, with a warning naming the error (rank 0),
+e.g. a sliced view returned across a graph break. The first call of each input
+signature is the trial: the model's non-trainable state (seeds, running
+statistics) is restored before the eager rerun, so the numbers are those
+of an eager step.
+
+A forward with a graph break that dynamo cannot resume (inside Keras's
+`name_scope`, or in a Functional's loop over its layers; e.g. Keras's
+`dot_product_attention` builds torch's `SDPAParams`, which keras_hub's
+attention calls) is compiled frame by frame: every layer's call runs
+through the same Keras functions (`Functional`'s per-layer `call`,
+`Layer.__call__`, `_setattr_hook`), compiled again for each layer as
+dynamo guards on the layer (its class, `_parent_path`, its arguments).
+keras_hub's Llama of 2 layers compiles 113 times in its first call (28 of
+them a function already compiled for another layer), about a minute.
+Once a function has been compiled `torch._dynamo.config.recompile_limit`
+times, dynamo runs it eagerly on its own, rank by rank; input shapes that
+keep changing (one compilation each) end there too. So once a function of
+the forward reaches that limit, the whole forward runs eagerly from the
+next call on, on every rank, with one warning: the ranks agree first (one
+all-gather of two ints after a signature's 1st, 2nd, 4th, 8th... call,
+the same calls on every rank), so no rank runs compiled while another runs
+eagerly. A rank whose compiled trial failed makes every rank eager the same
+way. The first call still pays for what it compiled.
+"""
+
+import collections
+import hashlib
+import warnings
+
+import torch
+
+from keras_dtensor import config
+from keras_dtensor.backend import context
+from keras_dtensor.backend import launch
+from keras_dtensor.backend import object_state
+from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.hooks import callbacks
+
+__all__ = [
+    "wrap_gen_alias_from_base",
+    "wrap_should_torch_compile",
+    "wrap_stable_hash_for_caching",
+]
+
+
+def _signature(args, kwargs):
+    from keras.src import tree
+
+    key = []
+    for x in tree.flatten((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype))
+        else:
+            key.append(x if isinstance(x, (bool, int, float, str)) else 0)
+    return tuple(key)
+
+
+def _warn(message):
+    """A warning from rank 0 only (as the package's logs)."""
+    if not callbacks.silent():
+        warnings.warn(message, stacklevel=3)
+
+
+def _brief(error):
+    """The error's message on one line, without Keras's ANSI bold."""
+    text = str(error)
+    for code in ("\x1b[1m", "\x1b[0m"):
+        text = text.replace(code, "")
+    return " ".join(text.split())[:300]
+
+
+class _Compiles:
+    """Counts, while open, the compilations dynamo starts: `most` is the
+    highest number of times one function (code object) has been compiled,
+    dynamo's own count (`recompile_limit` caps it)."""
+
+    def __init__(self):
+        self.most = 0
+
+    def _started(self, args):
+        from torch._dynamo.callback import CallbackTrigger
+
+        if args.callback_trigger != CallbackTrigger.DYNAMO:
+            return
+        parts = str(args.compile_id).split("/")
+        if parts[0].startswith("!"):  # compiled autograd: "!0/frame/n"
+            parts = parts[1:]
+        if len(parts) == 2 and parts[1].isdigit():
+            self.most = max(self.most, int(parts[1]) + 1)
+
+    def __enter__(self):
+        # Registered per call: `torch._dynamo.reset()` clears callbacks.
+        torch._dynamo.callback_handler.register_start_callback(self._started)
+        return self
+
+    def __exit__(self, *exc):
+        torch._dynamo.callback_handler.remove_start_callback(self._started)
+        return False
+
+
+def _agreed_max(values):
+    """The highest of every rank's `values`, column by column (a
+    collective; `values` alone without a group)."""
+    rows = launch.all_gather_int_lists(list(values))
+    return [max(column) for column in zip(*rows, strict=True)]
+
+
+class _Forward:
+    """A model's compiled forward, eager from the first failure, or once a
+    function of it reached dynamo's recompile limit (every rank agreeing)."""
+
+    def __init__(self, model):
+        self._name = model.name
+        self._state = lambda: model.non_trainable_variables
+        self._eager = model.call
+        self._compiled = torch.compile(model.call, dynamic=False)
+        self._tried = set()
+        self._calls = collections.Counter()  # by signature
+        self._most = 0  # the most compilations of one of its functions
+        self._all_eager = False  # agreed by every rank
+        self.error = None  # this rank's failed trial
+        self.recompiles = None  # the count that made every rank eager
+
+    def __call__(self, *args, **kwargs):
+        if self._all_eager or torch.compiler.is_compiling():
+            # (Inside another compiled region: traced by that one.)
+            return self._eager(*args, **kwargs)
+        key = _signature(args, kwargs)
+        with _Compiles() as compiles:
+            outputs = self._run(key, args, kwargs)
+        self._most = max(self._most, compiles.most)
+        # Every rank calls with the same signatures (global batch shapes):
+        # the ranks agree at the same calls, a signature's 1st, 2nd, 4th...
+        self._calls[key] += 1
+        count = self._calls[key]
+        if count & (count - 1) == 0:
+            self._agree()
+        return outputs
+
+    def _run(self, key, args, kwargs):
+        if self.error is not None:
+            return self._eager(*args, **kwargs)
+        if key in self._tried:
+            return self._compiled(*args, **kwargs)
+        saved = [(v, v.value.detach().clone()) for v in self._state()]
+        try:
+            outputs = self._compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the eager rerun re-raises
+            self.error = e
+            with torch.no_grad():
+                for variable, value in saved:
+                    variable.value.copy_(value)
+            _warn(
+                f"jit_compile=True: torch.compile could not run the "
+                f"forward of model {self._name!r} over DTensors "
+                f"({type(e).__name__}: {_brief(e)}); it runs eagerly."
+            )
+            return self._eager(*args, **kwargs)
+        self._tried.add(key)
+        return outputs
+
+    def _agree(self):
+        limit = torch._dynamo.config.recompile_limit
+        most, failed = _agreed_max([self._most, int(self.error is not None)])
+        if not failed and most < limit:
+            return
+        self._all_eager = True
+        if failed:
+            if self.error is None:  # this rank warned if its own failed
+                _warn(
+                    f"jit_compile=True: torch.compile could not run the "
+                    f"forward of model {self._name!r} on another process; "
+                    f"it runs eagerly on every process."
+                )
+            return
+        self.recompiles = most
+        _warn(
+            f"jit_compile=True: torch.compile compiled a function of the "
+            f"forward of model {self._name!r} {most} times, "
+            f"torch._dynamo.config.recompile_limit (once per layer where "
+            f"a graph break splits the forward into each layer's calls, "
+            f"and again for each new input shape); it runs eagerly from "
+            f"now on, on every process (TORCH_LOGS=recompiles says why)."
+        )
+
+
+def _compile_forward(model):
+    if object_state.get_on(model, "call") is not None:
+        return
+    # An instance attribute shadows the class's `call` for this model only
+    # (`uninstall()` removes it).
+    object_state.set_on(model, "call", _Forward(model))
+
+
+def wrap_should_torch_compile(original):
+    """Wraps `TorchTrainer._should_torch_compile` (see module docstring)."""
+
+    def _should_torch_compile(self):
+        if not original(self):
+            return False
+        distribution = context.active()
+        if distribution is None or context.is_data_parallel(distribution):
+            return True  # plain tensors: Keras's own whole-step compile
+        if config.get("JIT"):
+            _compile_forward(self)
+        return False
+
+    return _should_torch_compile
+
+
+def wrap_stable_hash_for_caching(original):
+    """Wraps `DTensor._stable_hash_for_caching`: the key of a DTensor in
+    torch's on-disk AOTAutograd cache, which torch 2.13 derives from the
+    DTensor's spec alone (mesh, placements, global shape), the same on
+    every rank (pytorch/pytorch#188390; 2.14 adds the local device, the
+    same for every rank on CPU). The cache directory is shared by the
+    processes of a machine, so a rank could load the program another rank
+    compiled: measured, a warm run trained different numbers from eager
+    with no error (`test_model_parallel.py`, "jit_warm_cache"). The key
+    also names this process's rank: each rank finds its own entries, and
+    again in the next run."""
+
+    def _stable_hash_for_caching(self):
+        key = original(self)
+        if not torch.distributed.is_initialized():
+            return key
+        rank = torch.distributed.get_rank()
+        salted = f"{key}|rank {rank}|{self._local_tensor.device}"
+        return hashlib.blake2b(salted.encode(), digest_size=16).hexdigest()
+
+    return _stable_hash_for_caching
+
+
+def _permutation(target, base):
+    """`dims` with `base.permute(dims)` laid out as `target`, or None. Two
+    dims with one (size, stride) make it ambiguous (the layouts agree, the
+    placements need not): None."""
+    pairs = list(zip(base.size(), base.stride(), strict=True))
+    dims = []
+    for pair in zip(target.size(), target.stride(), strict=True):
+        found = [i for i, p in enumerate(pairs) if p == pair]
+        if len(found) != 1:
+            return None
+        dims.append(found[0])
+    return dims
+
+
+def _view_of(base, target):
+    """`target` as a differentiable view op on `base` (a permutation of
+    its dims, or a reshape of a contiguous base to contiguous `target`),
+    or None when it is neither (a slice, a strided view)."""
+    if target.dtype != base.dtype:
+        return None
+    if target.storage_offset() != base.storage_offset():
+        return None
+    if target.dim() == base.dim():
+        dims = _permutation(target, base)
+        if dims is not None:
+            return base.permute(dims)
+    size = tuple(target.size())
+    if (
+        target.numel() == base.numel()
+        and base.is_contiguous()
+        and tuple(target.stride()) == contiguous_strides(size)
+    ):
+        return base.view(size)
+    return None
+
+
+def wrap_gen_alias_from_base(original):
+    """Wraps AOTAutograd's `gen_alias_from_base(base, target,
+    target_requires_grad, ...)`, which rebuilds a compiled graph's output
+    that aliases `base` (see the module docstring). For a DTensor base and
+    a target that is a permutation or a reshape of it, the alias is
+    `base.permute(dims)` or `base.view(shape)` (differentiable, sharded by
+    DTensor's rules); everything else goes to torch's own."""
+    from torch.distributed.tensor import DTensor
+
+    def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
+        if not isinstance(base, DTensor):
+            return original(base, target, target_requires_grad, *a, **kw)
+        out = _view_of(base, target)
+        if out is None:
+            return original(base, target, target_requires_grad, *a, **kw)
+        if base.requires_grad and not target_requires_grad:
+            out = out.detach()
+        elif not base.requires_grad and target_requires_grad:
+            out.requires_grad_(True)
+        return out
+
+    return gen_alias_from_base

@@ -1,0 +1,186 @@
+"""Around `fit`: the same model on every rank, equal replicas at the end.
+
+Replicated weights (all of them under `DataParallel`; under `ModelParallel`
+those not sharded, and every shard across the axes it is not sharded on)
+are updated by the same code from the same global values on each rank, so
+they stay bit-identical, unless the ranks saw different data or ran
+different code (a rank-dependent callback, a per-rank random op). Then
+they drift apart silently and each rank logs its own loss. When `fit`
+returns on several processes, each rank takes a checksum of each of its
+local weights, on its device (the integer sum of the bit patterns), and
+one all-gather compares them between the ranks that hold the same shards.
+"""
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor.backend import context
+from keras_dtensor.backend import launch
+from keras_dtensor.backend.placement_order import stable_hash
+from keras_dtensor.hooks import allocator
+
+__all__ = ["check_replicas", "check_same_model", "wrap_fit"]
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Elements of a local weight summed at a time (a 2 MiB int64 temporary).
+_CHUNK = 1 << 18
+
+
+def _checksum(value):
+    local = value.to_local() if isinstance(value, DTensor) else value
+    flat = local.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
+    if bits.numel() <= _CHUNK:
+        return bits.sum(dtype=torch.int64)
+    return _chunked_sum(bits)
+
+
+def _chunked_sum(bits):
+    """`bits.sum(dtype=torch.int64)` without casting all of `bits` at once.
+
+    The cast is a temporary twice the size of a float32 shard (the peak of
+    `fit` on a large embedding). Each chunk is cast into one buffer and
+    summed into a preallocated slot, so nothing is allocated between the
+    chunks (per-chunk temporaries interleaved with small results leave
+    holes glibc cannot give back). Integer sums are exact: the same value.
+    """
+    chunks = bits.split(_CHUNK)
+    buffer = torch.empty(_CHUNK, dtype=torch.int64, device=bits.device)
+    sums = torch.empty(len(chunks), dtype=torch.int64, device=bits.device)
+    for i, chunk in enumerate(chunks):
+        part = buffer[: chunk.numel()]
+        part.copy_(chunk)
+        torch.sum(part, dim=0, out=sums[i])
+    return sums.sum()
+
+
+def _replica_of(value, world):
+    """For each rank, the first rank that holds the same local values."""
+    if not isinstance(value, DTensor):
+        return [0] * world  # a plain tensor: every rank is a replica
+    ranks = value.device_mesh.mesh
+    sharded = [
+        i for i, p in enumerate(value.placements) if not p.is_replicate()
+    ]
+    first_of_key, replica = {}, [None] * world
+    for index in (
+        torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape])
+        .reshape(-1, ranks.dim())
+        .tolist()
+    ):
+        rank = int(ranks[tuple(index)])
+        key = tuple(index[d] for d in sharded)
+        replica[rank] = first_of_key.setdefault(key, rank)
+    return replica
+
+
+def check_replicas(model):
+    """Raises on every rank if replicas of `model`'s trainable weights differ.
+
+    A collective: every rank calls it (`fit` does, when it returns).
+    """
+    world, _ = launch.world()
+    variables = list(model.trainable_weights)
+    if world == 1 or not variables:
+        return
+    values = [v.value for v in variables]
+    sums = torch.stack([_checksum(v).cpu() for v in values]).tolist()
+    gathered = launch.all_gather_int_lists(sums)
+    layouts = {}
+    differ = {}  # (rank, its replica) -> paths
+    for i, value in enumerate(values):
+        key = (
+            (id(value.device_mesh), tuple(value.placements))
+            if isinstance(value, DTensor)
+            else None
+        )
+        if key not in layouts:
+            layouts[key] = _replica_of(value, world)
+        for rank, first in enumerate(layouts[key]):
+            if gathered[rank][i] != gathered[first][i]:
+                differ.setdefault((rank, first), []).append(variables[i].path)
+    if differ:
+        (rank, first), paths = next(iter(differ.items()))
+        raise RuntimeError(
+            f"After fit, rank {rank}'s copy of {len(paths)} weight(s) "
+            f"differs from rank {first}'s, which should hold the same values "
+            f"(first: {paths[:3]}; {world} processes). The ranks trained on "
+            "different data or ran different code: check that every rank "
+            "feeds the same global batches and seeds, and that callbacks "
+            "do the same on every rank."
+        )
+
+
+def _signature(weight):
+    value = weight.value
+    placements = (
+        tuple(str(p) for p in value.placements)
+        if isinstance(value, DTensor)
+        else None
+    )
+    return (tuple(weight.shape), str(weight.dtype), placements)
+
+
+def check_same_model(model):
+    """Raises on every rank unless all ranks built the same weights.
+
+    Ranks with different models would run different collectives: gloo
+    aborts the process (SIGABRT, no traceback) or the job hangs. One
+    all-gather of a checksum of the weights' shapes, dtypes and layouts
+    (not their paths: Keras numbers auto-named layers per process, so a
+    rank that built another model first has other names).
+    """
+    world, _ = launch.world()
+    if world == 1:
+        return
+    signatures = [_signature(w) for w in model.weights]
+    digests = launch.all_gather_ints(stable_hash(signatures))
+    if len(set(digests)) == 1:
+        return
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    counts = launch.all_gather_ints(len(signatures))
+    detail = f"weights per rank: {counts}"
+    if len(set(counts)) == 1:
+        per_weight = launch.all_gather_int_lists(
+            [stable_hash(s) for s in signatures]
+        )
+        index = next(
+            i
+            for i in range(counts[0])
+            if len({row[i] for row in per_weight}) > 1
+        )
+        shape, dtype, placements = signatures[index]
+        detail = (
+            f"first difference: weight #{index}, here "
+            f"{model.weights[index].path} {shape} {dtype} {placements}"
+        )
+    raise RuntimeError(
+        f"The processes built different models: ranks {odd} of {world} "
+        "differ from rank 0 in their weights' shapes, dtypes or layouts "
+        f"({detail}). Build the same model with the same arguments and "
+        "layout map on every process."
+    )
+
+
+def wrap_fit(original):
+    """Wraps `TorchTrainer.fit`: `check_same_model` and the allocator's
+    free memory given back (`allocator.release_free_memory`) before,
+    `check_replicas` when it returns."""
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        # Without a distribution each process trains alone: no collective.
+        checked = context.current() is not None and launch.multi_process()
+        if checked:
+            check_same_model(self)
+            allocator.release_free_memory()
+        history = original(self, *args, **kwargs)
+        if checked:
+            check_replicas(self)
+        return history
+
+    return fit

@@ -1,0 +1,202 @@
+"""Which models run on local tensors (`local_batch`), decided once.
+
+A model's `Plan`, cached on it until a variable is created anywhere (LoRA
+adds weights after build): its mesh, the batch axis's mesh dim, each
+weight and whether it is gathered, and, under a tensor-parallel layout,
+the weights kept as DTensors and the layers owning them.
+"""
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Shard
+
+from keras_dtensor import config
+from keras_dtensor.model_parallel import fsdp_weights
+
+__all__ = [
+    "Plan",
+    "forget",
+    "plan",
+    "shards_enter",
+    "variables_changed",
+    "whole_along",
+]
+
+_PLAN = "_keras_dtensor_local_batch"
+# Counts variables created; a model's cached plan is rebuilt when it moves
+# (LoRA adds weights after build). Walking `layer.weights` on every step
+# instead costs a traversal of every sublayer.
+_generation = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one model runs locally: its mesh, the batch axis's mesh dim,
+    `(variable, gather, grad placements)` for each weight, its layers,
+    the indices of the weights to gather; under a tensor-parallel layout,
+    the indices of the weights sharded over another axis (`kept`, left
+    as DTensors) and the ids of the layers owning them (`boundary`, run
+    as DTensors: `sharded_layers`)."""
+
+    mesh: object
+    dim: int
+    weights: tuple
+    layers: tuple
+    gathered: tuple
+    kept: frozenset = frozenset()
+    boundary: frozenset = frozenset()
+
+    def whole(self, placements):
+        """Whether an activation so placed is laid out like the batch:
+        rows sharded over the batch axis, whole along every other."""
+        return all(
+            (i == self.dim and p == Shard(0)) or whole_along(self.mesh, i, p)
+            for i, p in enumerate(placements)
+        )
+
+
+def variables_changed():
+    """Called when a variable is created: cached plans are rebuilt."""
+    global _generation
+    _generation += 1
+
+
+def _excluded(layers):
+    from keras.src.layers.normalization.batch_normalization import (
+        BatchNormalization,
+    )
+
+    return any(
+        isinstance(sub, BatchNormalization) or sub._seed_generators
+        for sub in layers
+    )
+
+
+def _build(layer, batch_axis):
+    weights = layer.weights
+    layers = tuple(layer._flatten_layers(include_self=True))
+    if not weights or _excluded(layers):
+        return None
+    mesh, dim, items, kept = None, None, [], []
+    for variable in weights:
+        value = getattr(variable, "_value", None)
+        found = fsdp_weights.batch_placement(value, batch_axis)
+        if found is None:
+            if not isinstance(value, DTensor):
+                return None
+            # No batch axis on its mesh (an axis of one process is left
+            # out): only a tensor-parallel layout runs here so.
+            found = (None, None)
+        if mesh is None:
+            mesh, dim = value.device_mesh, found[0]
+        elif value.device_mesh != mesh:
+            return None
+        shard = found[1]
+        if shard is not None and type(shard) is not Shard:  # e.g. strided
+            return None
+        if not all(
+            whole_along(mesh, i, p)
+            for i, p in enumerate(value.placements)
+            if i != dim
+        ):
+            # Sharded over another axis (tensor-parallel): its layer runs
+            # as DTensors (gathered over the batch axis there, if sharded
+            # over it too: keras_hub's layouts on a 2-D mesh).
+            if not config.get("LOCAL_MODEL"):
+                return None
+            kept.append(len(items))
+            items.append((variable, False, None))
+            continue
+        batch_ranks = 1 if dim is None else mesh.size(dim)
+        gather = shard is not None and batch_ranks > 1
+        grad = list(value.placements)
+        if shard is None and batch_ranks > 1:
+            grad[dim] = Partial()  # this rank's rows' share of the sum
+        items.append((variable, gather, tuple(grad)))
+    gathered = tuple(i for i, (_, gather, _) in enumerate(items) if gather)
+    if not kept:
+        if dim is None:
+            return None
+        return Plan(mesh, dim, tuple(items), layers, gathered)
+    return _tensor_parallel(layer, mesh, dim, items, layers, kept)
+
+
+def _tensor_parallel(layer, mesh, dim, items, layers, kept):
+    """The plan of a model with weights sharded over a non-batch axis:
+    the layers owning them are the boundary; all their weights are kept
+    as DTensors. None when a boundary layer has weighted sublayers (the
+    boundary would cut through a layer) or is the model itself."""
+    index = {id(variable): i for i, (variable, _, _) in enumerate(items)}
+    sharded = {id(items[i][0]) for i in kept}
+    boundary, kept = set(), set(kept)
+    for sub in layers:
+        own = list(sub._trainable_variables) + list(
+            sub._non_trainable_variables
+        )
+        if not any(id(variable) in sharded for variable in own):
+            continue
+        if sub is layer or any(
+            inner.weights for inner in sub._flatten_layers(include_self=False)
+        ):
+            return None
+        boundary.add(id(sub))
+        kept.update(index[id(v)] for v in own if id(v) in index)
+    gathered = tuple(
+        i for i, (_, gather, _) in enumerate(items) if gather and i not in kept
+    )
+    return Plan(
+        mesh,
+        dim,
+        tuple(items),
+        layers,
+        gathered,
+        frozenset(kept),
+        frozenset(boundary),
+    )
+
+
+def whole_along(mesh, dim, placement):
+    """Whether a local tensor placed so on mesh dim `dim` is the whole
+    tensor along it: replicated, or any placement over one process (a
+    ModelParallel mesh of shape (1, 1) runs like one process)."""
+    return placement.is_replicate() or mesh.size(dim) == 1
+
+
+def forget(layer):
+    """The model runs as DTensors from now on (until a variable is
+    created)."""
+    cached = layer.__dict__.get(_PLAN)
+    if cached is not None:
+        layer.__dict__[_PLAN] = (cached[0], None)
+
+
+def plan(layer, distribution):
+    """The layer's `Plan`, or None when it must run as DTensors."""
+    if not layer.built or torch.compiler.is_compiling():
+        return None
+    cached = layer.__dict__.get(_PLAN)
+    if cached is None or cached[0] != _generation:
+        built = None
+        if config.get("LOCAL_BATCH"):
+            built = _build(layer, distribution.batch_dim_name)
+        cached = layer.__dict__[_PLAN] = (_generation, built)
+    return cached[1]
+
+
+def shards_enter(plan_, flat):
+    """Whether a tensor-parallel call's inputs can enter its local run as
+    their shards: DTensors on the plan's mesh with no pending sums. Inputs
+    sharded over a model axis (a KV cache sharded by heads) are handed in
+    as this rank's shard; the check against the DTensor run
+    (`sharded_check`) decides whether the call runs so."""
+    return all(
+        not isinstance(x, DTensor)
+        or (
+            x.device_mesh == plan_.mesh
+            and not any(p.is_partial() for p in x.placements)
+        )
+        for x in flat
+    )

@@ -1,0 +1,127 @@
+"""A vocabulary-sharded embedding's gradient, computed shard only.
+
+DTensor looks a table sharded on its rows (`("model", None)`) up with
+masked indices (a masked partial output), but its backward,
+`embedding_dense_backward`, has no rule that gives a row-sharded gradient:
+from a replicated output gradient it computes the whole table's gradient on
+every rank (a replicated `(vocab, dim)` tensor), which the optimizer then
+slices (`benchmarks/bench_memory.py`, model b: 488 MiB per rank for a
+1M x 128 table over 4 ranks; torch's `RowwiseParallel` embedding does the
+same). Here the lookup of such a table goes through an autograd function
+whose backward computes only this rank's rows: the output gradient
+(activation-sized) is masked to the indices this rank holds and scattered
+into a gradient shaped like the local shard, laid out as the table.
+"""
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras_dtensor.hooks import sharded_init
+
+__all__ = ["wrap_embedding"]
+
+
+def _layouts(weight_placements, indices):
+    """Per mesh dim: placements for the output gradient and the indices
+    to compute this rank's gradient on, and the gradient's placements."""
+    grad_out, index, grad_weight = [], [], []
+    last = indices.ndim  # the output's feature dim
+    for weight_p, index_p in zip(
+        weight_placements, indices.placements, strict=True
+    ):
+        if weight_p.is_shard(0):  # rows: every index, masked locally
+            grad_out.append(Replicate())
+            index.append(Replicate())
+            grad_weight.append(weight_p)
+        elif weight_p.is_shard(1):  # features: this rank's columns
+            grad_out.append(Shard(last))
+            index.append(Replicate())
+            grad_weight.append(weight_p)
+        elif index_p.is_shard():  # a replicated table, sharded indices
+            grad_out.append(index_p)
+            index.append(index_p)
+            grad_weight.append(Partial())
+        else:
+            grad_out.append(Replicate())
+            index.append(Replicate())
+            grad_weight.append(Replicate())
+    return grad_out, index, grad_weight
+
+
+class _RowShardedLookup(torch.autograd.Function):
+    """`embedding(indices, weight)` whose backward stays shard-sized."""
+
+    @staticmethod
+    def forward(ctx, weight, indices, lookup):
+        ctx.save_for_backward(indices)
+        ctx.weight = (
+            weight.device_mesh,
+            tuple(weight.placements),
+            weight.shape,
+            weight.stride(),
+        )
+        return lookup(indices, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (indices,) = ctx.saved_tensors
+        mesh, placements, shape, stride = ctx.weight
+        grad_placements, index_placements, out = _layouts(placements, indices)
+        grad = grad.redistribute(mesh, grad_placements).to_local()
+        local = indices.redistribute(mesh, index_placements).to_local()
+        (start, rows), _ = sharded_init.local_slices(shape, mesh, placements)
+        held = (local >= start) & (local < start + rows)
+        local = torch.where(held, local - start, 0)
+        grad = grad * held.unsqueeze(-1).to(grad.dtype)
+        grad_weight = torch.ops.aten.embedding_dense_backward(
+            grad, local, rows, -1, False
+        )
+        grad_weight = DTensor.from_local(
+            grad_weight, mesh, out, run_check=False, shape=shape, stride=stride
+        )
+        return grad_weight, None, None
+
+
+def _as_dtensor(indices, weight):
+    if isinstance(indices, DTensor):
+        return indices
+    # Under a distribution a plain tensor meeting a DTensor is a global
+    # value (replicated), as the forward lookup takes it.
+    mesh = weight.device_mesh
+    return DTensor.from_local(
+        indices, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+
+
+def wrap_embedding(original):
+    """Wraps `torch.nn.functional.embedding(input, weight, ...)`.
+
+    A DTensor table sharded on its rows, looked up while gradients are
+    recorded (and with none of `padding_idx`, `max_norm`,
+    `scale_grad_by_freq`, `sparse`), goes through `_RowShardedLookup`;
+    anything else runs `original`.
+    """
+
+    @functools.wraps(original)
+    def embedding(input, weight, *args, **kwargs):
+        if not isinstance(weight, DTensor):  # every plain lookup: at once
+            return original(input, weight, *args, **kwargs)
+        options = {k: v for k, v in kwargs.items() if k != "norm_type"}
+        if (
+            args
+            or any(v not in (None, False) for v in options.values())
+            or not weight.requires_grad
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or not any(p.is_shard(0) for p in weight.placements)
+        ):
+            return original(input, weight, *args, **kwargs)
+        indices = _as_dtensor(input, weight)
+        return _RowShardedLookup.apply(weight, indices, original)
+
+    return embedding

@@ -1,0 +1,220 @@
+"""`keras_dtensor.plan`: per-rank memory of a layout, before allocating.
+
+The model (and its optimizer's slots) is built on torch's `meta` device,
+which records shapes and dtypes and allocates nothing; each weight's layout
+comes from the distribution (`get_variable_layout`, the LayoutMap's regexes
+on `variable.path`, LoRA factors as their base weight). Its local shape on
+the largest shard (DTensor's `torch.chunk` rule) gives the bytes per rank.
+Lint in the same pass: LayoutMap keys that match no weight, large weights
+left replicated, dims that shard unevenly.
+
+Example:
+```python
+mesh = keras.distribution.DeviceMesh((1, 8), ["batch", "model"],
+                                     [f"gpu:{i}" for i in range(8)])
+layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+print(keras_dtensor.plan(lambda: keras_hub.models.GemmaBackbone(**config),
+                         keras.distribution.ModelParallel(layout_map=layout_map),
+                         optimizer="adamw"))
+```
+"""
+
+import dataclasses
+import math
+import re
+
+from keras_dtensor.backend import context
+from keras_dtensor.backend.layout import normalize_axes
+from keras_dtensor.planning import lint
+
+__all__ = ["Plan", "VariablePlan", "plan"]
+
+_MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class VariablePlan:
+    """One weight: its layout and what it costs each rank."""
+
+    path: str
+    shape: tuple
+    dtype: str
+    axes: tuple
+    local_shape: tuple
+    bytes_per_rank: int
+    slot_bytes_per_rank: int
+    trainable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Weights, optimizer slots and totals per rank, and lint warnings."""
+
+    variables: tuple
+    mesh_shape: tuple
+    axis_names: tuple
+    warnings: tuple
+
+    @property
+    def weight_bytes_per_rank(self) -> int:
+        return sum(v.bytes_per_rank for v in self.variables)
+
+    @property
+    def slot_bytes_per_rank(self) -> int:
+        return sum(v.slot_bytes_per_rank for v in self.variables)
+
+    @property
+    def total_bytes_per_rank(self) -> int:
+        return self.weight_bytes_per_rank + self.slot_bytes_per_rank
+
+    def table(self) -> str:
+        lines = [
+            f"mesh shape {self.mesh_shape}, axis_names {self.axis_names}",
+            "| weight | shape | axes | local shape | MiB/rank | slots MiB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for v in self.variables:
+            lines.append(
+                f"| {v.path} | {v.shape} | {v.axes} | {v.local_shape} | "
+                f"{v.bytes_per_rank / _MIB:.2f} | "
+                f"{v.slot_bytes_per_rank / _MIB:.2f} |"
+            )
+        lines.append(
+            f"| total | | | | {self.weight_bytes_per_rank / _MIB:.2f} | "
+            f"{self.slot_bytes_per_rank / _MIB:.2f} |"
+        )
+        lines.append(
+            f"weights + optimizer slots per rank: "
+            f"{self.total_bytes_per_rank / _MIB:.2f} MiB"
+        )
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+
+def _local_shape(shape, axes, sizes):
+    local = []
+    for n, names in zip(shape, axes, strict=True):
+        parts = math.prod(sizes[name] for name in names)
+        local.append(math.ceil(n / parts) if parts > 1 else n)
+    return tuple(local)
+
+
+def _itemsize(dtype):
+    import numpy as np
+
+    if dtype == "bfloat16":
+        return 2
+    return np.dtype(dtype).itemsize
+
+
+def _build_on_meta(model_or_build_fn, optimizer):
+    import keras
+    from keras.src.backend.torch.core import device_scope
+
+    previous = context.current()
+    keras.distribution.set_distribution(None)  # plain, shape-only weights
+    try:
+        with device_scope("meta"):
+            model = model_or_build_fn
+            if not isinstance(model, keras.Model) and callable(model):
+                model = model_or_build_fn()
+            slots = []
+            if optimizer is not None:
+                optimizer = keras.optimizers.get(optimizer)
+                optimizer.build(model.trainable_variables)
+                slots = list(optimizer.variables)
+    finally:
+        keras.distribution.set_distribution(previous)
+    return model, slots
+
+
+def plan(
+    model_or_build_fn,
+    distribution,
+    optimizer=None,
+    large_replicated_mib=16.0,
+):
+    """Per-rank bytes of `distribution`'s layouts, computed on `meta`.
+
+    Args:
+        model_or_build_fn: a function that builds the Keras model (it runs
+            on torch's `meta` device: nothing is allocated), or a built
+            model.
+        distribution: the `ModelParallel` or `DataParallel` to plan for;
+            its mesh may name more devices than this machine has.
+        optimizer: an optimizer (instance or name, e.g. `"adamw"`) whose
+            slots follow their variable's layout; `None` for weights only.
+        large_replicated_mib: warn about replicated weights above this size.
+
+    Returns:
+        A `Plan`; `print(plan)` shows the table.
+    """
+    model, slots = _build_on_meta(model_or_build_fn, optimizer)
+    mesh = distribution.device_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    rows, warnings = [], []
+    for variable in model.weights:
+        layout = None
+        if not context.is_data_parallel(distribution):
+            layout = lint.lora_layout(
+                distribution, variable
+            ) or distribution.get_variable_layout(variable)
+        shape = tuple(variable.shape)
+        axes = (
+            normalize_axes(layout.axes)
+            if layout is not None
+            else ((),) * len(shape)
+        )
+        local = _local_shape(shape, axes, sizes)
+        itemsize = _itemsize(variable.dtype)
+        own = math.prod(local) * itemsize
+        prefix = variable.path.replace("/", "_") + "_"
+        slot_bytes = sum(
+            math.prod(local) * _itemsize(s.dtype)
+            for s in slots
+            if s.name.startswith(prefix) and tuple(s.shape) == shape
+        )
+        rows.append(
+            VariablePlan(
+                path=variable.path,
+                shape=shape,
+                dtype=variable.dtype,
+                axes=tuple(layout.axes) if layout is not None else (),
+                local_shape=local,
+                bytes_per_rank=own,
+                slot_bytes_per_rank=slot_bytes,
+                trainable=variable.trainable,
+            )
+        )
+        for n, names in zip(shape, axes, strict=True):
+            parts = math.prod(sizes[name] for name in names)
+            if parts > 1 and n % parts:
+                warnings.append(
+                    f"{variable.path} {shape}: dim of {n} over {parts} "
+                    "shards is uneven (torch.chunk: the last shards are "
+                    "smaller or empty)"
+                )
+        if own == math.prod(shape) * itemsize and (
+            own / _MIB > large_replicated_mib
+        ):
+            warnings.append(
+                f"{variable.path} {shape}: {own / _MIB:.1f} MiB replicated "
+                "on every rank"
+            )
+    layout_map = getattr(distribution, "_layout_map", None)
+    if layout_map is not None:
+        paths = [v.path for v in model.weights]
+        for key in layout_map.keys():
+            if key.endswith("/output"):  # a layer output, not a weight
+                continue
+            if not any(re.fullmatch(key, p) or key == p for p in paths):
+                warnings.append(f"LayoutMap key {key!r} matches no weight")
+    return Plan(
+        variables=tuple(rows),
+        mesh_shape=tuple(mesh.shape),
+        axis_names=tuple(mesh.axis_names),
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,269 @@
+"""Saving under a distribution: rank 0 writes, from every rank's shards.
+
+Every rank runs Keras's own writer (`save_weights`, `model.save`), in the
+same order; rank 0 writes into a hidden staging directory next to the
+target and renames into place (a reader never sees half a file; Keras's
+sharded `.weights.json` keeps its shard files' names, moved before the
+`.json` that lists them), the other ranks write to a private scratch
+directory that is then deleted (all ranks writing one `.weights.h5` would
+also collide on h5py's file lock). Inside the writer,
+a sharded variable is not gathered: rank 0 writes it in pieces while the
+ranks holding its shards send them (`h5_stream.py`), so no rank holds a
+whole sharded variable. Files are ordinary Keras files: plain
+single-process Keras loads them.
+
+`model.save` on several processes writes the `.keras` zip itself
+(`zip_writer.py`), with the same members as Keras; h5py writes the
+weights member in place inside the zip, where Keras writes a temporary
+`.h5` and copies it in (the weights written twice).
+
+A save called on some ranks only would hang in the first transfer; the
+ranks first meet in the process group's store, which turns that into an
+error naming the call. A model with nothing distributed (no distribution
+set, no sharded variable, no optimizer slot held by another rank) is
+saved by each calling rank alone, as plain Keras saves it (the
+`if rank == 0:` idiom), staged and renamed into place.
+A file rank 0 cannot create (missing directory, no permission) is found
+before any transfer, and the outcome of the write is shared at the end:
+every rank raises the same error instead of the others waiting for the
+collective timeout.
+"""
+
+import contextlib
+import functools
+import glob
+import os
+import shutil
+import tempfile
+import uuid
+
+import torch.distributed as dist
+
+from keras_dtensor import data_parallel
+from keras_dtensor.backend import context
+from keras_dtensor.backend import launch
+from keras_dtensor.backend.launch import multi_process
+from keras_dtensor.hooks import shared_files
+from keras_dtensor.saving import h5_stream
+from keras_dtensor.saving import zip_writer
+
+__all__ = ["wrap_save", "wrap_save_model_to_fileobj"]
+
+
+def _remove_leftovers(directory, name):
+    """Rank 0's staging directories of this target left by a killed save
+    (and the temporary files of earlier versions)."""
+    pattern = os.path.join(glob.escape(directory), f".{'[0-9a-f]' * 32}.")
+    pattern += glob.escape(name)
+    for path in glob.glob(pattern) + glob.glob(pattern + ".d"):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _move_into_place(staging, name, directory):
+    """Every file Keras wrote in `staging` into `directory`, the target
+    last (a sharded save's `.json` lists its shard files: they land first;
+    Keras renames a sharded `.weights.h5` target to `.weights.json`)."""
+    entries = os.listdir(staging)
+    last = [e for e in entries if e == name or e.endswith(".json")]
+    for entry in sorted(set(entries) - set(last)) + sorted(last):
+        os.replace(os.path.join(staging, entry), os.path.join(directory, entry))
+
+
+def _share_failure(problem):
+    """Every rank's failure (or `None`), as `[(rank, message), ...]`."""
+    mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
+    failures = launch.all_gather_bytes(mine.encode())
+    return [(r, m.decode()) for r, m in enumerate(failures) if m]
+
+
+class _PeerFailed(Exception):  # noqa: N818 (a signal, not an error)
+    """Another rank failed first; it reports the error to every rank."""
+
+
+def _raise_if_failed(failures, what, filepath, own=None):
+    if not failures:
+        return
+    if own is not None:
+        raise own
+    rank, message = failures[0]
+    raise RuntimeError(
+        f"{what}({filepath!r}) failed on rank {rank} of "
+        f"{dist.get_world_size()}: {message}"
+    )
+
+
+def _write_alone(original, model, filepath, *args, **kwargs):
+    """Keras's writer on this rank alone, into a staging directory of its
+    own next to the target, then renamed into place: ranks that all save
+    the same file (no rank check in the script) each replace it whole, and
+    a reader never sees a half-written file."""
+    final = os.fspath(filepath)
+    name = os.path.basename(final)
+    directory = os.path.dirname(final) or "."
+    staging = os.path.join(directory, f".{uuid.uuid4().hex}.{name}.d")
+    try:
+        os.mkdir(staging)
+    except OSError:  # Keras's own error for the target
+        return original(model, filepath, *args, **kwargs)
+    try:
+        result = original(model, os.path.join(staging, name), *args, **kwargs)
+        _move_into_place(staging, name, directory)
+        return result
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
+    launch.every_rank_joins(
+        f"{what}({str(filepath)!r})",
+        "the ranks send rank 0 their shards of sharded variables; call it "
+        "on all ranks, only rank 0 writes the file",
+    )
+    # DataParallel leaves some optimizer slots stale on non-owners.
+    data_parallel.sync_optimizer_state(model)
+    final = os.fspath(filepath)
+    name = os.path.basename(final)  # Keras checks the file suffix
+    directory = os.path.dirname(final) or "."
+    rank_0 = dist.get_rank() == 0
+    if rank_0:
+        _remove_leftovers(directory, name)
+        staging = os.path.join(directory, f".{uuid.uuid4().hex}.{name}.d")
+    else:
+        staging = tempfile.mkdtemp(prefix="keras_dtensor_save_")
+    target = os.path.join(staging, name)
+    result = problem = None
+    try:
+        if rank_0:
+            try:  # can rank 0 write there at all?
+                os.mkdir(staging)
+                open(target, "wb").close()
+                os.remove(target)
+            except OSError as e:
+                problem = e
+        _raise_if_failed(_share_failure(problem), what, final)
+        try:
+            with h5_stream.scope() as streamed:
+                try:
+                    result = original(model, target, *args, **kwargs)
+                except _PeerFailed:
+                    pass  # the failing rank's error is shared below
+                except Exception as e:
+                    problem = e
+            # A write that failed while shards kept arriving is the cause
+            # of any later error (h5py's close of the same file).
+            problem = streamed.error or problem
+            if problem is None and rank_0:
+                _move_into_place(staging, name, directory)
+        except Exception as e:
+            problem = e
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    # Nobody returns before the file is in place, so any rank may load.
+    _raise_if_failed(_share_failure(problem), what, final, problem)
+    return result
+
+
+def _is_collective(model):
+    """Whether saving `model` needs every rank: under a distribution, or a
+    model holding sharded variables or optimizer slots that DataParallel
+    left on their owners. Otherwise the model is a plain one-process
+    model, saved as plain Keras saves it, on any subset of ranks (the
+    `if rank == 0: model.save_weights(...)` of torchrun scripts)."""
+    from torch.distributed.tensor import DTensor
+
+    if context.current() is not None:
+        return True
+    if data_parallel.has_stale_state(model):
+        return True
+    variables = list(getattr(model, "variables", ()))
+    optimizer = getattr(model, "optimizer", None)
+    variables += list(getattr(optimizer, "variables", ()))
+    return any(isinstance(v.value, DTensor) for v in variables)
+
+
+def wrap_save(original, what):
+    """Wraps a Keras writer `original(model, filepath, ...)`.
+
+    Args:
+        original: `saving_lib.save_model` or `saving_lib.save_weights_only`.
+        what: the user-facing name, for error messages.
+
+    Returns:
+        The wrapper.
+    """
+
+    def _save(model, filepath, *args, **kwargs):
+        if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
+            return original(model, filepath, *args, **kwargs)
+        if not _is_collective(model):
+            return _write_alone(original, model, filepath, *args, **kwargs)
+        # Every rank runs Keras's writer on its own target: not the shared
+        # file operations of callbacks.
+        with shared_files.suspended():
+            return _write_on_rank_0(
+                original, what, model, filepath, *args, **kwargs
+            )
+
+    return _save
+
+
+def _save_archive(model, fileobj):
+    """The `.keras` zip, as Keras writes it, but the weights in place."""
+    from keras.src.saving import saving_lib as lib
+
+    config_json, metadata_json = lib._serialize_model_as_json(model)
+    with zip_writer.StoredZip(fileobj) as archive:
+        problem = None
+        try:
+            archive.writestr(lib._METADATA_FILENAME, metadata_json.encode())
+            archive.writestr(lib._CONFIG_FILENAME, config_json.encode())
+        except OSError as e:
+            problem = e
+        # The ranks are about to send rank 0 their shards: a rank 0 that
+        # could not write the first members would never receive them.
+        failures = _share_failure(problem)
+        if problem is not None:
+            raise problem
+        if failures:
+            raise _PeerFailed(failures)
+        assets = lib.DiskIOStore(lib._ASSETS_DIRNAME, archive=archive, mode="w")
+        try:
+            with archive.member(lib._VARS_FNAME_H5) as window:
+                weights = lib.H5IOStore(window, mode="w")
+                try:
+                    lib._save_state(
+                        model,
+                        weights_store=weights,
+                        assets_store=assets,
+                        inner_path="",
+                        visited_saveables=set(),
+                    )
+                finally:
+                    weights.close()
+        except BaseException:
+            assets.archive = None  # only its temporary directory goes
+            raise
+        finally:
+            assets.close()  # the assets follow the weights
+
+
+def wrap_save_model_to_fileobj(original):
+    """Wraps `saving_lib._save_model_to_fileobj(model, fileobj, format)`:
+    inside a save's `scope()`, `.h5` weights into a file on disk are
+    written in place inside the zip (see the module)."""
+
+    @functools.wraps(original)
+    def _save_model_to_fileobj(model, fileobj, weights_format):
+        if (
+            h5_stream.active()
+            and weights_format == "h5"
+            and isinstance(getattr(fileobj, "name", None), str)
+        ):
+            return _save_archive(model, fileobj)
+        return original(model, fileobj, weights_format)
+
+    return _save_model_to_fileobj

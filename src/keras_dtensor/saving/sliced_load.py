@@ -1,0 +1,143 @@
+"""Loading Keras weight files under a distribution: each rank reads its slices.
+
+Keras's `load_weights` / `load_model` read every variable of the `.h5`
+store whole into numpy, then `variable.assign` it; for a sharded variable
+each rank then keeps its slice. Every rank thus held each whole variable
+(and a torch copy of it) once: a model that fits only when sharded could
+not be loaded. Under a distribution on several processes:
+
+- the store hands out the (validated) h5py dataset behind a `SlicedDataset`
+  instead of an array: numpy still sees the whole array (`__array__`), so
+  any layer's own `load_own_variables` works as before;
+- a sharded variable's `assign` reads only this rank's slices of it
+  (h5py reads a hyperslab from the file) and lays them out as its shards.
+
+Replicated and plain variables read the whole dataset, as before.
+"""
+
+import functools
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor.backend import context
+from keras_dtensor.backend.launch import multi_process
+
+__all__ = [
+    "SlicedDataset",
+    "wrap_convert_variable_value",
+    "wrap_h5_store_getitem",
+]
+
+
+class SlicedDataset:
+    """An h5py dataset that reads only the region asked for.
+
+    Args:
+        dataset: the `h5py.Dataset` (already validated by Keras).
+        bfloat16: whether Keras stored it as bfloat16 (raw uint16).
+    """
+
+    def __init__(self, dataset, bfloat16=False):
+        self._dataset = dataset
+        self._bfloat16 = bfloat16
+        self.shape = tuple(dataset.shape)
+        self.ndim = len(self.shape)
+
+    @property
+    def dtype(self):
+        if self._bfloat16:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return self._dataset.dtype
+
+    def _convert(self, array):
+        array = np.asarray(array)
+        if self._bfloat16:
+            import ml_dtypes
+
+            array = array.view(ml_dtypes.bfloat16)
+        return array
+
+    def read(self, ranges):
+        """The region `[(start, length), ...]` (one pair per dim)."""
+        index = tuple(slice(start, start + n) for start, n in ranges)
+        if any(n == 0 for _, n in ranges):
+            shape = tuple(n for _, n in ranges)
+            return np.empty(shape, dtype=self.dtype)
+        return self._convert(self._dataset[index])
+
+    def __getitem__(self, index):
+        return self._convert(self._dataset[index])
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        array = self._convert(self._dataset[()])
+        return array if dtype is None else array.astype(dtype)
+
+
+def wrap_h5_store_getitem(original):
+    """Wraps `H5IOStore.__getitem__`: a `SlicedDataset` under a
+    distribution on several processes (not DataParallel: whole values)."""
+
+    @functools.wraps(original)
+    def __getitem__(self, key):
+        distribution = context.current()
+        if (
+            distribution is None
+            or context.is_data_parallel(distribution)
+            or not multi_process()
+        ):
+            return original(self, key)
+        from keras.src.saving import saving_lib
+
+        dataset = saving_lib.safe_get_h5_dataset(self._h5_entry_group, key)
+        bfloat16 = dataset.attrs.get("dtype") == "bfloat16"
+        return SlicedDataset(dataset, bfloat16=bfloat16)
+
+    return __getitem__
+
+
+def _read_shards(variable, value):
+    from keras.src.backend.torch.core import to_torch_dtype
+
+    from keras_dtensor.hooks.sharded_init import local_slices
+
+    current = variable._value
+    mesh, placements = current.device_mesh, current.placements
+    ranges = local_slices(value.shape, mesh, placements)
+    local = torch.as_tensor(np.ascontiguousarray(value.read(ranges)))
+    local = local.to(
+        device=current.device, dtype=to_torch_dtype(variable._dtype)
+    )
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=current.shape,
+        stride=current.stride(),
+    )
+
+
+def wrap_convert_variable_value(original):
+    """Wraps torch `Variable._convert_to_tensor(value, dtype)`."""
+
+    @functools.wraps(original)
+    def _convert_to_tensor(self, value, dtype=None):
+        if not isinstance(value, SlicedDataset):
+            return original(self, value, dtype=dtype)
+        current = getattr(self, "_value", None)
+        if (
+            isinstance(current, DTensor)
+            and tuple(current.shape) == value.shape
+            and any(not p.is_replicate() for p in current.placements)
+        ):
+            return _read_shards(self, value)
+        return original(self, np.asarray(value), dtype=dtype)
+
+    return _convert_to_tensor

@@ -1,0 +1,291 @@
+"""A `.zip` written in one pass, one member of it filled in place.
+
+Keras's `.keras` file is a zip whose members are stored, not compressed.
+Its weights member is an HDF5 file, which h5py writes with seeks, so
+Keras writes it to a temporary file first and then copies it into the
+zip: the weights are written twice, and read once more for the copy's
+CRC-32. `StoredZip` instead gives the weights member a window on the
+archive itself: a file-like object that h5py writes at any offset, placed
+after the members before it. When it is finished, its CRC-32 and size go
+into its local header, and later members follow it. The result is an
+ordinary zip (members stored, ZIP64 fields where sizes or offsets need
+them, as APPNOTE.TXT describes them), which `zipfile` reads.
+
+The member's CRC-32 is not found by reading it back: each large write
+(a piece of a variable) is checksummed as it is written, and the bytes
+between those pieces (HDF5's own records, small) are read back; the
+parts are joined with `crc32.combine`. A piece that a later write
+overlaps is read back instead. (Checksumming on a second thread while
+the piece is written measured no faster on 2 shared cores.)
+
+All reads and writes go through a descriptor of its own, opened for
+reading and writing (h5py may read what it wrote), at explicit offsets,
+never through the Python file object's buffer.
+
+Example:
+>>> with open("m.zip", "wb") as f, StoredZip(f) as archive:
+...     archive.writestr("config.json", b"{}")
+...     with archive.member("model.weights.h5") as window:
+...         window.write(b"data")
+"""
+
+import bisect
+import io
+import math
+import os
+import struct
+import time
+import zlib
+
+from keras_dtensor.saving import crc32
+from keras_dtensor.saving import zip_records
+
+__all__ = ["StoredZip"]
+
+_CHUNK = 1 << 20  # bytes read at a time (a CRC-32, a copy)
+_SUMMED = 1 << 20  # writes this large are checksummed as they are written
+
+
+class StoredZip:
+    """A zip archive written front to back into an empty file.
+
+    A context: leaving it without an error writes the central directory;
+    either way it closes its descriptor.
+
+    Args:
+        fileobj: a binary file opened for writing, at offset 0, with a
+            path (`name`).
+    """
+
+    def __init__(self, fileobj):
+        fileobj.flush()
+        if fileobj.tell() != 0:
+            raise ValueError(
+                "StoredZip writes from the start of an empty file. "
+                f"Received: a file at offset {fileobj.tell()}"
+            )
+        self._fd = os.open(fileobj.name, os.O_RDWR)
+        self._end = 0
+        self._entries = []
+        self._open = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        try:
+            if kind is None:
+                self._close()
+        finally:
+            os.close(self._fd)
+        return False
+
+    def _write_at(self, offset, data):
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def _read_crc(self, start, stop, crc=0):
+        """`crc` continued over the file's bytes in `[start, stop)`."""
+        buffer = memoryview(bytearray(min(_CHUNK, stop - start)))
+        while start < stop:
+            want = min(len(buffer), stop - start)
+            got = os.preadv(self._fd, [buffer[:want]], start)
+            if got <= 0:
+                raise OSError("the archive is shorter than its member")
+            crc = zlib.crc32(buffer[:got], crc)
+            start += got
+        return crc
+
+    def _start(self, name, attributes, seconds, size, zip64):
+        if self._open is not None:
+            raise ValueError(
+                f"Member {self._open.entry.name.decode()!r} is still being "
+                "written. "
+                f"Received: a new member {name!r}"
+            )
+        entry = zip_records.Entry(name, self._end, attributes, seconds)
+        entry.size = size
+        header = entry.local_header(zip64)
+        self._write_at(self._end, header)
+        self._end += len(header)
+        self._entries.append(entry)
+        return entry
+
+    def _set_crc(self, entry, crc):
+        entry.crc = crc
+        at = entry.offset + zip_records.CRC_AT
+        self._write_at(at, struct.pack("<L", crc))
+
+    def writestr(self, name, data):
+        """Adds a member holding the bytes `data`."""
+        entry = self._start(
+            name,
+            0o600 << 16,
+            time.time(),
+            len(data),
+            zip_records.needs_zip64(len(data)),
+        )
+        self._set_crc(entry, zlib.crc32(data))
+        self._write_at(self._end, data)
+        self._end += len(data)
+
+    def write(self, path, arcname):
+        """Adds the file (or the empty directory) `path` as `arcname`,
+        as `zipfile.ZipFile.write` does."""
+        info = os.stat(path)
+        name = os.path.normpath(arcname).replace(os.sep, "/").lstrip("/")
+        attributes = (info.st_mode & 0xFFFF) << 16
+        if os.path.isdir(path):
+            self._start(name + "/", attributes | 0x10, info.st_mtime, 0, False)
+            return
+        size = info.st_size
+        entry = self._start(
+            name, attributes, info.st_mtime, size, zip_records.needs_zip64(size)
+        )
+        crc, copied = 0, 0
+        with open(path, "rb") as source:
+            while chunk := source.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                self._write_at(self._end + copied, chunk)
+                copied += len(chunk)
+        if copied != size:
+            raise OSError(f"{path!r} changed size while it was zipped")
+        self._set_crc(entry, crc)
+        self._end += size
+
+    def member(self, name):
+        """A member written in place at any offset: a `Window` (a
+        file-like object, and a context that finishes the member)."""
+        entry = self._start(name, 0o600 << 16, time.time(), 0, True)
+        self._open = Window(self, entry, self._end)
+        return self._open
+
+    def _finish(self, window):
+        entry = window.entry
+        entry.size = window.size
+        entry.crc = window.crc()
+        header = entry.local_header(zip64=True)
+        self._write_at(entry.offset, header)
+        self._end = window.base + window.size
+        self._open = None
+
+    def _close(self):
+        """Writes the central directory; the archive is complete."""
+        if self._open is not None:
+            raise ValueError(
+                f"Member {self._open.entry.name.decode()!r} was not finished."
+            )
+        start = self._end
+        directory = b"".join(e.central_header() for e in self._entries)
+        tail = zip_records.end_records(
+            len(self._entries), start, len(directory)
+        )
+        self._write_at(start, directory + tail)
+        self._end = start + len(directory) + len(tail)
+        os.ftruncate(self._fd, self._end)
+
+
+class Window(io.BytesIO):
+    """A member of a `StoredZip` as a seekable file, from its data's start.
+
+    A subclass of `io.BytesIO` only because Keras's `H5IOStore` takes a
+    path or an `io.BytesIO`; none of the bytes live in memory. Used as a
+    context, it finishes the member on leaving (CRC-32, size) unless an
+    error is leaving it.
+    """
+
+    def __init__(self, archive, entry, base):
+        super().__init__()
+        self.archive = archive
+        self.entry = entry
+        self.base = base
+        self.size = 0
+        self._position = 0
+        # `(start, stop, crc)` of pieces as last written: sorted, disjoint.
+        self._summed = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is None:
+            self.archive._finish(self)
+        return False
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def writable(self):
+        return True
+
+    def tell(self):
+        return self._position
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        start = {os.SEEK_SET: 0, os.SEEK_CUR: self._position}
+        self._position = start.get(whence, self.size) + offset
+        return self._position
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        start, stop = self._position, self._position + len(view)
+        self._forget(start, stop)
+        if _SUMMED is not None and len(view) >= _SUMMED:
+            self.archive._write_at(self.base + start, view)
+            crc = zlib.crc32(view)  # while the piece is in the cache
+            bisect.insort(self._summed, (start, stop, crc))
+        else:
+            self.archive._write_at(self.base + start, view)
+        self._position = stop
+        self.size = max(self.size, stop)
+        return len(view)
+
+    def _forget(self, start, stop):
+        """Drops the CRC-32 of the pieces that `[start, stop)` touches."""
+        first = bisect.bisect_left(self._summed, (start,))
+        if first and self._summed[first - 1][1] > start:
+            first -= 1
+        last = first
+        while last < len(self._summed) and self._summed[last][0] < stop:
+            last += 1
+        del self._summed[first:last]
+
+    def readinto(self, buffer):
+        view = memoryview(buffer).cast("B")
+        count = max(0, min(len(view), self.size - self._position))
+        at = self.base + self._position
+        got = os.preadv(self.archive._fd, [view[:count]], at)
+        self._position += got
+        return got
+
+    def read(self, size=-1):
+        if size is None or size < 0:
+            size = max(0, self.size - self._position)
+        buffer = bytearray(size)
+        return bytes(buffer[: self.readinto(buffer)])
+
+    def truncate(self, size=None):
+        size = self._position if size is None else size
+        os.ftruncate(self.archive._fd, self.base + size)
+        self._forget(size, math.inf)
+        self.size = size
+        return size
+
+    def flush(self):
+        pass
+
+    def crc(self):
+        """The CRC-32 of the member's bytes: its pieces' joined with the
+        bytes between them, read back."""
+        crc, done = 0, 0
+        for start, stop, piece in [*self._summed, (self.size, self.size, 0)]:
+            gap = (self.base + done, self.base + start)
+            crc = self.archive._read_crc(*gap, crc)
+            crc = crc32.combine(crc, piece, stop - start)
+            done = stop
+        return crc
