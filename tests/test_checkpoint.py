@@ -54,7 +54,7 @@ def _checksum(array):
 def _shard_checksums(model):
     """This rank's `(ranges, crc32)` of every weight and optimizer
     variable: what it holds, without gathering anything."""
-    from keras_dtensor.hooks.sharded_init import local_slices
+    from keras_dtensor.backend.layout import local_slices
 
     out = []
     for variable in _variables(model):

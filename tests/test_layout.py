@@ -1,9 +1,12 @@
 """Layout translation without a process group: mapping and error texts."""
 
 import pytest
+import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras_dtensor.backend.layout import chunk
+from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.backend.layout import to_placements
 
@@ -94,3 +97,22 @@ def test_torch_style_dotted_keys_match_keras_paths():
     assert layout_map["mlp/up/kernel"].axes == (None, "model")
     assert layout_map["mlp/dense_1/bias"].axes == ("model",)
     assert layout_map["mlp/up/bias"] is None
+
+
+@pytest.mark.parametrize("length", [0, 1, 5, 7, 8, 9])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_chunk_is_torch_chunk(length, parts):
+    # DTensor shards like torch.chunk; ranks past the chunks get nothing.
+    pieces = torch.arange(length).chunk(parts) if length else ()
+    for index in range(parts):
+        start, size = chunk(length, parts, index)
+        if index < len(pieces):
+            assert (start, size) == (int(pieces[index][0]), len(pieces[index]))
+        else:
+            assert size == 0
+
+
+def test_local_shape_is_the_first_chunk():
+    sizes = {"batch": 2, "model": 3}
+    axes = ((), ("model",), ("batch", "model"))
+    assert local_shape((5, 7, 13), axes, sizes) == (5, 3, 3)

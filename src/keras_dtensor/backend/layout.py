@@ -7,16 +7,65 @@ placement list names, for every *mesh* dimension, what it does to the
 tensor. This module converts the first into the second.
 """
 
+import math
+
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_dtensor.backend.errors import layout_error
 
 __all__ = [
+    "chunk",
     "contiguous_strides",
+    "local_shape",
+    "local_slices",
     "normalize_axes",
     "to_placements",
 ]
+
+
+def chunk(length, parts, index) -> tuple:
+    """The `(start, size)` of chunk `index` of `length` split in `parts`.
+
+    DTensor's rule (`torch.chunk`): chunks of `ceil(length / parts)`, the
+    last ones shorter or empty.
+
+    Example:
+    >>> [chunk(5, 4, i) for i in range(4)]
+    [(0, 2), (2, 2), (4, 1), (5, 0)]
+    """
+    step = math.ceil(length / parts) if length else 0
+    start = min(index * step, length)
+    return start, max(0, min(step, length - start))
+
+
+def local_slices(shape, mesh, placements, coordinate=None) -> list:
+    """This rank's `(start, length)` along every dim of `shape`.
+
+    Mesh dims are applied in order, each splitting what the previous left
+    (`chunk`). `coordinate` (a mesh coordinate) asks for another rank's
+    slices; by default, this rank's.
+    """
+    ranges = [(0, n) for n in shape]
+    if coordinate is None:
+        coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            start, length = ranges[placement.dim]
+            offset, size = chunk(
+                length, mesh.size(mesh_dim), coordinate[mesh_dim]
+            )
+            ranges[placement.dim] = (start + offset, size)
+    return ranges
+
+
+def local_shape(shape, axes, sizes) -> tuple:
+    """The largest shard's shape: `shape` split by normalized `axes` over
+    mesh axes of `sizes` (a dict name -> size)."""
+    return tuple(
+        chunk(n, math.prod(sizes[name] for name in names), 0)[1]
+        for n, names in zip(shape, axes, strict=True)
+    )
 
 
 def contiguous_strides(shape) -> tuple:

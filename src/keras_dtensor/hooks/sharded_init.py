@@ -34,35 +34,12 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "LocalDraws",
     "chunked_draws_match",
-    "local_slices",
     "supports",
 ]
 
 _BLOCK_ELEMENTS = 1 << 20  # ~4 MB of fp32 per drawn block
 _DRAWS = (torch.rand, torch.normal)
 _FILLS = {torch.zeros: 0, torch.ones: 1, torch.empty: None}
-
-
-def local_slices(shape, mesh, placements, coordinate=None):
-    """This rank's `(start, length)` along every dim of `shape`.
-
-    Follows DTensor's sharding (`torch.chunk` semantics: chunks of
-    `ceil(n / k)`, the last ones shorter or empty), mesh dims in order.
-    `coordinate` (a mesh coordinate) asks for another rank's slices.
-    """
-    ranges = [(0, n) for n in shape]
-    if coordinate is None:
-        coordinate = mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(placements):
-        if not placement.is_shard():
-            continue
-        dim = placement.dim
-        start, length = ranges[dim]
-        parts = mesh.size(mesh_dim)
-        chunk = math.ceil(length / parts) if length else 0
-        offset = min(coordinate[mesh_dim] * chunk, length)
-        ranges[dim] = (start + offset, max(0, min(chunk, length - offset)))
-    return ranges
 
 
 def _block_rows(row_elements, block_elements):
@@ -127,7 +104,7 @@ class LocalDraws(TorchFunctionMode):
 
     Args:
         shape: the variable's global shape.
-        ranges: `local_slices(...)` for this rank.
+        ranges: `layout.local_slices(...)` for this rank.
         block_elements: elements per drawn block (default ~1M).
     """
 

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import context
+from keras_dtensor.backend.layout import local_slices
 from keras_dtensor.model_parallel import islands
 from keras_dtensor.model_parallel import local_run
 from keras_dtensor.model_parallel import pending_grads
@@ -145,7 +146,7 @@ def _initialize_shard_only(variable, initializer):
     if not sharded_init.chunked_draws_match(str(get_device())):
         return False
     shape = tuple(variable._shape)
-    ranges = sharded_init.local_slices(shape, mesh, placements)
+    ranges = local_slices(shape, mesh, placements)
     # An int seed (or none: Zeros, Ones, Constant) starts the same stream
     # on every call, so the initializer can run once per block of rows; a
     # SeedGenerator advances per call, so it runs once.

@@ -19,6 +19,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from keras_dtensor.backend import layout
+
 __all__ = ["Pending", "finish", "gather_shards", "start"]
 
 # torch 2.13 renamed these (`*_single`) and warns on every call of the old
@@ -30,8 +32,8 @@ _reduce_scatter = getattr(
 
 
 def _rows(n, world, rank):
-    chunk = math.ceil(n / world)
-    return chunk, max(0, min(chunk, n - rank * chunk))
+    """The chunk size of a dim of `n` over `world`, and `rank`'s rows."""
+    return layout.chunk(n, world, 0)[1], layout.chunk(n, world, rank)[1]
 
 
 def _spans(n, world, chunk):

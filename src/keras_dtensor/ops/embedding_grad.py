@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_dtensor.hooks import sharded_init
+from keras_dtensor.backend import layout
 
 __all__ = ["wrap_embedding"]
 
@@ -74,7 +74,7 @@ class _RowShardedLookup(torch.autograd.Function):
         grad_placements, index_placements, out = _layouts(placements, indices)
         grad = grad.redistribute(mesh, grad_placements).to_local()
         local = indices.redistribute(mesh, index_placements).to_local()
-        (start, rows), _ = sharded_init.local_slices(shape, mesh, placements)
+        (start, rows), _ = layout.local_slices(shape, mesh, placements)
         held = (local >= start) & (local < start + rows)
         local = torch.where(held, local - start, 0)
         grad = grad * held.unsqueeze(-1).to(grad.dtype)

@@ -24,6 +24,7 @@ import math
 import re
 
 from keras_dtensor.backend import context
+from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import lint
 
@@ -94,14 +95,6 @@ class Plan:
         return self.table()
 
 
-def _local_shape(shape, axes, sizes):
-    local = []
-    for n, names in zip(shape, axes, strict=True):
-        parts = math.prod(sizes[name] for name in names)
-        local.append(math.ceil(n / parts) if parts > 1 else n)
-    return tuple(local)
-
-
 def _itemsize(dtype):
     import numpy as np
 
@@ -168,7 +161,7 @@ def plan(
             if layout is not None
             else ((),) * len(shape)
         )
-        local = _local_shape(shape, axes, sizes)
+        local = local_shape(shape, axes, sizes)
         itemsize = _itemsize(variable.dtype)
         own = math.prod(local) * itemsize
         prefix = variable.path.replace("/", "_") + "_"

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
-from keras_dtensor.hooks.sharded_init import local_slices
+from keras_dtensor.backend import layout
 
 __all__ = [
     "active",
@@ -183,7 +183,9 @@ def shard_owners(shape, mesh, placements):
     owners = {}
     for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
         ranges = tuple(
-            local_slices(shape, mesh, placements, coordinate=list(coordinate))
+            layout.local_slices(
+                shape, mesh, placements, coordinate=list(coordinate)
+            )
         )
         if any(n == 0 for _, n in ranges):
             continue

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import context
 from keras_dtensor.backend.launch import multi_process
+from keras_dtensor.backend.layout import local_slices
 
 __all__ = [
     "SlicedDataset",
@@ -104,8 +105,6 @@ def wrap_h5_store_getitem(original):
 
 def _read_shards(variable, value):
     from keras.src.backend.torch.core import to_torch_dtype
-
-    from keras_dtensor.hooks.sharded_init import local_slices
 
     current = variable._value
     mesh, placements = current.device_mesh, current.placements
