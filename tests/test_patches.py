@@ -104,6 +104,24 @@ def test_unsupported_keras_touches_nothing(reinstall, monkeypatch):
     assert importlib.import_module("keras.src.backend").distribution_lib is None
 
 
+def test_a_newer_torch_fails_at_install(reinstall, monkeypatch):
+    # The torch rows are checked against the tested range, upper bound
+    # included: an untested torch fails here, naming the range.
+    keras_dtensor.uninstall()
+    monkeypatch.setattr(
+        compat, "torch_version", lambda: compat.Version("2.15.0")
+    )
+    with pytest.raises(RuntimeError, match=r"supports torch<2.15,>=2.11"):
+        keras_dtensor.install()
+    assert not keras_dtensor.is_installed()
+    torch_rows = [p for p in patches.PATCHES if p.package == "torch"]
+    assert torch_rows
+    for row in torch_rows:
+        spec = SpecifierSet(row.versions)
+        assert any(s.operator == "<" for s in spec), row.target
+        assert compat.Version("2.15.0") not in spec, row.target
+
+
 def _import_with(**env):
     """`import keras_dtensor` in a fresh process with `env` set."""
     return subprocess.run(

@@ -1,0 +1,352 @@
+"""The Keras rows of the `PATCHES` table: attributes of Keras replaced.
+
+Each row names its target, why it is replaced and the Keras versions it was
+checked against; `keras_dtensor.patches` applies and restores them.
+"""
+
+import functools
+
+from keras_dtensor import data_parallel
+from keras_dtensor.backend import context
+from keras_dtensor.hooks import callbacks
+from keras_dtensor.hooks import data
+from keras_dtensor.hooks import fit
+from keras_dtensor.hooks import jit
+from keras_dtensor.hooks import layer_call
+from keras_dtensor.hooks import replicas
+from keras_dtensor.hooks import shared_files
+from keras_dtensor.hooks import variables
+from keras_dtensor.ops import einsum
+from keras_dtensor.ops import sharded_adam
+from keras_dtensor.ops import strategies
+from keras_dtensor.patches.rows import Patch
+
+__all__ = ["KERAS_ROWS"]
+
+
+def _backend_module(original):
+    from keras_dtensor.backend import distribution_lib
+
+    return distribution_lib
+
+
+_BACKEND = "keras.src.backend"
+_TORCH_CORE = "keras.src.backend.torch.core"
+KERAS_ROWS = (
+    Patch(
+        _BACKEND,
+        "distribution_lib",
+        "Keras sets it to None for torch; every keras.distribution call "
+        "goes through it.",
+        _backend_module,
+    ),
+    Patch(
+        "keras.src.distribution.distribution_lib",
+        "distribution_lib",
+        "keras.distribution binds the backend module a second time, at import.",
+        _backend_module,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "Variable._initialize",
+        "A variable created under a distribution must hold a DTensor laid "
+        "out by Distribution.get_variable_layout, as on JAX.",
+        variables.wrap_initialize,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "Variable._initialize_with_initializer",
+        "The layout (and with it the process group and the agreed seed) "
+        "must exist before the initializer draws the value.",
+        variables.wrap_initialize_with_initializer,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "Variable._direct_assign",
+        "assign/set_weights/load_weights pass global values; copy_ into a "
+        "DTensor needs them laid out first.",
+        variables.wrap_direct_assign,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "convert_to_numpy",
+        "Variable.__array__ and the optimizers convert through this "
+        "binding; a DTensor must be gathered to its global value.",
+        variables.wrap_convert_to_numpy,
+    ),
+    Patch(
+        "keras.src.backend.torch",
+        "convert_to_numpy",
+        "Second binding of convert_to_numpy (package re-export).",
+        variables.wrap_convert_to_numpy,
+    ),
+    Patch(
+        _BACKEND,
+        "convert_to_numpy",
+        "Third binding: keras.ops, saving and predict call "
+        "backend.convert_to_numpy.",
+        variables.wrap_convert_to_numpy,
+    ),
+    Patch(
+        "keras.src.trainers.data_adapters",
+        "get_data_adapter",
+        "Keras rejects every input but tf.data in multi-process runs; "
+        "here every input yields the global batch and is sliced per rank.",
+        data.wrap_get_data_adapter,
+    ),
+    Patch(
+        "keras.src.backend.torch.trainer",
+        "TorchEpochIterator._get_iterator",
+        "Batches must enter the step as DTensors sharded along the batch "
+        "axis (else: 'got mixed torch.Tensor and DTensor').",
+        data.wrap_get_iterator,
+    ),
+    *(
+        Patch(
+            "keras.src.backend.torch.trainer",
+            f"TorchTrainer.make_{kind}_function",
+            f"{kind}_on_batch passes the user's arrays straight to the "
+            "step; y and sample_weight must be DTensors like y_pred.",
+            functools.partial(data.wrap_make_function, kind=kind),
+        )
+        for kind in ("train", "test", "predict")
+    ),
+    Patch(
+        "keras.src.trainers.trainer",
+        "Trainer.get_metrics_result",
+        "DataParallel: each rank's metric states cover its rows; logged "
+        "values must be the global ones.",
+        data_parallel.wrap_get_metrics_result,
+    ),
+    Patch(
+        "keras.src.trainers.trainer",
+        "Trainer._compute_loss",
+        "DataParallel: Keras updates compiled metrics after the optimizer "
+        "step, so summing them was one more collective every step; they "
+        "are updated with the loss and summed while backward runs.",
+        data_parallel.wrap_compute_loss,
+    ),
+    Patch(
+        "keras.src.trainers.trainer",
+        "Trainer.compute_loss",
+        "DataParallel: a batch with fewer rows than processes leaves some "
+        "ranks none; Keras's loss over no rows is an empty tensor, whose "
+        "backward raises. There it is a zero that contributes nothing.",
+        data_parallel.wrap_compute_loss_without_rows,
+    ),
+    Patch(
+        "keras.src.trainers.trainer",
+        "Trainer.compute_metrics",
+        "DataParallel: the compiled metrics of this train step were "
+        "already updated with the loss; only their results are read.",
+        data_parallel.wrap_compute_metrics,
+    ),
+    *(
+        Patch(
+            module,
+            f"{cls}._backend_update_step",
+            "DataParallel: every rank applying the whole update repeats the "
+            "same work; each updates the variables it owns, then they are "
+            "broadcast (ZeRO stage 1 on whole variables).",
+            data_parallel.wrap_backend_update_step,
+        )
+        for module, cls in (
+            ("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
+            (
+                "keras.src.backend.torch.optimizers.torch_parallel_optimizer",
+                "TorchParallelOptimizer",
+            ),
+        )
+    ),
+    Patch(
+        "keras.src.optimizers.base_optimizer",
+        "BaseOptimizer._filter_empty_gradients",
+        "Backward can leave a gradient partial or sharded along another "
+        "dim (Dense(1) under (None, 'model')); the optimizer's in-place "
+        "update then fails. Gradients are laid out as their variables.",
+        variables.wrap_filter_empty_gradients,
+    ),
+    Patch(
+        "keras.src.backend.torch.optimizers.torch_adam",
+        "Adam._parallel_update_step",
+        "Keras's Adam (and AdamW) holds three temporaries the size of all "
+        "weights at once: on sharded weights, 3 extra shards per rank at "
+        "each step's peak (torch's Adam: 1). Under a distribution it runs "
+        "on local shards in bounded pieces, the same arithmetic.",
+        sharded_adam.wrap_adam_update,
+    ),
+    Patch(
+        "keras.src.optimizers.base_optimizer",
+        "BaseOptimizer.add_variable_from_reference",
+        "A split update leaves a slot stale off its variable's owner; "
+        "bringing it back needs to know its variable.",
+        data_parallel.wrap_add_variable_from_reference,
+    ),
+    Patch(
+        "keras.src.backend.torch.random",
+        "dropout",
+        "Under DataParallel a seeded Dropout drew its mask for this rank's "
+        "rows only: every rank got the first rows of one process's mask. "
+        "It draws the global mask and keeps this rank's rows.",
+        data_parallel.wrap_dropout,
+    ),
+    *(
+        Patch(
+            "keras.src.backend.torch.random",
+            name,
+            "Seeded draws shaped like the batch (GaussianNoise, "
+            "augmentation layers, keras.random in call) under DataParallel: "
+            "this rank's rows of the global draw, as for dropout.",
+            data_parallel.wrap_shaped_draw,
+        )
+        for name in data_parallel.SHAPED_DRAWS
+    ),
+    Patch(
+        "keras.src.layers.normalization.batch_normalization",
+        "BatchNormalization.__init__",
+        "synchronized=True raised 'only supported with the TensorFlow "
+        "backend'; under DataParallel it means global-batch statistics "
+        "(the default there, as on JAX, unless SYNC_BATCH_NORM=0).",
+        data_parallel.wrap_batch_norm_init,
+    ),
+    Patch(
+        "keras.src.backend.torch.nn",
+        "moments",
+        "Its synchronized=True raised; under DataParallel on N processes it "
+        "computes the global batch's mean and variance (one all-reduce), "
+        "flag or not unless SYNC_BATCH_NORM=0.",
+        data_parallel.wrap_moments,
+    ),
+    Patch(
+        "keras.src.backend.torch.trainer",
+        "TorchTrainer.fit",
+        "DataParallel splits optimizer updates only inside fit, and its "
+        "end must bring the slots stale off their owner back; callbacks' "
+        "file operations are shared (as evaluate/predict below); replicas "
+        "of the weights are compared when it returns (silent divergence).",
+        lambda original: fit.wrap_trainer_call(
+            replicas.wrap_fit(data_parallel.wrap_fit(original))
+        ),
+    ),
+    *(
+        Patch(
+            "keras.src.backend.torch.trainer",
+            f"TorchTrainer.{method}",
+            "Callbacks' file operations on N processes: rank 0 performs "
+            "each, every rank gets its outcome (shared_files.py); a failed "
+            "collective says a peer died or stalled (fit.py).",
+            fit.wrap_trainer_call,
+        )
+        for method in ("evaluate", "predict")
+    ),
+    *(
+        Patch(
+            "keras.src.utils.file_utils",
+            name,
+            "Every rank ran BackupAndRestore/ModelCheckpoint/CSVLogger's "
+            "directory creation, copies and deletes on shared paths: "
+            "FileExistsError/FileNotFoundError, then a hang. Inside fit/"
+            "evaluate/predict, rank 0 acts and every rank gets its outcome.",
+            functools.partial(shared_files.wrap_file_operation, name=name),
+        )
+        for name in shared_files.FILE_OPERATIONS
+    ),
+    Patch(
+        "keras.src.callbacks.tensorboard",
+        "TensorBoard.set_model",
+        "Every rank wrote its own event files into the shared log_dir "
+        "(one run per rank); the others write to a scratch directory.",
+        shared_files.wrap_tensorboard_set_model,
+    ),
+    Patch(
+        "keras.src.backend.torch.trainer",
+        "TorchTrainer._should_torch_compile",
+        "torch.compile of the whole train_step fails on DTensor tangents "
+        "after the graph break at loss.backward(); compile the forward.",
+        jit.wrap_should_torch_compile,
+    ),
+    Patch(
+        "keras.src.utils.io_utils",
+        "print_msg",
+        "Progress bars and callback messages print once, from rank 0.",
+        callbacks.wrap_print_msg,
+    ),
+    Patch(
+        "keras.src.callbacks.callback_list",
+        "CallbackList._configure_async_dispatch",
+        "Batch-end callbacks on a worker thread gather DTensors out of "
+        "order with the main thread's collectives: rank-divergent.",
+        callbacks.wrap_configure_async_dispatch,
+    ),
+    Patch(
+        "keras.src.layers.layer",
+        "Layer.add_loss",
+        "DataParallel: a loss a layer adds from its whole input (an MoE "
+        "load-balancing loss, an activity regularizer) was each rank's "
+        "own; the layer is marked, and runs over the global batch.",
+        data_parallel.wrap_add_loss,
+    ),
+    Patch(
+        "keras.src.layers.layer",
+        "Layer.__call__",
+        "Eager model(x) outside fit gets plain inputs; the outermost call "
+        "lays them out like a fit batch, and tensors a layer creates are "
+        "global values.",
+        layer_call.wrap_call,
+    ),
+    Patch(
+        "keras.src.random.seed_generator",
+        "SeedGenerator.next",
+        "The state is a replicated DTensor under a distribution, the "
+        "increment a plain tensor: mixed, wherever keras.random draws.",
+        layer_call.wrap_seed_generator_next,
+    ),
+    Patch(
+        "keras.src.backend.torch.numpy",
+        "einsum",
+        "torch's einsum over DTensors reshapes a sharded dim into a merged "
+        "one for some shapes (one token at a time in generate) and then "
+        "gathers the kernel or all-reduces a column split's output; the "
+        "subscripts say the layout, as for mm.",
+        einsum.wrap_einsum,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "slice_update",
+        "With tensor start indices it writes by index_put_, which DTensor "
+        "cannot run in place on a sharded tensor (a KV cache in generate).",
+        strategies.wrap_slice_update,
+    ),
+    *(
+        Patch(
+            module,
+            "distribute_tensor",
+            "DataParallel keeps tensors plain; a tensor laid out by hand (the "
+            "inputs of keras_hub's generate) would be a DTensor meeting plain "
+            "variables.",
+            data_parallel.wrap_distribute_tensor,
+        )
+        for module in (
+            "keras.src.distribution.distribution_lib",
+            "keras.src.distribution",
+            "keras.distribution",
+        )
+    ),
+    *(
+        Patch(
+            module,
+            "set_distribution",
+            "Plain tensors are global values while a distribution is set, as "
+            "on JAX: keras_hub's generate loop or user code between calls "
+            "would raise 'got mixed torch.Tensor and DTensor'. Meanwhile a "
+            "warnings filter quiets torch's 'non-scalar tensor with "
+            "numel=1' warning, printed on every rank.",
+            context.wrap_set_distribution,
+        )
+        for module in (
+            "keras.src.distribution.distribution_lib",
+            "keras.src.distribution",
+            "keras.distribution",
+        )
+    ),
+)

@@ -1,0 +1,87 @@
+"""The Keras rows of the `PATCHES` table that save and load weights.
+
+Each row names its target, why it is replaced and the Keras versions it was
+checked against; `keras_dtensor.patches` applies and restores them.
+"""
+
+import functools
+
+from keras_dtensor.patches.rows import Patch
+from keras_dtensor.saving import collective
+from keras_dtensor.saving import sliced_load
+from keras_dtensor.saving import stores
+
+__all__ = ["SAVING_ROWS"]
+
+
+def _backend_module(original):
+    from keras_dtensor.backend import distribution_lib
+
+    return distribution_lib
+
+
+_BACKEND = "keras.src.backend"
+_TORCH_CORE = "keras.src.backend.torch.core"
+SAVING_ROWS = (
+    Patch(
+        "keras.src.saving.saving_lib",
+        "H5IOStore.__getitem__",
+        "load_weights/load_model read every variable whole on every rank: "
+        "a model that fits only sharded could not be loaded. Under a "
+        "distribution the store hands out the dataset, read lazily.",
+        sliced_load.wrap_h5_store_getitem,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "Variable._convert_to_tensor",
+        "A sharded variable assigned from the lazy dataset reads only this "
+        "rank's slices of it (sliced_load.py).",
+        sliced_load.wrap_convert_variable_value,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "save_weights_only",
+        "Every rank must take part (shards travel to rank 0); only rank 0 "
+        "may write (h5py's lock), atomically.",
+        functools.partial(collective.wrap_save, what="save_weights"),
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "save_model",
+        "model.save: as save_weights_only.",
+        functools.partial(collective.wrap_save, what="save"),
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "H5IOStore.__setitem__",
+        "Converting a sharded variable to numpy gathered it whole on every "
+        "rank (2x the model per rank while saving); inside a save rank 0 "
+        "writes it in pieces from the shards' owners (stream_save.py).",
+        stores.wrap_h5_store_setitem,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "ShardedH5IOStore.__setitem__",
+        "save_weights(max_shard_size=...) converted every variable to "
+        "numpy first (a whole gather) to size its shard files; inside a "
+        "save a sharded value passes as its shape and dtype and is "
+        "written in pieces (stores.py).",
+        stores.wrap_sharded_h5_store_setitem,
+    ),
+    Patch(
+        "keras.src.optimizers.base_optimizer",
+        "BaseOptimizer.save_own_variables",
+        "It stores variable.numpy(), a whole gather of every sharded slot "
+        "on every rank; inside a save the store gets the variable.",
+        stores.wrap_optimizer_save_own_variables,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "_save_model_to_fileobj",
+        "model.save built the whole weights file in memory on rank 0 (a "
+        "BytesIO, then a copy), or in a temporary file copied into the "
+        "zip (written twice); inside a save h5py writes it in place in "
+        "the zip (zip_stream.py).",
+        collective.wrap_save_model_to_fileobj,
+    ),
+)
