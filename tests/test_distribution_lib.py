@@ -78,7 +78,7 @@ def _backend_checks():
     )
     too_many = keras.distribution.TensorLayout((None, None, "model"), mesh)
     out["err_rank"] = _expect_value_error(
-        lambda: distribution_lib._as_backend_layout(
+        lambda: distribution_lib.as_backend_layout(
             too_many, path="x/kernel", shape=(6, 8)
         )
     )

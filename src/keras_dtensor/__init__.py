@@ -102,9 +102,9 @@ install()
 def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
     """Per-rank memory of `distribution`'s layouts, built on `meta`.
 
-    See `keras_dtensor.planning.memory.plan`.
+    See `keras_dtensor.planning.plan`.
     """
-    from keras_dtensor.planning.memory import plan as _plan
+    from keras_dtensor.planning import plan as _plan
 
     return _plan(model_or_build_fn, distribution, optimizer, **kwargs)
 

@@ -22,6 +22,7 @@ import functools
 import re
 import warnings
 
+from keras_dtensor.backend.distribution_lib import device_ranks
 from keras_dtensor.backend.launch import multi_process
 
 __all__ = [
@@ -107,10 +108,11 @@ def global_values():
     from an agreed seed, a seed increment) holds the same global value on
     every process, so it *is* replicated. Data is the exception (a rank's
     slice is not the global value), and every data path becomes DTensors
-    before entering here (`data.distribute_batch`), so no rank-local tensor
-    is mistaken for a global one. Outside these scopes (user code between
-    steps) under `DataParallel` or no distribution a plain tensor meeting
-    a DTensor still raises torch's "mixed torch.Tensor and DTensor" error.
+    before entering here (`batch_layout.distribute_batch`), so no
+    rank-local tensor is mistaken for a global one. Outside these scopes
+    (user code between steps) under `DataParallel` or no distribution a
+    plain tensor meeting a DTensor still raises torch's "mixed
+    torch.Tensor and DTensor" error.
     Re-entrant: it restores the setting it found (torch's
     `implicit_replication` resets it to off).
     """
@@ -163,8 +165,8 @@ def wrap_set_distribution(original):
 
     While a distribution other than `DataParallel` is set, every plain
     tensor is a global value, as every plain array is on JAX: data enters
-    as DTensors (`data.distribute_batch`), so a plain tensor that meets a
-    DTensor anywhere (a sampler's prompt and index in keras_hub's
+    as DTensors (`batch_layout.distribute_batch`), so a plain tensor that
+    meets a DTensor anywhere (a sampler's prompt and index in keras_hub's
     `generate`, a mask built between calls) holds the same value on every
     process and counts as replicated. Setting or clearing the distribution
     sets DTensor's implicit replication on or off (it is thread-local, like
@@ -175,8 +177,6 @@ def wrap_set_distribution(original):
         if value is not None and is_data_parallel(value) and multi_process():
             # DataParallel never builds its mesh on torch: check it here,
             # or `DataParallel(devices=...)` of the wrong length is ignored.
-            from keras_dtensor.backend.distribution_lib import device_ranks
-
             device_ranks(value.device_mesh)
         original(value)
         set_global_values(value)

@@ -23,6 +23,8 @@ from keras_dtensor.backend.layout import to_placements
 
 __all__ = [
     "DTensorLayout",
+    "as_backend_layout",
+    "check_layout",
     "distribute_data_input",
     "distribute_tensor",
     "distribute_variable",
@@ -33,6 +35,7 @@ __all__ = [
     "list_devices",
     "num_processes",
     "process_id",
+    "shard_global_tensor",
 ]
 
 _MESH_CACHE = "keras_dtensor_backend_meshes"
@@ -220,7 +223,7 @@ def _to_backend_layout(tensor_layout):
     )
 
 
-def _as_backend_layout(layout, path=None, shape=None):
+def as_backend_layout(layout, path=None, shape=None):
     """The `DTensorLayout` of `layout`, checked against `path`'s shape.
 
     Args:
@@ -259,7 +262,7 @@ def shard_global_tensor(tensor, layout):
     Args:
         tensor: a plain `torch.Tensor` with the global shape.
         layout: a `DTensorLayout`, already checked against the tensor's
-            shape (see `_as_backend_layout`).
+            shape (see `as_backend_layout`).
 
     Returns:
         A `DTensor`.
@@ -296,7 +299,7 @@ def distribute_tensor(tensor, layout):
     >>> keras.distribution.distribute_tensor(torch.ones(4, 8), layout)
     """
     if isinstance(tensor, DTensor):
-        layout = _as_backend_layout(layout)
+        layout = as_backend_layout(layout)
         if tensor.device_mesh == layout.device_mesh and tuple(
             tensor.placements
         ) == tuple(layout.placements):
@@ -307,14 +310,14 @@ def distribute_tensor(tensor, layout):
 
         tensor = convert_to_tensor(tensor)
     if launch.num_processes() == 1:
-        _check_only(layout, tuple(tensor.shape))
+        check_layout(layout, tuple(tensor.shape))
         return tensor
-    layout = _as_backend_layout(layout, shape=tuple(tensor.shape))
+    layout = as_backend_layout(layout, shape=tuple(tensor.shape))
     return shard_global_tensor(tensor, layout)
 
 
-def _check_only(layout, shape, path=None):
-    """Raises for `layout` what `_as_backend_layout` would, building no
+def check_layout(layout, shape, path=None):
+    """Raises for `layout` what `as_backend_layout` would, building no
     torch mesh (a job of one process computes on plain tensors)."""
     from keras.src.distribution import TensorLayout
 
@@ -324,7 +327,7 @@ def _check_only(layout, shape, path=None):
             layout.axes, mesh.shape, mesh.axis_names, path=path, shape=shape
         )
     elif not isinstance(layout, (TensorLayout, DTensorLayout)):
-        _as_backend_layout(layout)
+        as_backend_layout(layout)
 
 
 def distribute_variable(value, layout):
@@ -364,9 +367,9 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
 
         per_process_batch = convert_to_tensor(per_process_batch)
     if launch.num_processes() == 1:
-        _check_only(layout, tuple(per_process_batch.shape))
+        check_layout(layout, tuple(per_process_batch.shape))
         return per_process_batch
-    layout = _as_backend_layout(layout)
+    layout = as_backend_layout(layout)
     mesh = layout.device_mesh
     parts = 1
     for size, placement in zip(mesh.shape, layout.placements, strict=True):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
+from keras_dtensor.backend import placement_order
 
 __all__ = [
     "all_gather_bytes",
@@ -188,8 +189,6 @@ def _check_placement_order():
     Ranks that disagree (its hashes taken off by `uninstall()` on some
     ranks only) could run different collectives and hang: fail at start.
     """
-    from keras_dtensor.backend import placement_order
-
     digests = all_gather_ints(placement_order.order_digest())
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]

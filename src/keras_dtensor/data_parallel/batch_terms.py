@@ -42,13 +42,13 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.rows import gather_rows
 from keras_dtensor.data_parallel.rows import split_counts
-from keras_dtensor.hooks import callbacks
 
 __all__ = ["call_layer", "find_loss_layers", "step_scope", "wrap_add_loss"]
 
@@ -245,7 +245,7 @@ def _on_global_batch(layer, original, args, kwargs, step):
             if "propagation" not in str(e) and "DTensor" not in str(e):
                 raise
             object_state.set_on(layer, _GATHERED, True)
-            if not callbacks.silent():
+            if not console.silent():
                 warnings.warn(
                     f"DataParallel: layer '{layer.name}' adds losses and "
                     "could not run as DTensors over the batch "

@@ -27,9 +27,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.hooks import callbacks
 
 __all__ = [
     "EarlyMetrics",
@@ -240,7 +240,7 @@ def global_logs(model, kind, logs):
     state = state_of(model)
     if kind not in state.local_logs_warned:
         state.local_logs_warned.add(kind)
-        if not callbacks.silent():
+        if not console.silent():
             warnings.warn(
                 f"DataParallel: the custom {name} of model "
                 f"'{model.name}' returns {sorted(local)}, which are not "

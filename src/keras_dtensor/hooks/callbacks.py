@@ -14,12 +14,10 @@
    `KERAS_DTENSOR_LOG_ALL_RANKS=1` to print on every rank.
 """
 
-import torch.distributed as dist
-
-from keras_dtensor import config
+from keras_dtensor.backend import console
 from keras_dtensor.backend.launch import multi_process
 
-__all__ = ["silent", "wrap_configure_async_dispatch", "wrap_print_msg"]
+__all__ = ["wrap_configure_async_dispatch", "wrap_print_msg"]
 
 
 def wrap_configure_async_dispatch(original):
@@ -35,21 +33,11 @@ def wrap_configure_async_dispatch(original):
     return _configure_async_dispatch
 
 
-def silent():
-    """Whether this rank keeps quiet (all but rank 0, unless
-    `KERAS_DTENSOR_LOG_ALL_RANKS=1`)."""
-    return (
-        multi_process()
-        and dist.get_rank() != 0
-        and not config.get("LOG_ALL_RANKS")
-    )
-
-
 def wrap_print_msg(original):
     """Wraps `io_utils.print_msg`: a no-op on ranks other than 0."""
 
     def _print_msg(message, line_break=True):
-        if silent():
+        if console.silent():
             return None
         return original(message, line_break=line_break)
 

@@ -10,77 +10,18 @@ Plain tensors are converted here, at the boundary, with the layout they
 really have. Nothing downstream guesses that a plain tensor is replicated.
 """
 
-import numpy as np
-import torch
-from torch.distributed.tensor import DTensor
-
 from keras_dtensor import data_parallel
+from keras_dtensor import planning
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend.batch_layout import distribute_batch
 from keras_dtensor.hooks import input_checks
-from keras_dtensor.planning import lint
 
 __all__ = [
-    "distribute_batch",
     "wrap_get_data_adapter",
     "wrap_get_iterator",
     "wrap_make_function",
 ]
-
-_LAYOUTS = "_keras_dtensor_data_layouts"
-
-
-def _data_layout(distribution, ndim):
-    """The batch layout for `ndim`, cached on the distribution object."""
-    cache = object_state.get_on(distribution, _LAYOUTS)
-    if cache is None:
-        cache = object_state.set_on(distribution, _LAYOUTS, {})
-    if ndim not in cache:
-        from keras_dtensor.backend.distribution_lib import _as_backend_layout
-
-        layout = distribution.get_data_layout((None,) * ndim)
-        cache[ndim] = _as_backend_layout(layout)
-    return cache[ndim]
-
-
-def _distribute_leaf(x, distribution, per_process):
-    from keras_dtensor.backend.distribution_lib import distribute_data_input
-    from keras_dtensor.backend.distribution_lib import shard_global_tensor
-
-    if isinstance(x, DTensor) or x is None:
-        return x
-    if isinstance(x, np.ndarray) or (
-        isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
-    ):
-        from keras.src.backend.torch.core import convert_to_tensor
-
-        x = convert_to_tensor(x)
-        if x.ndim == 0:
-            return x
-        layout = _data_layout(distribution, x.ndim)
-        if per_process:
-            return distribute_data_input(x, layout, distribution.batch_dim_name)
-        return shard_global_tensor(x, layout)
-    return x
-
-
-def distribute_batch(batch, distribution, per_process=False):
-    """Converts every array in a batch to a DTensor sharded by batch.
-
-    Args:
-        batch: a nested structure of arrays and tensors.
-        distribution: the active `keras.distribution.Distribution`.
-        per_process: whether the batch is this process's slice (else it
-            is the global batch, identical on every process).
-
-    Returns:
-        The same structure with `DTensor` leaves.
-    """
-    from keras.src import tree
-
-    return tree.map_structure(
-        lambda x: _distribute_leaf(x, distribution, per_process), batch
-    )
 
 
 def wrap_get_iterator(original):
@@ -132,7 +73,7 @@ def wrap_make_function(original, kind):
             return result
         distribution = context.current()
         if distribution is not None and kind == "train":
-            lint.warn_unmatched_layout_keys(self, distribution)
+            planning.warn_unmatched_layout_keys(self, distribution)
 
         def distributed_step(data):
             distribution = context.active()

@@ -14,19 +14,9 @@ differentiable output, its tangent is the DTensor gradient of the loss,
 and each batch shape compiles once. Loss, backward, optimizer and metrics
 run eagerly on DTensors.
 
-torch's on-disk compile cache keys a DTensor the same on every rank, and
-the ranks of a machine share that cache: a warm run could load a program
-another rank compiled and train different numbers with no error. The key
-names the rank (`wrap_stable_hash_for_caching`). `KERAS_DTENSOR_JIT=0`
-runs the model eagerly instead.
-
-A compiled piece whose output is a view of its input is rebuilt by
-AOTAutograd with `as_strided` in torch 2.13 (torch 2.14 replays the
-view), an op DTensor refuses and cannot differentiate: Keras's
-`MultiHeadAttention` returns a transposed view across a graph break.
-Where the view is a permutation of the input's dims, or a reshape of a
-contiguous input (keras_hub's Qwen-MoE router), it is rebuilt with
-`permute` or `view` instead (`wrap_gen_alias_from_base`).
+`KERAS_DTENSOR_JIT=0` runs the model eagerly instead. The torch-level
+fixes a compiled forward over DTensors needs (the compile-cache key, views
+returned across a graph break) are in `ops.compile_fixes`.
 
 Where torch cannot run a compiled forward over DTensors, the model runs
 eagerly instead of failing `fit`, with a warning naming the error (rank 0),
@@ -42,8 +32,8 @@ attention calls) is compiled frame by frame: every layer's call runs
 through the same Keras functions (`Functional`'s per-layer `call`,
 `Layer.__call__`, `_setattr_hook`), compiled again for each layer as
 dynamo guards on the layer (its class, `_parent_path`, its arguments).
-keras_hub's Llama of 2 layers compiles 113 times in its first call (28 of
-them a function already compiled for another layer), about a minute.
+keras_hub's Llama compiles many times in its first call, most of them
+functions already compiled for another layer.
 Once a function has been compiled `torch._dynamo.config.recompile_limit`
 times, dynamo runs it eagerly on its own, rank by rank; input shapes that
 keep changing (one compilation each) end there too. So once a function of
@@ -56,23 +46,17 @@ way. The first call still pays for what it compiled.
 """
 
 import collections
-import hashlib
 import warnings
 
 import torch
 
 from keras_dtensor import config
+from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import launch
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend.layout import contiguous_strides
-from keras_dtensor.hooks import callbacks
 
-__all__ = [
-    "wrap_gen_alias_from_base",
-    "wrap_should_torch_compile",
-    "wrap_stable_hash_for_caching",
-]
+__all__ = ["wrap_should_torch_compile"]
 
 
 def _signature(args, kwargs):
@@ -89,7 +73,7 @@ def _signature(args, kwargs):
 
 def _warn(message):
     """A warning from rank 0 only (as the package's logs)."""
-    if not callbacks.silent():
+    if not console.silent():
         warnings.warn(message, stacklevel=3)
 
 
@@ -238,86 +222,3 @@ def wrap_should_torch_compile(original):
         return False
 
     return _should_torch_compile
-
-
-def wrap_stable_hash_for_caching(original):
-    """Wraps `DTensor._stable_hash_for_caching`: the key of a DTensor in
-    torch's on-disk AOTAutograd cache, which torch 2.13 derives from the
-    DTensor's spec alone (mesh, placements, global shape), the same on
-    every rank (pytorch/pytorch#188390; 2.14 adds the local device, the
-    same for every rank on CPU). The cache directory is shared by the
-    processes of a machine, so a rank could load the program another rank
-    compiled: measured, a warm run trained different numbers from eager
-    with no error (`test_model_parallel.py`, "jit_warm_cache"). The key
-    also names this process's rank: each rank finds its own entries, and
-    again in the next run."""
-
-    def _stable_hash_for_caching(self):
-        key = original(self)
-        if not torch.distributed.is_initialized():
-            return key
-        rank = torch.distributed.get_rank()
-        salted = f"{key}|rank {rank}|{self._local_tensor.device}"
-        return hashlib.blake2b(salted.encode(), digest_size=16).hexdigest()
-
-    return _stable_hash_for_caching
-
-
-def _permutation(target, base):
-    """`dims` with `base.permute(dims)` laid out as `target`, or None. Two
-    dims with one (size, stride) make it ambiguous (the layouts agree, the
-    placements need not): None."""
-    pairs = list(zip(base.size(), base.stride(), strict=True))
-    dims = []
-    for pair in zip(target.size(), target.stride(), strict=True):
-        found = [i for i, p in enumerate(pairs) if p == pair]
-        if len(found) != 1:
-            return None
-        dims.append(found[0])
-    return dims
-
-
-def _view_of(base, target):
-    """`target` as a differentiable view op on `base` (a permutation of
-    its dims, or a reshape of a contiguous base to contiguous `target`),
-    or None when it is neither (a slice, a strided view)."""
-    if target.dtype != base.dtype:
-        return None
-    if target.storage_offset() != base.storage_offset():
-        return None
-    if target.dim() == base.dim():
-        dims = _permutation(target, base)
-        if dims is not None:
-            return base.permute(dims)
-    size = tuple(target.size())
-    if (
-        target.numel() == base.numel()
-        and base.is_contiguous()
-        and tuple(target.stride()) == contiguous_strides(size)
-    ):
-        return base.view(size)
-    return None
-
-
-def wrap_gen_alias_from_base(original):
-    """Wraps AOTAutograd's `gen_alias_from_base(base, target,
-    target_requires_grad, ...)`, which rebuilds a compiled graph's output
-    that aliases `base` (see the module docstring). For a DTensor base and
-    a target that is a permutation or a reshape of it, the alias is
-    `base.permute(dims)` or `base.view(shape)` (differentiable, sharded by
-    DTensor's rules); everything else goes to torch's own."""
-    from torch.distributed.tensor import DTensor
-
-    def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
-        if not isinstance(base, DTensor):
-            return original(base, target, target_requires_grad, *a, **kw)
-        out = _view_of(base, target)
-        if out is None:
-            return original(base, target, target_requires_grad, *a, **kw)
-        if base.requires_grad and not target_requires_grad:
-            out = out.detach()
-        elif not base.requires_grad and target_requires_grad:
-            out.requires_grad_(True)
-        return out
-
-    return gen_alias_from_base

@@ -10,12 +10,16 @@ these; each receives the original method it replaces.
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import model_parallel
+from keras_dtensor import planning
 from keras_dtensor.backend import context
+from keras_dtensor.backend.distribution_lib import as_backend_layout
+from keras_dtensor.backend.distribution_lib import check_layout
+from keras_dtensor.backend.distribution_lib import distribute_tensor
+from keras_dtensor.backend.distribution_lib import shard_global_tensor
+from keras_dtensor.backend.errors import AssignedInCall
 from keras_dtensor.backend.layout import local_slices
-from keras_dtensor.model_parallel import islands
-from keras_dtensor.model_parallel import local_run
-from keras_dtensor.model_parallel import pending_grads
-from keras_dtensor.planning import lint
+from keras_dtensor.hooks import sharded_init
 from keras_dtensor.saving import stores
 
 __all__ = [
@@ -44,25 +48,19 @@ def variable_layout(variable):
     if distribution is None or context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
     if variable._layout is None:
-        variable._layout = lint.lora_layout(
+        variable._layout = planning.lora_layout(
             distribution, variable
         ) or distribution.get_variable_layout(variable)
     if context.active() is None and variable._layout is not None:
         # The error a job of N processes would raise for this layout.
-        from keras_dtensor.backend.distribution_lib import _check_only
-
-        _check_only(variable._layout, variable.shape, path=variable.path)
+        check_layout(variable._layout, variable.shape, path=variable.path)
         return None
     return variable._layout
 
 
 def _to_dtensor(variable, value):
     """Lays `value` (a global value or a DTensor) out as `variable`."""
-    from keras_dtensor.backend.distribution_lib import _as_backend_layout
-    from keras_dtensor.backend.distribution_lib import distribute_tensor
-    from keras_dtensor.backend.distribution_lib import shard_global_tensor
-
-    layout = _as_backend_layout(
+    layout = as_backend_layout(
         variable._layout, path=variable.path, shape=variable.shape
     )
     if isinstance(value, DTensor):
@@ -90,7 +88,7 @@ def wrap_initialize(original):
     """Wraps `Variable._initialize`: shard the initial value by layout."""
 
     def _initialize(self, value):
-        local_run.variables_changed()
+        model_parallel.variables_changed()
         self._shape = self._validate_shape(value.shape)
         if variable_layout(self) is None:
             return original(self, value)
@@ -111,7 +109,7 @@ def wrap_initialize_with_initializer(original):
     """
 
     def _initialize_with_initializer(self, initializer):
-        local_run.variables_changed()
+        model_parallel.variables_changed()
         if variable_layout(self) is None:
             return original(self, initializer)
         # An initializer's seed generator may be a (replicated) variable.
@@ -132,10 +130,7 @@ def _initialize_shard_only(variable, initializer):
     from keras.src.backend.torch.core import convert_to_tensor
     from keras.src.backend.torch.core import get_device
 
-    from keras_dtensor.backend.distribution_lib import _as_backend_layout
-    from keras_dtensor.hooks import sharded_init
-
-    layout = _as_backend_layout(
+    layout = as_backend_layout(
         variable._layout, path=variable.path, shape=variable._shape
     )
     mesh, placements = layout.device_mesh, layout.placements
@@ -186,15 +181,15 @@ def wrap_direct_assign(original):
 
     def _direct_assign(self, value):
         if not isinstance(self._value, DTensor):
-            if local_run.active():
+            if model_parallel.in_local_run():
                 # A model on local rows: this rank's value must not land
                 # in a global variable; the call reruns as DTensors.
-                raise local_run.AssignedInCall(self.path)
+                raise AssignedInCall(self.path)
             return original(self, value)
-        if islands.recorder() is not None:
+        if model_parallel.recording():
             # The DTensor run a local run is checked against: it runs
             # again for real if needed; nothing may be written twice.
-            raise local_run.AssignedInCall(self.path)
+            raise AssignedInCall(self.path)
         with torch.no_grad():
             self._value.copy_(_to_dtensor(self, value))
 
@@ -253,7 +248,7 @@ def wrap_filter_empty_gradients(original):
         distribution = context.active()
         if distribution is None or context.is_data_parallel(distribution):
             return grads, variables  # plain variables: nothing laid out
-        grads = pending_grads.reduce_pending(
+        grads = model_parallel.reduce_pending(
             grads, [getattr(v, "value", None) for v in variables]
         )
         grads = [

@@ -1,1 +1,40 @@
-"""TODO"""
+"""ModelParallel the DTensor way: layouts from a `LayoutMap`, run locally
+where they allow it.
+
+Variables are DTensors laid out by the distribution. A layer call goes
+through `call_layer` (`call`), the one entry:
+
+- a model whose weights are replicated or sharded over the batch axis only
+  (FSDP-style layouts) runs on this rank's rows as plain tensors, its
+  batch-sharded weights gathered block by block (`local_run`,
+  `eligibility`, `fsdp_blocks`, `packed_gather`);
+- a tensor-parallel layer inside such a run is a DTensor island
+  (`islands`), checked once against the DTensor run (`exactness`);
+- everything else runs on DTensors, weights sharded over the batch axis
+  gathered by the layer that uses them (`fsdp_weights`), pending sums
+  reduced at each layer's boundary;
+- gradients that arrive as pending sums are reduced together before the
+  optimizer (`pending_grads`).
+
+The variable hooks ask `in_local_run()` and `recording()` before an
+assignment and call `variables_changed()` when a variable is created.
+"""
+
+from keras_dtensor.model_parallel.call import call_layer
+from keras_dtensor.model_parallel.eligibility import variables_changed
+from keras_dtensor.model_parallel.islands import recorder
+from keras_dtensor.model_parallel.local_run import active as in_local_run
+from keras_dtensor.model_parallel.pending_grads import reduce_pending
+
+__all__ = [
+    "call_layer",
+    "in_local_run",
+    "recording",
+    "reduce_pending",
+    "variables_changed",
+]
+
+
+def recording() -> bool:
+    """Whether a DTensor run is being recorded to check a local run."""
+    return recorder() is not None

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
+from keras_dtensor.backend import object_state
 from keras_dtensor.model_parallel import fsdp_weights
 
 __all__ = [
@@ -26,10 +27,11 @@ __all__ = [
 ]
 
 _PLAN = "_keras_dtensor_local_batch"
-# Counts variables created; a model's cached plan is rebuilt when it moves
-# (LoRA adds weights after build). Walking `layer.weights` on every step
-# instead costs a traversal of every sublayer.
-_generation = 0
+# Counts variables created, in Keras's global state (a new count after
+# `clear_session`); a model's cached plan is rebuilt when it moves (LoRA
+# adds weights after build). Walking `layer.weights` on every step instead
+# costs a traversal of every sublayer.
+_CREATED = "keras_dtensor_variables_created"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +60,20 @@ class Plan:
         )
 
 
+def _created():
+    """The count of variables created: a one-item list in Keras's state."""
+    from keras.src.backend.common import global_state
+
+    count = global_state.get_global_attribute(_CREATED)
+    if count is None:
+        count = [0]
+        global_state.set_global_attribute(_CREATED, count)
+    return count
+
+
 def variables_changed():
     """Called when a variable is created: cached plans are rebuilt."""
-    global _generation
-    _generation += 1
+    _created()[0] += 1
 
 
 def _excluded(layers):
@@ -168,22 +180,23 @@ def whole_along(mesh, dim, placement):
 def forget(layer):
     """The model runs as DTensors from now on (until a variable is
     created)."""
-    cached = layer.__dict__.get(_PLAN)
+    cached = object_state.get_on(layer, _PLAN)
     if cached is not None:
-        layer.__dict__[_PLAN] = (cached[0], None)
+        object_state.set_on(layer, _PLAN, (*cached[:2], None))
 
 
 def plan(layer, distribution):
     """The layer's `Plan`, or None when it must run as DTensors."""
     if not layer.built or torch.compiler.is_compiling():
         return None
-    cached = layer.__dict__.get(_PLAN)
-    if cached is None or cached[0] != _generation:
+    count = _created()
+    cached = object_state.get_on(layer, _PLAN)
+    if cached is None or cached[0] is not count or cached[1] != count[0]:
         built = None
         if config.get("LOCAL_BATCH"):
             built = _build(layer, distribution.batch_dim_name)
-        cached = layer.__dict__[_PLAN] = (_generation, built)
-    return cached[1]
+        cached = object_state.set_on(layer, _PLAN, (count, count[0], built))
+    return cached[2]
 
 
 def shards_enter(plan_, flat):

@@ -42,9 +42,10 @@ import warnings
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor.backend import console
 from keras_dtensor.backend import context
+from keras_dtensor.backend import object_state
 from keras_dtensor.backend.errors import AssignedInCall
-from keras_dtensor.hooks import callbacks
 from keras_dtensor.model_parallel import eligibility
 from keras_dtensor.model_parallel.islands import Record
 from keras_dtensor.model_parallel.islands import Replay
@@ -152,9 +153,9 @@ def layouts(flat):
 
 def _records(layer, plan_):
     """`(records by signature, States by input layout)`."""
-    cached = layer.__dict__.get(_RECORDS)
+    cached = object_state.get_on(layer, _RECORDS)
     if cached is None or cached[0] is not plan_:
-        cached = layer.__dict__[_RECORDS] = (plan_, {}, {})
+        cached = object_state.set_on(layer, _RECORDS, (plan_, {}, {}))
     return cached[1], cached[2]
 
 
@@ -283,8 +284,10 @@ def call(layer, plan_, flat, reference, run):
     # Said once per distribution: keras_hub's generate calls each decoder
     # block on its own, and each would say the same.
     distribution = context.active()
-    said = distribution is None or distribution.__dict__.get(_SAID, False)
-    if not said and not callbacks.silent():
+    said = distribution is None or object_state.get_on(
+        distribution, _SAID, False
+    )
+    if not said and not console.silent():
         warnings.warn(
             f"keras-dtensor: {layer.name!r} runs as DTensors between its "
             "tensor-parallel layers, not on local tensors: its local run "
@@ -294,7 +297,7 @@ def call(layer, plan_, flat, reference, run):
             stacklevel=4,
         )
     if distribution is not None:
-        distribution.__dict__[_SAID] = True
+        object_state.set_on(distribution, _SAID, True)
     return False, None
 
 

@@ -24,6 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor.backend import object_state
+
 __all__ = ["batch_placement", "gathered_weights"]
 
 _PLAN = "_keras_dtensor_weight_gather"
@@ -62,7 +64,7 @@ def _plan(layer, batch_axis):
     own = layer.__dict__.get("_trainable_variables")
     if not own:
         return ()
-    cached = layer.__dict__.get(_PLAN)
+    cached = object_state.get_on(layer, _PLAN)
     if cached is not None and cached[0] == len(own):
         return cached[1]
     plan = []
@@ -70,8 +72,7 @@ def _plan(layer, batch_axis):
         targets = _gather_targets(getattr(variable, "_value", None), batch_axis)
         if targets is not None:
             plan.append((variable, targets))
-    layer.__dict__[_PLAN] = (len(own), tuple(plan))
-    return layer.__dict__[_PLAN][1]
+    return object_state.set_on(layer, _PLAN, (len(own), tuple(plan)))[1]
 
 
 @contextlib.contextmanager

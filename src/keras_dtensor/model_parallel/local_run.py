@@ -51,10 +51,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras_dtensor.backend import console
+from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.layout import contiguous_strides
-from keras_dtensor.hooks import callbacks
 from keras_dtensor.model_parallel import exactness
 from keras_dtensor.model_parallel import fsdp_blocks
 from keras_dtensor.model_parallel import fsdp_weights
@@ -229,8 +230,6 @@ def _dtensor_scope(layer):
     """A boundary layer's call inside a local call: as DTensors, as
     outside a local call (nested layers included), its weights sharded
     over the batch axis too gathered for the call."""
-    from keras_dtensor.backend import context
-
     token = _ACTIVE.set(False)
     try:
         with (
@@ -275,10 +274,10 @@ def _layout(layer, plan_):
     layers' order; after it, again from the order the call reached them."""
     if not plan_.gathered:
         return None
-    cached = layer.__dict__.get(_GROUPS)
+    cached = object_state.get_on(layer, _GROUPS)
     if cached is None or cached[0] is not plan_:
         layout = fsdp_blocks.build(layer, plan_, order=None)
-        cached = layer.__dict__[_GROUPS] = (plan_, layout)
+        cached = object_state.set_on(layer, _GROUPS, (plan_, layout))
     layout = cached[1]
     return None if layout is None or layout.failed else layout
 
@@ -297,7 +296,7 @@ def _run(layer, original, plan_, layout, args, kwargs, replay=None):
     if layout is not None and layout.order is None:
         # The groups again, in the order this call reached the layers.
         rebuilt = fsdp_blocks.build(layer, plan_, order=session.order)
-        layer.__dict__[_GROUPS] = (plan_, rebuilt)
+        object_state.set_on(layer, _GROUPS, (plan_, rebuilt))
     return outputs
 
 
@@ -342,7 +341,7 @@ def call(layer, original, plan_, args, kwargs, reference):
         # A freed weight read outside its unit's call: every rank got
         # here at the same op; from now on all weights are gathered.
         layout.failed = True
-        if not callbacks.silent():  # rank 0's, as the package's logs
+        if not console.silent():  # rank 0's, as the package's logs
             warnings.warn(
                 f"keras-dtensor: {layer.name!r} reads a weight outside the "
                 "layer that owns it; its batch-sharded weights are gathered "

@@ -1,13 +1,8 @@
-"""DTensor fixes that distributed Keras programs need from torch 2.13.
+"""Sharding strategies for ops DTensor lacks in torch 2.13.
 
-Only the functions live here; the `PATCHES` table (`patches.py`) installs
-them, shows them in `keras-dtensor info` and takes them off again.
-
-1. Sharding choices that agree across ranks are in `placement_order.py`.
-
-2. Sharding strategies for ops DTensor lacks, registered through the
-   public experimental `register_sharding`; they only affect ops whose
-   inputs are DTensors.
+They are registered through the public experimental `register_sharding` by
+the torch rows of the `PATCHES` table, and only affect ops whose inputs are
+DTensors.
 
 CPU flash attention (`torch.nn.functional.scaled_dot_product_attention` on
 CPU, which Keras's `MultiHeadAttention` calls) has no strategy in torch
@@ -49,9 +44,6 @@ __all__ = [
     "register_elementwise",
     "replicated_sample",
     "sample_ops",
-    "wrap_redistribute_backward",
-    "wrap_slice_update",
-    "wrap_redistribute_local_tensor",
 ]
 
 _aten = torch.ops.aten
@@ -136,163 +128,6 @@ def missing_comparisons():
             if not _has_strategy(op):
                 ops.append(op)
     return ops
-
-
-def _mixed_partial(grad_placements, forward_placements):
-    """Mesh dims where a plain sum meets a different partial type."""
-    return [
-        i
-        for i, (grad, forward) in enumerate(
-            zip(grad_placements, forward_placements, strict=True)
-        )
-        if grad.is_partial() and forward.is_partial() and grad != forward
-    ]
-
-
-def wrap_redistribute_backward(original):
-    """Wraps DTensor's `_redistribute_backward(grad, previous_spec, ...)`.
-
-    Backward of a redistribution brings the gradient back to the forward
-    input's placements. When the forward input was a masked partial sum
-    (a vocabulary-sharded embedding lookup) and the gradient arrives as a
-    plain partial sum (from a column-parallel layer downstream), DTensor
-    has no rule from one partial type to the other and raises. The
-    gradient of a partial tensor is its full value, so the gradient is
-    summed (Partial -> Replicate) first; DTensor then keeps it replicated,
-    as it does for every replicated gradient of a partial input.
-    """
-
-    def _redistribute_backward(grad_output, previous_spec, **kwargs):
-        dims = _mixed_partial(grad_output.placements, previous_spec.placements)
-        if dims:
-            placements = [
-                Replicate() if i in dims else p
-                for i, p in enumerate(grad_output.placements)
-            ]
-            grad_output = grad_output.redistribute(
-                grad_output.device_mesh, placements
-            )
-        return original(grad_output, previous_spec, **kwargs)
-
-    return _redistribute_backward
-
-
-def wrap_redistribute_local_tensor(original):
-    """Wraps the `redistribute_local_tensor` DTensor's dispatcher calls.
-
-    An embedding's indices that must become a masked partial on one mesh
-    dimension (the vocabulary-sharded table) and be gathered on another
-    (a batch-sharded input meeting a table sharded on its feature axis
-    over the batch axis, as keras_hub's Gemma layout does on a 2 x 2
-    mesh) get their mask recorded before the gather, for this rank's rows
-    only; the partial sum is then masked with the wrong rows ("The shape
-    of the mask [2, 8] ... does not match ... [4, 8, 8]"). Here the other
-    dimensions are redistributed first, then the partial ones.
-    """
-
-    def redistribute_local_tensor(
-        local_tensor, current_spec, target_spec, **kw
-    ):
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-        current, target = current_spec.placements, target_spec.placements
-        partial = [
-            i
-            for i, (c, t) in enumerate(zip(current, target, strict=True))
-            if t.is_partial() and not c.is_partial()
-        ]
-        others = [
-            i
-            for i, (c, t) in enumerate(zip(current, target, strict=True))
-            if c != t and i not in partial
-        ]
-        if not partial or not others:
-            return original(local_tensor, current_spec, target_spec, **kw)
-        between = DTensorSpec(
-            target_spec.mesh,
-            tuple(
-                c if i in partial else t
-                for i, (c, t) in enumerate(zip(current, target, strict=True))
-            ),
-            tensor_meta=current_spec.tensor_meta,
-        )
-        local_tensor = original(local_tensor, current_spec, between, **kw)
-        return original(local_tensor, between, target_spec, **kw)
-
-    return redistribute_local_tensor
-
-
-def _aligned(inputs, start_indices, updates):
-    """`(inputs, updates)` with each replicated one cut like the other on
-    every mesh dim where the update spans a whole dim the other shards
-    (and every rank gets part of it): a local cut, no communication.
-
-    A KV cache made by `ops.zeros` (replicated) filled with head-sharded
-    keys takes their split, instead of gathering the keys onto every rank;
-    a cache split by heads updated with a replicated key takes its rank's
-    part of the key. A single key/value head on two ranks stays whole on
-    each (as Megatron and vLLM replicate key/value heads when there are
-    fewer than ranks).
-    """
-    from torch.distributed.tensor import DTensor
-
-    if not (
-        isinstance(inputs, DTensor)
-        and isinstance(updates, DTensor)
-        and inputs.device_mesh == updates.device_mesh
-        and inputs.ndim == updates.ndim
-    ):
-        return inputs, updates
-    mesh = inputs.device_mesh
-    cut = [list(inputs.placements), list(updates.placements)]
-    pairs = zip(inputs.placements, updates.placements, strict=True)
-    for i, pair in enumerate(pairs):
-        for to, source in ((0, pair[1]), (1, pair[0])):
-            if not (pair[to].is_replicate() and type(source) is Shard):
-                continue
-            dim = source.dim
-            if (
-                start_indices[dim] == 0
-                and inputs.shape[dim] == updates.shape[dim]
-                and inputs.shape[dim] >= mesh.size(i)  # no rank left empty
-                and Shard(dim) not in cut[to]
-            ):
-                cut[to][i] = Shard(dim)
-    if cut[0] != list(inputs.placements):
-        inputs = inputs.redistribute(mesh, cut[0])
-    if cut[1] != list(updates.placements):
-        updates = updates.redistribute(mesh, cut[1])
-    return inputs, updates
-
-
-def wrap_slice_update(original):
-    """Wraps Keras's torch `slice_update(inputs, start_indices, updates)`.
-
-    With tensor start indices Keras writes through advanced indexing
-    (`index_put_` with index grids), which DTensor cannot run in place on
-    a sharded tensor ("in-place operations that require placement changes
-    are not supported"): a KV cache sharded by batch or heads, updated at
-    the decoding position. For DTensors the start indices are read as
-    Python ints, Keras's own basic-slicing path, which DTensor runs on
-    each shard.
-
-    A replicated `inputs` updated along a whole dim that `updates` shards
-    takes the update's layout, and the other way round (`_aligned`):
-    keras_hub builds its KV cache with `ops.zeros`, a replicated value,
-    and fills it with the head-sharded keys and values; as torch's tensor
-    parallelism keeps each rank's heads' cache, each rank then holds its
-    heads only, and no update is gathered.
-    """
-
-    def slice_update(inputs, start_indices, updates):
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(inputs, DTensor) or isinstance(updates, DTensor):
-            start_indices = [int(i) for i in start_indices]
-            inputs, updates = _aligned(inputs, start_indices, updates)
-        return original(inputs, start_indices, updates)
-
-    return slice_update
 
 
 def keep_kwargs_in_place(strategy, op_schema):

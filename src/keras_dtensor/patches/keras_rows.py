@@ -8,6 +8,7 @@ import functools
 
 from keras_dtensor import data_parallel
 from keras_dtensor.backend import context
+from keras_dtensor.backend import distribution_lib
 from keras_dtensor.hooks import callbacks
 from keras_dtensor.hooks import data
 from keras_dtensor.hooks import fit
@@ -15,18 +16,16 @@ from keras_dtensor.hooks import jit
 from keras_dtensor.hooks import layer_call
 from keras_dtensor.hooks import replicas
 from keras_dtensor.hooks import shared_files
+from keras_dtensor.hooks import slice_update
 from keras_dtensor.hooks import variables
 from keras_dtensor.ops import einsum
 from keras_dtensor.ops import sharded_adam
-from keras_dtensor.ops import strategies
 from keras_dtensor.patches.rows import Patch
 
 __all__ = ["KERAS_ROWS"]
 
 
 def _backend_module(original):
-    from keras_dtensor.backend import distribution_lib
-
     return distribution_lib
 
 
@@ -315,7 +314,7 @@ KERAS_ROWS = (
         "slice_update",
         "With tensor start indices it writes by index_put_, which DTensor "
         "cannot run in place on a sharded tensor (a KV cache in generate).",
-        strategies.wrap_slice_update,
+        slice_update.wrap_slice_update,
     ),
     *(
         Patch(

@@ -14,6 +14,8 @@ from typing import Any
 
 from keras_dtensor.compat import SUPPORTED_KERAS
 from keras_dtensor.compat import SUPPORTED_TORCH
+from keras_dtensor.compat import keras_version
+from keras_dtensor.compat import torch_version
 
 __all__ = [
     "MISSING",
@@ -257,9 +259,6 @@ class CacheKey:
 
 
 def _installed_versions():
-    from keras_dtensor.compat import keras_version
-    from keras_dtensor.compat import torch_version
-
     return {"keras": keras_version(), "torch": torch_version()}
 
 

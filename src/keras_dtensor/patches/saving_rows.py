@@ -14,12 +14,6 @@ from keras_dtensor.saving import stores
 __all__ = ["SAVING_ROWS"]
 
 
-def _backend_module(original):
-    from keras_dtensor.backend import distribution_lib
-
-    return distribution_lib
-
-
 _BACKEND = "keras.src.backend"
 _TORCH_CORE = "keras.src.backend.torch.core"
 SAVING_ROWS = (

@@ -10,8 +10,9 @@ import torch
 
 from keras_dtensor.backend import placement_order
 from keras_dtensor.compat import SUPPORTED_TORCH
-from keras_dtensor.hooks import jit
+from keras_dtensor.ops import compile_fixes
 from keras_dtensor.ops import embedding_grad
+from keras_dtensor.ops import redistribute
 from keras_dtensor.ops import strategies
 from keras_dtensor.patches.rows import CacheKey
 from keras_dtensor.patches.rows import Patch
@@ -66,7 +67,7 @@ TORCH_ROWS = (
         "by the spec alone, the same on every rank; ranks of one machine "
         "share the cache, and a warm run loaded another rank's compiled "
         "forward: different numbers, no error. The key names the rank.",
-        jit.wrap_stable_hash_for_caching,
+        compile_fixes.wrap_stable_hash_for_caching,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),
@@ -78,7 +79,7 @@ TORCH_ROWS = (
         "to eager on Keras's MultiHeadAttention (a transposed view across a "
         "graph break) and keras_hub's Qwen-MoE (a reshape). A permutation "
         "is rebuilt with permute, a reshape with view.",
-        jit.wrap_gen_alias_from_base,
+        compile_fixes.wrap_gen_alias_from_base,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),
@@ -89,7 +90,7 @@ TORCH_ROWS = (
         "plain partial gradient from a column-parallel layer: 'Redistribution"
         " from one partial type (P(sum)) to another (MaskP(...)) is "
         "unsupported' in backward. The gradient is summed first.",
-        strategies.wrap_redistribute_backward,
+        redistribute.wrap_redistribute_backward,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),
@@ -99,7 +100,7 @@ TORCH_ROWS = (
         "Indices that must be both gathered (batch-sharded input) and "
         "masked (vocabulary-sharded table) record their mask before the "
         "gather: a wrong-shape mask (keras_hub Gemma on a 2 x 2 mesh).",
-        strategies.wrap_redistribute_local_tensor,
+        redistribute.wrap_redistribute_local_tensor,
         package="torch",
         versions=str(SUPPORTED_TORCH),
     ),

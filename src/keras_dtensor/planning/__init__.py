@@ -1,1 +1,23 @@
-"""TODO"""
+"""Layouts checked and costed before anything is allocated.
+
+- `plan` (`memory`): per-rank memory of a distribution's layouts, built on
+  the `meta` device (`keras_dtensor.plan`, `keras-dtensor plan`);
+- `warn_unmatched_layout_keys` (`lint`): LayoutMap keys that match no
+  variable of the model, said once;
+- `lora_layout` (`lora`): the layout of a LoRA factor no key names,
+  derived from its base weight's.
+"""
+
+from keras_dtensor.planning.lint import warn_unmatched_layout_keys
+from keras_dtensor.planning.lora import lora_layout
+from keras_dtensor.planning.memory import Plan
+from keras_dtensor.planning.memory import VariablePlan
+from keras_dtensor.planning.memory import plan
+
+__all__ = [
+    "Plan",
+    "VariablePlan",
+    "lora_layout",
+    "plan",
+    "warn_unmatched_layout_keys",
+]

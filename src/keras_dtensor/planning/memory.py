@@ -26,7 +26,7 @@ import re
 from keras_dtensor.backend import context
 from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
-from keras_dtensor.planning import lint
+from keras_dtensor.planning import lora
 
 __all__ = ["Plan", "VariablePlan", "plan"]
 
@@ -152,7 +152,7 @@ def plan(
     for variable in model.weights:
         layout = None
         if not context.is_data_parallel(distribution):
-            layout = lint.lora_layout(
+            layout = lora.lora_layout(
                 distribution, variable
             ) or distribution.get_variable_layout(variable)
         shape = tuple(variable.shape)
