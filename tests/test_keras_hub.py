@@ -145,7 +145,7 @@ def _run(family, distribution, lora=False):
             if "embeddings" in v.path or "lora" in v.path or "query" in v.path
         }
         # Which of the task model's call signatures ran on local tensors
-        # between its tensor-parallel layers (`sharded_layers`).
+        # between its tensor-parallel layers (`islands`).
         records = lm.__dict__.get("_keras_dtensor_sharded_records")
         local["signatures"] = (
             None
@@ -250,7 +250,7 @@ def test_keras_hub_under_data_parallel_on_2_processes():
 
 def _families_block_by_block(mesh_shape, cases):
     """`_families` with every layer its own gather group (FSDP2's blocks,
-    `gather_groups`): keras_hub's maps on a (2, 1) mesh shard every
+    `fsdp_blocks`): keras_hub's maps on a (2, 1) mesh shard every
     weight over "batch" only, the FSDP-style local path."""
     import os
 

@@ -474,7 +474,7 @@ def _fsdp_local(keras, world):
 
 def _tp_local(keras, world):
     """Tensor-parallel layouts with the ops between the sharded layers on
-    local tensors (`sharded_layers`), against plain Keras: what a layer
+    local tensors (`islands`), against plain Keras: what a layer
     between a column- and a row-split Dense sees, which signatures run
     locally, a norm given head-sharded inputs (it runs as DTensors: its
     gamma's gradient is a sum over the heads' shards), a layer reshaping
@@ -640,7 +640,7 @@ def _tp_local(keras, world):
 
 
 def _uneven_gather():
-    """`group_gather` on shards `torch.chunk` splits unevenly (padded in
+    """`packed_gather` on shards `torch.chunk` splits unevenly (padded in
     the packs, a rank with no rows at all), its buffers starting as NaN:
     the full tensors and the shards' gradients against whole-tensor
     arithmetic."""
@@ -659,7 +659,7 @@ def _uneven_gather():
         else t.narrow(dim, 0, 0).clone().requires_grad_()
         for t, (dim, _) in zip(full, specs, strict=True)
     ]
-    # Every buffer group_gather allocates starts as NaN: padding read back
+    # Every buffer packed_gather allocates starts as NaN: padding read back
     # would show.
     new_empty = torch.Tensor.new_empty
 
@@ -689,7 +689,7 @@ def _uneven_gather():
 
 
 def _fsdp_groups(keras, world):
-    """FSDP2's per-block gather (`gather_groups`), with groups of one layer
+    """FSDP2's per-block gather (`fsdp_blocks`), with groups of one layer
     (`KERAS_DTENSOR_GATHER_MB` tiny) and of the whole model (huge): the
     numbers against plain Keras, the collectives of a step, which earlier
     layers' gathered kernels are still alive when the fourth layer runs,

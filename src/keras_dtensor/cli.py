@@ -46,7 +46,7 @@ def _info(args):
     print(f"devices       {keras.distribution.list_devices()}")
     if compat.upstream_torch_distribution_lib():
         print("upstream      Keras's own torch distribution_lib: replaced")
-    print("\nhooks into Keras and torch (src/keras_dtensor/patches.py):")
+    print("\nhooks into Keras and torch (keras_dtensor.patches):")
     for target, state, why in patches.status():
         print(f"  [{state}] {target}\n      {why}")
     attached = object_state.status()

@@ -1,6 +1,6 @@
 """The DataParallel state a model carries between steps.
 
-Kept on the model itself (through `instance_patches`, so `uninstall()`
+Kept on the model itself (through `object_state`, so `uninstall()`
 takes it off and removes the gradient hooks): no module-level state.
 """
 

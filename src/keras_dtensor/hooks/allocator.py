@@ -4,12 +4,11 @@ glibc keeps freed blocks below its mmap threshold (which rises to 32 MiB
 as large blocks are freed) in its arenas, resident. Building a sharded
 model frees many such blocks (sharded initialization draws its values in
 blocks of about 1M elements; Keras builds and drops temporaries), so a
-process entered `fit` holding memory it no longer used: measured on the
-transformer block of `benchmarks/bench_memory.py` (4 processes), the fit
-peak was 24-48 MiB lower with one `malloc_trim(0)` before it. That call
-costs well under a millisecond; it runs once per `fit` under a
-distribution on several processes, and nowhere else. Other allocators (or
-no glibc) make it a no-op.
+process entered `fit` holding memory it no longer used (the transformer
+block of `benchmarks/bench_memory.py` has a lower fit peak with one
+`malloc_trim(0)` before it). That call is cheap; it runs once per `fit`
+under a distribution on several processes, and nowhere else. Other
+allocators (or no glibc) make it a no-op.
 """
 
 import ctypes

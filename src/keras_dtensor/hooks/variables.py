@@ -3,7 +3,7 @@
 A variable created while a distribution is active takes its layout from
 the distribution (`Distribution.get_variable_layout`, as on JAX) and keeps
 its value as a `torch.nn.Parameter` wrapping a `DTensor`. Assignments are
-laid out the same way before the in-place copy. `patches.py` installs
+laid out the same way before the in-place copy. `keras_dtensor.patches` installs
 these; each receives the original method it replaces.
 """
 

@@ -60,8 +60,8 @@ def _reduce_partial_grad(x):
     gradient comes back as a pending sum and travels on through the ops
     before it: an embedding's backward, a scatter into the whole table,
     then makes a table-sized pending sum on every rank, reduced only when
-    the optimizer lays it out (model (a) of benchmarks/bench_memory.py:
-    the full table twice per rank). torch's `ColwiseParallel` reduces it at
+    the optimizer lays it out (model (a) of benchmarks/bench_memory.py
+    held the full table twice per rank). torch's `ColwiseParallel` reduces it at
     the module's input; here it is reduced where it enters the layer that
     produced `x`, to `x`'s own placements (a reduce-scatter for a sharded
     output), so backward inside a layer sees what its forward produced.

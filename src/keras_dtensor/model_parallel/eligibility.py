@@ -1,4 +1,4 @@
-"""Which models run on local tensors (`local_batch`), decided once.
+"""Which models run on local tensors (`local_run`), decided once.
 
 A model's `Plan`, cached on it until a variable is created anywhere (LoRA
 adds weights after build): its mesh, the batch axis's mesh dim, each
@@ -41,7 +41,7 @@ class Plan:
     the indices of the weights to gather; under a tensor-parallel layout,
     the indices of the weights sharded over another axis (`kept`, left
     as DTensors) and the ids of the layers owning them (`boundary`, run
-    as DTensors: `sharded_layers`)."""
+    as DTensors: `islands`)."""
 
     mesh: object
     dim: int
@@ -204,7 +204,7 @@ def shards_enter(plan_, flat):
     their shards: DTensors on the plan's mesh with no pending sums. Inputs
     sharded over a model axis (a KV cache sharded by heads) are handed in
     as this rank's shard; the check against the DTensor run
-    (`sharded_check`) decides whether the call runs so."""
+    (`exactness`) decides whether the call runs so."""
     return all(
         not isinstance(x, DTensor)
         or (

@@ -27,8 +27,8 @@ every rank (one all-reduce of the verdicts). When it is not:
 
 A model whose every layer call is a boundary one (a stack of split
 `Dense` layers) has nothing to run locally; it runs as DTensors, which
-spares the conversions at each boundary (8% of the MLP's step on 2 CPU
-processes).
+spares the conversions at each boundary (a measurable part of the MLP's
+step on CPU processes).
 
 Each attempt costs two forward passes (the DTensor one without autograd);
 a model with n layers to move takes about n + 2 attempts, once per model

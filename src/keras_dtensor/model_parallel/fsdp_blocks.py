@@ -1,6 +1,6 @@
 """Batch-sharded weights gathered group by group, freed after their forward.
 
-On the local path (`local_batch`), gathering every batch-sharded weight at
+On the local path (`local_run`), gathering every batch-sharded weight at
 once would hold the whole model on every rank from the first layer's
 forward to its backward: the memory FSDP exists to avoid. FSDP2 gathers a
 block's parameters before its forward, frees them after it
@@ -31,7 +31,7 @@ backward. The same here, with Keras's layers as the blocks:
 Every rank runs the same layers in the same order, so the collectives
 match. A model that reads a freed weight outside its unit's call (a
 DTensor meeting local tensors) is detected by the error this raises and
-runs with all weights gathered from then on (`local_batch.call`).
+runs with all weights gathered from then on (`local_run.call`).
 """
 
 import collections
@@ -96,7 +96,7 @@ def build(model, plan_, order):
 
     Args:
         model: the outermost layer the plan runs.
-        plan_: its `local_batch.Plan`.
+        plan_: its `local_run.Plan`.
         order: ids of the units a call reached, in call order; None
             before the first call (the layers' own order).
     """
@@ -145,7 +145,7 @@ class Session:
     """The gathers of one grouped call, and of its backward.
 
     Args:
-        plan_: the model's `local_batch.Plan`.
+        plan_: the model's `local_run.Plan`.
         layout: its `Layout`.
         values: the weights' DTensor values, in the plan's order.
         group: the process group of the batch axis.

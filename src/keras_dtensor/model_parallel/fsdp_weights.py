@@ -35,7 +35,7 @@ def batch_placement(value, batch_axis):
     """`(mesh dim of the batch axis, its Shard placement or None)` for a
     DTensor on a mesh with the batch axis; None otherwise. The one place
     that decides "sharded over the batch axis", for both the per-layer
-    gather here and the local path (`local_batch`)."""
+    gather here and the local path (`local_run`)."""
     if not isinstance(value, DTensor):
         return None
     names = value.device_mesh.mesh_dim_names or ()

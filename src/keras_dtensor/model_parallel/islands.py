@@ -5,7 +5,7 @@ DTensors only inside the sharded modules: their inputs become DTensors at
 the module's boundary, their outputs leave as local tensors, and every op
 between them (attention's core, norms, residual adds, activations) runs on
 plain tensors without DTensor's per-op dispatch. The same here, for a model
-on the local path (`local_batch`) whose layout shards weights over an axis
+on the local path (`local_run`) whose layout shards weights over an axis
 other than the batch axis:
 
 - a *boundary* layer is one that owns such a weight directly (a `Dense`
@@ -23,7 +23,7 @@ other than the batch axis:
   the shards it had in the DTensor run.
 
 Which layers are the boundary, and whether a model's local run gives
-the DTensor run's numbers, is decided by `sharded_check`.
+the DTensor run's numbers, is decided by `exactness`.
 """
 
 import contextlib

@@ -3,22 +3,22 @@
 Under a layout whose weights are either replicated or sharded only over
 the batch axis (FSDP-style: `("batch", None)`), every op of the model is
 the same computation on each rank's rows of the batch. Left as DTensors,
-each op still pays DTensor's dispatch (tens of microseconds per op on a
-CPU, more than the op itself in small layers) and DTensor's own choice of
+each op still pays DTensor's dispatch (on a CPU, more than the op itself
+in small layers) and DTensor's own choice of
 redistribution. torch's FSDP2 and DDP run the module on local tensors; the
 same here, at the outermost layer call (the model in `fit`, `predict`,
 `model(x)`):
 
 - the batch-sharded weights are gathered block by block (one all-gather
   per group of layers, freed after the group's forward and gathered again
-  for its backward: `gather_groups`, FSDP2's blocks) and every weight
+  for its backward: `fsdp_blocks`, FSDP2's blocks) and every weight
   reads as its local, whole tensor while its layer runs;
 - the inputs enter as this rank's rows, the outputs leave as the batch-
   sharded DTensors the loss and metrics expect;
 - backward: a weight's local gradient is a pending sum over the batch axis
   (`to_local(grad_placements=Partial)`): the gather's backward reduce-
   scatters it to the shard, the replicated weights' sums are reduced in
-  buckets (`grad_reduce`).
+  buckets (`pending_grads`).
 
 What makes a model take this path, checked once per model (and again after
 any variable is created): every weight a DTensor on one mesh, replicated but
@@ -37,9 +37,9 @@ rows of a batch independently (BatchNormalization aside). Turned off with
 `KERAS_DTENSOR_LOCAL_BATCH=0`.
 
 A weight sharded over another axis (tensor-parallel) leaves its layer to
-run as DTensors, an island in the local call (`sharded_layers`); such a
+run as DTensors, an island in the local call (`islands`); such a
 model's local call is checked against its DTensor call once per input
-signature (`sharded_check`). Turned off with `KERAS_DTENSOR_LOCAL_MODEL=0`.
+signature (`exactness`). Turned off with `KERAS_DTENSOR_LOCAL_MODEL=0`.
 """
 
 import contextlib

@@ -5,12 +5,12 @@ masked indices (a masked partial output), but its backward,
 `embedding_dense_backward`, has no rule that gives a row-sharded gradient:
 from a replicated output gradient it computes the whole table's gradient on
 every rank (a replicated `(vocab, dim)` tensor), which the optimizer then
-slices (`benchmarks/bench_memory.py`, model b: 488 MiB per rank for a
-1M x 128 table over 4 ranks; torch's `RowwiseParallel` embedding does the
-same). Here the lookup of such a table goes through an autograd function
-whose backward computes only this rank's rows: the output gradient
-(activation-sized) is masked to the indices this rank holds and scattered
-into a gradient shaped like the local shard, laid out as the table.
+slices (`benchmarks/bench_memory.py`, model b; torch's `RowwiseParallel`
+embedding does the same). Here the lookup of such a table goes through an
+autograd function whose backward computes only this rank's rows: the
+output gradient (activation-sized) is masked to the indices this rank
+holds and scattered into a gradient shaped like the local shard, laid out
+as the table.
 """
 
 import functools

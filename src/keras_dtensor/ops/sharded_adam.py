@@ -6,9 +6,8 @@ statement holds three temporaries the size of all trainable weights at the
 same time (the scaled first moment, the denominator and their quotient),
 after a fourth (the squared gradient) was freed: on a sharded model, three
 more shard-sized copies of every weight at each step's peak, where torch's
-foreach Adam holds one (`benchmarks/bench_memory.py`, model a: 366 MiB per
-rank over torch TP's peak, the whole difference once gradients stay
-sharded).
+foreach Adam holds one (`benchmarks/bench_memory.py`; BENCHMARKS.md has
+the figures).
 
 Under `ModelParallel` every variable, its slots and its gradient are
 DTensors laid out alike (`variables.wrap_filter_empty_gradients` lays each

@@ -1,4 +1,4 @@
-"""The two kinds of rows of the `PATCHES` table (see `patches.py`).
+"""The two kinds of rows of the `PATCHES` table (see `keras_dtensor.patches`).
 
 Each row knows how to apply itself (returning what it saved), restore
 what it saved, and tell whether its replacement is still in place.

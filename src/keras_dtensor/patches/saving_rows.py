@@ -50,7 +50,7 @@ SAVING_ROWS = (
         "H5IOStore.__setitem__",
         "Converting a sharded variable to numpy gathered it whole on every "
         "rank (2x the model per rank while saving); inside a save rank 0 "
-        "writes it in pieces from the shards' owners (stream_save.py).",
+        "writes it in pieces from the shards' owners (h5_stream.py).",
         stores.wrap_h5_store_setitem,
     ),
     Patch(
@@ -75,7 +75,7 @@ SAVING_ROWS = (
         "model.save built the whole weights file in memory on rank 0 (a "
         "BytesIO, then a copy), or in a temporary file copied into the "
         "zip (written twice); inside a save h5py writes it in place in "
-        "the zip (zip_stream.py).",
+        "the zip (zip_writer.py).",
         collective.wrap_save_model_to_fileobj,
     ),
 )
