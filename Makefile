@@ -1,7 +1,9 @@
 # Two commands on a fresh machine:
 #   make demo   set up .venv, train a small transformer with ModelParallel
 #               on 2 CPU processes, print losses, layouts and parity
-#   make test   set up .venv, run lint and the whole test suite
+#   make test   set up .venv, run lint, build the docs and run the whole
+#               test suite
+#   make docs   build the documentation site into site/ (--strict)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +13,7 @@ PINS := torch==2.13.0 keras==3.15.1
 # models (the `hub` extra); the demo needs neither.
 TEST_PINS := tensorflow-cpu==2.21.0 tensorboard==2.21.0 keras-hub==0.32.0
 
-.PHONY: demo test test-slow setup setup-test lint bench clean
+.PHONY: demo test test-slow setup setup-test lint docs bench bench-report clean
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -27,6 +29,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install --quiet $(PINS) $(TEST_PINS) -e '.[test,tf,hub]'
 	touch $@
 
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(BIN)/pip install --quiet $(PINS) -e '.[docs]'
+	touch $@
+
 demo: setup
 	$(BIN)/keras-dtensor demo --nproc 2 --epochs 3
 
@@ -34,11 +40,19 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks examples scripts
 	$(BIN)/ruff format --check src tests benchmarks examples scripts
 
-test: setup-test lint
+# Strict: a broken link or an unresolved API reference fails the build.
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+test: setup-test lint docs
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10 -m "not slow"
+
+# BENCHMARKS.md is generated from benchmarks/results*.json, never edited.
+bench-report: setup
+	$(BIN)/python benchmarks/report.py
 
 test-slow: setup-test
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10 -m slow
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info .pytest_cache
