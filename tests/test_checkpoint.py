@@ -188,6 +188,7 @@ def _save(directory):
         staging = os.path.join(directory, f".{'1' * 32}.mlp.keras.d")
         os.mkdir(staging)
         open(os.path.join(staging, "mlp.keras"), "wb").close()
+        os.mkdir(os.path.join(directory, f".{'2' * 32}.mlp.keras.partial"))
     with distribution.scope():
         model.save_weights(os.path.join(directory, "mlp.weights.h5"))
         model.save(os.path.join(directory, "mlp.keras"))

@@ -110,10 +110,10 @@ def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
 
 
 _LAZY = {
-    "save_checkpoint": "keras_dtensor.checkpoint.api",
-    "load_checkpoint": "keras_dtensor.checkpoint.api",
-    "latest_checkpoint": "keras_dtensor.checkpoint.api",
-    "ShardedCheckpoint": "keras_dtensor.checkpoint.callback",
+    "save_checkpoint": "keras_dtensor.checkpoint",
+    "load_checkpoint": "keras_dtensor.checkpoint",
+    "latest_checkpoint": "keras_dtensor.checkpoint",
+    "ShardedCheckpoint": "keras_dtensor.checkpoint",
 }
 
 

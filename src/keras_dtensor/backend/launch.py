@@ -238,6 +238,13 @@ def all_gather_int_lists(values: list[int]) -> list[list[int]]:
     return [g.tolist() for g in gathered]
 
 
+def _as_uint8(data: bytes) -> torch.Tensor:
+    """`data` as a uint8 tensor (a copy: `frombuffer` shares memory)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     """`src`'s `data` on every rank (a collective; `data` alone at size 1).
 
@@ -249,12 +256,12 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     length = torch.tensor([len(data) if rank == src else 0])
     dist.broadcast(length, src=src)
     if rank == src:
-        buffer = torch.tensor(list(data), dtype=torch.uint8)
+        buffer = _as_uint8(data)
     else:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
     if buffer.numel():
         dist.broadcast(buffer, src=src)
-    return data if rank == src else bytes(buffer.tolist())
+    return data if rank == src else buffer.numpy().tobytes()
 
 
 def all_gather_bytes(data: bytes) -> list[bytes]:
@@ -264,11 +271,11 @@ def all_gather_bytes(data: bytes) -> list[bytes]:
         return [data]
     lengths = all_gather_ints(len(data))
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    padded[: len(data)] = _as_uint8(data)
     gathered = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(gathered, padded)
     return [
-        bytes(g[:n].tolist()) for g, n in zip(gathered, lengths, strict=True)
+        g[:n].numpy().tobytes() for g, n in zip(gathered, lengths, strict=True)
     ]
 
 

@@ -24,7 +24,7 @@ processes under any layout (DCP reshards on load):
   nothing from the files can run code. A missing, truncated or altered
   file raises on every rank, naming the file and the variables it holds.
   Then the tensors are read straight into the variables where the layout
-  allows it (`checkpoint_reader`), through DCP's reader elsewhere.
+  allows it (`reader.py`), through DCP's reader elsewhere.
 - **Async**: `save_checkpoint(..., async_save=True)` returns once the
   state is staged in memory; the files are written in the background (on
   a separate gloo group) and committed by `PendingCheckpoint.result()`,
@@ -36,14 +36,20 @@ collective). Without a process group they run in the one process.
 
 import json
 import os
-import shutil
 import uuid
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from keras.src.backend.common import global_state
 
+from keras_dtensor import data_parallel
+from keras_dtensor.backend import agreement
+from keras_dtensor.backend import files
 from keras_dtensor.backend import launch
 from keras_dtensor.checkpoint import manifest
+from keras_dtensor.checkpoint import reader
+from keras_dtensor.checkpoint import writer
 
 __all__ = [
     "PendingCheckpoint",
@@ -78,8 +84,6 @@ def _keyed(prefix, variables, out, drop_first=False):
 
 def _variables(model):
     """`{key: Keras variable}` of everything a checkpoint holds."""
-    from keras.src.backend.common import global_state
-
     out = {}
     _keyed("model", model.variables, out)
     optimizer = getattr(model, "optimizer", None)
@@ -95,8 +99,6 @@ def _variables(model):
 
 def _state_dict(model):
     """The tensors to save or load into, by key (views of the variables)."""
-    from keras_dtensor import data_parallel
-
     data_parallel.sync_optimizer_state(model)  # DataParallel's stale slots
     state = {key: _value(v) for key, v in _variables(model).items()}
     _, rank = launch.world()
@@ -105,14 +107,14 @@ def _state_dict(model):
 
 
 class _Names:
-    """The hidden directory a save writes into, and its final place."""
+    """The hidden directory a save writes into (rank 0's name for it, on
+    every rank), and its final place."""
 
     def __init__(self, directory):
         self.final = os.path.abspath(os.fspath(directory))
-        parent, name = os.path.split(self.final)
+        self.parent, _ = files.split(self.final)
         token = launch.broadcast_bytes(uuid.uuid4().hex.encode()).decode()
-        self.parent = parent
-        self.staging = os.path.join(parent, f".{name}.{token}.partial")
+        self.staging = files.staging_path(self.final, token)
 
 
 def _commit(names, state, world, extra, digests):
@@ -121,8 +123,8 @@ def _commit(names, state, world, extra, digests):
     `digests` are this rank's `{file: {sha256, size}}`, taken as it wrote.
     """
     _, rank = launch.world()
-    files = sorted(os.listdir(names.staging))
-    hashes = manifest.gathered_hashes(names.staging, files, digests)
+    written = sorted(os.listdir(names.staging))
+    hashes = manifest.gathered_hashes(names.staging, written, digests)
     problem = None
     if rank == 0:
         contents = {
@@ -142,16 +144,10 @@ def _commit(names, state, world, extra, digests):
                 json.dump(contents, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
-            old = None
-            if os.path.exists(names.final):
-                old = f"{names.staging}.old"
-                os.replace(names.final, old)
-            os.replace(names.staging, names.final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            files.move_into_place(names.staging, names.final)
         except OSError as e:
             problem = e
-    problem = manifest.agree(problem)
+    problem = agreement.first_failure(problem)
     if problem:
         raise RuntimeError(
             f"Checkpoint {names.final!r} was not committed: {problem}"
@@ -182,7 +178,7 @@ class PendingCheckpoint:
                 self._future.result()
             except Exception as e:  # reported on every rank alike
                 problem = e
-            problem = manifest.agree(problem)
+            problem = agreement.first_failure(problem)
             if problem:
                 raise RuntimeError(
                     f"Checkpoint {self._names.final!r} failed: {problem}"
@@ -199,8 +195,6 @@ class PendingCheckpoint:
 
 
 def _async_group():
-    from keras.src.backend.common import global_state
-
     group = global_state.get_global_attribute(_ASYNC_GROUP)
     if group is None and dist.is_initialized():
         group = dist.new_group(backend="gloo")
@@ -228,10 +222,6 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     Example:
     >>> path = keras_dtensor.save_checkpoint(model, "ckpt/epoch-3")
     """
-    import torch.distributed.checkpoint as dcp
-
-    from keras_dtensor.checkpoint import writer
-
     launch.every_rank_joins(
         f"save_checkpoint({os.fspath(directory)!r})",
         "every rank writes its shards",
@@ -242,11 +232,11 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     if rank == 0:
         try:
             os.makedirs(names.parent, exist_ok=True)
-            _remove_partials(names.parent)
+            files.remove_leftovers(names.parent)
             os.makedirs(names.staging)
         except OSError as e:
             problem = e
-    problem = manifest.agree(problem)
+    problem = agreement.first_failure(problem)
     if problem:
         raise RuntimeError(f"Cannot save checkpoint {names.final!r}: {problem}")
     state = _state_dict(model)
@@ -260,12 +250,6 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
         )
     dcp.save(state, storage_writer=storage_writer)
     return _commit(names, state, world, extra, storage_writer.digests)
-
-
-def _remove_partials(parent):
-    for name in os.listdir(parent):
-        if name.startswith(".") and name.endswith((".partial", ".old")):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def _check_keys(directory, contents, state):
@@ -306,10 +290,6 @@ def load_checkpoint(model, directory):
     Example:
     >>> keras_dtensor.load_checkpoint(model, "ckpt/epoch-3")
     """
-    import torch.distributed.checkpoint as dcp
-
-    from keras_dtensor.checkpoint import reader
-
     directory = os.path.abspath(os.fspath(directory))
     launch.every_rank_joins(
         f"load_checkpoint({directory!r})", "the ranks check the files together"

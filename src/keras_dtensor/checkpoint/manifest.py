@@ -16,13 +16,13 @@ import pickle
 
 import torch
 
+from keras_dtensor.backend import agreement
 from keras_dtensor.backend import launch
 
 __all__ = [
     "DCP_METADATA",
     "FORMAT",
     "MANIFEST",
-    "agree",
     "files_of",
     "gathered_hashes",
     "hash_file",
@@ -35,7 +35,7 @@ __all__ = [
 FORMAT = "keras-dtensor-checkpoint/1"
 MANIFEST = "keras_dtensor.json"
 DCP_METADATA = ".metadata"
-_HASH_BLOCK = 2**20  # read and hashed 1 MiB at a time
+_HASH_BLOCK = 2**20  # bytes read and hashed at a time
 
 
 def hash_file(path):
@@ -70,15 +70,6 @@ def gathered_hashes(directory, names, mine):
     missing = [n for n in names if n not in merged]
     found = shared_hashes(directory, missing) if missing else {}
     return {n: merged[n] if n in merged else found[n] for n in names}
-
-
-def agree(problem):
-    """Every rank's problem (or `None`); the first one, on every rank."""
-    mine = "" if problem is None else str(problem)
-    for message in launch.all_gather_bytes(mine.encode()):
-        if message:
-            return message.decode()
-    return None
 
 
 _SAFE_DCP_TYPES = {
@@ -150,7 +141,7 @@ def verify(directory, manifest):
                 problem = f"{name} does not match its SHA-256 (altered)"
         if problem:
             break
-    problem = agree(problem)
+    problem = agreement.first_failure(problem)
     if problem is None:
         return
     name = problem.split(" ", 1)[0]

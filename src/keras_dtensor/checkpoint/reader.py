@@ -1,7 +1,7 @@
 """Reading sharded checkpoints: allow-listed metadata, direct reads.
 
 `SafeReader` is DCP's public `FileSystemReader` that reads DCP's pickled
-`.metadata` through the allow-list of `checkpoint_files`, refuses items
+`.metadata` through the allow-list of `manifest.py`, refuses items
 DCP would unpickle without restriction (`torch.load(weights_only=False)`
 on `BYTE_IO` items), and reads a tensor's bytes straight into the
 destination when the saved record is a plain contiguous tensor of the
@@ -122,11 +122,16 @@ def _record_start(window, info):
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError("compressed")
     window.seek(info.header_offset)
-    header = window.read(30)
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+    header = window.read(zipfile.sizeFileHeader)  # short: a struct.error
+    # The layout `zipfile` reads: the name's and extra field's lengths last.
+    signature, *_, name_length, extra_length = struct.unpack(
+        zipfile.structFileHeader, header
+    )
+    if signature != zipfile.stringFileHeader:
         raise ValueError("bad local header")
-    name_length, extra_length = struct.unpack("<HH", header[26:30])
-    return info.header_offset + 30 + name_length + extra_length
+    return (
+        info.header_offset + zipfile.sizeFileHeader + name_length + extra_length
+    )
 
 
 def _saved_tensor(window):

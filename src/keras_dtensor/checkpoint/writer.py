@@ -8,9 +8,9 @@ differs from the bytes counted) gets no digest and is hashed again.
 
 While it writes, `torch.save` skips its per-record zip CRC-32
 (`torch.serialization.set_crc32_options`): `torch.load` never checks it
-(flipped bytes load silently, HAZARDS 11), it costs more than the SHA-256
-(about 0.7 GB/s against 1.1 GB/s a core here), and the manifest's
-SHA-256 of every file, checked before every load, covers the same bytes.
+(flipped bytes load silently), it costs more than the SHA-256
+(measured: BENCHMARKS.md), and the manifest's SHA-256 of every file,
+checked before every load, covers the same bytes.
 Tools that unzip a record and check its CRC will complain; `torch.load`
 reads it.
 """

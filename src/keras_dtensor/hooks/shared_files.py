@@ -16,10 +16,10 @@ Inside `fit`/`evaluate`/`predict` with several processes, Keras's
 - `File` opened for writing is rank 0's file, a sink (`os.devnull`)
   elsewhere; for reading, every rank opens the file itself.
 
-Each call ends with rank 0's outcome on every rank (a broadcast, bytes in a
-tensor): if rank 0's operation failed, every rank raises the same error,
-and nobody goes on before the change is on disk. `model.save*` inside a
-callback is not affected: every rank runs it (`saving.py`). TensorBoard
+Each call ends with rank 0's outcome on every rank (`agreement.on_rank_0`):
+if rank 0's operation failed, every rank raises the same error, and nobody
+goes on before the change is on disk. `model.save*` inside a callback is
+not affected: every rank runs it (`saving/collective.py`). TensorBoard
 writes its event files through TensorFlow, not `file_utils`: ranks other
 than 0 write theirs to a private scratch directory (`wrap_tensorboard_
 set_model`). Paths must be on a filesystem every rank sees, as with one
@@ -27,14 +27,12 @@ process and several readers.
 """
 
 import atexit
-import contextlib
-import contextvars
 import functools
-import json
 import os
 import shutil
 import tempfile
 
+from keras_dtensor.backend import agreement
 from keras_dtensor.backend import launch
 from keras_dtensor.backend import object_state
 
@@ -59,89 +57,20 @@ FILE_OPERATIONS = (
     "File",
 )
 
-_ACTIVE = contextvars.ContextVar("keras_dtensor_shared_files", default=False)
-
-# Errors rebuilt with their own type on the ranks that did not run the call.
-_ERRORS = {
-    cls.__name__: cls
-    for cls in (
-        FileExistsError,
-        FileNotFoundError,
-        IsADirectoryError,
-        NotADirectoryError,
-        PermissionError,
-        OSError,
-        ValueError,
-    )
-}
-
-
-@contextlib.contextmanager
-def _scope(active):
-    token = _ACTIVE.set(active)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
 
 def suspended():
     """A scope where `file_utils` calls are each rank's own again."""
-    return _scope(False)
+    return agreement.files_shared(False)
 
 
 def shared():
-    """The scope where `file_utils` calls are shared (`trainer_calls`)."""
-    return _scope(True)
+    """The scope where `file_utils` calls are shared (`hooks/fit.py`)."""
+    return agreement.files_shared(True)
 
 
 def active() -> bool:
     """Whether this thread is inside `shared()`."""
-    return _ACTIVE.get()
-
-
-def _path_text(filename):
-    """An error's filename as JSON can carry it (bytes and path-likes as
-    text), so rank 0 always reaches the broadcast."""
-    if filename is None or isinstance(filename, (str, int)):
-        return filename
-    try:
-        return os.fsdecode(filename)
-    except TypeError:
-        return str(filename)
-
-
-def _on_rank_0(name, operation):
-    """Runs `operation()` on rank 0; returns its JSON result on every rank."""
-    _, rank = launch.world()
-    payload = None
-    if rank == 0:
-        try:
-            payload = {"result": operation()}
-        except Exception as e:  # every rank raises it below
-            payload = {
-                "error": type(e).__name__,
-                "errno": getattr(e, "errno", None),
-                "strerror": getattr(e, "strerror", None),
-                "filename": _path_text(getattr(e, "filename", None)),
-                "message": str(e),
-            }
-        payload = json.dumps(payload).encode()
-    outcome = json.loads(launch.broadcast_bytes(payload, src=0))
-    if "error" not in outcome:
-        return outcome["result"]
-    cls = _ERRORS.get(outcome["error"], RuntimeError)
-    where = (
-        f" (file_utils.{name} on rank 0 of {launch.world()[0]}, on behalf "
-        "of every rank)"
-    )
-    if issubclass(cls, OSError) and outcome["errno"] is not None:
-        # OSError(errno, strerror, filename) prints "[Errno N] ...: 'f'".
-        strerror = (outcome["strerror"] or outcome["message"]) + where
-        if outcome["filename"] is None:
-            raise cls(outcome["errno"], strerror)
-        raise cls(outcome["errno"], strerror, outcome["filename"])
-    raise cls(outcome["message"] + where)
+    return agreement.files_are_shared()
 
 
 def _writes(mode):
@@ -157,21 +86,24 @@ def wrap_file_operation(original, name):
 
     @functools.wraps(original)
     def operation(*args, **kwargs):
-        if not _ACTIVE.get():
+        if not agreement.files_are_shared():
             return original(*args, **kwargs)
         if name == "File":
             mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
             if not _writes(mode):
                 return original(*args, **kwargs)
             opened = []  # rank 0's file; its failure is raised everywhere
-            _on_rank_0(name, lambda: opened.append(original(*args, **kwargs)))
+            agreement.on_rank_0(
+                lambda: opened.append(original(*args, **kwargs)),
+                f"file_utils.{name}",
+            )
             return opened[0] if opened else open(os.devnull, _sink_mode(mode))
 
         def run():
             result = original(*args, **kwargs)
             return result if name in ("exists", "isdir", "listdir") else None
 
-        return _on_rank_0(name, run)
+        return agreement.on_rank_0(run, f"file_utils.{name}")
 
     return operation
 

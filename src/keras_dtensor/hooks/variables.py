@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor import model_parallel
 from keras_dtensor import planning
+from keras_dtensor import saving
 from keras_dtensor.backend import context
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import check_layout
@@ -20,7 +21,6 @@ from keras_dtensor.backend.distribution_lib import shard_global_tensor
 from keras_dtensor.backend.errors import AssignedInCall
 from keras_dtensor.backend.layout import local_slices
 from keras_dtensor.hooks import sharded_init
-from keras_dtensor.saving import stores
 
 __all__ = [
     "variable_layout",
@@ -205,8 +205,8 @@ def wrap_convert_to_numpy(original):
 
     def _convert_to_numpy(x):
         if isinstance(x, DTensor):
-            if stores.deferring():
-                return stores.Deferred(x)  # written in pieces
+            if saving.deferring():
+                return saving.Deferred(x)  # written in pieces
             x = x.full_tensor()
         elif isinstance(x, (list, tuple)) and any(
             isinstance(e, DTensor) for e in x

@@ -6,10 +6,8 @@ checked against; `keras_dtensor.patches` applies and restores them.
 
 import functools
 
+from keras_dtensor import saving
 from keras_dtensor.patches.rows import Patch
-from keras_dtensor.saving import collective
-from keras_dtensor.saving import sliced_load
-from keras_dtensor.saving import stores
 
 __all__ = ["SAVING_ROWS"]
 
@@ -23,27 +21,27 @@ SAVING_ROWS = (
         "load_weights/load_model read every variable whole on every rank: "
         "a model that fits only sharded could not be loaded. Under a "
         "distribution the store hands out the dataset, read lazily.",
-        sliced_load.wrap_h5_store_getitem,
+        saving.wrap_h5_store_getitem,
     ),
     Patch(
         _TORCH_CORE,
         "Variable._convert_to_tensor",
         "A sharded variable assigned from the lazy dataset reads only this "
         "rank's slices of it (sliced_load.py).",
-        sliced_load.wrap_convert_variable_value,
+        saving.wrap_convert_variable_value,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "save_weights_only",
         "Every rank must take part (shards travel to rank 0); only rank 0 "
         "may write (h5py's lock), atomically.",
-        functools.partial(collective.wrap_save, what="save_weights"),
+        functools.partial(saving.wrap_save, what="save_weights"),
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "save_model",
         "model.save: as save_weights_only.",
-        functools.partial(collective.wrap_save, what="save"),
+        functools.partial(saving.wrap_save, what="save"),
     ),
     Patch(
         "keras.src.saving.saving_lib",
@@ -51,7 +49,7 @@ SAVING_ROWS = (
         "Converting a sharded variable to numpy gathered it whole on every "
         "rank (2x the model per rank while saving); inside a save rank 0 "
         "writes it in pieces from the shards' owners (h5_stream.py).",
-        stores.wrap_h5_store_setitem,
+        saving.wrap_h5_store_setitem,
     ),
     Patch(
         "keras.src.saving.saving_lib",
@@ -60,14 +58,14 @@ SAVING_ROWS = (
         "numpy first (a whole gather) to size its shard files; inside a "
         "save a sharded value passes as its shape and dtype and is "
         "written in pieces (stores.py).",
-        stores.wrap_sharded_h5_store_setitem,
+        saving.wrap_sharded_h5_store_setitem,
     ),
     Patch(
         "keras.src.optimizers.base_optimizer",
         "BaseOptimizer.save_own_variables",
         "It stores variable.numpy(), a whole gather of every sharded slot "
         "on every rank; inside a save the store gets the variable.",
-        stores.wrap_optimizer_save_own_variables,
+        saving.wrap_optimizer_save_own_variables,
     ),
     Patch(
         "keras.src.saving.saving_lib",
@@ -76,6 +74,6 @@ SAVING_ROWS = (
         "BytesIO, then a copy), or in a temporary file copied into the "
         "zip (written twice); inside a save h5py writes it in place in "
         "the zip (zip_writer.py).",
-        collective.wrap_save_model_to_fileobj,
+        saving.wrap_save_model_to_fileobj,
     ),
 )

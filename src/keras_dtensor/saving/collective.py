@@ -29,55 +29,42 @@ every rank raises the same error instead of the others waiting for the
 collective timeout.
 """
 
-import contextlib
 import functools
-import glob
 import os
 import shutil
 import tempfile
-import uuid
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from keras_dtensor import data_parallel
+from keras_dtensor.backend import agreement
 from keras_dtensor.backend import context
+from keras_dtensor.backend import files
 from keras_dtensor.backend import launch
 from keras_dtensor.backend.launch import multi_process
-from keras_dtensor.hooks import shared_files
 from keras_dtensor.saving import h5_stream
 from keras_dtensor.saving import zip_writer
 
 __all__ = ["wrap_save", "wrap_save_model_to_fileobj"]
 
 
-def _remove_leftovers(directory, name):
-    """Rank 0's staging directories of this target left by a killed save
-    (and the temporary files of earlier versions)."""
-    pattern = os.path.join(glob.escape(directory), f".{'[0-9a-f]' * 32}.")
-    pattern += glob.escape(name)
-    for path in glob.glob(pattern) + glob.glob(pattern + ".d"):
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-
-
-def _move_into_place(staging, name, directory):
+def _move_contents(staging, name, directory):
     """Every file Keras wrote in `staging` into `directory`, the target
     last (a sharded save's `.json` lists its shard files: they land first;
     Keras renames a sharded `.weights.h5` target to `.weights.json`)."""
     entries = os.listdir(staging)
     last = [e for e in entries if e == name or e.endswith(".json")]
     for entry in sorted(set(entries) - set(last)) + sorted(last):
-        os.replace(os.path.join(staging, entry), os.path.join(directory, entry))
+        files.move_into_place(
+            os.path.join(staging, entry), os.path.join(directory, entry)
+        )
 
 
 def _share_failure(problem):
     """Every rank's failure (or `None`), as `[(rank, message), ...]`."""
-    mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
-    failures = launch.all_gather_bytes(mine.encode())
-    return [(r, m.decode()) for r, m in enumerate(failures) if m]
+    mine = None if problem is None else f"{type(problem).__name__}: {problem}"
+    return agreement.failures(mine)
 
 
 class _PeerFailed(Exception):  # noqa: N818 (a signal, not an error)
@@ -101,17 +88,15 @@ def _write_alone(original, model, filepath, *args, **kwargs):
     own next to the target, then renamed into place: ranks that all save
     the same file (no rank check in the script) each replace it whole, and
     a reader never sees a half-written file."""
-    final = os.fspath(filepath)
-    name = os.path.basename(final)
-    directory = os.path.dirname(final) or "."
-    staging = os.path.join(directory, f".{uuid.uuid4().hex}.{name}.d")
+    directory, name = files.split(filepath)
+    staging = files.staging_path(filepath)
     try:
         os.mkdir(staging)
     except OSError:  # Keras's own error for the target
         return original(model, filepath, *args, **kwargs)
     try:
         result = original(model, os.path.join(staging, name), *args, **kwargs)
-        _move_into_place(staging, name, directory)
+        _move_contents(staging, name, directory)
         return result
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -126,12 +111,11 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
     # DataParallel leaves some optimizer slots stale on non-owners.
     data_parallel.sync_optimizer_state(model)
     final = os.fspath(filepath)
-    name = os.path.basename(final)  # Keras checks the file suffix
-    directory = os.path.dirname(final) or "."
+    directory, name = files.split(final)  # Keras checks the file suffix
     rank_0 = dist.get_rank() == 0
     if rank_0:
-        _remove_leftovers(directory, name)
-        staging = os.path.join(directory, f".{uuid.uuid4().hex}.{name}.d")
+        files.remove_leftovers(directory, name)
+        staging = files.staging_path(final)
     else:
         staging = tempfile.mkdtemp(prefix="keras_dtensor_save_")
     target = os.path.join(staging, name)
@@ -157,7 +141,7 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
             # of any later error (h5py's close of the same file).
             problem = streamed.error or problem
             if problem is None and rank_0:
-                _move_into_place(staging, name, directory)
+                _move_contents(staging, name, directory)
         except Exception as e:
             problem = e
     finally:
@@ -173,7 +157,6 @@ def _is_collective(model):
     left on their owners. Otherwise the model is a plain one-process
     model, saved as plain Keras saves it, on any subset of ranks (the
     `if rank == 0: model.save_weights(...)` of torchrun scripts)."""
-    from torch.distributed.tensor import DTensor
 
     if context.current() is not None:
         return True
@@ -203,7 +186,7 @@ def wrap_save(original, what):
             return _write_alone(original, model, filepath, *args, **kwargs)
         # Every rank runs Keras's writer on its own target: not the shared
         # file operations of callbacks.
-        with shared_files.suspended():
+        with agreement.files_shared(False):
             return _write_on_rank_0(
                 original, what, model, filepath, *args, **kwargs
             )
@@ -213,14 +196,17 @@ def wrap_save(original, what):
 
 def _save_archive(model, fileobj):
     """The `.keras` zip, as Keras writes it, but the weights in place."""
-    from keras.src.saving import saving_lib as lib
+    # Keras's internals load after `install()` checked the environment.
+    from keras.src.saving import saving_lib
 
-    config_json, metadata_json = lib._serialize_model_as_json(model)
+    config_json, metadata_json = saving_lib._serialize_model_as_json(model)
     with zip_writer.StoredZip(fileobj) as archive:
         problem = None
         try:
-            archive.writestr(lib._METADATA_FILENAME, metadata_json.encode())
-            archive.writestr(lib._CONFIG_FILENAME, config_json.encode())
+            archive.writestr(
+                saving_lib._METADATA_FILENAME, metadata_json.encode()
+            )
+            archive.writestr(saving_lib._CONFIG_FILENAME, config_json.encode())
         except OSError as e:
             problem = e
         # The ranks are about to send rank 0 their shards: a rank 0 that
@@ -230,12 +216,14 @@ def _save_archive(model, fileobj):
             raise problem
         if failures:
             raise _PeerFailed(failures)
-        assets = lib.DiskIOStore(lib._ASSETS_DIRNAME, archive=archive, mode="w")
+        assets = saving_lib.DiskIOStore(
+            saving_lib._ASSETS_DIRNAME, archive=archive, mode="w"
+        )
         try:
-            with archive.member(lib._VARS_FNAME_H5) as window:
-                weights = lib.H5IOStore(window, mode="w")
+            with archive.member(saving_lib._VARS_FNAME_H5) as window:
+                weights = saving_lib.H5IOStore(window, mode="w")
                 try:
-                    lib._save_state(
+                    saving_lib._save_state(
                         model,
                         weights_store=weights,
                         assets_store=assets,

@@ -3,7 +3,7 @@
 Keras's `H5IOStore.__setitem__` converts each variable to numpy: for a
 sharded variable an all-gather, so every rank held each whole variable
 (and a numpy copy) while saving. Inside a save on several processes
-(`scope()`, entered by `saving.py`), every rank writes a DTensor-backed
+(`scope()`, entered by `collective.py`), every rank writes a DTensor-backed
 value as follows, in the same order (Keras walks the same model):
 
 - rank 0 creates the dataset (global shape and dtype; bfloat16 as Keras
@@ -16,7 +16,7 @@ value as follows, in the same order (Keras walks the same model):
   dataset of their scratch file empty.
 
 Keras's stores hand their values here through the hooks in
-`store_hooks.py` (layers, optimizer slots, the sharded `.weights.json`
+`stores.py` (layers, optimizer slots, the sharded `.weights.json`
 format). A replicated variable is
 one shard rank 0 holds. Plain values (DataParallel) go through Keras.
 A rank whose write fails (a full disk) keeps taking part in every later
@@ -100,7 +100,7 @@ _SAVE = contextvars.ContextVar("keras_dtensor_stream_save", default=None)
 
 @contextlib.contextmanager
 def scope():
-    """The scope of one save on every rank (entered by `saving.py`).
+    """The scope of one save on every rank (entered by `collective.py`).
 
     Yields the save's state: `state.error` is the first write error on
     this rank (`None` if none), to raise once Keras's writer returns.

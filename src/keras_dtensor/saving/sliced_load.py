@@ -17,6 +17,7 @@ Replicated and plain variables read the whole dataset, as before.
 
 import functools
 
+import ml_dtypes  # a Keras dependency
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
@@ -49,16 +50,12 @@ class SlicedDataset:
     @property
     def dtype(self):
         if self._bfloat16:
-            import ml_dtypes
-
             return np.dtype(ml_dtypes.bfloat16)
         return self._dataset.dtype
 
     def _convert(self, array):
         array = np.asarray(array)
         if self._bfloat16:
-            import ml_dtypes
-
             array = array.view(ml_dtypes.bfloat16)
         return array
 

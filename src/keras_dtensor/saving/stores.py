@@ -1,6 +1,6 @@
 """Keras's weight stores, fed sharded values without gathering them.
 
-Inside a save's `h5_stream.scope()` (entered by `saving.py` on every
+Inside a save's `h5_stream.scope()` (entered by `collective.py` on every
 rank), the hooks here route each DTensor-backed value Keras stores to
 `h5_stream.write`, which writes it in pieces from the ranks holding its
 shards:

@@ -1,6 +1,6 @@
 """The records of a zip file, as APPNOTE.TXT describes them.
 
-Only what `zip_stream.StoredZip` writes: members stored (no
+Only what `zip_writer.StoredZip` writes: members stored (no
 compression), names in UTF-8, ZIP64 fields where a size, an offset or the
 number of members does not fit the classic ones.
 """
@@ -8,16 +8,18 @@ number of members does not fit the classic ones.
 import struct
 import time
 
-__all__ = ["CRC_AT", "Entry", "end_records"]
+__all__ = ["Entry", "end_records", "needs_zip64"]
 
 _LIMIT = 0xFFFFFFFF  # a size or offset from here on needs ZIP64 fields
 _COUNT_LIMIT = 0xFFFF  # as many members or more: a ZIP64 end record
+_LOCAL_SIGNATURE = b"PK\x03\x04"
 _LOCAL = struct.Struct("<4s5H3L2H")
+_CRC = struct.Struct("<L")
+_CRC_AT = struct.calcsize("<4s5H")  # the local header's fields before it
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
 _END = struct.Struct("<4s4H2LH")
 _END64 = struct.Struct("<4sQ2H2L4Q")
 _LOCATOR64 = struct.Struct("<4sLQL")
-CRC_AT = 14  # offset of the CRC-32 in a local header
 
 
 def _field(value, limit, ones=0xFFFFFFFF):
@@ -27,7 +29,7 @@ def _field(value, limit, ones=0xFFFFFFFF):
 
 def _dos_time(seconds):
     t = time.localtime(seconds)
-    year = max(t.tm_year, 1980)  # the format starts in 1980
+    year = max(t.tm_year, 1980)  # no earlier year in the format
     date = (year - 1980) << 9 | t.tm_mon << 5 | t.tm_mday
     return t.tm_hour << 11 | t.tm_min << 5 | t.tm_sec // 2, date
 
@@ -50,7 +52,7 @@ class Entry:
         extra = struct.pack("<2H2Q", 1, 16, self.size, self.size)
         size = 0xFFFFFFFF if zip64 else self.size
         head = _LOCAL.pack(
-            b"PK\x03\x04",
+            _LOCAL_SIGNATURE,
             45 if zip64 else 20,
             self.flags,
             0,  # stored
@@ -63,6 +65,11 @@ class Entry:
             len(extra) if zip64 else 0,
         )
         return head + self.name + (extra if zip64 else b"")
+
+    def crc_field(self):
+        """`(offset in the file, bytes)` of the CRC-32 in the local header,
+        to write once the member's data is known."""
+        return self.offset + _CRC_AT, _CRC.pack(self.crc)
 
     def central_header(self):
         big = [v for v in (self.size, self.size, self.offset) if v >= _LIMIT]
