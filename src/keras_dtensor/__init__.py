@@ -38,7 +38,7 @@ if "keras" not in sys.modules:
     os.environ.setdefault("KERAS_BACKEND", "torch")
 
 
-def install():
+def install() -> None:
     """Installs the torch distribution backend into Keras (idempotent).
 
     Called on import. A second call warns and does nothing.
@@ -71,7 +71,7 @@ def install():
     patches.apply()
 
 
-def uninstall():
+def uninstall() -> None:
     """Restores everything keras_dtensor replaced in Keras and torch.
 
     Every row of the `PATCHES` table (attributes and sharding strategies)
@@ -90,7 +90,16 @@ def uninstall():
 
 
 def is_installed() -> bool:
-    """Whether keras_dtensor's hooks are in place."""
+    """Whether keras_dtensor's hooks are in place.
+
+    Returns:
+        `True` between `install()` (run on import) and `uninstall()`.
+
+    Example:
+    >>> import keras_dtensor
+    >>> keras_dtensor.is_installed()
+    True
+    """
     from keras_dtensor import patches
 
     return patches.is_applied()
@@ -100,9 +109,31 @@ install()
 
 
 def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
-    """Per-rank memory of `distribution`'s layouts, built on `meta`.
+    """Per-rank memory of `distribution`'s layouts, before allocating.
 
-    See `keras_dtensor.planning.plan`.
+    The model (and its optimizer's slots) is built on torch's `meta`
+    device, which records shapes and dtypes and allocates nothing; each
+    weight's layout comes from the distribution, as in a real run. The
+    mesh may name more devices than this machine has.
+
+    Args:
+        model_or_build_fn: a function that builds the Keras model, or a
+            built model.
+        distribution: the `ModelParallel` or `DataParallel` to plan for.
+        optimizer: an optimizer (instance or name, e.g. `"adamw"`) whose
+            slots follow their variable's layout; `None` for weights only.
+        **kwargs: `large_replicated_mib`, the size above which a
+            replicated weight is warned about.
+
+    Returns:
+        A plan; `print(plan)` shows weights, slots and totals per rank.
+
+    Example:
+    >>> mesh = keras.distribution.DeviceMesh((1, 8), ["batch", "model"])
+    >>> layout_map = keras.distribution.LayoutMap(mesh)
+    >>> layout_map[".*kernel"] = (None, "model")
+    >>> print(keras_dtensor.plan(build_model,
+    ...     keras.distribution.ModelParallel(layout_map=layout_map), "adamw"))
     """
     from keras_dtensor.planning import plan as _plan
 

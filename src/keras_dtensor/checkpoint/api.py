@@ -206,8 +206,9 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     """Saves `model`'s variables and optimizer state as a DCP checkpoint.
 
     Every rank writes its own shards (one copy of each replicated value).
-    The checkpoint appears at `directory` only once complete (see the
-    module docstring); an existing checkpoint there is replaced.
+    The checkpoint appears at `directory` only once complete (written into
+    a staging directory, its manifest last, then renamed); an existing
+    checkpoint there is replaced.
 
     Args:
         model: a built Keras model (its optimizer is built if needed).
@@ -319,6 +320,15 @@ def latest_checkpoint(root, prefix=""):
     Args:
         root: the folder of checkpoints.
         prefix: consider only names that start with it.
+
+    Returns:
+        The absolute path of the newest checkpoint that has its manifest
+        (a complete one), or `None`.
+
+    Example:
+    >>> path = keras_dtensor.latest_checkpoint("ckpt")
+    >>> if path is not None:
+    ...     keras_dtensor.load_checkpoint(model, path)
     """
     if not os.path.isdir(root):
         return None
@@ -342,8 +352,8 @@ def export_weights(model, directory, filepath):
     Keras loads the file.
 
     Example:
-    >>> keras_dtensor.checkpoint.api.export_weights(model, "ckpt/epoch-3",
-    ...                                         "model.weights.h5")
+    >>> from keras_dtensor.checkpoint import export_weights
+    >>> export_weights(model, "ckpt/epoch-3", "model.weights.h5")
     """
     load_checkpoint(model, directory)
     model.save_weights(filepath)

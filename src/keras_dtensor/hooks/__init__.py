@@ -1,1 +1,15 @@
-"""TODO"""
+"""Keras-side wrappers: the bodies of the `PATCHES` table's Keras rows.
+
+- `variables`, `sharded_init`: variables are DTensors laid out by the
+  distribution, initialized shard by shard;
+- `data`, `input_checks`: inputs become the global batch, checked equal on
+  every rank; `layer_call`: each layer call handed to its strategy
+  (`data_parallel` or `model_parallel`); `slice_update`: a KV cache
+  updated on shards;
+- `fit`, `replicas`, `allocator`: around `fit`/`evaluate`/`predict`;
+- `callbacks`, `shared_files`: callbacks and their file operations on N
+  processes; `jit`: `jit_compile=True` as a compiled forward.
+
+Hooks sit above the strategies, saving and checkpoints; nothing below
+imports them.
+"""
