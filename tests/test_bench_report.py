@@ -1,17 +1,20 @@
 """BENCHMARKS.md is `benchmarks/report.py`'s output, figures from the data.
 
 No processes: the generator is loaded as a module and run on the results
-files into memory.
+files into memory. Its sections are modules beside it, found on
+`benchmarks/` as when the script runs.
 """
 
 import importlib.util
 import os
 import re
+import sys
 
 import pytest
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.join(HERE, os.pardir)
+BENCHMARKS = os.path.abspath(os.path.join(ROOT, "benchmarks"))
 # Prose fields of results-history.json: descriptions, not measurements.
 PROSE = {"about", "what", "source", "command", "note", "case", "check"}
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
@@ -19,11 +22,18 @@ NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
 
 @pytest.fixture(scope="module")
 def report():
-    path = os.path.join(ROOT, "benchmarks", "report.py")
+    path = os.path.join(BENCHMARKS, "report.py")
     spec = importlib.util.spec_from_file_location("report", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(BENCHMARKS)
+        spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def report_format(report):
+    return sys.modules["report_format"]
 
 
 def _values(node, key=None):
@@ -79,13 +89,13 @@ def test_headline_figures_come_from_the_results(report):
     assert not missing, f"headline figures not in any results file: {missing}"
 
 
-def test_newest_run_wins(report):
+def test_newest_run_wins(report, report_format):
     data = report.load()
-    found = report.latest(data)
+    found = report_format.latest(data)
     # results-targets.json also measured kd-DP and kd-MP; newer runs in
     # results-history.json supersede it.
     files = data["results-history.json"]["files"]
     _, run = found["mlp", "kd_dp_over_ddp"]
     assert run["date"] > files["results-targets.json"]["date"]
-    dated = sorted(run["date"] for run in report._step_runs(data))
-    assert [run["date"] for run in report._step_runs(data)] == dated
+    runs = report_format.step_runs(data)
+    assert [run["date"] for run in runs] == sorted(r["date"] for r in runs)
