@@ -24,6 +24,8 @@ import warnings
 __version__ = "0.1.0"
 __all__ = [
     "ShardedCheckpoint",
+    "auto_layout",
+    "auto_layout_map",
     "__version__",
     "install",
     "is_installed",
@@ -145,6 +147,8 @@ _LAZY = {
     "load_checkpoint": "keras_dtensor.checkpoint",
     "latest_checkpoint": "keras_dtensor.checkpoint",
     "ShardedCheckpoint": "keras_dtensor.checkpoint",
+    "auto_layout": "keras_dtensor.planning",
+    "auto_layout_map": "keras_dtensor.planning",
 }
 
 

@@ -125,10 +125,18 @@ def _plan(args):
         import keras_hub
 
         backbone = getattr(keras_hub.models, args.keras_hub)
-        layout_map = backbone.get_layout_map(mesh)
 
         def build():
             return backbone(**config)
+
+        if not args.auto_layout:
+            layout_map = backbone.get_layout_map(mesh)
+    elif args.auto:
+        module, _, name = args.auto.partition(":")
+        build_fn = getattr(importlib.import_module(module), name)
+
+        def build():
+            return build_fn(**config)
 
     else:
         module, _, name = args.model.partition(":")
@@ -139,6 +147,10 @@ def _plan(args):
 
         module, _, name = args.layout_map.partition(":")
         layout_map = getattr(importlib.import_module(module), name)(mesh)
+    if args.auto or args.auto_layout:
+        auto = keras_dtensor.auto_layout(build, mesh)
+        print(auto)
+        layout_map = auto.layout_map
     distribution = keras.distribution.ModelParallel(layout_map=layout_map)
     print(keras_dtensor.plan(build, distribution, optimizer=args.optimizer))
     return 0
@@ -172,6 +184,16 @@ def main(argv=None):
         "--keras-hub", help="a keras_hub backbone class, e.g. GemmaBackbone"
     )
     source.add_argument("--model", help="module:function building the model")
+    source.add_argument(
+        "--auto",
+        help="module:function building the model; its layout derived by "
+        "keras_dtensor.auto_layout (each weight's layout and why)",
+    )
+    plan.add_argument(
+        "--auto-layout",
+        action="store_true",
+        help="with --keras-hub: the derived layout, not keras_hub's map",
+    )
     plan.add_argument(
         "--layout-map", help="module:function(mesh) -> LayoutMap (--model)"
     )

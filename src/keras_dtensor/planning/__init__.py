@@ -5,9 +5,14 @@
 - `warn_unmatched_layout_keys` (`lint`): LayoutMap keys that match no
   variable of the model, said once;
 - `lora_layout` (`lora`): the layout of a LoRA factor no key names,
-  derived from its base weight's.
+  derived from its base weight's;
+- `auto_layout_map`, `auto_layout` (`auto_layout`): a LayoutMap derived
+  from a model's dataflow (`trace`, `dataflow`, `propagate`).
 """
 
+from keras_dtensor.planning.auto_layout import auto_layout
+from keras_dtensor.planning.auto_layout import auto_layout_map
+from keras_dtensor.planning.layout_report import AutoLayout
 from keras_dtensor.planning.lint import warn_unmatched_layout_keys
 from keras_dtensor.planning.lora import lora_layout
 from keras_dtensor.planning.memory import Plan
@@ -15,8 +20,11 @@ from keras_dtensor.planning.memory import VariablePlan
 from keras_dtensor.planning.memory import plan
 
 __all__ = [
+    "AutoLayout",
     "Plan",
     "VariablePlan",
+    "auto_layout",
+    "auto_layout_map",
     "lora_layout",
     "plan",
     "warn_unmatched_layout_keys",

@@ -1,0 +1,311 @@
+"""`keras_dtensor.auto_layout_map`: a LayoutMap derived from the model.
+
+The model is built and run once where nothing is allocated (`trace`);
+its dataflow, not its variable names, gives the layout (`dataflow`,
+`propagate`):
+
+- the regions between projections, in graph order: the producers of a
+  region that can run split are split by columns, its consumers by rows
+  (one all-reduce forward, one backward, as Megatron-LM's pairs), their
+  biases and per-head weights alongside; batched expert kernels by
+  experts; a region that cannot (the residual stream: a norm over the
+  hidden dim) stays whole, and so do the projections around it;
+- embeddings: by vocabulary when tied to the output head or large (one
+  all-reduce), else by the hidden dim (one all-gather); an untied output
+  head as its embedding;
+- everything else (norms, the biases of row layers, small layers) and
+  every dim the axis does not divide: replicated, with the reason.
+
+The result is the same on every rank and every run.
+"""
+
+import itertools
+import math
+
+from keras_dtensor.planning import dataflow
+from keras_dtensor.planning import layout_report
+from keras_dtensor.planning import propagate
+from keras_dtensor.planning import trace as tracing
+
+__all__ = ["auto_layout", "auto_layout_map"]
+
+_MAX_TRIES = 256
+_LARGE_EMBEDDING = 2**20
+
+
+def _options(p, fixed, parts):
+    """A producer's choices: `(output dim, atoms)` per splittable dim of
+    its kernel's output, then None (whole)."""
+    if p.var.path in fixed:
+        return [None]
+    out = []
+    for kind, atoms in (("free", p.free), ("batch", p.batch)):
+        for j, (_, size, outer) in enumerate(atoms):
+            if outer and size % parts == 0:
+                out.append((kind, atoms, j))
+    return [*out, None]
+
+
+def _output_dim(flow, p, kind):
+    nd = len(flow.trace.shapes[p.out])
+    if kind == "batch":
+        return 0
+    return nd - 1 if p.kernel_on_right else nd - 2
+
+
+def _combinations(producers, fixed, parts):
+    options = [_options(p, fixed, parts) for p in producers]
+    combos = itertools.product(*options)
+    ranked = sorted(
+        itertools.islice(combos, _MAX_TRIES * 4),
+        key=lambda c: sum(x is None for x in c),
+    )
+    return ranked[:_MAX_TRIES]
+
+
+def _bytes(var):
+    return math.prod(var.shape) * tracing.keras_itemsize(var.dtype)
+
+
+def _split_region(flow, root, parts, fixed, min_bytes):
+    producers = flow.producers(root)
+    if not producers:
+        return None, None
+    first_reason = None
+    open_ = [p for p in producers if p.var.path not in fixed]
+    if open_ and all(_options(p, fixed, parts) == [None] for p in open_):
+        p = open_[0]
+        sizes = [size for _, size, _ in (*p.batch, *p.free)]
+        return None, (
+            f"{p.var.path}: its output dims {sizes} do not divide by {parts}"
+        )
+    for combo in _combinations(producers, fixed, parts):
+        if all(c is None for c in combo):
+            break
+        choices = {
+            p: (_output_dim(flow, p, c[0]), c[1], c[2])
+            for p, c in zip(producers, combo, strict=True)
+            if c is not None
+        }
+        try:
+            split = propagate.propagate(flow, root, parts, choices)
+        except propagate.Conflict as conflict:
+            first_reason = first_reason or str(conflict)
+            continue
+        if any(path in fixed for path in split.weights):
+            first_reason = first_reason or "its weights are split elsewhere"
+            continue
+        size = sum(_bytes(v) for v, _, _ in split.weights.values())
+        if size < min_bytes:
+            return None, f"{size} bytes, under min_shard_bytes"
+        return split, None
+    return None, first_reason
+
+
+def _embedding(flow, var, parts, tied):
+    vocab, hidden = var.shape[0], var.shape[-1]
+    if (tied or _bytes(var) >= _LARGE_EMBEDDING) and vocab % parts == 0:
+        why = "tied to the output head" if tied else "large"
+        return 0, f"embedding by vocabulary ({why}): one all-reduce"
+    if hidden % parts == 0:
+        return len(var.shape) - 1, "embedding by hidden dim: one all-gather"
+    return None, f"embedding: neither {vocab} nor {hidden} divide by {parts}"
+
+
+def _reaches_output(flow, p):
+    """Whether `p`'s output reaches a model output through elementwise
+    ops and views only (an output head)."""
+    live = {p.out}
+    for node in flow.trace.nodes:
+        ins = [i for i in node.inputs if isinstance(i, int)]
+        if any(i in live for i in ins) and (
+            node.pointwise or node.op in ("view", "unsafe_view", "to_copy")
+        ):
+            live.update(o for o in node.outputs if isinstance(o, int))
+    return bool(live & flow.trace.outputs)
+
+
+def auto_layout(
+    build,
+    mesh,
+    *,
+    model_axis="model",
+    batch_axis="batch",
+    fsdp=False,
+    sample_input=None,
+    min_shard_bytes=0,
+):
+    """Derives the layout of every weight of `build()`'s model over
+    `mesh`'s `model_axis` from the model's dataflow; see `auto_layout_map`.
+
+    Returns:
+        An `AutoLayout`: `print()` it for each weight's layout and why, the
+        collectives per training step and the bytes per rank;
+        `.layout_map` is the `keras.distribution.LayoutMap`.
+    """
+    names = list(mesh.axis_names)
+    for axis in (model_axis, *((batch_axis,) if fsdp else ())):
+        if axis not in names:
+            raise ValueError(
+                f"auto_layout: the mesh has no axis {axis!r}; its axes are "
+                f"{names} (pass model_axis=/batch_axis=)"
+            )
+    sizes = dict(zip(names, mesh.shape, strict=True))
+    parts = sizes[model_axis]
+    model, trace = tracing.record(build, sample_input)
+    flow = dataflow.analyze(trace)
+    decided = {}  # path -> (dim or None, why)
+    fwd = bwd = gathers = 0
+    tied = {p.var.path for p in flow.projections}
+    vocab_split = set()
+    for _, var, _ in flow.embeddings:
+        if var.path in decided:
+            continue
+        dim, why = _embedding(flow, var, parts, var.path in tied)
+        decided[var.path] = (dim, why)
+        if dim == 0:
+            fwd += 1
+            vocab_split.add(var.shape[0])
+            gathers += var.path in tied  # logits split by vocabulary
+        elif dim is not None:
+            gathers += 1
+    if parts > 1:
+        order = _appearance(flow)
+        roots = sorted(
+            flow.regions,
+            key=lambda r: min(order.get(t, 0) for t in flow.regions[r]),
+        )
+        fixed = {k for k, (d, _) in decided.items() if d is not None}
+        found = []
+        for number, root in enumerate(roots):
+            split, reason = _split_region(
+                flow, root, parts, fixed, min_shard_bytes
+            )
+            if split is None:
+                for p in (*flow.producers(root), *flow.consumers(root)):
+                    if reason:
+                        _note(p, f"whole: {reason}", decided)
+                continue
+            size = sum(_bytes(v) for v, _, _ in split.weights.values())
+            found.append((-size, number, split))
+        # Largest splits first; a weight belongs to one split region (a
+        # row of one region is not also a column of the next).
+        taken = {}
+        for *_, split in sorted(found, key=lambda f: f[:2]):
+            shared = sorted(set(split.weights) & set(taken))
+            if shared:
+                why = f"whole: {shared[0]} is split with {taken[shared[0]]}"
+                for path in split.weights:
+                    decided.setdefault(path, (None, why))
+                continue
+            fwd += split.forward
+            bwd += split.backward
+            label = _label(split)
+            for path, (_, dim, role) in split.weights.items():
+                taken[path] = label
+                decided[path] = (dim, f"{role}, {label}")
+        for p in flow.projections:
+            path = p.var.path
+            if path in decided and decided[path][0] is not None:
+                continue
+            size = p.free[0][1] if p.free else 0
+            if (
+                p.free
+                and p.free[0][2]
+                and size in vocab_split
+                and _reaches_output(flow, p)
+            ):
+                decided[path] = (
+                    p.free[0][0],
+                    "output head by vocabulary, as its embedding",
+                )
+                gathers += 1
+    return layout_report.finish(
+        model,
+        mesh,
+        model_axis,
+        batch_axis,
+        fsdp,
+        decided,
+        sizes,
+        (fwd, bwd, gathers),
+        min_shard_bytes,
+    )
+
+
+def _label(split):
+    def short(role):
+        return sorted(
+            {
+                v.path.rsplit("/", 2)[-2]
+                for v, _, r in split.weights.values()
+                if r == role
+            }
+        )
+
+    cols, rows = short("column"), short("row") + short("experts")
+    return f"{'+'.join(cols)} -> {'+'.join(rows) or 'sum'}"
+
+
+def _appearance(flow):
+    order = {}
+    for i, node in enumerate(flow.trace.nodes):
+        for o in node.outputs:
+            order.setdefault(o, i)
+    return order
+
+
+def _note(p, why, decided):
+    if decided.get(p.var.path, (None,))[0] is None:
+        decided[p.var.path] = (None, why)
+
+
+def auto_layout_map(
+    build,
+    mesh,
+    *,
+    model_axis="model",
+    batch_axis="batch",
+    fsdp=False,
+    sample_input=None,
+    min_shard_bytes=0,
+):
+    """A `keras.distribution.LayoutMap` for any model, from its dataflow.
+
+    Args:
+        build: a function with no arguments that creates the model (run
+            once where nothing is allocated: torch's `meta` device and
+            fake tensors), or a model.
+        mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
+        model_axis: the mesh axis weights are split over.
+        batch_axis: the mesh axis the batch is split over.
+        fsdp: also split each weight over `batch_axis` (FSDP-style), on
+            its largest dim that axis divides.
+        sample_input: inputs for one call, for a model without symbolic
+            inputs (subclassed); a functional model's own are used.
+        min_shard_bytes: leave a region whole whose split weights are
+            smaller than this.
+
+    Returns:
+        A LayoutMap for `keras.distribution.ModelParallel`; the same on
+        every rank and every run. `auto_layout` (same arguments) says
+        why each weight got its layout.
+
+    Example:
+    ```python
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
+    layout_map = keras_dtensor.auto_layout_map(build_model, mesh)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+    ```
+    """
+    return auto_layout(
+        build,
+        mesh,
+        model_axis=model_axis,
+        batch_axis=batch_axis,
+        fsdp=fsdp,
+        sample_input=sample_input,
+        min_shard_bytes=min_shard_bytes,
+    ).layout_map

@@ -1,0 +1,293 @@
+"""A recorded forward pass read as projections and the regions between them.
+
+- *Weight views*: a tensor made from one variable by views, permutes,
+  casts and copies. Each of its dims lists the variable dims it holds,
+  outermost first, as *atoms* `(var_dim, size, outer)`; `outer` is false
+  for the inner piece of a variable dim a view has split.
+- *Projections*: contractions (`mm`, `bmm`, `addmm`, `baddbmm`) of an
+  activation with a weight view: `Dense`, `EinsumDense`, a reversed
+  embedding, batched expert kernels.
+- *Regions*: the activations between projections, found by joining the
+  inputs and outputs of every other op that a projection's or an
+  embedding's output reaches. A region's producers write into it, its
+  consumers read from it; an attention core with its q/k/v producers and
+  its output consumer is one region, a gated MLP another, the residual
+  stream a third. Masks and rotary tables (made from the inputs or from
+  nothing) join no region.
+"""
+
+import dataclasses
+
+__all__ = ["Contraction", "Dataflow", "analyze", "contraction"]
+
+_IDENTITY = {
+    "detach",
+    "lift_fresh",
+    "lift_fresh_copy",
+    "clone",
+    "to_copy",
+    "alias",
+    "contiguous",
+    "type_as",
+}
+_VIEWS = {
+    "view",
+    "unsafe_view",
+    "reshape",
+    "permute",
+    "transpose",
+    "t",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+}
+CONTRACTIONS = {"mm", "bmm", "addmm", "baddbmm"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """`out = bias + a @ b` with `a` `[B?, m, k]` and `b` `[B?, k, n]`."""
+
+    a: int
+    b: int
+    bias: int | None
+    out: int
+    batched: bool
+
+
+def contraction(node):
+    """The `Contraction` of a `CONTRACTIONS` node."""
+    if node.op in ("mm", "bmm"):
+        a, b, bias = node.inputs[0], node.inputs[1], None
+    else:
+        bias, a, b = node.inputs[0], node.inputs[1], node.inputs[2]
+    return Contraction(a, b, bias, node.outputs[0], node.op.endswith("bmm"))
+
+
+@dataclasses.dataclass(eq=False)
+class Projection:
+    """A contraction of an activation with a weight view."""
+
+    index: int  # of the node
+    var: object
+    activation: int
+    out: int
+    kernel_on_right: bool
+    free: tuple  # atoms of the kernel's output dim
+    contracted: tuple  # atoms of the kernel's contracted dim
+    batch: tuple  # atoms of the kernel's batch dim (bmm), else ()
+    bias: int | None
+
+
+@dataclasses.dataclass
+class Dataflow:
+    trace: object
+    views: dict  # tensor id -> (variable, [atoms per dim])
+    projections: list
+    by_node: dict  # node index -> Projection
+    embeddings: list  # (node index, variable, output id)
+    stream: set  # ids of tensors downstream of a projection or lookup
+    regions: dict  # root -> set of tensor ids
+    region_of: dict  # tensor id -> root
+    parent: dict  # tensor id -> the tensor it is a view or copy of
+
+    def base(self, tid):
+        """The tensor `tid` is a view or copy of (an activation once, read
+        by several projections through their own views)."""
+        while tid in self.parent:
+            tid = self.parent[tid]
+        return tid
+
+    def producers(self, root):
+        return [
+            p for p in self.projections if self.region_of.get(p.out) == root
+        ]
+
+    def consumers(self, root):
+        return [
+            p
+            for p in self.projections
+            if self.region_of.get(p.activation) == root
+        ]
+
+
+def _regroup(dims, shape):
+    """The atoms of a view of a weight view to `shape`; None if a view
+    splits an atom unevenly."""
+    queue = [atom for dim in dims for atom in dim if atom[1] > 1]
+    out = []
+    for size in shape:
+        if size == 1:
+            out.append(())
+            continue
+        need, group = size, []
+        while need > 1:
+            if not queue:
+                return None
+            var_dim, n, outer = queue.pop(0)
+            if n <= need:
+                if need % n:
+                    return None
+                group.append((var_dim, n, outer))
+                need //= n
+            else:
+                if n % need:
+                    return None
+                group.append((var_dim, need, outer))
+                queue.insert(0, (var_dim, n // need, False))
+                need = 1
+        out.append(tuple(group))
+    return out if not queue else None
+
+
+def _view_of(node, dims, shapes):
+    """Atoms of a shape op's output given its input's, or None."""
+    op, args = node.op, node.args
+    if node.op in _IDENTITY or (node.pointwise and _tensor_count(node) == 1):
+        return list(dims)
+    if op == "permute":
+        return [dims[i] for i in args[1]]
+    if op == "t":
+        return list(reversed(dims))
+    if op == "transpose":
+        d0, d1 = (d % len(dims) for d in args[1:3])
+        out = list(dims)
+        out[d0], out[d1] = out[d1], out[d0]
+        return out
+    if op == "unsqueeze":
+        d = args[1] % (len(dims) + 1)
+        return [*dims[:d], (), *dims[d:]]
+    if op in ("view", "unsafe_view", "reshape", "squeeze", "expand"):
+        return _regroup(dims, shapes[node.outputs[0]])
+    return None
+
+
+def _tensor_count(node):
+    return sum(1 for i in node.inputs if isinstance(i, int))
+
+
+def _weight_views(trace):
+    views = {
+        tid: (var, [((d, n, True),) for d, n in enumerate(var.shape)])
+        for tid, var in trace.weights.items()
+    }
+    for node in trace.nodes:
+        tensors = [i for i in node.inputs if isinstance(i, int)]
+        if len(tensors) != 1 or tensors[0] not in views:
+            continue
+        if not node.outputs or not isinstance(node.outputs[0], int):
+            continue
+        var, dims = views[tensors[0]]
+        out = _view_of(node, dims, trace.shapes)
+        if out is not None and len(out) == len(trace.shapes[node.outputs[0]]):
+            views[node.outputs[0]] = (var, out)
+    return views
+
+
+def _projection(index, node, views):
+    c = contraction(node)
+    left, right = views.get(c.a), views.get(c.b)
+    if (left is None) == (right is None):
+        return None
+    if right is not None:
+        var, dims = right
+        free, contracted = dims[-1], dims[-2]
+        activation, kernel_on_right = c.a, True
+    else:
+        var, dims = left
+        free, contracted = dims[-2], dims[-1]
+        activation, kernel_on_right = c.b, False
+    batch = dims[0] if c.batched else ()
+    return Projection(
+        index,
+        var,
+        activation,
+        c.out,
+        kernel_on_right,
+        free,
+        contracted,
+        batch,
+        c.bias,
+    )
+
+
+class _Union:
+    def __init__(self):
+        self.parent = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def join(self, items):
+        items = list(items)
+        for other in items[1:]:
+            a, b = self.find(items[0]), self.find(other)
+            if a != b:
+                self.parent[max(a, b)] = min(a, b)
+
+
+def analyze(trace) -> Dataflow:
+    """Weight views, projections, embeddings and regions of `trace`."""
+    views = _weight_views(trace)
+    projections, by_node, embeddings = [], {}, []
+    stream, union = set(), _Union()
+    parent = {}
+    order = {}  # first appearance of a tensor, for deterministic roots
+
+    def flat(node):
+        for i in node.inputs:
+            if isinstance(i, tuple):
+                yield from (x for x in i if isinstance(x, int))
+            elif isinstance(i, int):
+                yield i
+
+    for index, node in enumerate(trace.nodes):
+        outs = [o for o in node.outputs if isinstance(o, int)]
+        for o in outs:
+            order.setdefault(o, len(order))
+        if node.op in CONTRACTIONS:
+            p = _projection(index, node, views)
+            if p is not None:
+                projections.append(p)
+                by_node[index] = p
+                stream.add(p.out)
+                union.find(p.out)
+                continue
+        if node.op == "embedding" and node.inputs[0] in views:
+            embeddings.append((index, views[node.inputs[0]][0], outs[0]))
+            stream.add(outs[0])
+            union.find(outs[0])
+            continue
+        tensors = list(flat(node))
+        if (
+            len(tensors) == 1
+            and len(outs) == 1
+            and (node.op in _IDENTITY or node.op in _VIEWS)
+        ):
+            parent[outs[0]] = tensors[0]
+        ins = [i for i in tensors if i in stream and i not in views]
+        if ins and not node.op.endswith("_like"):  # values unread
+            live = [*ins, *(o for o in outs if o not in views)]
+            stream.update(live)
+            union.join(live)
+    regions, region_of = {}, {}
+    for tid in sorted(stream, key=lambda t: order.get(t, -1)):
+        root = union.find(tid)
+        regions.setdefault(root, set()).add(tid)
+        region_of[tid] = root
+    # Roots named by their first tensor, so regions come in graph order.
+    return Dataflow(
+        trace,
+        views,
+        projections,
+        by_node,
+        embeddings,
+        stream,
+        regions,
+        region_of,
+        parent,
+    )

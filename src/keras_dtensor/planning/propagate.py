@@ -1,0 +1,313 @@
+"""Whether one region can run split over the model axis, op by op.
+
+Given a region and a choice per producer (split its output dim, or
+leave it whole), the split is carried through the region's ops in
+execution order, as DTensor's sharding propagation would carry a
+`Shard(dim)`, with rules for the ops a region holds (elementwise ops with
+broadcasting, views, permutes, reductions over other dims, attention,
+contractions). It ends at the consumers, whose contracted dim it must be
+(their kernel is then split by rows, and their output is a pending sum:
+one all-reduce). Anything else (a norm over the split dim, a gather, the
+model's output) is a conflict, and its reason says which op and why.
+
+The result is the layout of every weight the split touches (producers by
+columns, consumers by rows, biases and per-head weights alongside) and
+the collectives it costs per training step.
+"""
+
+import dataclasses
+
+from keras_dtensor.planning.dataflow import CONTRACTIONS
+from keras_dtensor.planning.dataflow import contraction
+from keras_dtensor.planning.split_rules import ALONG
+from keras_dtensor.planning.split_rules import ATTENTION
+from keras_dtensor.planning.split_rules import CUTS
+from keras_dtensor.planning.split_rules import PARTIAL
+from keras_dtensor.planning.split_rules import REDUCTIONS
+from keras_dtensor.planning.split_rules import SHAPE_ONLY
+from keras_dtensor.planning.split_rules import Conflict
+from keras_dtensor.planning.split_rules import atom_split
+from keras_dtensor.planning.split_rules import fail
+from keras_dtensor.planning.split_rules import matching_atom
+from keras_dtensor.planning.split_rules import pos
+from keras_dtensor.planning.split_rules import through_view
+
+__all__ = ["Conflict", "Split", "propagate"]
+
+
+@dataclasses.dataclass
+class Split:
+    """A region run split: `weights` maps a variable's path to
+    `(variable, dim, role)`; `forward`/`backward` count all-reduces."""
+
+    weights: dict
+    forward: int
+    backward: int
+
+
+def _with_dim(split, d):
+    return (d, split[1], split[2])
+
+
+class _Run:
+    def __init__(self, flow, root, parts):
+        self.flow, self.root, self.parts = flow, root, parts
+        self.shapes = flow.trace.shapes
+        self.split = {}  # tensor id -> (dim, block, period) or PARTIAL
+        self.weights = {}
+        self.forward = 0
+        self.column_inputs = set()
+        self.index = -1
+
+    def weight(self, tid, tensor_dim, split, role, node):
+        """Split the variable behind weight view `tid` where its dim
+        `tensor_dim` holds the activation's split."""
+        var, dims = self.flow.views[tid]
+        atoms = dims[tensor_dim]
+        j = matching_atom(atoms, split[1], split[2], self.parts)
+        if j is None:
+            fail(node, f"{var.path}: the split falls inside a weight dim")
+        self.weight_atom(var, atoms[j], role, node)
+
+    def weight_atom(self, var, atom, role, node):
+        var_dim, _, outer = atom
+        size = var.shape[var_dim]
+        if not outer:
+            fail(node, f"{var.path}: the split falls inside dim {var_dim}")
+        if size % self.parts:
+            fail(
+                node,
+                f"{var.path} dim {var_dim} of {size} does not divide by "
+                f"{self.parts}",
+            )
+        old = self.weights.get(var.path)
+        if old is not None and old[1] != var_dim:
+            fail(node, f"{var.path} split on two dims")
+        if old is None or role in ("column", "row"):
+            self.weights[var.path] = (var, var_dim, role)
+
+    def get(self, tid):
+        d = self.split.get(tid)
+        return None if d is PARTIAL else d
+
+    # -- ops ----------------------------------------------------------
+    def elementwise(self, node, ins, outs):
+        nd = len(self.shapes[outs[0]])
+        target = None
+        for i in ins:
+            sp = self.get(i)
+            if sp is not None:
+                aligned = _with_dim(sp, sp[0] + nd - len(self.shapes[i]))
+                if target not in (None, aligned):
+                    fail(node, "operands split unlike")
+                target = aligned
+        if target is None:
+            return
+        for i in ins:
+            if self.get(i) is not None:
+                continue
+            own = target[0] - (nd - len(self.shapes[i]))
+            if own < 0 or self.shapes[i][own] == 1:
+                continue  # broadcast along the split dim
+            if i in self.flow.views:
+                self.weight(i, own, target, "alongside", node)
+            # else a whole value: each rank uses its part (no collective)
+        for o in outs:
+            if len(self.shapes[o]) == nd:
+                self.split[o] = target
+
+    def reduce(self, node, i, outs, dims, keep):
+        sp = self.get(i)
+        nd = len(self.shapes[i])
+        dims = [pos(x, nd) for x in dims] if dims else list(range(nd))
+        if sp[0] in dims:
+            if node.op != "sum":
+                fail(node, "reduces over the split dim")
+            self.split[outs[0]] = PARTIAL  # a sum of parts: one all-reduce
+            self.forward += 1
+            return
+        out = sp[0] if keep else sp[0] - sum(1 for x in dims if x < sp[0])
+        self.split[outs[0]] = _with_dim(sp, out)
+
+    def contract(self, node, outs):
+        c = contraction(node)
+        p = self.flow.by_node.get(self.index)
+        sa, sb = self.get(c.a), self.get(c.b)
+        na, nb = len(self.shapes[c.a]), len(self.shapes[c.b])
+        da = None if sa is None else sa[0]
+        db = None if sb is None else sb[0]
+        batch = 0 if c.batched else None
+        if p is not None:
+            act = sa if p.kernel_on_right else sb
+            contracted = na - 1 if p.kernel_on_right else nb - 2
+            atoms = p.contracted
+            if act[0] == contracted:  # a consumer: rows, a pending sum
+                j = matching_atom(atoms, act[1], act[2], self.parts)
+                if j is None:
+                    fail(node, f"{p.var.path}: the split falls inside a dim")
+                self.weight_atom(p.var, atoms[j], "row", node)
+                self.split[c.out] = PARTIAL
+                self.forward += 1
+                return
+            if act[0] == batch:  # batched experts
+                j = matching_atom(p.batch, act[1], act[2], self.parts)
+                if j is None:
+                    fail(node, f"{p.var.path}: the split falls inside a dim")
+                self.weight_atom(p.var, p.batch[j], "experts", node)
+                self.split[c.out] = act
+                return
+            fail(node, f"feeds {p.var.path} on a dim it does not contract")
+        if batch is not None and (da, db) in ((0, 0), (0, None), (None, 0)):
+            if sa is not None and sb is not None and sa != sb:
+                fail(node, "a batched contraction of operands split unlike")
+            self.split[c.out] = sa or sb
+            return
+        if da == na - 1 and db == nb - 2 and sa[1:] == sb[1:]:
+            self.split[c.out] = PARTIAL
+            self.forward += 1
+            return
+        if sb is None and da == na - 2:
+            self.split[c.out] = sa
+            return
+        if sa is None and db == nb - 1:
+            self.split[c.out] = _with_dim(sb, len(self.shapes[c.out]) - 1)
+            return
+        fail(node, "a contraction of split operands on other dims")
+
+    def step(self, node):
+        ins = [i for i in node.inputs if isinstance(i, int)]
+        if node.op in ("cat", "stack") and isinstance(node.inputs[0], tuple):
+            ins = list(node.inputs[0])
+        if not any(self.get(i) is not None for i in ins):
+            return
+        outs = [o for o in node.outputs if isinstance(o, int)]
+        if not outs:  # a query (`prim.device`, sizes): nothing to carry
+            return
+        op, args = node.op, node.args
+        first = node.inputs[0]
+        if op.endswith("_like") or op in ("arange", "full", "scalar_tensor"):
+            return  # reads a shape or dtype, not the values
+        if op in CONTRACTIONS:
+            return self.contract(node, outs)
+        if op in SHAPE_ONLY:
+            self.split[outs[0]] = self.get(first)
+            return
+        if (node.pointwise and len(outs) == 1) or op in (
+            "where",
+            "masked_fill",
+            "clamp",
+            "lerp",
+        ):
+            return self.elementwise(node, ins, outs)
+        sp = self.get(first) if isinstance(first, int) else None
+        if sp is None and op not in ("cat", "stack"):
+            fail(node, "a split operand in a place no rule covers")
+        if op in REDUCTIONS:
+            dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
+            dims = [dims] if isinstance(dims, int) else list(dims or [])
+            keep = (
+                bool(args[2])
+                if len(args) > 2 and isinstance(args[2], bool)
+                else bool(node.kwargs.get("keepdim", False))
+            )
+            return self.reduce(node, first, outs, dims, keep)
+        shape_in = self.shapes[first] if isinstance(first, int) else None
+        if op in ALONG:
+            if sp[0] == pos(args[1], len(shape_in)):
+                fail(node, "runs along the split dim")
+            for o in outs:
+                if len(self.shapes[o]) == len(shape_in):
+                    self.split[o] = sp
+            return
+        if op == "native_layer_norm":
+            if sp[0] >= len(shape_in) - len(args[1]):
+                fail(node, "normalizes over the split dim")
+            self.split[outs[0]] = sp
+            return
+        if op in ATTENTION:
+            q, k, v = node.inputs[:3]
+            if not (self.get(q) == self.get(k) == self.get(v) and sp[0] < 2):
+                fail(node, "attention with q, k, v split unlike")
+            self.split[outs[0]] = sp
+            return
+        if op in ("view", "unsafe_view", "reshape", "squeeze"):
+            self.split[outs[0]] = through_view(
+                node, sp, shape_in, self.shapes[outs[0]]
+            )
+            return
+        if op == "expand":
+            shift = len(self.shapes[outs[0]]) - len(shape_in)
+            self.split[outs[0]] = _with_dim(sp, sp[0] + shift)
+            return
+        if op == "permute":
+            self.split[outs[0]] = _with_dim(sp, list(args[1]).index(sp[0]))
+            return
+        if op in ("transpose", "t"):
+            pair = (0, 1) if op == "t" else args[1:3]
+            d0, d1 = (pos(x, len(shape_in)) for x in pair)
+            d = {d0: d1, d1: d0}.get(sp[0], sp[0])
+            self.split[outs[0]] = _with_dim(sp, d)
+            return
+        if op == "unsqueeze":
+            u = pos(args[1], len(shape_in) + 1)
+            self.split[outs[0]] = _with_dim(sp, sp[0] + (u <= sp[0]))
+            return
+        if op in CUTS:
+            along = (
+                args[1]
+                if op in ("flip", "roll")
+                else (args[2] if len(args) > 2 else node.kwargs.get("dim", 0))
+            )
+            along = [along] if isinstance(along, int) else list(along)
+            along = [pos(a, len(shape_in)) for a in along]
+            if sp[0] in along:
+                fail(node, "cuts along the split dim")
+            drop = op in ("select", "unbind")
+            d = sp[0] - (drop and along[0] < sp[0])
+            for o in outs:
+                self.split[o] = _with_dim(sp, d)
+            return
+        if op in ("cat", "stack"):
+            tensors = first
+            nd = len(self.shapes[tensors[0]])
+            along = pos(args[1] if len(args) > 1 else 0, nd + (op == "stack"))
+            splits = {self.get(t) for t in tensors} - {None}
+            if len(splits) != 1:
+                fail(node, "joins operands split unlike")
+            sp = splits.pop()
+            if op == "cat" and along == sp[0]:
+                fail(node, "concatenates along the split dim")
+            d = sp[0] + (op == "stack" and along <= sp[0])
+            self.split[outs[0]] = _with_dim(sp, d)
+            return
+        fail(node, "no rule for a split operand")
+
+    def run(self, choices):
+        nodes = self.flow.trace.nodes
+        starts = {}
+        for p, (out_dim, atoms, j) in choices.items():
+            self.weight_atom(p.var, atoms[j], "column", nodes[p.index])
+            block, period = atom_split(atoms, j, self.parts)
+            starts[p.index] = (out_dim, block, period)
+            self.column_inputs.add(self.flow.base(p.activation))
+        for self.index, node in enumerate(nodes):
+            if self.index in starts:
+                p = self.flow.by_node[self.index]
+                self.split[p.out] = starts[self.index]
+                if p.bias is not None and p.bias in self.flow.views:
+                    nd = len(self.shapes[p.bias])
+                    self.weight(
+                        p.bias, nd - 1, starts[self.index], "alongside", node
+                    )
+                continue
+            self.step(node)
+        leaked = [o for o in self.flow.trace.outputs if self.get(o) is not None]
+        if leaked:
+            raise Conflict("the split reaches the model's output")
+        return Split(self.weights, self.forward, len(self.column_inputs))
+
+
+def propagate(flow, root, parts, choices) -> Split:
+    """Carries `choices` (producer -> `(output dim, atoms, atom index)`)
+    through region `root`; raises `Conflict`."""
+    return _Run(flow, root, parts).run(choices)

@@ -1,0 +1,283 @@
+"""One forward pass of a model recorded as aten ops, on the `meta` device.
+
+`auto_layout` reads a model's dataflow from this record rather than from
+its variable names: which weight feeds which contraction, what runs
+between two contractions, what reaches the model's outputs. The model is
+built and called on torch's `meta` device (shapes and dtypes only, nothing
+allocated); a model whose build or call needs values falls back to the CPU
+with a warning that names the layer.
+
+The record is at the dispatch level (`TorchDispatchMode`), where Keras's
+ops have become a small, fixed vocabulary of aten ops: an `einsum` is
+permutes, views and a `bmm`; a `Dense` is a view and an `mm`.
+"""
+
+import dataclasses
+import math
+import os
+import warnings
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Node", "Trace", "record"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One aten op: its name (`"mm"`, `"view"`, ...), whether torch tags
+    it elementwise (`pointwise`), its tensor
+    arguments as ids in argument order (`None` for non-tensors), its
+    other arguments, and the ids of its tensor outputs."""
+
+    op: str
+    pointwise: bool
+    inputs: tuple
+    args: tuple
+    kwargs: dict
+    outputs: tuple
+
+
+@dataclasses.dataclass
+class Trace:
+    """A forward pass: `nodes` in execution order, `shapes` of every
+    tensor by id, `weights` (id of a variable's value -> the variable),
+    the ids of the model's `inputs` and `outputs`, and the device used."""
+
+    nodes: list
+    shapes: dict
+    weights: dict
+    inputs: set
+    outputs: set
+    device: str
+    keep: list = dataclasses.field(default_factory=list, repr=False)
+
+
+def _op_name(func) -> str:
+    return (
+        func.overloadpacket.__name__.lstrip("_")
+        if hasattr(func, "overloadpacket")
+        else str(func)
+    )
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace):
+        super().__init__()
+        self.trace = trace
+
+    def _id(self, value):
+        if isinstance(value, torch.Tensor):
+            self.trace.keep.append(value)  # ids stay unique while recorded
+            self.trace.shapes.setdefault(id(value), tuple(value.shape))
+            return id(value)
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_args = []
+        for a in args:
+            if isinstance(a, (list, tuple)) and any(
+                isinstance(x, torch.Tensor) for x in a
+            ):
+                flat_args.append(tuple(self._id(x) for x in a))
+            else:
+                flat_args.append(self._id(a))
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        self.trace.nodes.append(
+            Node(
+                op=_op_name(func),
+                pointwise=torch.Tag.pointwise in getattr(func, "tags", ()),
+                inputs=tuple(flat_args),
+                args=tuple(
+                    None if isinstance(a, torch.Tensor) else a for a in args
+                ),
+                kwargs={
+                    k: v
+                    for k, v in kwargs.items()
+                    if not isinstance(v, torch.Tensor)
+                },
+                outputs=tuple(self._id(o) for o in outs),
+            )
+        )
+        return out
+
+
+def _sample_value(spec, batch, length, device):
+    import keras
+
+    shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
+    dtype = keras.backend.standardize_dtype(spec.dtype)
+    if "int" in dtype or dtype == "bool":
+        return torch.ones(shape, dtype=getattr(torch, dtype), device=device)
+    return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+
+
+def sample_inputs(model, device, batch=2, length=8):
+    """Inputs shaped like the model's `inputs` (unknown dims: `batch`
+    first, `length` elsewhere), on `device`."""
+    import keras
+
+    try:
+        specs = model.input
+    except (AttributeError, ValueError):
+        specs = None
+    if specs is None:
+        raise ValueError(
+            f"model {model.name!r} has no symbolic inputs (a subclassed "
+            "model): pass `sample_input=` to auto_layout"
+        )
+    return keras.tree.map_structure(
+        lambda s: _sample_value(s, batch, length, device), specs
+    )
+
+
+def _layer_in_traceback(error):
+    import keras
+
+    tb = error.__traceback__
+    name = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, keras.layers.Layer):
+            name = owner.name
+        tb = tb.tb_next
+    return name
+
+
+def _fake_like(variable):
+    dtype = getattr(torch, keras_standard_dtype(variable.dtype))
+    return torch.empty(tuple(variable.shape), dtype=dtype)
+
+
+def keras_standard_dtype(dtype) -> str:
+    import keras
+
+    return keras.backend.standardize_dtype(dtype)
+
+
+def _build(build, device):
+    import keras
+    from keras.src.backend.torch.core import device_scope
+
+    if isinstance(build, keras.Model):
+        return build
+    with device_scope(device):
+        return build()
+
+
+def _trace_call(model, sample_input, fake):
+    """Calls `model` once, statelessly, on values whose ids are known:
+    fake CPU tensors (`FakeTensorMode`: shapes only, Keras's ordinary CPU
+    code paths) when `fake`, the model's own values otherwise."""
+    import contextlib
+
+    import keras
+    from keras.src.backend.torch.core import device_scope
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = (
+        FakeTensorMode(allow_non_fake_inputs=True)
+        if fake
+        else contextlib.nullcontext()
+    )
+    with mode, device_scope("cpu"):
+        if fake:
+            trainable = [_fake_like(v) for v in model.trainable_variables]
+            frozen = [_fake_like(v) for v in model.non_trainable_variables]
+        else:
+            trainable = [v.value for v in model.trainable_variables]
+            frozen = [v.value for v in model.non_trainable_variables]
+        if sample_input is None:
+            inputs = sample_inputs(model, "cpu")
+        else:
+            inputs = keras.tree.map_structure(torch.as_tensor, sample_input)
+        weights = {}
+        shapes = {}
+        keep = [*trainable, *frozen]
+        for v, value in zip(
+            [*model.trainable_variables, *model.non_trainable_variables],
+            keep,
+            strict=True,
+        ):
+            weights[id(value)] = v
+            shapes[id(value)] = tuple(value.shape)
+        trace = Trace(
+            nodes=[],
+            shapes=shapes,
+            weights=weights,
+            inputs=set(),
+            outputs=set(),
+            device="meta" if fake else "cpu",
+            keep=keep,
+        )
+        for x in keras.tree.flatten(inputs):
+            trace.inputs.add(id(x))
+            trace.shapes[id(x)] = tuple(x.shape)
+            trace.keep.append(x)
+        with _Recorder(trace):
+            outputs, _ = model.stateless_call(
+                trainable, frozen, inputs, training=False
+            )
+        for y in keras.tree.flatten(outputs):
+            trace.outputs.add(id(y))
+            trace.keep.append(y)
+    return trace
+
+
+def keras_itemsize(dtype) -> int:
+    import numpy as np
+
+    return 2 if str(dtype) == "bfloat16" else np.dtype(str(dtype)).itemsize
+
+
+def _host_memory_bytes():
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def record(build, sample_input=None):
+    """`(model, Trace)`: `build()` called and run once on `meta`, or on
+    the CPU (with a warning naming the layer) if `meta` fails; a model
+    that built on `meta` but would not fit in host memory raises."""
+    import keras
+
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)  # plain, shape-only weights
+    model = None
+    try:
+        try:
+            model = _build(build, "meta")
+            return model, _trace_call(model, sample_input, fake=True)
+        except Exception as error:  # noqa: BLE001 (retried on the CPU)
+            layer = _layer_in_traceback(error)
+            where = f"layer {layer!r}" if layer else "the model"
+            if model is not None:
+                need = sum(
+                    math.prod(v.shape) * keras_itemsize(v.dtype)
+                    for v in model.weights
+                )
+                have = _host_memory_bytes()
+                if have is not None and need > have // 2:
+                    raise RuntimeError(
+                        f"auto_layout: {where} cannot run on the meta device "
+                        f"({type(error).__name__}: {error}), and building "
+                        f"the model on the CPU needs {need / 2**30:.1f} GiB "
+                        f"of the {have / 2**30:.1f} GiB free: give "
+                        "auto_layout a smaller configuration of the same "
+                        "architecture (the layouts depend on the graph, "
+                        "not the sizes, except for divisibility)"
+                    ) from error
+            warnings.warn(
+                f"auto_layout: {where} cannot be built or called on the "
+                f"meta device ({type(error).__name__}: {error}); building "
+                "it on the CPU instead",
+                stacklevel=2,
+            )
+            model = _build(build, "cpu")
+            return model, _trace_call(model, sample_input, fake=False)
+    finally:
+        keras.distribution.set_distribution(previous)
