@@ -83,6 +83,49 @@ def _transformer(heads=4):
     return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
 
 
+def _bert():
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=SEQ,
+        dropout=0.0,
+    )
+    # No dropout: a dropout inside a split region draws each rank's mask
+    # on its own (docs/guides/limitations.md).
+    return keras_hub.models.BertTextClassifier(
+        backbone, num_classes=2, preprocessor=None, dropout=0.0
+    )
+
+
+def _vit():
+    import keras_hub
+
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(16, 16, 3),
+        patch_size=4,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        mlp_dim=32,
+    )
+    return keras_hub.models.ViTImageClassifier(
+        backbone, num_classes=2, preprocessor=None
+    )
+
+
+BUILDERS = {
+    "mlp": _mlp,
+    "transformer": _transformer,
+    "bert": _bert,
+    "vit": _vit,
+}
+
+
 def _causal_lm(family):
     import keras_hub
 
@@ -163,11 +206,23 @@ def _train(case, distribution):
     scope = distribution.scope() if distribution else contextlib.nullcontext()
     rng = np.random.default_rng(0)
     with scope:
+        ids = rng.integers(1, VOCAB, size=(8, SEQ)).astype("int32")
         if case in FAMILIES:
             model = _causal_lm(case)
-            ids = rng.integers(1, VOCAB, size=(8, SEQ)).astype("int32")
             x = {"token_ids": ids, "padding_mask": np.ones((8, SEQ), bool)}
             y = rng.integers(1, VOCAB, size=(8, SEQ)).astype("int32")
+        elif case == "bert":
+            model = _bert()
+            x = {
+                "token_ids": ids,
+                "segment_ids": np.zeros_like(ids),
+                "padding_mask": np.ones_like(ids),
+            }
+            y = rng.integers(0, 2, size=(8,)).astype("int32")
+        elif case == "vit":
+            model = _vit()
+            x = rng.normal(size=(8, 16, 16, 3)).astype("float32")
+            y = rng.integers(0, 2, size=(8,)).astype("int32")
         elif case == "mlp":
             model = _mlp()
             x = rng.normal(size=(8, 12)).astype("float32")
@@ -198,7 +253,7 @@ def _train(case, distribution):
     sharded = sum(
         tuple(v.value.to_local().shape) != tuple(v.shape)
         for v in model.weights
-        if distribution is not None
+        if distribution is not None and hasattr(v.value, "to_local")
     )
     return result, tokens, sharded
 
@@ -210,7 +265,6 @@ def _parity(cases):
 
     import keras_dtensor
 
-    builders = {"mlp": _mlp, "transformer": _transformer}
     out = {}
     for case in cases:
         reference = _train(case, None) if dist.get_rank() == 0 else None
@@ -218,13 +272,15 @@ def _parity(cases):
             (1, dist.get_world_size()), ["batch", "model"]
         )
         layout_map = keras_dtensor.auto_layout_map(
-            builders.get(case) or (lambda c=case: _causal_lm(c)), mesh
+            BUILDERS.get(case) or (lambda c=case: _causal_lm(c)), mesh
         )
         distribution = keras.distribution.ModelParallel(
             layout_map=layout_map, batch_dim_name="batch"
         )
         got, tokens, sharded = _train(case, distribution)
-        out[case] = {"sharded": sharded}
+        # Every key of the map found its weight: the paths the map was
+        # derived from are those of the model built next.
+        out[case] = {"sharded": sharded, "keys": len(layout_map)}
         if reference is not None:
             out[case]["diff"] = models.max_diff(reference[0], got)
             if tokens is not None:
@@ -234,16 +290,35 @@ def _parity(cases):
     return out
 
 
-PARITY = ["mlp", "transformer", "mistral", "qwen3", "gemma3", "mixtral"]
+# Families that ship one (bench_layouts.py compares the two maps).
+SHIPPED = ["gemma", "llama", "qwen", "qwen3_moe"]
+
+
+def _check(results):
+    for case, r in results[0].items():
+        assert r["diff"] <= TOLERANCE, (case, r)
+        assert r.get("tokens", 0) == 0, (case, r)
+        assert r["sharded"] == r["keys"] > 0, (case, r)
+
+
+# In the default suite: one of each kind (plain Keras, a decoder, MoE, an
+# encoder classifier, a vision classifier); the rest under `make test-slow`.
+FAST = ["mlp", "transformer", "mistral", "mixtral", "bert", "vit"]
+# Families that ship no map, and plain Keras models.
+NO_MAP = [*FAST, "qwen3", "gemma3", "phi3"]
 
 
 @pytest.mark.multiprocess
 def test_auto_layouts_train_as_one_process_on_2_processes():
-    results = run_ranks(_parity, 2, PARITY, timeout=600, tensorflow=True)
-    for case, r in results[0].items():
-        assert r["diff"] <= TOLERANCE, (case, r)
-        assert r.get("tokens", 0) == 0, (case, r)
-        assert r["sharded"] > 0, (case, r)
+    _check(run_ranks(_parity, 2, FAST, timeout=600, tensorflow=True))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_family_on_2_and_4_processes(world):
+    cases = NO_MAP + SHIPPED if world == 4 else NO_MAP[len(FAST) :] + SHIPPED
+    _check(run_ranks(_parity, world, cases, timeout=3000, tensorflow=True))
 
 
 def test_cli_plan_auto_explains_each_weight(capsys):
@@ -260,3 +335,64 @@ def test_cli_plan_auto_explains_each_weight(capsys):
     )
     assert "1 all-reduces forward, 1 backward" in out
     assert "weights + optimizer slots per rank" in out  # the memory plan
+
+
+def test_fsdp_splits_large_weights_over_the_batch_axis_too():
+    import keras
+
+    import keras_dtensor
+
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], [f"cpu:{i}" for i in range(4)]
+    )
+    layout = keras_dtensor.auto_layout(_transformer, mesh, fsdp=True)
+    axes = _axes(layout)
+    assert axes["up/kernel"] == ("batch", "model")
+    assert axes["down/kernel"] == ("model", "batch")
+    assert axes["attn/query/kernel"] == ("batch", "model", None)
+    split = [e for e in layout.entries if "model" in e.axes]
+    assert all("batch" in e.axes for e in split if len(e.shape) > 1), split
+
+
+def test_a_layer_that_needs_values_is_traced_on_the_cpu():
+    import keras
+
+    import keras_dtensor
+
+    class Rescale(keras.layers.Layer):
+        def call(self, x):  # reads a value: no fake tensor can answer
+            top = float(keras.ops.convert_to_numpy(keras.ops.max(x)))
+            return x / (1.0 + abs(top))
+
+    def build():
+        inputs = keras.Input((12,))
+        x = Rescale(name="rescale")(inputs)
+        x = keras.layers.Dense(32, activation="relu", name="up")(x)
+        return keras.Model(inputs, keras.layers.Dense(4, name="down")(x))
+
+    with pytest.warns(
+        UserWarning, match="layer 'rescale'.*building it on the CPU"
+    ):
+        layout = keras_dtensor.auto_layout(build, _mesh(2))
+    assert _axes(layout)["up/kernel"] == (None, "model")
+    assert _axes(layout)["down/kernel"] == ("model", None)
+
+
+def test_the_map_names_the_model_built_next():
+    import keras
+
+    import keras_dtensor
+
+    # Keras numbers unnamed layers per process (`dense`, `dense_1`): the
+    # map's paths are those of the next model the same code builds.
+    def build():
+        inputs = keras.Input((12,))
+        x = keras.layers.Dense(32, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(12)(x))
+
+    build()  # takes `dense` and `dense_1`
+    layout_map = keras_dtensor.auto_layout_map(build, _mesh(2))
+    model = build()
+    paths = {v.path for v in model.weights}
+    keys = [k.strip("^$").replace("\\", "") for k in layout_map.keys()]
+    assert keys and set(keys) <= paths, (keys, paths)

@@ -12,9 +12,11 @@ ops have become a small, fixed vocabulary of aten ops: an `einsum` is
 permutes, views and a `bmm`; a `Dense` is a view and an `mm`.
 """
 
+import copy
 import dataclasses
 import math
 import os
+import re
 import warnings
 
 import torch
@@ -186,9 +188,13 @@ def _trace_call(model, sample_input, fake):
         if fake:
             trainable = [_fake_like(v) for v in model.trainable_variables]
             frozen = [_fake_like(v) for v in model.non_trainable_variables]
-        else:
-            trainable = [v.value for v in model.trainable_variables]
-            frozen = [v.value for v in model.non_trainable_variables]
+        else:  # plain tensors: Keras keeps their identity
+            trainable = [
+                v.value.detach().clone() for v in model.trainable_variables
+            ]
+            frozen = [
+                v.value.detach().clone() for v in model.non_trainable_variables
+            ]
         if sample_input is None:
             inputs = sample_inputs(model, "cpu")
         else:
@@ -232,6 +238,14 @@ def keras_itemsize(dtype) -> int:
     return 2 if str(dtype) == "bfloat16" else np.dtype(str(dtype)).itemsize
 
 
+def _short(error):
+    """An error's message on one line, without Keras's call summary."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Exception enc")]
+    return (lines[0] if lines else type(error).__name__)[:200]
+
+
 def _host_memory_bytes():
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -244,9 +258,15 @@ def record(build, sample_input=None):
     the CPU (with a warning naming the layer) if `meta` fails; a model
     that built on `meta` but would not fit in host memory raises."""
     import keras
+    from keras.src.backend.common import global_state
 
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(None)  # plain, shape-only weights
+    # Layer names are numbered per process (`dense`, `dense_1`, ...): the
+    # traced model takes the names the user's next build will take, and
+    # gives them back, so that the map's paths are that model's paths.
+    names = global_state.get_global_attribute("object_name_uids")
+    names = None if names is None else copy.copy(names)
     model = None
     try:
         try:
@@ -264,7 +284,8 @@ def record(build, sample_input=None):
                 if have is not None and need > have // 2:
                     raise RuntimeError(
                         f"auto_layout: {where} cannot run on the meta device "
-                        f"({type(error).__name__}: {error}), and building "
+                        f"({type(error).__name__}: {_short(error)}), and "
+                        "building "
                         f"the model on the CPU needs {need / 2**30:.1f} GiB "
                         f"of the {have / 2**30:.1f} GiB free: give "
                         "auto_layout a smaller configuration of the same "
@@ -273,11 +294,12 @@ def record(build, sample_input=None):
                     ) from error
             warnings.warn(
                 f"auto_layout: {where} cannot be built or called on the "
-                f"meta device ({type(error).__name__}: {error}); building "
-                "it on the CPU instead",
+                f"meta device ({type(error).__name__}: {_short(error)}); "
+                "building it on the CPU instead",
                 stacklevel=2,
             )
             model = _build(build, "cpu")
             return model, _trace_call(model, sample_input, fake=False)
     finally:
         keras.distribution.set_distribution(previous)
+        global_state.set_global_attribute("object_name_uids", names)
