@@ -9,8 +9,9 @@ thread each):
     python benchmarks/bench_layouts.py --nproc 2 \\
         --out benchmarks/results-layouts.json
 
-Per family and map: the collectives of one training step and of one
-generated token (counted at dispatch, by kind), the
+First, `auto_layout`'s own count for every family it is tested on
+(`plans`). Then, per family and map: the collectives of one training
+step and of one generated token (counted at dispatch, by kind), the
 parameter and optimizer bytes per rank (the local shards), and the median
 step time (CPU: information only). Goal: the derived map needs no more
 collectives than the shipped one, and no more bytes.
@@ -56,6 +57,77 @@ COMMON = dict(
     intermediate_dim=256,
 )
 BATCH, SEQ, STEPS, NEW_TOKENS = 4, 16, 6, 4
+# Every family auto_layout is tested on, for the per-family plan table
+# (derived in one process, nothing allocated): name -> (task, backbone,
+# config).
+PLANNED = {
+    "gemma": ("GemmaCausalLM", "GemmaBackbone", dict(head_dim=32)),
+    "gemma3": (
+        "Gemma3CausalLM",
+        "Gemma3Backbone",
+        dict(head_dim=32, image_size=None),
+    ),
+    "llama": ("LlamaCausalLM", "LlamaBackbone", {}),
+    "mistral": ("MistralCausalLM", "MistralBackbone", {}),
+    "mixtral": (
+        "MixtralCausalLM",
+        "MixtralBackbone",
+        dict(num_experts=4, top_k=2),
+    ),
+    "phi3": ("Phi3CausalLM", "Phi3Backbone", {}),
+    "qwen": ("QwenCausalLM", "QwenBackbone", {}),
+    "qwen3": ("Qwen3CausalLM", "Qwen3Backbone", dict(head_dim=32)),
+    "qwen_moe": (
+        "QwenMoeCausalLM",
+        "QwenMoeBackbone",
+        dict(
+            moe_intermediate_dim=64,
+            num_experts=4,
+            top_k=2,
+            shared_expert_intermediate_dim=128,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeCausalLM",
+        "Qwen3MoeBackbone",
+        dict(head_dim=32, moe_intermediate_dim=64, num_experts=4, top_k=2),
+    ),
+}
+
+
+def plans(nproc):
+    """auto_layout's own count per family: all-reduces forward and
+    backward, all-gathers, and the fraction of the weights per rank."""
+    import keras
+    import keras_hub
+
+    import keras_dtensor
+
+    mesh = keras.distribution.DeviceMesh(
+        (1, nproc), ["batch", "model"], [f"cpu:{i}" for i in range(nproc)]
+    )
+    out = {}
+    for family, (task, backbone, extra) in PLANNED.items():
+
+        def build(task=task, backbone=backbone, extra=extra):
+            config = {**COMMON, "num_key_value_heads": 2, **extra}
+            model = getattr(keras_hub.models, backbone)(**config)
+            return getattr(keras_hub.models, task)(
+                backbone=model, preprocessor=None
+            )
+
+        layout = keras_dtensor.auto_layout(build, mesh)
+        out[family] = {
+            "layers": COMMON["num_layers"],
+            "all_reduces_forward": layout.all_reduces_forward,
+            "all_reduces_backward": layout.all_reduces_backward,
+            "all_gathers_forward": layout.all_gathers_forward,
+            "split_weights": sum(1 for e in layout.entries if any(e.axes)),
+            "weights": len(layout.entries),
+            "bytes_per_rank_fraction": layout.bytes_per_rank
+            / layout.bytes_full,
+        }
+    return out
 
 
 def _build(family):
@@ -181,6 +253,7 @@ def main(argv=None):
     from bench_step import run_workers
 
     runs = {}
+    planned = plans(args.nproc)
     for family in args.families.split(","):
         for layout in ("shipped", "auto"):
             ranks = run_workers(
@@ -224,6 +297,7 @@ def main(argv=None):
                     "commit": commit,
                     "nproc": args.nproc,
                     "runs": runs,
+                    "plans": planned,
                 },
                 f,
                 indent=1,

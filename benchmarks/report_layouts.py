@@ -68,4 +68,38 @@ def layouts(data):
         "pending sum, and leave the untied output head whole; the derived "
         "map splits q/k/v by heads and the head by vocabulary.",
     ]
+    if "plans" in run:
+        lines += [
+            "",
+            "`auto_layout`'s own count for every family it is tested on "
+            f"(the same sizes, {run['nproc']} ranks, derived in one process "
+            "with nothing allocated): one all-reduce forward and one "
+            "backward per attention and per MLP, one forward for a "
+            "vocabulary-split embedding, and the logits gathered once.",
+            "",
+        ]
+        rows = [
+            (
+                family,
+                p["layers"],
+                p["all_reduces_forward"],
+                p["all_reduces_backward"],
+                p["all_gathers_forward"],
+                f"{p['split_weights']} of {p['weights']}",
+                number(p["bytes_per_rank_fraction"]),
+            )
+            for family, p in run["plans"].items()
+        ]
+        lines += table(
+            (
+                "family",
+                "layers",
+                "all-reduces forward",
+                "backward",
+                "all-gathers",
+                "weights split",
+                "bytes per rank / whole",
+            ),
+            rows,
+        )
     return lines
