@@ -27,6 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("KERAS_BACKEND", "torch")
 
 FAMILIES = {
     # name: (backbone, causal LM, config); small but not tiny: the
