@@ -58,11 +58,13 @@ def _mesh(parts, names=("batch", "model")):
     )
 
 
-def _mlp(up="zeta", down="eta"):
+def _mlp(up="zeta", down="eta", rate=0.0):
     import keras
 
     inputs = keras.Input((12,))
     x = keras.layers.Dense(32, activation="gelu", name=up)(inputs)
+    if rate:  # between the split layers: a mask on a split activation
+        x = keras.layers.Dropout(rate)(x)
     x = keras.layers.Dense(12, name=down)(x)
     x = keras.layers.LayerNormalization(name="norm")(x + inputs)
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
@@ -93,12 +95,11 @@ def _bert():
         hidden_dim=16,
         intermediate_dim=32,
         max_sequence_length=SEQ,
-        dropout=0.0,
     )
-    # No dropout: a dropout inside a split region draws each rank's mask
-    # on its own (docs/guides/limitations.md).
+    # Dropout (0.1) on attention probabilities split by heads and on the
+    # split pooler's output: one process's masks (hooks/dropout.py).
     return keras_hub.models.BertTextClassifier(
-        backbone, num_classes=2, preprocessor=None, dropout=0.0
+        backbone, num_classes=2, preprocessor=None
     )
 
 
@@ -120,6 +121,7 @@ def _vit():
 
 BUILDERS = {
     "mlp": _mlp,
+    "mlp_dropout": lambda: _mlp(rate=0.3),
     "transformer": _transformer,
     "bert": _bert,
     "vit": _vit,
@@ -223,8 +225,8 @@ def _train(case, distribution):
             model = _vit()
             x = rng.normal(size=(8, 16, 16, 3)).astype("float32")
             y = rng.integers(0, 2, size=(8,)).astype("int32")
-        elif case == "mlp":
-            model = _mlp()
+        elif case.startswith("mlp"):
+            model = BUILDERS[case]()
             x = rng.normal(size=(8, 12)).astype("float32")
             y = rng.integers(0, 3, size=(8,)).astype("int32")
         else:
@@ -303,7 +305,15 @@ def _check(results):
 
 # In the default suite: one of each kind (plain Keras, a decoder, MoE, an
 # encoder classifier, a vision classifier); the rest under `make test-slow`.
-FAST = ["mlp", "transformer", "mistral", "mixtral", "bert", "vit"]
+FAST = [
+    "mlp",
+    "mlp_dropout",
+    "transformer",
+    "mistral",
+    "mixtral",
+    "bert",
+    "vit",
+]
 # Families that ship no map, and plain Keras models.
 NO_MAP = [*FAST, "qwen3", "gemma3", "phi3"]
 

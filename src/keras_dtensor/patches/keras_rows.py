@@ -11,6 +11,7 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import distribution_lib
 from keras_dtensor.hooks import callbacks
 from keras_dtensor.hooks import data
+from keras_dtensor.hooks import dropout
 from keras_dtensor.hooks import fit
 from keras_dtensor.hooks import jit
 from keras_dtensor.hooks import layer_call
@@ -185,9 +186,11 @@ KERAS_ROWS = (
         "keras.src.backend.torch.random",
         "dropout",
         "Under DataParallel a seeded Dropout drew its mask for this rank's "
-        "rows only: every rank got the first rows of one process's mask. "
-        "It draws the global mask and keeps this rank's rows.",
-        data_parallel.wrap_dropout,
+        "rows only: every rank got the first rows of one process's mask; "
+        "on an activation split over the model axis (a DTensor), each rank "
+        "drew a mask for its own shard. It draws one process's mask for "
+        "the global shape and keeps this rank's part.",
+        dropout.wrap_dropout,
     ),
     *(
         Patch(

@@ -1,0 +1,75 @@
+"""Dropout on a split activation draws one process's mask.
+
+A `Dropout` between a column-split and a row-split layer (attention
+probabilities split by heads, a split pooler's output) gets a DTensor
+sharded over the model axis. DTensor's dropout on a CPU mesh draws each
+rank's mask for its own shard from its own generator, so the numbers are
+not one process's. Here the mask is drawn as one process draws it, for the
+global shape, with the same generator calls (Keras's seeded path or
+torch's unseeded one), and each rank keeps its part: the same numbers as
+one process, at the cost of one global-size draw per call. Replicated
+inputs and plain tensors go to the wrapped function unchanged (under
+DataParallel, `data_parallel.wrap_dropout`).
+"""
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor import data_parallel
+from keras_dtensor.backend.layout import local_slices
+
+__all__ = ["wrap_dropout"]
+
+
+def _seeded(seed, noise_shape):
+    """Whether Keras's torch dropout takes its seeded path (a Bernoulli
+    mask from the seed) rather than `torch.nn.functional.dropout`."""
+    from keras.src.random.seed_generator import SeedGenerator
+
+    if noise_shape is not None:
+        return True
+    if seed is None:
+        return False
+    return not (isinstance(seed, SeedGenerator) and seed._initial_seed is None)
+
+
+def _split_dropout(original, inputs, rate, noise_shape, seed):
+    shape = tuple(inputs.shape)
+    mesh, placements = inputs.device_mesh, inputs.placements
+    ones = torch.ones(shape, dtype=inputs.dtype, device=inputs.device)
+    drawn = original(ones, rate, noise_shape, seed)  # one process's draw
+    ranges = local_slices(shape, mesh, placements)
+    part = drawn[tuple(slice(start, start + n) for start, n in ranges)]
+    local = inputs.to_local()
+    if _seeded(seed, noise_shape):  # `where(mask, x / keep, 0)`, as Keras
+        keep = 1.0 - rate
+        out = torch.where(part != 0, local / keep, torch.zeros_like(local))
+    else:  # `x * (mask / keep)`, as torch's dropout kernel
+        out = local * part
+    return DTensor.from_local(
+        out,
+        mesh,
+        placements,
+        run_check=False,
+        shape=inputs.shape,
+        stride=inputs.stride(),
+    )
+
+
+def wrap_dropout(original):
+    """Wraps `random.dropout(inputs, rate, noise_shape=None, seed=None)`."""
+    inner = data_parallel.wrap_dropout(original)
+
+    @functools.wraps(original)
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        if (
+            isinstance(inputs, DTensor)
+            and 0.0 < rate < 1.0
+            and any(p.is_shard() for p in inputs.placements)
+        ):
+            return _split_dropout(original, inputs, rate, noise_shape, seed)
+        return inner(inputs, rate, noise_shape, seed)
+
+    return dropout
