@@ -406,3 +406,24 @@ def test_the_map_names_the_model_built_next():
     paths = {v.path for v in model.weights}
     keys = [k.strip("^$").replace("\\", "") for k in layout_map.keys()]
     assert keys and set(keys) <= paths, (keys, paths)
+
+
+def test_a_model_too_large_for_the_cpu_fallback_raises(monkeypatch):
+    import keras
+
+    import keras_dtensor
+    from keras_dtensor.planning import trace
+
+    class Rescale(keras.layers.Layer):
+        def call(self, x):
+            return x / float(keras.ops.convert_to_numpy(keras.ops.max(x)))
+
+    def build():
+        inputs = keras.Input((12,))
+        x = keras.layers.Dense(4096, name="wide")(Rescale(name="r")(inputs))
+        return keras.Model(inputs, x)
+
+    # As if the host had 64 KiB free: the model's 200 KiB would not fit.
+    monkeypatch.setattr(trace, "_host_memory_bytes", lambda: 2**16)
+    with pytest.raises(RuntimeError, match=r"layer 'r'.*GiB.*smaller conf"):
+        keras_dtensor.auto_layout(build, _mesh(2))
