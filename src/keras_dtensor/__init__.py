@@ -23,6 +23,7 @@ import warnings
 
 __version__ = "0.1.0"
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "ShardedCheckpoint",
     "auto_layout",
     "auto_layout_map",
@@ -147,6 +148,7 @@ _LAZY = {
     "load_checkpoint": "keras_dtensor.checkpoint",
     "latest_checkpoint": "keras_dtensor.checkpoint",
     "ShardedCheckpoint": "keras_dtensor.checkpoint",
+    "PREEMPTED_EXIT_CODE": "keras_dtensor.checkpoint",
     "auto_layout": "keras_dtensor.planning",
     "auto_layout_map": "keras_dtensor.planning",
 }

@@ -4,8 +4,13 @@ A save writes into a hidden staging path next to its target (the same
 directory, so the same filesystem), then moves it into place with a
 rename: a reader finds the old file or the new one, never half of one. A
 save killed in between leaves its staging path behind; the next save
-removes it (`remove_leftovers`). Pure filesystem helpers: which rank
-stages, and when, is the caller's.
+removes it (`remove_leftovers`). A directory replaces a directory in two
+renames (the old one aside, the new one in): a kill between them leaves
+the old one aside, complete, under a hidden name; `in_place_or_aside`
+finds it there and the next save puts it back. A process's private
+scratch directory (`scratch_dir`) carries its process id: the next save
+of any process removes those of processes that no longer run. Pure
+filesystem helpers: which rank stages, and when, is the caller's.
 
 Example:
 >>> staging = files.staging_path("ckpt/epoch-3")
@@ -16,12 +21,17 @@ Example:
 import contextlib
 import glob
 import os
+import re
 import shutil
+import tempfile
 import uuid
 
 __all__ = [
+    "in_place_or_aside",
     "move_into_place",
+    "remove_dead_scratch",
     "remove_leftovers",
+    "scratch_dir",
     "split",
     "staging_path",
 ]
@@ -85,8 +95,40 @@ def _remove(path):
             os.remove(path)
 
 
+_ASIDE_NAME = re.compile(
+    r"^\.[0-9a-f]{32}\.(?P<name>.+)" + re.escape(_SUFFIX + _ASIDE) + "$"
+)
+
+
+def _orphans(directory):
+    """`{target name: aside path}` of targets moved aside and not replaced
+    (a kill between `move_into_place`'s two renames)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.listdir(directory)):
+            match = _ASIDE_NAME.match(entry)
+            if match and not os.path.lexists(
+                os.path.join(directory, match["name"])
+            ):
+                out[match["name"]] = os.path.join(directory, entry)
+    return out
+
+
+def in_place_or_aside(directory) -> dict[str, str]:
+    """`{name: path}` of the visible entries of `directory`, and of the
+    targets a killed replacement left aside (their hidden path)."""
+    out = {
+        entry: os.path.join(directory, entry)
+        for entry in os.listdir(directory)
+        if not entry.startswith(".")
+    }
+    out.update(_orphans(directory))
+    return out
+
+
 def remove_leftovers(directory, name: str | None = None) -> None:
-    """Removes the staging paths killed saves left in `directory`.
+    """Cleans up after killed saves in `directory`: puts back targets a
+    replacement had moved aside, removes staging paths.
 
     Args:
         directory: where the saves' targets are.
@@ -94,6 +136,10 @@ def remove_leftovers(directory, name: str | None = None) -> None:
             `None`); staging paths of earlier versions of this package
             too.
     """
+    for target, aside in _orphans(directory).items():
+        if name is None or target == name:
+            with contextlib.suppress(OSError):
+                os.replace(aside, os.path.join(directory, target))
     escaped = glob.escape(os.fspath(directory))
     name = "*" if name is None else glob.escape(name)
     found = set()
@@ -102,3 +148,32 @@ def remove_leftovers(directory, name: str | None = None) -> None:
         found.update(glob.glob(base) + glob.glob(base + _ASIDE))
     for path in sorted(found):
         _remove(path)
+    remove_dead_scratch()
+
+
+_SCRATCH = "keras_dtensor_save_"
+
+
+def scratch_dir() -> str:
+    """A new private directory under the system's temporary folder, named
+    with this process's id."""
+    return tempfile.mkdtemp(prefix=f"{_SCRATCH}{os.getpid()}_")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_scratch() -> None:
+    """Removes the scratch directories of processes that no longer run."""
+    pattern = os.path.join(glob.escape(tempfile.gettempdir()), _SCRATCH + "*")
+    for path in glob.glob(pattern):
+        pid = os.path.basename(path)[len(_SCRATCH) :].partition("_")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(path)

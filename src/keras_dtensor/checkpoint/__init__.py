@@ -17,8 +17,10 @@ from keras_dtensor.checkpoint.api import latest_checkpoint
 from keras_dtensor.checkpoint.api import load_checkpoint
 from keras_dtensor.checkpoint.api import save_checkpoint
 from keras_dtensor.checkpoint.callback import ShardedCheckpoint
+from keras_dtensor.checkpoint.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "PendingCheckpoint",
     "ShardedCheckpoint",
     "export_weights",

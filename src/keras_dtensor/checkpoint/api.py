@@ -332,16 +332,14 @@ def latest_checkpoint(root, prefix=""):
     """
     if not os.path.isdir(root):
         return None
+    entries = files.in_place_or_aside(os.path.abspath(root))
     complete = [
         name
-        for name in sorted(os.listdir(root))
+        for name in sorted(entries)
         if name.startswith(prefix)
-        and not name.startswith(".")
-        and os.path.exists(os.path.join(root, name, MANIFEST))
+        and os.path.exists(os.path.join(entries[name], MANIFEST))
     ]
-    return (
-        os.path.join(os.path.abspath(root), complete[-1]) if complete else None
-    )
+    return entries[complete[-1]] if complete else None
 
 
 def export_weights(model, directory, filepath):

@@ -4,25 +4,45 @@ The same arguments on every process, as any Keras callback. It saves with
 `api.save_checkpoint` (every rank writes its shards) into
 `<directory>/ckpt-<batches>` (batches trained so far, zero-padded, so the
 names sort), keeps the newest `keep`, and when `fit` starts it loads the
-newest complete checkpoint and resumes at its epoch, as Keras's
-`BackupAndRestore` does: a job killed at any moment and started again
-(`torchrun --max-restarts`, or by hand) continues from the last commit.
-With `save_freq="epoch"` the resumed run equals an uninterrupted one; a
-checkpoint from the middle of an epoch restarts that epoch from its first
-batch with the weights it holds (Keras's `BackupAndRestore` semantics).
+newest complete checkpoint and resumes from it: a job killed at any moment
+and started again (`torchrun --max-restarts`, or by hand) continues from
+the last commit.
+
+On a termination signal (SIGTERM, SIGUSR1) the ranks agree on a step
+boundary (`preemption`), write a checkpoint there and exit with code 75:
+nothing trained is lost. That checkpoint resumes at its exact batch, with
+the epoch's shuffle, random state and metric states (`position`), where
+the input can be positioned (arrays, `PyDataset`, a torch `DataLoader`);
+with other inputs, and for scheduled checkpoints in the middle of an
+epoch, the epoch restarts from its first batch with the weights it holds
+(Keras's `BackupAndRestore` semantics).
 """
 
+import contextlib
 import os
 import shutil
+import signal
+import time
+import warnings
 
 import keras
 
 from keras_dtensor.backend import launch
+from keras_dtensor.backend import resume
 from keras_dtensor.checkpoint import api
+from keras_dtensor.checkpoint import position
+from keras_dtensor.checkpoint import preemption
 
 __all__ = ["ShardedCheckpoint"]
 
 _PREFIX = "ckpt-"
+
+
+def _number(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 class ShardedCheckpoint(keras.callbacks.Callback):
@@ -36,6 +56,10 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         async_save: write in the background; each save is committed when
             the next one starts, and the last when `fit` ends.
         resume: load the newest checkpoint when `fit` starts.
+        on_preemption: on a termination signal, save where all ranks
+            agree to stop and exit with code 75
+            (`keras_dtensor.PREEMPTED_EXIT_CODE`).
+        signals: the signals that mean "this machine is going away".
 
     Example:
     >>> model.fit(x, y, epochs=10, callbacks=[
@@ -49,6 +73,8 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         keep=3,
         async_save=False,
         resume=True,
+        on_preemption=True,
+        signals=(signal.SIGTERM, signal.SIGUSR1),
     ):
         super().__init__()
         if save_freq != "epoch" and (
@@ -69,11 +95,34 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._epoch = 0
         self._epoch_start = 0  # batches trained when this epoch began
         self._pending = None
+        self.on_preemption = on_preemption
+        self.signals = tuple(signals)
+        self._signals = self._vote = None
+        self._begin_state = None  # random state when this epoch began
+        self._position = None  # where the resumed epoch continues
+        self._history = ([], {})  # epochs and logs before this run
+        self._saved_at = -1  # batches of the newest checkpoint
+        self._resumed_epochs = 0
 
     def on_train_begin(self, logs=None):
-        self._batches, self._epoch = 0, 0
-        if not self.resume:
-            return
+        self._batches, self._epoch, self._saved_at = 0, 0, -1
+        self._history = ([], {})
+        self._resumed_epochs = 0
+        self._position = None
+        if self.resume:
+            self._load_latest()
+        if self.on_preemption:
+            self._signals = preemption.Signals(self.model, self.signals)
+            if not self._signals.install():
+                warnings.warn(
+                    "ShardedCheckpoint: fit is not running in the main "
+                    "thread, where Python handles signals: a termination "
+                    "signal will not be saved from.",
+                    stacklevel=2,
+                )
+            self._vote = preemption.Vote()
+
+    def _load_latest(self):
         latest = api.latest_checkpoint(self.directory, _PREFIX)
         # Rank 0's view decides, so every rank loads the same one.
         latest = launch.broadcast_bytes((latest or "").encode()).decode()
@@ -83,38 +132,137 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         extra = manifest.get("extra") or {}
         # fit resumes at the start of `epoch`: count batches from there.
         self._batches = int(extra.get("resume_batches", 0))
+        self._saved_at = int(extra.get("batches", -1))
         self._epoch = int(extra.get("epoch", 0))
         self.model._initial_epoch = self._epoch
+        history = extra.get("history") or {}
+        self._history = (
+            list(history.get("epoch", [])),
+            dict(history.get("logs", {})),
+        )
+        self._resumed_epochs = len(self._history[0])
+        self._position = extra.get("position")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_start = self._batches
+        resumed, self._position = self._position, None
+        if resumed and resumed["batches"]:
+            position.restore_random(resumed, "begin")
+            resume.request(
+                resumed["batches"],
+                lambda positioned, kind: self._resumed(
+                    resumed, positioned, kind
+                ),
+            )
+        self._begin_state = position.random_state()
+
+    def _resumed(self, resumed, positioned, kind):
+        if positioned:
+            position.restore_metrics(self.model, resumed)
+            position.restore_random(resumed, "moment")
+            self._batches = self._epoch_start + resumed["batches"]
+        elif launch.world()[1] == 0:
+            warnings.warn(
+                f"ShardedCheckpoint: the input ({kind}) cannot be read "
+                f"from batch {resumed['batches']} of epoch {self._epoch + 1}"
+                " again; the epoch restarts from its first batch with the "
+                "checkpoint's weights.",
+                stacklevel=2,
+            )
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
+        in_epoch = self._batches - self._epoch_start
         if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
-            # As BackupAndRestore: fit resumes at this epoch's start.
-            self._save(epoch=self._epoch, resume_batches=self._epoch_start)
+            self._save_here(in_epoch)
+        if self._vote is not None:
+            agreed = self._vote.at_boundary(self._signals.received)
+            if agreed:
+                self._preempted(agreed, in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
+        epochs, history = self._history
+        epochs.append(epoch)
+        for key, value in (logs or {}).items():
+            history.setdefault(key, []).append(_number(value))
         if self.save_freq == "epoch":
-            self._save(epoch=epoch + 1, resume_batches=self._batches)
+            self._save_here(0, epoch=epoch + 1)
+        if self._vote is not None:
+            agreed = self._vote.at_boundary(self._signals.received)
+            if agreed:
+                self._preempted(agreed, 0, epoch=epoch + 1)
 
     def on_train_end(self, logs=None):
-        self._finish()
+        try:
+            agreed = self._vote and self._vote.final(self._signals.received)
+            if agreed:
+                self._preempted(agreed, 0, epoch=self._epoch + 1)
+            self._finish()
+        finally:
+            self._stop_listening()
+        self._fill_history()
 
-    def _save(self, epoch, resume_batches):
+    def _stop_listening(self):
+        if self._signals is not None:
+            self._signals.uninstall()
+        self._signals = self._vote = None
+
+    def _fill_history(self):
+        """Gives `fit`'s History the epochs trained before a resume."""
+        history = getattr(self.model, "history", None)
+        epochs, logs = self._history
+        if self._resumed_epochs == 0 or not isinstance(
+            history, keras.callbacks.History
+        ):
+            return
+        history.epoch = list(epochs)
+        history.history = {key: list(values) for key, values in logs.items()}
+
+    def _preempted(self, number, in_epoch, epoch=None):
+        """Every rank is here: save this step (if not saved yet) and exit
+        with `preemption.EXIT_CODE`. A second signal during the save is
+        only noted: the save finishes."""
+        started = time.monotonic()
+        self._vote = None
+        self._finish()
+        if self._saved_at != self._batches:
+            self._save_here(in_epoch, epoch=epoch, force_sync=True)
+        self._stop_listening()
+        preemption.exit_preempted(
+            f"keras_dtensor: {preemption.signal_name(number)} on some rank; "
+            f"all ranks stopped after batch {self._batches} (epoch "
+            f"{self._epoch + 1}), checkpoint in {self.directory!r} "
+            f"({time.monotonic() - started:.2f} s); exiting with code "
+            f"{preemption.EXIT_CODE}."
+        )
+
+    def _save_here(self, in_epoch, epoch=None, force_sync=False):
+        """A checkpoint of now: after `in_epoch` batches of the current
+        epoch (resumed at that batch), or at an epoch's end (`epoch` is
+        the next one)."""
+        extra = {"epoch": self._epoch if epoch is None else epoch}
+        if in_epoch:
+            extra["resume_batches"] = self._epoch_start
+            extra["position"] = position.capture(
+                self.model, in_epoch, self._begin_state
+            )
+        else:
+            extra["resume_batches"] = self._batches
+        self._save(extra, force_sync)
+
+    def _save(self, extra, force_sync=False):
         self._finish()
         path = os.path.join(self.directory, f"{_PREFIX}{self._batches:010d}")
-        extra = {
-            "epoch": epoch,
-            "batches": self._batches,
-            "resume_batches": resume_batches,
-        }
+        epochs, logs = self._history
+        extra["batches"] = self._batches
+        extra["history"] = {"epoch": epochs, "logs": logs}
+        async_save = self.async_save and not force_sync
         result = api.save_checkpoint(
-            self.model, path, async_save=self.async_save, extra=extra
+            self.model, path, async_save=async_save, extra=extra
         )
-        if self.async_save:
+        self._saved_at = self._batches
+        if async_save:
             self._pending = result
         else:
             self._prune()
@@ -135,6 +283,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             and os.path.exists(os.path.join(self.directory, name, api.MANIFEST))
         )
         for name in complete[: -self.keep]:
-            shutil.rmtree(
-                os.path.join(self.directory, name), ignore_errors=True
-            )
+            # The manifest first: a kill while the rest goes leaves an
+            # incomplete checkpoint, never one that looks complete.
+            path = os.path.join(self.directory, name)
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, api.MANIFEST))
+            shutil.rmtree(path, ignore_errors=True)

@@ -14,10 +14,12 @@ from keras_dtensor import data_parallel
 from keras_dtensor import planning
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend import resume
 from keras_dtensor.backend.batch_layout import distribute_batch
 from keras_dtensor.hooks import input_checks
 
 __all__ = [
+    "wrap_epoch_iter",
     "wrap_get_data_adapter",
     "wrap_get_iterator",
     "wrap_make_function",
@@ -49,6 +51,25 @@ def wrap_get_iterator(original):
         )
 
     return _get_iterator
+
+
+def wrap_epoch_iter(original):
+    """Wraps `TorchEpochIterator.__iter__`: a resumed epoch starts at the
+    batch its checkpoint was written at (`backend.resume`)."""
+
+    def __iter__(self):
+        iterator = original(self)
+        pending = resume.take()
+        if pending is None:
+            return iterator
+        positioned, kind = resume.positionable(self)
+        if positioned:
+            for _ in range(pending.batches):
+                next(iterator)  # the same batches, read and dropped
+        pending.done(positioned, kind)
+        return iterator
+
+    return __iter__
 
 
 def wrap_make_function(original, kind):

@@ -101,6 +101,13 @@ KERAS_ROWS = (
         "axis (else: 'got mixed torch.Tensor and DTensor').",
         data.wrap_get_iterator,
     ),
+    Patch(
+        "keras.src.backend.torch.trainer",
+        "TorchEpochIterator.__iter__",
+        "A checkpoint written mid-epoch (on SIGTERM) must resume at its "
+        "batch; Keras starts every epoch at batch 0.",
+        data.wrap_epoch_iter,
+    ),
     *(
         Patch(
             "keras.src.backend.torch.trainer",

@@ -32,7 +32,6 @@ collective timeout.
 import functools
 import os
 import shutil
-import tempfile
 
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -117,7 +116,8 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
         files.remove_leftovers(directory, name)
         staging = files.staging_path(final)
     else:
-        staging = tempfile.mkdtemp(prefix="keras_dtensor_save_")
+        files.remove_dead_scratch()
+        staging = files.scratch_dir()
     target = os.path.join(staging, name)
     result = problem = None
     try:

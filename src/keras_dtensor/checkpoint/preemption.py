@@ -1,0 +1,155 @@
+"""Termination signals during `fit`: noticed on any rank, acted on by all.
+
+A platform that takes a machine away (spot instances, SLURM's time limit,
+a Kubernetes eviction) sends SIGTERM, waits a grace period, then kills;
+torchrun forwards the signal to every worker, SLURM's `--signal` sends
+SIGUSR1 ahead of time. The handler only notes the signal: the process is
+usually inside a step or a collective, which must finish on every rank.
+
+The ranks agree at step boundaries, without waiting for each other more
+than the steps already do: at each boundary every rank launches a small
+all-reduce (maximum) of "have I been signalled" on a gloo group of its
+own, and reads the one it launched at the previous boundary, long done.
+All ranks read the same value at the same boundary, so they stop together,
+at most two steps after the signal: no rank is ever left inside a
+collective the others have left.
+
+A signal outside `fit` (the handler is still installed after `fit` raised)
+is handed to the handler that was there before: the process ends as it
+would have without this module.
+"""
+
+import contextlib
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+from keras.src.backend.common import global_state
+
+from keras_dtensor.backend import launch
+
+__all__ = ["EXIT_CODE", "Signals", "Vote", "exit_preempted", "signal_name"]
+
+# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to
+# retry". What a job script or `keras-dtensor run --max-restarts` sees when
+# a run stopped on a termination signal after writing its checkpoint.
+EXIT_CODE = 75
+_GROUP = "keras_dtensor_preemption_group"
+
+
+class Signals:
+    """Notes termination signals while `model.fit` runs.
+
+    Args:
+        model: the model whose `fit` is running.
+        signals: the signal numbers to handle.
+    """
+
+    def __init__(self, model, signals):
+        self.model = model
+        self.signals = tuple(signals)
+        self.received = 0  # the first signal number (0: none yet)
+        self._previous = {}
+
+    def install(self) -> bool:
+        """Installs the handlers; `False` where Python cannot (not the
+        main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for number in self.signals:
+            self._previous[number] = signal.signal(number, self._handle)
+        return True
+
+    def uninstall(self):
+        for number, previous in self._previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(number, previous)
+        self._previous = {}
+
+    def _handle(self, number, frame):
+        if not self.received:
+            self.received = number
+        if not self._in_fit(frame):
+            previous = self._previous.get(number)
+            self.uninstall()
+            if callable(previous):
+                previous(number, frame)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(number)
+
+    def _in_fit(self, frame):
+        while frame is not None:
+            if (
+                frame.f_code.co_name == "fit"
+                and frame.f_locals.get("self") is self.model
+            ):
+                return True
+            frame = frame.f_back
+        return False
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _group():
+    group = global_state.get_global_attribute(_GROUP)
+    if group is None:
+        group = dist.new_group(backend="gloo")
+        global_state.set_global_attribute(_GROUP, group)
+    return group
+
+
+class Vote:
+    """Whether any rank was signalled, agreed one boundary late.
+
+    Every rank calls `at_boundary` with the signal it received (0: none)
+    at the same boundaries (a collective on a gloo group of its own, so it
+    runs beside the steps' collectives); a signal number returned means
+    stop here, on every rank (0: go on).
+    """
+
+    def __init__(self):
+        multi = launch.multi_process()
+        self._group = _group() if multi else None
+        self._pending = None
+
+    def at_boundary(self, signalled: int) -> int:
+        if self._group is None:
+            return signalled
+        stop = self._read()
+        flag = torch.tensor([signalled], dtype=torch.int32)
+        work = dist.all_reduce(
+            flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        self._pending = (work, flag)
+        return stop
+
+    def final(self, signalled: int) -> int:
+        """The last boundary: agrees now (blocking), nothing left pending."""
+        if self._group is None:
+            return signalled
+        stop = self._read()
+        flag = torch.tensor([signalled], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return stop or int(flag.item())
+
+    def _read(self):
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return int(flag.item())
+
+
+def exit_preempted(message):
+    """Ends the process with `EXIT_CODE` after `message` (rank 0)."""
+    if launch.world()[1] == 0:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CODE)
