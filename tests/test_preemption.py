@@ -263,3 +263,43 @@ def test_scratch_of_a_killed_process_is_removed_by_the_next_save(tmp_path):
     assert not os.path.exists(left)
     assert os.path.exists(mine)
     os.rmdir(mine)
+
+
+def _full_disk(root):
+    import resource
+
+    import keras
+
+    import keras_dtensor
+    from keras_dtensor.backend import launch
+
+    world, rank = launch.world()
+    model = _model(keras, "mp", world)
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    first = keras_dtensor.save_checkpoint(model, f"{root}/ckpt-1")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:  # this rank's disk is full: its writes fail
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
+    try:
+        keras_dtensor.save_checkpoint(model, f"{root}/ckpt-2")
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    latest = keras_dtensor.latest_checkpoint(root)
+    keras.backend.clear_session()
+    fresh = _model(keras, "mp", world)
+    fresh.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+    keras_dtensor.load_checkpoint(fresh, latest)
+    return error, latest == first, sorted(os.listdir(root))
+
+
+def test_a_full_disk_during_a_sharded_save_raises_on_every_rank(tmp_path):
+    for error, kept, names in run_ranks(_full_disk, 2, str(tmp_path)):
+        assert error is not None and "ckpt-2" in error, error
+        assert kept, "the checkpoint before is the newest complete one"
+        assert names == ["ckpt-1"], names  # no staging directory left

@@ -36,6 +36,7 @@ collective). Without a process group they run in the one process.
 
 import json
 import os
+import shutil
 import uuid
 
 import torch
@@ -155,6 +156,36 @@ def _commit(names, state, world, extra, digests):
     return names.final
 
 
+def _short(error):
+    """One line for a failed write: DCP's `CheckpointException` lists a
+    traceback per rank; this names each rank's error only."""
+    if isinstance(error, dcp.CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}"
+            for rank, (exc, _) in sorted(error.failures.items())
+        )
+    return f"{type(error).__name__}: {error}"
+
+
+def _written(names, write):
+    """Runs `write()`; a failure on any rank (a full disk, a lost
+    filesystem) raises on every rank, the staging directory removed and
+    the checkpoints before it untouched."""
+    problem = None
+    try:
+        write()
+    except (Exception, dcp.CheckpointException) as e:
+        problem = _short(e)
+    problem = agreement.first_failure(problem)
+    if problem:
+        if launch.world()[1] == 0:
+            shutil.rmtree(names.staging, ignore_errors=True)
+        raise RuntimeError(
+            f"Checkpoint {names.final!r} was not written ({problem}); the "
+            "checkpoints written before it are intact."
+        )
+
+
 class PendingCheckpoint:
     """A checkpoint being written in the background (`async_save=True`).
 
@@ -173,16 +204,7 @@ class PendingCheckpoint:
 
     def result(self):
         if self._path is None:
-            problem = None
-            try:
-                self._future.result()
-            except Exception as e:  # reported on every rank alike
-                problem = e
-            problem = agreement.first_failure(problem)
-            if problem:
-                raise RuntimeError(
-                    f"Checkpoint {self._names.final!r} failed: {problem}"
-                )
+            _written(self._names, self._future.result)
             self._path = _commit(
                 self._names,
                 self._state,
@@ -249,7 +271,7 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
         return PendingCheckpoint(
             future, names, state, world, extra, storage_writer
         )
-    dcp.save(state, storage_writer=storage_writer)
+    _written(names, lambda: dcp.save(state, storage_writer=storage_writer))
     return _commit(names, state, world, extra, storage_writer.digests)
 
 

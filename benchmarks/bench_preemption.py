@@ -1,0 +1,190 @@
+"""Time from SIGTERM to exit: does the save fit a grace period?
+
+    python benchmarks/bench_preemption.py \
+        --out benchmarks/results-preemption.json
+
+For each case a job (torchrun, gloo, one thread a process) trains under
+ModelParallel with `ShardedCheckpoint(dir)` in `fit`; after a few steps the
+whole job (launcher and workers, as a cluster does) gets SIGTERM. Measured,
+from the signal: the seconds until the launcher exits (every rank agreed on
+a step, saved it and exited with code 75), the seconds the save took (the
+callback's own message) and the checkpoint's bytes. Then the job is
+started again and the step it resumes at is compared with the last step
+begun before the signal (steps lost; must be 0). Cases: the step
+benchmark's transformer and MLP (TP layouts, 2 processes) and an MLP of
+1 GiB of float32 weights (4 x Dense(8192), column/row split) on 4
+processes, Adam (a checkpoint of 3x the weights).
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+CASES = {
+    "transformer": dict(nproc=2),
+    "mlp": dict(nproc=2),
+    "mlp_1g": dict(nproc=4, width=8192, layers=4, batch=8),
+}
+
+
+def _model(keras, case):
+    """`(model, batch size, input shape)`."""
+    import bench_step
+
+    if case == "mlp_1g":
+        cfg = CASES[case]
+        inputs = keras.Input((cfg["width"],))
+        h = inputs
+        for i in range(cfg["layers"]):
+            h = keras.layers.Dense(cfg["width"], name=f"dense_{i}")(h)
+        return keras.Model(inputs, h), cfg["batch"], (cfg["width"],)
+    cfg = bench_step.MODELS[case]
+    model = bench_step._keras_model(keras, case, cfg)
+    shape = (cfg["width"],) if case == "mlp" else (cfg["seq"], cfg["d_model"])
+    return model, cfg["batch"], shape
+
+
+def worker(args):
+    import keras
+    import numpy as np
+
+    import keras_dtensor
+    from keras_dtensor.backend import launch
+
+    world, rank = launch.world()
+    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    import bench_step
+
+    name = "mlp" if args.case == "mlp_1g" else args.case
+    for key, value in bench_step._keras_layouts(name, "kd_tp").items():
+        layout_map[key] = value
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+    keras.utils.set_random_seed(0)
+    model, batch, shape = _model(keras, args.case)
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(batch * 16, *shape))
+    x = x.astype("float32")
+
+    class Mark(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            done = int(
+                keras.ops.convert_to_numpy(self.model.optimizer.iterations)
+            )
+            if rank == 0:
+                with open(os.path.join(args.root, "steps.txt"), "a") as f:
+                    f.write(f"{done}\n")
+
+    callbacks = [keras_dtensor.ShardedCheckpoint(args.root + "/ckpt"), Mark()]
+    try:
+        model.fit(
+            x, x, batch_size=batch, epochs=1000, verbose=0, callbacks=callbacks
+        )
+    except SystemExit as e:
+        with open(os.path.join(args.root, f"exit-{rank}.txt"), "w") as f:
+            f.write(str(e.code))
+        raise
+
+
+def _steps(root):
+    with open(os.path.join(root, "steps.txt")) as f:
+        return [int(line) for line in f]
+
+
+def _job(case, root, signal_after_steps=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={CASES[case]['nproc']}",
+        os.path.abspath(__file__),
+        "--worker",
+        f"--case={case}",
+        f"--root={root}",
+    ]
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    steps = os.path.join(root, "steps.txt")
+    while proc.poll() is None:
+        if os.path.exists(steps) and len(_steps(root)) > signal_after_steps:
+            break
+        time.sleep(0.01)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=900)
+    return time.monotonic() - sent, err
+
+
+def _bytes(root):
+    total = 0
+    for folder, _, names in os.walk(root):
+        total += sum(os.path.getsize(os.path.join(folder, n)) for n in names)
+    return total
+
+
+def measure(case):
+    nproc = CASES[case]["nproc"]
+    with tempfile.TemporaryDirectory() as root:
+        exit_s, err = _job(case, root, signal_after_steps=3)
+        found = re.search(r"checkpoint in .* \(([0-9.]+) s\)", err)
+        codes = {
+            open(os.path.join(root, f"exit-{r}.txt")).read()
+            for r in range(nproc)
+            if os.path.exists(os.path.join(root, f"exit-{r}.txt"))
+        }
+        before = _steps(root)
+        checkpoint = _bytes(os.path.join(root, "ckpt"))
+        # Started again: where does it resume?
+        _job(case, root, signal_after_steps=len(before) + 1)
+        after = _steps(root)[len(before)]
+    return {
+        "case": case,
+        "processes": nproc,
+        "signal_to_exit_s": round(exit_s, 2),
+        "save_s": float(found.group(1)) if found else None,
+        "checkpoint_mib": round(checkpoint / 2**20, 1),
+        "exit_codes": sorted(codes),
+        "steps_lost": before[-1] + 1 - after,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--case")
+    parser.add_argument("--root")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    rows = []
+    for case in args.cases.split(","):
+        rows.append(measure(case))
+        print(rows[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
