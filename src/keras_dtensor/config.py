@@ -29,6 +29,13 @@ def _positive_float(raw):
     return value
 
 
+def _non_negative_float(raw):
+    value = float(raw)
+    if not value >= 0:
+        raise ValueError(raw)
+    return value
+
+
 def _non_negative_int(raw):
     value = int(raw)
     if value < 0:
@@ -109,6 +116,14 @@ VARIABLES = (
         60.0,
         "seconds > 0",
         "how long a save waits for every rank to join it",
+    ),
+    Variable(
+        "PREEMPTION_CHECK_S",
+        _non_negative_float,
+        0.1,
+        "seconds >= 0",
+        "how often the ranks agree whether one got a termination signal "
+        "(ShardedCheckpoint; 0: at every step)",
     ),
     Variable(
         "SAVE_PIECE_MB",

@@ -109,9 +109,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._history = ([], {})
         self._resumed_epochs = 0
         self._position = None
-        if self.resume:
-            self._load_latest()
-        if self.on_preemption:
+        if self.on_preemption:  # before loading: a signal then is saved too
             self._signals = preemption.Signals(self.model, self.signals)
             if not self._signals.install():
                 warnings.warn(
@@ -120,6 +118,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
                     "signal will not be saved from.",
                     stacklevel=2,
                 )
+        if self.resume:
+            self._load_latest()
+        if self.on_preemption:
             self._vote = preemption.Vote()
 
     def _load_latest(self):

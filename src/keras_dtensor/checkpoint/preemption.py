@@ -7,12 +7,13 @@ SIGUSR1 ahead of time. The handler only notes the signal: the process is
 usually inside a step or a collective, which must finish on every rank.
 
 The ranks agree at step boundaries, without waiting for each other more
-than the steps already do: at each boundary every rank launches a small
-all-reduce (maximum) of "have I been signalled" on a gloo group of its
-own, and reads the one it launched at the previous boundary, long done.
-All ranks read the same value at the same boundary, so they stop together,
-at most two steps after the signal: no rank is ever left inside a
-collective the others have left.
+than the steps already do: every few boundaries (about every 0.1 s) every
+rank launches a small all-reduce (maximum) of "have I been signalled" on a
+gloo group of its own, and reads the one it launched at the previous vote,
+long done. All ranks read the same value at the same boundary, so they
+stop together, at most two votes after the signal (about 0.2 s, or two
+steps when steps are longer): no rank is ever left inside a collective the
+others have left.
 
 A signal outside `fit` (the handler is still installed after `fit` raised)
 is handed to the handler that was there before: the process ends as it
@@ -23,11 +24,13 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 from keras.src.backend.common import global_state
 
+from keras_dtensor import config
 from keras_dtensor.backend import launch
 
 __all__ = ["EXIT_CODE", "Signals", "Vote", "exit_preempted", "signal_name"]
@@ -106,24 +109,47 @@ def _group():
 
 
 class Vote:
-    """Whether any rank was signalled, agreed one boundary late.
+    """Whether any rank was signalled, agreed one vote late.
 
     Every rank calls `at_boundary` with the signal it received (0: none)
-    at the same boundaries (a collective on a gloo group of its own, so it
-    runs beside the steps' collectives); a signal number returned means
-    stop here, on every rank (0: go on).
+    at the same boundaries; a signal number returned means stop here, on
+    every rank (0: go on). A vote (an all-reduce on a gloo group of its
+    own, beside the steps' collectives) is launched every `every`
+    boundaries, so that votes come about every
+    `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds whatever the step time:
+    each vote also carries every rank's proposal for the next `every`
+    (from its own step times), and all ranks take the smallest, so they
+    keep counting the same boundaries.
     """
+
+    MAX_EVERY = 64
 
     def __init__(self):
         multi = launch.multi_process()
         self._group = _group() if multi else None
         self._pending = None
+        self._every = 1  # boundaries between votes, the same on every rank
+        self._count = 0
+        self._last = time.monotonic()
+        self._step_s = None
+        self._interval_s = config.get("PREEMPTION_CHECK_S")
 
     def at_boundary(self, signalled: int) -> int:
         if self._group is None:
             return signalled
+        now = time.monotonic()
+        step, self._last = now - self._last, now
+        self._step_s = (
+            step if self._step_s is None else (0.8 * self._step_s + 0.2 * step)
+        )
+        self._count += 1
+        if self._count < self._every:
+            return 0
+        self._count = 0
         stop = self._read()
-        flag = torch.tensor([signalled], dtype=torch.int32)
+        proposal = round(self._interval_s / max(self._step_s, 1e-6))
+        proposal = min(max(proposal, 1), self.MAX_EVERY)
+        flag = torch.tensor([signalled, -proposal], dtype=torch.int32)
         work = dist.all_reduce(
             flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True
         )
@@ -135,9 +161,9 @@ class Vote:
         if self._group is None:
             return signalled
         stop = self._read()
-        flag = torch.tensor([signalled], dtype=torch.int32)
+        flag = torch.tensor([signalled, 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return stop or int(flag.item())
+        return stop or int(flag[0])
 
     def _read(self):
         if self._pending is None:
@@ -145,7 +171,9 @@ class Vote:
         work, flag = self._pending
         self._pending = None
         work.wait()
-        return int(flag.item())
+        signalled, every = flag.tolist()
+        self._every = -every
+        return signalled
 
 
 def exit_preempted(message):
