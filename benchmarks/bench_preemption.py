@@ -4,11 +4,13 @@
         --out benchmarks/results-preemption.json
 
 For each case a job (torchrun, gloo, one thread a process) trains under
-ModelParallel with `ShardedCheckpoint(dir)` in `fit`; after a few steps the
+ModelParallel with `ShardedCheckpoint(dir)` in `fit`; after 10 steps the
 whole job (launcher and workers, as a cluster does) gets SIGTERM. Measured,
 from the signal: the seconds until the launcher exits (every rank agreed on
-a step, saved it and exited with code 75), the seconds the save took (the
-callback's own message) and the checkpoint's bytes. Then the job is
+a step, saved it and exited with code 75), the seconds until the last rank
+had saved and raised its exit (the rest is the interpreters' teardown),
+the seconds the save took (the callback's own message) and the
+checkpoint's bytes. Then the job is
 started again and the step it resumes at is compared with the last step
 begun before the signal (steps lost; must be 0). Cases: the step
 benchmark's transformer and MLP (TP layouts, 2 processes) and an MLP of
@@ -60,7 +62,8 @@ def worker(args):
     import keras_dtensor
     from keras_dtensor.backend import launch
 
-    world, rank = launch.world()
+    world = len(keras.distribution.list_devices())  # starts the group
+    _, rank = launch.world()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     import bench_step
@@ -93,7 +96,7 @@ def worker(args):
         )
     except SystemExit as e:
         with open(os.path.join(args.root, f"exit-{rank}.txt"), "w") as f:
-            f.write(str(e.code))
+            f.write(f"{e.code} {time.time()}")
         raise
 
 
@@ -128,10 +131,10 @@ def _job(case, root, signal_after_steps=None):
         if os.path.exists(steps) and len(_steps(root)) > signal_after_steps:
             break
         time.sleep(0.01)
-    sent = time.monotonic()
+    sent, sent_wall = time.monotonic(), time.time()
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=900)
-    return time.monotonic() - sent, err
+    return time.monotonic() - sent, sent_wall, err
 
 
 def _bytes(root):
@@ -144,13 +147,15 @@ def _bytes(root):
 def measure(case):
     nproc = CASES[case]["nproc"]
     with tempfile.TemporaryDirectory() as root:
-        exit_s, err = _job(case, root, signal_after_steps=3)
+        exit_s, sent, err = _job(case, root, signal_after_steps=10)
         found = re.search(r"checkpoint in .* \(([0-9.]+) s\)", err)
-        codes = {
-            open(os.path.join(root, f"exit-{r}.txt")).read()
+        exits = [
+            open(os.path.join(root, f"exit-{r}.txt")).read().split()
             for r in range(nproc)
             if os.path.exists(os.path.join(root, f"exit-{r}.txt"))
-        }
+        ]
+        codes = {code for code, _ in exits}
+        saved_s = max(float(t) for _, t in exits) - sent if exits else None
         before = _steps(root)
         checkpoint = _bytes(os.path.join(root, "ckpt"))
         # Started again: where does it resume?
@@ -160,6 +165,7 @@ def measure(case):
         "case": case,
         "processes": nproc,
         "signal_to_exit_s": round(exit_s, 2),
+        "signal_to_saved_s": round(saved_s, 2) if exits else None,
         "save_s": float(found.group(1)) if found else None,
         "checkpoint_mib": round(checkpoint / 2**20, 1),
         "exit_codes": sorted(codes),
@@ -182,9 +188,30 @@ def main(argv=None):
         rows.append(measure(case))
         print(rows[-1], flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+        update_results(args.out, "signal_to_exit", rows)
+
+
+def update_results(path, key, rows):
+    """Puts `rows` under `key` of the results file at `path`, dated, with
+    the commit measured (the file's other keys are kept)."""
+    import datetime
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data[key] = {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "command": " ".join(["python", *sys.argv]),
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

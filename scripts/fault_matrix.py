@@ -36,7 +36,6 @@ Prints markdown tables; `--json PATH` also writes the rows.
 """
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -343,9 +342,11 @@ def main():
                 f"| {row['fault']} | {row['runs']} | {row['survived']} | "
                 f"{row['steps_lost_max']} | {row['recover_s_median']} |"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"preemption": preempted}, f, indent=1)
+    if args.json and preempted:
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+        from bench_preemption import update_results
+
+        update_results(args.json, "fault_matrix", preempted)
 
 
 if __name__ == "__main__":

@@ -225,7 +225,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         with `preemption.EXIT_CODE`. A second signal during the save is
         only noted: the save finishes."""
         started = time.monotonic()
-        self._vote = None
+        vote, self._vote = self._vote, None
+        if vote is not None:
+            vote.close()
         self._finish()
         if self._saved_at != self._batches:
             self._save_here(in_epoch, epoch=epoch, force_sync=True)

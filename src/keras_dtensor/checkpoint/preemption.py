@@ -165,6 +165,10 @@ class Vote:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return stop or int(flag[0])
 
+    def close(self):
+        """Waits for the vote in flight (every rank launched it)."""
+        self._read()
+
     def _read(self):
         if self._pending is None:
             return 0
