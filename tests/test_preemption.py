@@ -157,11 +157,10 @@ def test_sigterm_on_one_rank_saves_where_all_agree_and_resumes_exactly(
         assert SIGNAL_AT <= newest <= SIGNAL_AT + 2, stopped[2]
         assert newest % 8, "the signal's checkpoint is mid-epoch"
         _assert_same(reference, resumed)
-    if kind == "dp":
-        # The signal's checkpoint on one process: the same run, within
-        # one process's rounding of a 2-process run.
-        (one,) = run_ranks(_fit, 1, str(tmp_path / "copy"), kind)
-        _assert_same(results[0][0], one, tolerance=1e-5)
+    # The signal's checkpoint on one process (another world size and
+    # mesh): the same run, within one process's rounding of 2 processes.
+    (one,) = run_ranks(_fit, 1, str(tmp_path / "copy"), kind)
+    _assert_same(results[0][0], one, tolerance=1e-5)
 
 
 def _unpositionable(directory):
