@@ -96,7 +96,7 @@ def _fit(directory, kind, signal_at=None, signalled_rank=1, data=None):
             x,
             y,
             epochs=EPOCHS,
-            batch_size=8,
+            batch_size=8 if y is not None else None,
             shuffle=True,
             callbacks=callbacks,
             verbose=0,
@@ -208,6 +208,48 @@ print("ready", flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 print("survived", flush=True)
 """
+
+
+def _input(kind):
+    import keras
+    import torch
+
+    x, y = _data()
+    if kind == "dataloader":
+        dataset = torch.utils.data.TensorDataset(
+            torch.from_numpy(x), torch.from_numpy(y)
+        )
+        return torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]
+
+    return Batches()
+
+
+def _positioned_input(root, kind):
+    import keras
+
+    reference = _fit(f"{root}/reference", "dp", data=(_input(kind), None))
+    keras.backend.clear_session()
+    stopped = _fit(f"{root}/run", "dp", SIGNAL_AT, 0, data=(_input(kind), None))
+    keras.backend.clear_session()
+    resumed = _fit(f"{root}/run", "dp", data=(_input(kind), None))
+    return reference, stopped, resumed
+
+
+@pytest.mark.parametrize("kind", ["dataloader", "pydataset"])
+def test_dataloader_and_pydataset_resume_at_their_batch(tmp_path, kind):
+    # Their shuffles draw from torch's and Python's generators.
+    ((reference, stopped, resumed),) = run_ranks(
+        _positioned_input, 1, str(tmp_path), kind
+    )
+    assert stopped[:2] == ("exit", 75)
+    _assert_same(reference, resumed)
 
 
 def test_a_signal_outside_fit_ends_the_process_as_before(tmp_path):
