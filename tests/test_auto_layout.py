@@ -42,6 +42,17 @@ FAMILIES = {
         "MixtralCausalLM",
         dict(LM, num_experts=4, top_k=2),
     ),
+    "qwen_moe": (
+        "QwenMoeBackbone",
+        "QwenMoeCausalLM",
+        dict(
+            LM,
+            moe_intermediate_dim=8,
+            num_experts=4,
+            top_k=2,
+            shared_expert_intermediate_dim=16,
+        ),
+    ),
     "qwen3_moe": (
         "Qwen3MoeBackbone",
         "Qwen3MoeCausalLM",
@@ -293,7 +304,7 @@ def _parity(cases):
 
 
 # Families that ship one (bench_layouts.py compares the two maps).
-SHIPPED = ["gemma", "llama", "qwen", "qwen3_moe"]
+SHIPPED = ["gemma", "llama", "qwen", "qwen_moe", "qwen3_moe"]
 
 
 def _check(results):

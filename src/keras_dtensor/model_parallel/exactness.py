@@ -122,6 +122,21 @@ def reason(error):
     return f"{type(error).__name__}: {first}"
 
 
+def _culprit_code(replay, order, layer, record, state, default):
+    """The verdict naming the layer where the runs parted, if it may be
+    promoted to the boundary; else `default`."""
+    culprit = replay.culprit
+    if (
+        culprit is not None
+        and id(culprit) in order
+        and culprit is not layer
+        and id(culprit) not in record.boundary
+        and len(state.promoted) < _MAX_PROMOTED
+    ):
+        return order[id(culprit)]
+    return default
+
+
 def agree(code, mesh):
     """The lowest and highest of every rank's verdict (an int): one
     all-reduce of `[code, -code]` (MIN)."""
@@ -225,6 +240,12 @@ def call(layer, plan_, flat, reference, run):
             final = outputs_global(record, plan_.mesh, outputs)
             same, why = matches(expected, outputs, final)
             code = ok if same else (-1 if tracing else trace)
+            if replay.values_differ:  # traced to a layer on this rank
+                same, why = (
+                    False,
+                    f"{replay.culprit.name!r}: its outputs differ",
+                )
+                code = _culprit_code(replay, order, layer, record, state, -1)
             adding = _adds_local_loss(plan_.layers)
             if same and adding is not None:
                 # A loss must be a global value (an MoE's auxiliary loss):
@@ -238,19 +259,10 @@ def call(layer, plan_, flat, reference, run):
             why = "a layer assigns a variable in its call"
         except Exception as error:  # noqa: BLE001 (any: DTensors)
             why = reason(error)
-            culprit = replay.culprit
-            if (
-                culprit is not None
-                and id(culprit) in order
-                and culprit is not layer
-                and id(culprit) not in record.boundary
-                and len(state.promoted) < _MAX_PROMOTED
-            ):
-                code = order[id(culprit)]
-            elif not tracing:
-                # Raised at the boundary (an input laid out otherwise
-                # than in the DTensor run): the cause is upstream.
-                code = trace
+            # Raised at the boundary (an input laid out otherwise than in
+            # the DTensor run): the cause is upstream.
+            default = -1 if tracing else trace
+            code = _culprit_code(replay, order, layer, record, state, default)
         low, high = agree(code, plan_.mesh)
         if low == high == ok:
             record.fingerprints = None  # later calls are not traced
