@@ -247,7 +247,10 @@ def _preemption(runs):
                     "runs": runs,
                     "survived": sum(r[0] for r in results),
                     "steps_lost_max": max(lost) if lost else None,
-                    "recover_s_median": round(
+                    # A full disk raises by design: nothing to recover.
+                    "recover_s_median": None
+                    if fault == "full_disk"
+                    else round(
                         float(np.median([r[2] for r in results])) - job_s, 1
                     ),
                     "signal_to_exit_s_median": (
