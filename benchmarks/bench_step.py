@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+from step_counts import StepCounts
+
 # Ordered so that each target's two variants run back to back.
 VARIANTS = {
     "torch_single": 1,
@@ -287,6 +289,8 @@ def _run_torch(variant, model_name, steps, warmup):
         _sync()
         if warmup <= i < warmup + steps:
             times.append(time.perf_counter() - start)
+    with StepCounts() as counts:
+        step()
     comm = CommDebugMode()
     with comm:
         step()
@@ -295,6 +299,7 @@ def _run_torch(variant, model_name, steps, warmup):
         "times": times,
         "bytes": _bytes(list(model.parameters()) + state),
         "comms": {str(k): v for k, v in comm.get_comm_counts().items()},
+        "counts": counts.as_dict(),
     }
 
 
@@ -419,9 +424,12 @@ def _run_keras(variant, model_name, steps, warmup):
         def __init__(self):
             super().__init__()
             self.times, self.comm, self.comms = [], None, {}
+            self.counts = None
 
         def on_train_batch_begin(self, batch, logs=None):
             _sync()
+            if batch == warmup + steps:  # one step counted, untimed
+                self.counts = StepCounts().__enter__()
             if batch == repeats - 1:  # the last step: count collectives
                 self.comm = CommDebugMode()
                 self.comm.__enter__()
@@ -431,6 +439,8 @@ def _run_keras(variant, model_name, steps, warmup):
         def on_train_batch_end(self, batch, logs=None):
             _sync()
             elapsed = time.perf_counter() - self.start
+            if batch == warmup + steps:
+                self.counts.__exit__(None, None, None)
             if self.comm is not None:
                 self.comm.__exit__(None, None, None)
                 self.comms = {
@@ -442,10 +452,10 @@ def _run_keras(variant, model_name, steps, warmup):
                 self.times.append(elapsed)
 
     timer = Timer()
-    repeats = warmup + steps + 1 + _PAIR_EXTRA_STEPS
+    repeats = warmup + steps + 2 + _PAIR_EXTRA_STEPS
     xs = x[None].repeat(repeats, 0).reshape(-1, *x.shape[1:])
     ys = y[None].repeat(repeats, 0).reshape(-1, *y.shape[1:])
-    repeats = warmup + steps + 1 + _pair_start(variant)
+    repeats = warmup + steps + 2 + _pair_start(variant)
     model.fit(
         xs[: repeats * len(x)],
         ys[: repeats * len(x)],
@@ -455,7 +465,12 @@ def _run_keras(variant, model_name, steps, warmup):
         callbacks=[timer],
     )
     held = [v.value for v in model.variables + model.optimizer.variables]
-    return {"times": timer.times, "bytes": _bytes(held), "comms": timer.comms}
+    return {
+        "times": timer.times,
+        "bytes": _bytes(held),
+        "comms": timer.comms,
+        "counts": timer.counts.as_dict(),
+    }
 
 
 def worker(args):
@@ -607,6 +622,7 @@ def main(argv=None):
                 "rss_mb": max(r["rss_mb"] for run in runs for r in run),
                 "bytes_per_rank": max(r["bytes"] for r in last),
                 "comms_per_step": last[0]["comms"],
+                "counts_per_step": last[0].get("counts", {}),
                 "processes": _nproc(variant, args),
             }
     summary = {
@@ -691,8 +707,9 @@ def _held(value, label):
 def _markdown(summary):
     lines = [
         "| model | variant | procs | median ms | min ms | peak RSS MB | "
-        "param+opt MB/rank | collectives/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "param+opt MB/rank | collectives/step | Python calls "
+        "(package's) / DTensors / syncs per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for model, rows in summary["table"].items():
         for variant, row in rows.items():
@@ -700,11 +717,19 @@ def _markdown(summary):
                 f"{k.split('.')[-1]} {v}"
                 for k, v in row["comms_per_step"].items()
             )
+            c = row.get("counts_per_step") or {}
+            counts = (
+                f"{c['python_calls']} ({c['package_calls']}) / "
+                f"{c['dtensors']} / {c['python_syncs']}"
+                if c
+                else "-"
+            )
             lines.append(
                 f"| {model} | {variant} | {row['processes']} | "
                 f"{row['median_ms']:.1f} | "
                 f"{row['min_ms']:.1f} | {row['rss_mb']:.0f} | "
-                f"{row['bytes_per_rank'] / 2**20:.1f} | {comms or '-'} |"
+                f"{row['bytes_per_rank'] / 2**20:.1f} | {comms or '-'} | "
+                f"{counts} |"
             )
     lines.append("")
     lines.append(
