@@ -19,6 +19,11 @@ memory each rank added (VmHWM after resetting it through
 `/proc/self/clear_refs`, minus VmRSS before), max over ranks. Printed: the
 medians over rounds and the ratio kd / dcp (targets, issue #13: time
 <= 1.2x, memory added <= native's).
+
+`--device cuda`: one GPU per process (`cuda:LOCAL_RANK`), the state on
+it, NCCL between processes (keras-dtensor's `cpu:gloo,cuda:nccl` group);
+each phase waits for the GPU before its clock stops. Memory stays host
+memory (what staging the GPU tensors costs).
 """
 
 import argparse
@@ -45,14 +50,23 @@ def _reset_peak():
         f.write("5")
 
 
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():  # --device cpu hides the GPUs
+        torch.cuda.synchronize()
+
+
 def _phase(fn):
     import torch.distributed as dist
 
+    _sync()
     dist.barrier()
     _reset_peak()
     before = _status("VmRSS")
     start = time.perf_counter()
     fn()
+    _sync()  # a load's copies into GPU tensors may still be queued
     dist.barrier()
     seconds = time.perf_counter() - start
     added = _status("VmHWM") - before
@@ -69,6 +83,9 @@ def worker(args):
     import keras_dtensor
     from keras_dtensor.checkpoint import api
 
+    if args.device == "cuda":  # before any tensor: this rank's own GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        keras.distribution.initialize()  # NCCL for the GPU tensors
     world = keras.distribution.get_device_count()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
@@ -132,6 +149,12 @@ def main(argv=None):
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=1_000_000)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: one GPU per process, NCCL (needs --nproc GPUs)",
+    )
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--root")
     parser.add_argument("--out")
@@ -140,6 +163,8 @@ def main(argv=None):
         return worker(args)
     root = tempfile.mkdtemp(prefix="bench_checkpoint_")
     env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+    if args.device == "cpu":  # Keras picks a visible GPU by itself
+        env["CUDA_VISIBLE_DEVICES"] = ""
     command = [
         sys.executable,
         "-m",
@@ -151,6 +176,7 @@ def main(argv=None):
         f"--root={root}",
         f"--rounds={args.rounds}",
         f"--vocab={args.vocab}",
+        f"--device={args.device}",
     ]
     subprocess.run(command, env=env, check=True)
     with open(os.path.join(root, "rows.json")) as f:
@@ -181,7 +207,16 @@ def main(argv=None):
     )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "table": table}, f, indent=1)
+            json.dump(
+                {
+                    "rows": rows,
+                    "table": table,
+                    "device": args.device,
+                    "nproc": args.nproc,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

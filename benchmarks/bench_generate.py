@@ -10,6 +10,10 @@ each in fresh processes (`torch.distributed.run`, one thread each):
 
     python benchmarks/bench_generate.py --rounds 3
 
+`--device cuda`: one GPU per process (`cuda:LOCAL_RANK`), NCCL between
+them; `--nproc` sets the processes of the split variants (the heads, 4,
+must divide by it); `--out` writes the per-round times as JSON.
+
 Per variant: the time of one `generate` call (batch 2, an 8-token
 prompt, 24 new tokens; the best of `--calls` calls after one warm call)
 and the peak RSS per process. Target: kd-MP ÷ torch TP against Keras
@@ -25,6 +29,10 @@ import sys
 import time
 
 VARIANTS = {"torch_single": 1, "keras_single": 1, "torch_tp": 2, "kd_mp": 2}
+RATIOS = (
+    ("keras_over_torch_single", "keras_single", "torch_single"),
+    ("kd_mp_over_tp", "kd_mp", "torch_tp"),
+)
 CONFIG = dict(
     vocabulary_size=256,
     num_layers=4,
@@ -110,8 +118,10 @@ def _torch_decoder():
 
 def _run_torch(variant, calls):
     import torch
+    from bench_step import _cuda
 
-    model = _torch_decoder()
+    device = torch.device("cuda" if _cuda() else "cpu")
+    model = _torch_decoder().to(device)  # replicated parts too, before TP
     if variant == "torch_tp":
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -119,8 +129,8 @@ def _run_torch(variant, calls):
         from torch.distributed.tensor.parallel import RowwiseParallel
         from torch.distributed.tensor.parallel import parallelize_module
 
-        dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        dist.init_process_group("nccl" if _cuda() else "gloo")
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         plan = {}
         for i in range(CONFIG["num_layers"]):
             for name in ("q", "k", "v", "gate", "up"):
@@ -129,7 +139,9 @@ def _run_torch(variant, calls):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel()
         model = parallelize_module(model, mesh, plan)
     tokens, _ = _prompt()
-    prompt = torch.as_tensor(tokens[:, :PROMPT], dtype=torch.long)
+    prompt = torch.as_tensor(
+        tokens[:, :PROMPT], dtype=torch.long, device=device
+    )
 
     @torch.no_grad()
     def generate():
@@ -171,11 +183,15 @@ def _run_keras(variant, calls):
 
 
 def _timed(generate, calls):
+    from bench_step import _sync
+
     generate()  # first call: checks, caches
     times = []
     for _ in range(calls):
+        _sync()
         start = time.perf_counter()
         out = generate()
+        _sync()  # torch's tokens stay on the GPU: wait for them
         times.append(time.perf_counter() - start)
     if isinstance(out, dict):  # keras_hub's: the prompt and the new tokens
         out = out["token_ids"][:, PROMPT:]
@@ -187,6 +203,8 @@ def worker(args):
     import torch
 
     torch.set_num_threads(1)
+    if os.environ.get("BENCH_DEVICE") == "cuda":  # before Keras's tensors
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     run = _run_keras if args.variant.startswith(("keras", "kd")) else _run_torch
     result = run(args.variant, args.calls)
     result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -198,11 +216,14 @@ def worker(args):
 def _launch(variant, args):
     from bench_step import run_workers
 
+    env = {"BENCH_DEVICE": args.device}
+    if args.device == "cpu":  # Keras picks a visible GPU by itself
+        env["CUDA_VISIBLE_DEVICES"] = ""
     results = run_workers(
         __file__,
-        VARIANTS[variant],
+        1 if VARIANTS[variant] == 1 else args.nproc,
         [f"--variant={variant}", f"--calls={args.calls}"],
-        {"CUDA_VISIBLE_DEVICES": ""},
+        env,
         variant,
     )
     # The slowest rank's time is the call's.
@@ -221,6 +242,16 @@ def main(argv=None):
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: one GPU per process, NCCL (needs --nproc GPUs)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="processes of the split variants"
+    )
+    parser.add_argument("--out", default=None, help="per-round times, JSON")
     parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
@@ -233,16 +264,8 @@ def main(argv=None):
             ms, rss, _ = runs[variant][-1]
             print(f"round {index + 1} {variant:13} {ms:8.1f} ms {rss:6.0f} MB")
     ratios = {
-        "keras_over_torch_single": [
-            k[0] / t[0]
-            for k, t in zip(
-                runs["keras_single"], runs["torch_single"], strict=True
-            )
-        ],
-        "kd_mp_over_tp": [
-            k[0] / t[0]
-            for k, t in zip(runs["kd_mp"], runs["torch_tp"], strict=True)
-        ],
+        name: [k[0] / t[0] for k, t in zip(runs[a], runs[b], strict=True)]
+        for name, a, b in RATIOS
     }
     print("| variant | median ms | peak RSS MB |")
     print("|---|---|---|")
@@ -263,6 +286,24 @@ def main(argv=None):
         for run, single in zip(runs[split], runs[one], strict=True)
     )
     print(f"tokens as in one process: {same}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "device": args.device,
+                    "nproc": args.nproc,
+                    "round_ms": {
+                        v: [r[0] for r in rs] for v, rs in runs.items()
+                    },
+                    "rss_mb": {
+                        v: max(r[1] for r in rs) for v, rs in runs.items()
+                    },
+                    "ratios": ratios,
+                    "same_tokens": same,
+                },
+                f,
+                indent=1,
+            )
     return 0 if same else 1
 
 
