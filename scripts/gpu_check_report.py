@@ -9,6 +9,11 @@ row is keras-dtensor's time over its torch counterpart's (the ratio: the
 median over rounds of each round's ratio where the benchmark pairs them
 by round) and the milliseconds it adds. Exits 1 naming the rows a stage
 left without numbers.
+
+`--smoke ROWS` (gpu_check.sh --smoke): the rows left out on purpose, each
+a stage (`generate`) or a stage and its keras-dtensor variant
+(`step:kd_mp`); they read "not run (smoke)" instead of failing the report.
+Every other row must have its numbers.
 """
 
 import argparse
@@ -109,8 +114,16 @@ def _checkpoint_rows(directory):
         )
 
 
-def report(directory, models, header=""):
-    """Returns (the Markdown summary, the rows left without numbers)."""
+def _not_run(key, stage, a):
+    return key in (stage, f"{stage}:{a}")
+
+
+def report(directory, models, header="", not_run=()):
+    """Returns (the Markdown summary, the rows left without numbers).
+
+    `not_run`: "stage" or "stage:variant" keys of rows left out on
+    purpose, marked "not run (smoke)" when they have no numbers; a key
+    that names no row raises ValueError (a typo would hide nothing)."""
     lines = [
         "| stage | model | keras-dtensor | torch | procs | "
         "keras-dtensor ms | torch ms | ratio | extra ms |",
@@ -122,7 +135,19 @@ def report(directory, models, header=""):
         *_generate_rows(directory),
         *_checkpoint_rows(directory),
     ]
+    unknown = [
+        key
+        for key in not_run
+        if not any(_not_run(key, row[0], row[2]) for row in rows)
+    ]
+    if unknown:
+        raise ValueError(f"--smoke names no row: {', '.join(unknown)}")
     for stage, model, a, b, value in rows:
+        if value is None and any(_not_run(k, stage, a) for k in not_run):
+            lines.append(
+                f"| {stage} | {model} | {a} | {b} | not run (smoke) |||||"
+            )
+            continue
         if value is None:
             missing.append(f"{stage} {model} {a}/{b}")
             lines.append(f"| {stage} | {model} | {a} | {b} | missing |||||")
@@ -141,8 +166,20 @@ def main(argv=None):
     parser.add_argument("directory")
     parser.add_argument("--models", default="mlp,transformer,transformer_small")
     parser.add_argument("--header", default="", help="a line above the table")
+    parser.add_argument(
+        "--smoke",
+        default="",
+        metavar="ROWS",
+        help="rows not run on purpose: stage or stage:variant, commas",
+    )
     args = parser.parse_args(argv)
-    text, missing = report(args.directory, args.models.split(","), args.header)
+    not_run = [key for key in args.smoke.split(",") if key]
+    try:
+        text, missing = report(
+            args.directory, args.models.split(","), args.header, not_run
+        )
+    except ValueError as error:
+        parser.error(str(error))
     with open(os.path.join(args.directory, "summary.md"), "w") as f:
         f.write(text)
     print(text, end="")

@@ -1,10 +1,12 @@
 """`scripts/gpu_check.sh`, the one command for a multi-GPU machine.
 
-It cannot run here on CUDA; its CPU fallback (`--device cpu --quick`) runs
-the same stages over gloo, so a renamed flag, a changed JSON or a broken
-stage shows up before someone spends GPU time on it. The whole run is 13
-fresh torchrun launches (minutes on 2 cores): `slow`. The fast tests check
-the flags the script passes and that a missing stage fails the report.
+It cannot run here on CUDA; its CPU fallback (`--device cpu`) runs the
+same stages over gloo, so a renamed flag, a changed JSON or a broken stage
+shows up before someone spends GPU time on it. `--smoke` (3 torchrun
+launches: bench_step's torch_ddp and kd_dp, bench_checkpoint; about half a
+minute on 2 cores) runs in the suite; every row under `--quick` is 13
+launches (minutes): `slow`. The other tests check the flags the script
+passes and that a missing row fails the report.
 """
 
 import os
@@ -54,6 +56,51 @@ def test_a_missing_stage_fails_the_report(tmp_path):
     assert "missing" in (tmp_path / "summary.md").read_text()
 
 
+def test_smoke_marks_its_rows_and_fails_the_rest(tmp_path):
+    # What gpu_check.sh --smoke passes, over a run that left no JSON: the
+    # rows smoke leaves out say so; the ones it runs still fail.
+    report = os.path.join(ROOT, "scripts", "gpu_check_report.py")
+    not_run = "step:keras_single,step:kd_mp,step:kd_fsdp,generate"
+    result = subprocess.run(
+        [sys.executable, report, str(tmp_path), "--models", "mlp"]
+        + ["--smoke", not_run],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    missing = result.stderr.split("rows without numbers: ")[1].split(", ")
+    assert sorted(m.strip() for m in missing) == [
+        "checkpoint load kd/dcp",
+        "checkpoint save kd/dcp",
+        "step mlp kd_dp/torch_ddp",
+    ]
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.count("not run (smoke)") == 5
+    typo = subprocess.run(
+        [sys.executable, report, str(tmp_path), "--smoke", "step:kd_tp"],
+        capture_output=True,
+        text=True,
+    )
+    assert typo.returncode == 2
+    assert "names no row: step:kd_tp" in typo.stderr
+
+
+def _summary_rows(out):
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in (out / "summary.md").read_text().splitlines()
+        if re.match(r"\| (step|generate|checkpoint) ", line)
+    ]
+
+
+def _assert_numbers(row):
+    procs, *numbers = row[4:]
+    assert procs == "2" or row[2] == "keras_single", row
+    for number in numbers:
+        float(number)  # "missing" (or an empty cell) raises
+    assert len(numbers) == 4, row
+
+
 def test_cuda_without_gpus_is_refused(tmp_path):
     result = subprocess.run(
         ["bash", SCRIPT, "--device", "cuda", "--out", str(tmp_path)],
@@ -63,6 +110,35 @@ def test_cuda_without_gpus_is_refused(tmp_path):
     )
     assert result.returncode == 2
     assert "no GPU visible" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_cpu_smoke_runs_each_stage_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        ["bash", SCRIPT, "--device", "cpu", "--nproc", "2", "--smoke"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for stage in ("step", "checkpoint", "report"):
+        assert f"== {stage} ok (" in result.stdout
+    for stage in ("step_tp", "generate"):
+        assert f"== {stage}: skipped (--smoke)" in result.stdout
+    rows = _summary_rows(out)
+    # 4 step pairs (one model), 2 generate, save and load: all 8 listed.
+    assert len(rows) == 8
+    ran = [row for row in rows if row[4] != "not run (smoke)"]
+    assert [row[:4] for row in ran] == [
+        ["step", "transformer_small", "kd_dp", "torch_ddp"],
+        ["checkpoint", "save", "kd", "dcp"],
+        ["checkpoint", "load", "kd", "dcp"],
+    ]
+    for row in ran:
+        _assert_numbers(row)
 
 
 @pytest.mark.slow
@@ -80,16 +156,8 @@ def test_cpu_fallback_fills_every_row(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for stage in ("step", "step_tp", "generate", "checkpoint", "report"):
         assert f"== {stage} ok (" in result.stdout
-    rows = [
-        line.strip("|").split("|")
-        for line in (out / "summary.md").read_text().splitlines()
-        if re.match(r"\| (step|generate|checkpoint) ", line)
-    ]
+    rows = _summary_rows(out)
     # 4 step ratios (one model under --quick), 2 generate, save and load.
     assert len(rows) == 8
     for row in rows:
-        procs, *numbers = (cell.strip() for cell in row[4:])
-        assert procs == "2" or row[2].strip() == "keras_single", row
-        for number in numbers:
-            float(number)  # "missing" (or an empty cell) raises
-        assert len(numbers) == 4, row
+        _assert_numbers(row)
