@@ -314,59 +314,17 @@ def _listing(steps, category, first=WARMUP, last=CONTROL):
 
 CASES = ["data_parallel", "tp", "fsdp"]
 
-# Found by this test: under DataParallel the synchronized
-# BatchNormalization reads this rank's share of the global element count
-# back to the host, once per BatchNormalization layer per train step
-# (`ctx.share = float(local[-1] / total[-1])` in `_WeightedSum.forward`,
-# right after the statistics' all-reduce), where plain Keras reads none.
-# Both counts could be known on the host (this rank's rows, the global
-# batch's) without the read.
-BATCH_NORM_SHARE = ("keras_dtensor/data_parallel/sync_batch_norm.py", "forward")
-KNOWN = {"data_parallel": BATCH_NORM_SHARE}
 
-
-def _known(case, site):
-    where = KNOWN.get(case.split(" ")[0])
-    if where is None:
-        return False
-    path, function = where
-    innermost = site.split(" <- ")[0]
-    return path in innermost and innermost.endswith(f" {function}")
-
-
-def _syncs(steps, case=None):
-    """Host syncs per counted step, without `case`'s known ones."""
-    return [
-        sum(
-            n
-            for (_, _, site), n in _of(steps[i], "sync").items()
-            if case is None or not _known(case, site)
-        )
-        for i in range(WARMUP, CONTROL)
-    ]
+def _syncs(steps):
+    """Host syncs per counted step."""
+    return [sum(_of(steps[i], "sync").values()) for i in range(WARMUP, CONTROL)]
 
 
 def _names(case):
     return [case, f"{case} (rank 1)"]
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(
-            "data_parallel",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="DataParallel's synchronized BatchNormalization "
-                "reads its share of the element count back to the host "
-                "(sync_batch_norm.py, _WeightedSum.forward: one "
-                "aten::_local_scalar_dense per layer per step)",
-            ),
-        ),
-        "tp",
-        "fsdp",
-    ],
-)
+@pytest.mark.parametrize("case", CASES)
 def test_a_distributed_step_syncs_the_host_no_more_than_plain_keras(
     counted, case
 ):
@@ -377,26 +335,6 @@ def test_a_distributed_step_syncs_the_host_no_more_than_plain_keras(
         want, got = _syncs(plain), _syncs(steps)
         assert got == want, (
             f"{name}: host syncs per train step {got}, plain Keras {want}.\n"
-            f"{name}:\n{_listing(steps, 'sync')}\n"
-            f"plain Keras:\n{_listing(plain, 'sync')}"
-        )
-
-
-@pytest.mark.parametrize("case", sorted(KNOWN))
-def test_a_distributed_step_adds_no_host_sync_beyond_the_known_ones(
-    counted, case
-):
-    """Guards the cases whose test above is an expected failure: nothing
-    but the known read is added, at most once a BatchNormalization layer
-    a step (the model has one)."""
-    plain = counted["plain"]
-    for name in _names(case):
-        steps = counted[name]
-        want, got = _syncs(plain), _syncs(steps, case)
-        known = [a - b for a, b in zip(_syncs(steps), got, strict=True)]
-        assert got == want and max(known) <= 1, (
-            f"{name}: host syncs per train step {got} besides the known "
-            f"{known}, plain Keras {want}.\n"
             f"{name}:\n{_listing(steps, 'sync')}\n"
             f"plain Keras:\n{_listing(plain, 'sync')}"
         )

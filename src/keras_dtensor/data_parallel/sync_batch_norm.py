@@ -63,7 +63,8 @@ class _WeightedSum(torch.autograd.Function):
         dist.all_reduce(total)
         # This rank's share of the elements: the gradient reducer scales
         # this rank's gradients by its share of the rows, the same ratio.
-        ctx.share = float(local[-1] / total[-1])
+        # Kept as a tensor: reading it back would wait for the device.
+        ctx.share = local[-1] / total[-1]
         return total
 
     @staticmethod
