@@ -492,6 +492,7 @@ def _tp_local(keras, world):
     import models
 
     from keras_dtensor.model_parallel import exactness
+    from keras_dtensor.model_parallel import local_split
 
     class Probe(keras.layers.Layer):
         def call(self, x):
@@ -571,6 +572,9 @@ def _tp_local(keras, world):
         a = keras.layers.MultiHeadAttention(4, 2, name="mha")(inputs, inputs)
         h = keras.layers.LayerNormalization(name="ln")(inputs + a)
         f = probe(keras.layers.Dense(16, activation="relu", name="up")(h))
+        if kind == "row_activation":  # DTensor reduces before the relu
+            down = keras.layers.Dense(8, activation="relu", name="down")
+            return keras.Model(inputs, h + down(f))
         if kind == "center":
             f = Center(name="center")(f)
         if kind == "heads":
@@ -592,6 +596,11 @@ def _tp_local(keras, world):
                 "loss": history.history["loss"],
                 "weights": model.get_weights(),
                 "predicted": np.asarray(predicted),
+                "on_shards": sorted(
+                    layer.name
+                    for layer in model._flatten_layers()
+                    if local_split.runs_on_shards(layer)
+                ),
                 "local": None
                 if records is None
                 else sorted(r is not None for r in records[1].values()),
@@ -625,7 +634,15 @@ def _tp_local(keras, world):
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        kinds = ("plain", "norm", "heads", "center", "own_call", "residual")
+        kinds = (
+            "plain",
+            "norm",
+            "heads",
+            "center",
+            "own_call",
+            "residual",
+            "row_activation",
+        )
         for kind in (*kinds, "stack"):
             out[kind] = (run(None, kind), run(tp(), kind))
     out["warnings"] = [
@@ -1049,8 +1066,23 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             "up",
             "value",
         ]
+        # The split Dense/EinsumDense layers of a local run run on their
+        # shards; a row split with an activation (DTensor reduces before
+        # it) and a norm given head-sharded inputs run as DTensors.
+        assert tp["plain"][1]["on_shards"] == [
+            "attention_output",
+            "down",
+            "key",
+            "query",
+            "up",
+            "value",
+        ]
+        assert "down" not in tp["row_activation"][1]["on_shards"]
+        assert "up" in tp["row_activation"][1]["on_shards"]
+        assert tp["row_activation"][1]["local"] == [True, True]
         assert tp["norm"][1]["local"] == [True, True]
         assert tp["norm"][1]["boundary"] == ["norm", "o", "q"]
+        assert tp["norm"][1]["on_shards"] == ["o", "q"]
         for kind in ("heads", "center"):
             assert tp[kind][1]["local"] == [True, True], kind
             assert kind in tp[kind][1]["boundary"], tp[kind][1]["boundary"]
@@ -1084,6 +1116,7 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
                 "center",
                 "own_call",
                 "residual",
+                "row_activation",
             )
         ]
         pairs.append(tp["off"])

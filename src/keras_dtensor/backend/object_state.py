@@ -13,9 +13,10 @@ Attributes are set with `object.__setattr__`: Keras's tracking (layers,
 optimizers) must not see them.
 """
 
+import contextlib
 import weakref
 
-__all__ = ["get_on", "restore", "set_on", "status"]
+__all__ = ["get_on", "restore", "set_on", "status", "swapped"]
 
 _MISSING = object()
 # On each object: {name: (previous value, our value, undo)}, the saved
@@ -90,3 +91,19 @@ def status():
         for obj in list(_OBJECTS)
         for name in _record(obj)
     )
+
+
+@contextlib.contextmanager
+def swapped(obj, name, value):
+    """`obj.<name>` is `value` for the block (in its instance dict, out of
+    Keras's tracking), then what it was: a value for one call, never left
+    behind, so nothing for `restore()` to undo."""
+    previous = obj.__dict__.get(name, _MISSING)
+    obj.__dict__[name] = value
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            del obj.__dict__[name]
+        else:
+            obj.__dict__[name] = previous

@@ -34,6 +34,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor.model_parallel import local_split
+
 __all__ = [
     "Mismatch",
     "Record",
@@ -197,6 +199,9 @@ class Replay:
     # pending sum, reduced once (torch's `PrepareModuleInput` on an
     # attention block). One slot: earlier inputs are not kept alive.
     wrapped: tuple = (None, None)
+    # The same for an input of layers run on their shards (`local_split`):
+    # `(local tensor, it through copy_in, the axes)`.
+    copied: tuple = (None, None, None)
 
     def to_dtensor(self, x, recorded):
         if recorded is None or not isinstance(x, torch.Tensor):
@@ -342,6 +347,11 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
     flat = tree.flatten((args, kwargs))
     if recorded is None or len(recorded) != len(flat):
         raise Mismatch(f"{layer.name!r}: a call the DTensor run did not make")
+    done, outputs = local_split.call(
+        replay, layer, original, args, kwargs, flat, recorded
+    )
+    if done:
+        return outputs
     try:
         flat = [
             replay.to_dtensor(x, recorded_spec)

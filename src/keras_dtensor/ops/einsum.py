@@ -29,25 +29,11 @@ import functools
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor import Shard
 
-__all__ = ["shard_plan", "wrap_einsum"]
+from keras_dtensor.ops import local_shards
+from keras_dtensor.ops.einsum_plan import plan_for
 
-
-def _subscripts(subscripts, operands):
-    text = subscripts.replace(" ", "")
-    if "..." in text or "->" not in text:
-        return None
-    inputs, output = text.split("->")
-    inputs = inputs.split(",")
-    if len(inputs) != len(operands):
-        return None
-    for sub, x in zip(inputs, operands, strict=True):
-        if len(sub) != x.ndim or len(set(sub)) != len(sub):
-            return None
-    return inputs, output
+__all__ = ["shard_plan", "wrap_einsum", "wrap_matmul"]
 
 
 def shard_plan(subscripts, operands):
@@ -55,61 +41,16 @@ def shard_plan(subscripts, operands):
 
     Returns `(input placements, input gradient placements, output
     placements, output global shape)`, or None where the subscripts or
-    layouts are not of the kind handled here.
+    layouts are not of the kind handled here. A function of the
+    subscripts, the mesh and each operand's placements and shape, so it is
+    worked out once per signature (a layer's einsum repeats every step and
+    every token).
     """
-    parsed = _subscripts(subscripts, operands)
-    if parsed is None:
-        return None
-    inputs, output = parsed
     mesh = operands[0].device_mesh
     if any(x.device_mesh != mesh for x in operands):
         return None
-    sizes = {}
-    for sub, x in zip(inputs, operands, strict=True):
-        for letter, n in zip(sub, x.shape, strict=True):
-            if sizes.setdefault(letter, n) != n:
-                return None  # broadcast over a letter
-    targets = [list(x.placements) for x in operands]
-    grads = [list(x.placements) for x in operands]
-    placements = []
-    for m in range(mesh.ndim):
-        letters = {}  # sharded letter -> elements of the operands it cuts
-        for sub, x in zip(inputs, operands, strict=True):
-            p = x.placements[m]
-            if p.is_replicate():
-                continue
-            if type(p) is not Shard:
-                return None
-            letters[sub[p.dim]] = letters.get(sub[p.dim], 0) + x.numel()
-        if not letters:
-            placements.append(Replicate())
-            continue
-        # Two letters on one mesh dim (query groups against one key/value
-        # head): a letter every rank holds part of stays over one that
-        # leaves a rank empty, then the one cutting the most elements;
-        # operands cut on another are gathered (the same on every rank).
-        letter = min(
-            letters,
-            key=lambda k: (sizes[k] < mesh.size(m), -letters[k], k),
-        )
-        for i, sub in enumerate(inputs):
-            if letter in sub:
-                targets[i][m] = grads[i][m] = Shard(sub.index(letter))
-            else:
-                targets[i][m] = Replicate()
-                # Its gradient sums over the letter's shards.
-                grads[i][m] = Partial()
-        placements.append(
-            Shard(output.index(letter)) if letter in output else Partial()
-        )
-    # One dim over several mesh dims (given, or after the cuts): left to
-    # torch.
-    for target in targets:
-        dims = [p.dim for p in target if isinstance(p, Shard)]
-        if len(dims) != len(set(dims)):
-            return None
-    shape = tuple(sizes[letter] for letter in output)
-    return targets, grads, placements, shape
+    specs = tuple((tuple(x.placements), tuple(x.shape)) for x in operands)
+    return plan_for(subscripts, mesh, specs)
 
 
 def _global_stride(local, shape):
@@ -129,6 +70,14 @@ def wrap_einsum(original):
 
     @functools.wraps(original)
     def einsum(subscripts, *operands, **kwargs):
+        if local_shards.active():  # a split layer's call on its shards
+            from keras.src.backend.torch.core import convert_to_tensor
+
+            return local_shards.contract(
+                subscripts,
+                [convert_to_tensor(x) for x in operands],
+                lambda *local: original(subscripts, *local, **kwargs),
+            )
         # Operands may be Keras variables (`EinsumDense`'s kernel).
         if (
             not any(
@@ -149,7 +98,7 @@ def wrap_einsum(original):
         mesh = operands[0].device_mesh
         local = []
         for x, target, grad in zip(operands, targets, grads, strict=True):
-            if list(x.placements) != target:
+            if tuple(x.placements) != target:
                 x = x.redistribute(mesh, target)
             local.append(x.to_local(grad_placements=grad))
         out = original(subscripts, *local, **kwargs)
@@ -165,3 +114,23 @@ def wrap_einsum(original):
         )
 
     return einsum
+
+
+def wrap_matmul(original):
+    """Wraps Keras's torch `matmul(x1, x2)`: inside a split layer's call on
+    its local shards (`local_shards.scope`), a `Dense` kernel's product
+    is placed by the einsum rules; everywhere else it returns at once."""
+
+    @functools.wraps(original)
+    def matmul(x1, x2):
+        if not local_shards.active():
+            return original(x1, x2)
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        x1, x2 = convert_to_tensor(x1), convert_to_tensor(x2)
+        if x2.ndim != 2 or x1.ndim < 1 or x1.ndim > 8:
+            raise local_shards.Unsupported("a matmul of another kind")
+        rows = "abcdefgh"[: x1.ndim - 1]
+        return local_shards.contract(f"{rows}y,yz->{rows}z", [x1, x2], original)
+
+    return matmul

@@ -320,6 +320,15 @@ KERAS_ROWS = (
         einsum.wrap_einsum,
     ),
     Patch(
+        "keras.src.backend.torch.numpy",
+        "matmul",
+        "A tensor-parallel Dense runs on its local shards (DTensor's "
+        "per-op dispatch is most of a small layer's step on a GPU); its "
+        "kernel's product is placed there by the einsum rules. Returns at "
+        "once outside such a call.",
+        einsum.wrap_matmul,
+    ),
+    Patch(
         _TORCH_CORE,
         "slice_update",
         "With tensor start indices it writes by index_put_, which DTensor "

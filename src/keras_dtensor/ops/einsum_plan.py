@@ -1,0 +1,94 @@
+"""The layout of an einsum of sharded operands, from its subscripts.
+
+`plan_for(subscripts, mesh, specs)` says how an einsum of operands laid
+out as `specs` (`(placements, global shape)` each) runs on local shards:
+which placements each operand must have, its gradient's, and the output's
+placements and global shape. A pure function of its arguments, so it is
+worked out once per signature (a layer's einsum repeats every step and
+every token). Used by `einsum` (DTensor operands) and `local_shards`
+(a split layer's call on its shards).
+"""
+
+import functools
+import math
+
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+__all__ = ["plan_for"]
+
+
+def _subscripts(subscripts, shapes):
+    text = subscripts.replace(" ", "")
+    if "..." in text or "->" not in text:
+        return None
+    inputs, output = text.split("->")
+    inputs = inputs.split(",")
+    if len(inputs) != len(shapes):
+        return None
+    for sub, shape in zip(inputs, shapes, strict=True):
+        if len(sub) != len(shape) or len(set(sub)) != len(sub):
+            return None
+    return inputs, output
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_for(subscripts, mesh, specs):
+    """`shard_plan` of operands given as `(placements, global shape)`."""
+    shapes = [shape for _, shape in specs]
+    parsed = _subscripts(subscripts, shapes)
+    if parsed is None:
+        return None
+    inputs, output = parsed
+    sizes = {}
+    for sub, shape in zip(inputs, shapes, strict=True):
+        for letter, n in zip(sub, shape, strict=True):
+            if sizes.setdefault(letter, n) != n:
+                return None  # broadcast over a letter
+    targets = [list(placements) for placements, _ in specs]
+    grads = [list(placements) for placements, _ in specs]
+    placements = []
+    for m in range(mesh.ndim):
+        letters = {}  # sharded letter -> elements of the operands it cuts
+        for sub, (operand_placements, shape) in zip(inputs, specs, strict=True):
+            p = operand_placements[m]
+            if p.is_replicate():
+                continue
+            if type(p) is not Shard:
+                return None
+            letters[sub[p.dim]] = letters.get(sub[p.dim], 0) + math.prod(shape)
+        if not letters:
+            placements.append(Replicate())
+            continue
+        # Two letters on one mesh dim (query groups against one key/value
+        # head): a letter every rank holds part of stays over one that
+        # leaves a rank empty, then the one cutting the most elements;
+        # operands cut on another are gathered (the same on every rank).
+        letter = min(
+            letters,
+            key=lambda k: (sizes[k] < mesh.size(m), -letters[k], k),
+        )
+        for i, sub in enumerate(inputs):
+            if letter in sub:
+                targets[i][m] = grads[i][m] = Shard(sub.index(letter))
+            else:
+                targets[i][m] = Replicate()
+                # Its gradient sums over the letter's shards.
+                grads[i][m] = Partial()
+        placements.append(
+            Shard(output.index(letter)) if letter in output else Partial()
+        )
+    # One dim over several mesh dims (given, or after the cuts): left to
+    # torch.
+    for target in targets:
+        dims = [p.dim for p in target if isinstance(p, Shard)]
+        if len(dims) != len(set(dims)):
+            return None
+    shape = tuple(sizes[letter] for letter in output)
+    return (
+        tuple(map(tuple, targets)),
+        tuple(map(tuple, grads)),
+        tuple(placements),
+        shape,
+    )
