@@ -13,13 +13,15 @@ processes under any layout (DCP reshards on load):
   repeated path gets `#1`, `#2`, ... in creation order).
 - **Atomic**: the files are written into a hidden directory next to the
   target; when every rank has finished, rank 0 writes the manifest
-  (`keras_dtensor.json`: the SHA-256 and size of every file, taken by
-  each rank as it wrote its files, the keys, shapes and dtypes) last,
+  (`keras_dtensor.json`: the checksums (a CRC-32 per 16 MiB block) and
+  size of every file, taken by each rank as it wrote its files, the
+  keys, shapes and dtypes) last,
   then renames the directory into place. A
   checkpoint without its manifest is never loaded, so a kill at any moment
   leaves the previous checkpoint loadable.
 - **Safe**: loading checks every file against the manifest (the ranks
-  share the hashing) before the live model is touched, and reads DCP's
+  share the files, threads the blocks) before the live model is
+  touched, and reads DCP's
   pickled `.metadata` through an allow-list of DCP's own metadata types:
   nothing from the files can run code. A missing, truncated or altered
   file raises on every rank, naming the file and the variables it holds.
@@ -121,7 +123,8 @@ class _Names:
 def _commit(names, state, world, extra, digests):
     """Writes the manifest last, then moves the checkpoint into place.
 
-    `digests` are this rank's `{file: {sha256, size}}`, taken as it wrote.
+    `digests` are this rank's `{file: {crc32_blocks, size}}`, taken as it
+    wrote.
     """
     _, rank = launch.world()
     written = sorted(os.listdir(names.staging))
@@ -130,6 +133,7 @@ def _commit(names, state, world, extra, digests):
     if rank == 0:
         contents = {
             "format": FORMAT,
+            "digest": manifest.DIGEST,
             "processes": world,
             "extra": extra,
             "files": hashes,

@@ -1,14 +1,19 @@
 """The files of a sharded checkpoint, and how they are checked.
 
 A checkpoint directory holds DCP's files (`.metadata`, `__<rank>_<i>.distcp`)
-and the manifest `keras_dtensor.json`, written last: the SHA-256 and size of
+and the manifest `keras_dtensor.json`, written last: the digest and size of
 every file, the keys with their global shapes and dtypes. Nothing here
 trusts the files: the manifest is JSON, every file is hashed before a load
-touches the model (the ranks share the hashing), and DCP's pickled
-`.metadata` is read through an allow-list of DCP's own metadata types.
+touches the model (the ranks share the files, the digest threads the
+blocks of each), and DCP's pickled `.metadata` is read through an
+allow-list of DCP's own metadata types.
+
+A file's digest is `crc32_blocks` (`digest.py`: a CRC-32 per 16 MiB
+block; the manifest's `digest` says so) since format
+`keras-dtensor-checkpoint/2`; format 1 (`sha256`: one SHA-256 of the
+whole file) is read and checked as it was written.
 """
 
-import hashlib
 import io
 import json
 import os
@@ -18,9 +23,11 @@ import torch
 
 from keras_dtensor.backend import agreement
 from keras_dtensor.backend import launch
+from keras_dtensor.checkpoint import digest
 
 __all__ = [
     "DCP_METADATA",
+    "DIGEST",
     "FORMAT",
     "MANIFEST",
     "files_of",
@@ -32,24 +39,23 @@ __all__ = [
     "verify",
 ]
 
-FORMAT = "keras-dtensor-checkpoint/1"
+FORMAT = "keras-dtensor-checkpoint/2"
+_READS = ("keras-dtensor-checkpoint/1", FORMAT)
+# How this version's digests are taken: the manifest's `digest`.
+DIGEST = {"algorithm": "crc32_blocks", "block_bytes": digest.BLOCK}
 MANIFEST = "keras_dtensor.json"
 DCP_METADATA = ".metadata"
-_HASH_BLOCK = 2**20  # bytes read and hashed at a time
 
 
 def hash_file(path):
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-            size += len(block)
-    return {"sha256": digest.hexdigest(), "size": size}
+    """`{"crc32_blocks", "size"}` of the file at `path` (this version's
+    digest, as `DigestingWriter` takes it)."""
+    return digest.hash_file(path, DIGEST["block_bytes"])
 
 
 def shared_hashes(directory, names):
-    """`{name: {sha256, size}}` for `names`, each rank hashing a share."""
+    """`{name: {crc32_blocks, size}}` for `names`, each rank hashing a
+    share."""
     world, rank = launch.world()
     mine = {
         n: hash_file(os.path.join(directory, n)) for n in names[rank::world]
@@ -61,7 +67,7 @@ def shared_hashes(directory, names):
 
 
 def gathered_hashes(directory, names, mine):
-    """`{name: {sha256, size}}` for `names` from every rank's digests
+    """`{name: {crc32_blocks, size}}` for `names` from every rank's digests
     (`mine`: this rank's, taken while writing); files no rank has a digest
     for are hashed here, the ranks sharing them."""
     merged = {}
@@ -120,25 +126,62 @@ def files_of(metadata):
     return {name: sorted(keys) for name, keys in out.items()}
 
 
+def _check(directory, name, expected, block):
+    """What is wrong with file `name` (a message), or `None`."""
+    path = os.path.join(directory, name)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return f"{name} is missing"
+    if size != expected["size"]:
+        return (
+            f"{name} has {size} bytes, the manifest "
+            f"{expected['size']} (truncated or replaced)"
+        )
+    if "crc32_blocks" in expected:
+        found = digest.hash_file(path, block)["crc32_blocks"]
+        bad = digest.first_difference(found, expected["crc32_blocks"], block)
+        if bad is not None:
+            return (
+                f"{name} does not match its CRC-32 in bytes {bad[0]} to "
+                f"{min(bad[1], size)} (altered)"
+            )
+        return None
+    if digest.hash_whole_file(path)["sha256"] != expected["sha256"]:
+        return f"{name} does not match its SHA-256 (altered)"  # format 1
+    return None
+
+
+def _block_bytes(directory, manifest):
+    """The block size of a format 2 manifest's `crc32_blocks`."""
+    kind = manifest.get("digest") or {}
+    block = kind.get("block_bytes")
+    if manifest["format"] == FORMAT and (
+        kind.get("algorithm") != "crc32_blocks"
+        or not isinstance(block, int)
+        or block <= 0
+    ):
+        raise ValueError(
+            f"Checkpoint {directory!r} has digests {kind!r}; this version "
+            "checks crc32_blocks (a CRC-32 per block of block_bytes)."
+        )
+    return block  # None for format 1: a SHA-256 per file
+
+
 def verify(directory, manifest):
     """Checks every file against the manifest; raises on every rank."""
     world, rank = launch.world()
     expected = manifest["files"]
+    block = _block_bytes(directory, manifest)
     names = sorted(expected)
     problem = None
     for name in names[rank::world]:
-        path = os.path.join(directory, name)
-        if not os.path.exists(path):
-            problem = f"{name} is missing"
-        else:
-            found = hash_file(path)
-            if found["size"] != expected[name]["size"]:
-                problem = (
-                    f"{name} has {found['size']} bytes, the manifest "
-                    f"{expected[name]['size']} (truncated or replaced)"
-                )
-            elif found["sha256"] != expected[name]["sha256"]:
-                problem = f"{name} does not match its SHA-256 (altered)"
+        try:
+            problem = _check(directory, name, expected[name], block)
+        except OSError as e:
+            problem = f"{name} cannot be read ({e})"
+        except (KeyError, TypeError, ValueError) as e:  # every rank hears
+            problem = f"{name} has no usable entry in the manifest ({e!r})"
         if problem:
             break
     problem = agreement.first_failure(problem)
@@ -170,9 +213,9 @@ def read_manifest(directory):
             f"{directory!r} is not a complete keras-dtensor checkpoint (its "
             f"manifest {MANIFEST} is missing or unreadable: {e})."
         ) from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in _READS:
         raise ValueError(
             f"{directory!r} has format {manifest.get('format')!r}; this "
-            f"version reads {FORMAT!r}."
+            f"version reads {' and '.join(map(repr, _READS))}."
         )
     return manifest

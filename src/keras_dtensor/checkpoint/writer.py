@@ -1,22 +1,22 @@
 """Writing sharded checkpoints: the digest of every file, taken on write.
 
 `DigestingWriter` is DCP's public `FileSystemWriter` with a `FileSystem`
-whose output streams hash what they write: the SHA-256 and size of each
-file come from the bytes as they are written, not from reading the files
+whose output streams checksum what they write: the digest of each file
+(`crc32_blocks`, `digest.py`: a CRC-32 per 16 MiB block, taken on the
+digest threads while this thread writes the same bytes) and its size
+come from the bytes as they are written, not from reading the files
 again. A file that was not written in one pass (a seek, or a size that
-differs from the bytes counted) gets no digest and is hashed again.
+differs from the bytes counted) gets no digest and is read again.
 
 While it writes, `torch.save` skips its per-record zip CRC-32
 (`torch.serialization.set_crc32_options`): `torch.load` never checks it
-(flipped bytes load silently), it costs more than the SHA-256
-(measured: BENCHMARKS.md), and the manifest's SHA-256 of every file,
-checked before every load, covers the same bytes.
-Tools that unzip a record and check its CRC will complain; `torch.load`
-reads it.
+(flipped bytes load silently), it costs as much as the manifest's
+checksums (measured: BENCHMARKS.md), and those, checked before every
+load, cover the same bytes. Tools that unzip a record and check its CRC
+will complain; `torch.load` reads it.
 """
 
 import contextlib
-import hashlib
 import os
 import threading
 
@@ -24,7 +24,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 
+from keras_dtensor.checkpoint import digest
+
 __all__ = ["DigestingWriter"]
+
+_THREADED = 2**20  # writes this large are checksummed on the threads
 
 
 class _Crc32Off:
@@ -54,20 +58,27 @@ class _Crc32Off:
 
 
 class _DigestStream:
-    """A file opened for writing that hashes what goes through it."""
+    """A file opened for writing that checksums what goes through it."""
 
     def __init__(self, raw, on_close):
         self._raw = raw
-        self._digest = hashlib.sha256()
-        self._size = 0
+        self._digest = digest.BlockDigest()
         self._one_pass = True
         self._on_close = on_close
 
     def write(self, data):
-        written = self._raw.write(data)
         view = memoryview(data).cast("B")
-        self._digest.update(view[:written])
-        self._size += written
+        if len(view) < _THREADED:
+            written = self._raw.write(data)
+            for task in self._digest.tasks(view[:written]):
+                task()
+            return written
+        # The digest threads checksum `view` while this thread writes it;
+        # both are done before `data` goes back to its owner.
+        tasks = self._digest.tasks(view)
+        written = digest.run(tasks, lambda: self._raw.write(data))
+        if written != len(view):  # counted bytes that were not written
+            self._one_pass = False
         return written
 
     def seek(self, *args):  # not one pass any more: hashed again later
@@ -89,8 +100,10 @@ class _DigestStream:
         self._raw.flush()
         size = os.fstat(self._raw.fileno()).st_size
         self._raw.close()
-        if self._one_pass and size == self._size:
-            self._on_close({"sha256": self._digest.hexdigest(), "size": size})
+        if self._one_pass and size == self._digest.size:
+            self._on_close(
+                {"crc32_blocks": self._digest.hexdigest(), "size": size}
+            )
 
 
 class _DigestingFileSystem(filesystem.FileSystem):
@@ -127,7 +140,7 @@ class _DigestingFileSystem(filesystem.FileSystem):
 
 
 class DigestingWriter(dcp.FileSystemWriter):
-    """`FileSystemWriter` whose `digests` are `{file name: {sha256,
+    """`FileSystemWriter` whose `digests` are `{file name: {crc32_blocks,
     size}}` of the files this process wrote, taken while writing."""
 
     def __init__(self, path, **kwargs):
