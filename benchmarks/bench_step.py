@@ -41,8 +41,6 @@ import sys
 import tempfile
 import time
 
-from step_counts import StepCounts
-
 # Ordered so that each target's two variants run back to back.
 VARIANTS = {
     "torch_single": 1,
@@ -229,6 +227,7 @@ def _pair_start(variant):
 def _run_torch(variant, model_name, steps, warmup):
     import torch
     import torch.distributed as dist
+    from step_counts import StepCounts  # beside this script
     from torch.distributed.tensor.debug import CommDebugMode
 
     cfg = _config(variant, model_name)
@@ -382,6 +381,7 @@ class _count_p2p:  # noqa: N801
 
 def _run_keras(variant, model_name, steps, warmup):
     import keras  # noqa: I001
+    from step_counts import StepCounts  # beside this script
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras_dtensor  # noqa: F401
