@@ -70,6 +70,9 @@ def wrap_einsum(original):
 
     @functools.wraps(original)
     def einsum(subscripts, *operands, **kwargs):
+        # (Checked first: a traced call must not read the context.)
+        if torch.compiler.is_compiling():
+            return original(subscripts, *operands, **kwargs)
         if local_shards.active():  # a split layer's call on its shards
             from keras.src.backend.torch.core import convert_to_tensor
 
@@ -79,11 +82,8 @@ def wrap_einsum(original):
                 lambda *local: original(subscripts, *local, **kwargs),
             )
         # Operands may be Keras variables (`EinsumDense`'s kernel).
-        if (
-            not any(
-                isinstance(getattr(x, "_value", x), DTensor) for x in operands
-            )
-            or torch.compiler.is_compiling()
+        if not any(
+            isinstance(getattr(x, "_value", x), DTensor) for x in operands
         ):
             return original(subscripts, *operands, **kwargs)
         from keras.src.backend.torch.core import convert_to_tensor
@@ -123,7 +123,7 @@ def wrap_matmul(original):
 
     @functools.wraps(original)
     def matmul(x1, x2):
-        if not local_shards.active():
+        if torch.compiler.is_compiling() or not local_shards.active():
             return original(x1, x2)
         from keras.src.backend.torch.core import convert_to_tensor
 
