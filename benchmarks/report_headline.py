@@ -16,6 +16,7 @@ from report_format import number
 from report_format import numbers
 from report_format import table
 from report_format import when
+from report_host import host_headline
 
 __all__ = ("headline",)
 
@@ -60,6 +61,7 @@ def headline(data):
                     when(run),
                 )
             )
+    rows += host_headline(data)
     rows += _memory_headline(data)
     rows += _generate_headline(data)
     rows += _checkpoint_headline(data)
@@ -126,23 +128,19 @@ def _memory_headline(data):
 
 
 def _generate_headline(data):
-    run = by_id(data, "generate")["generate-vs-tp"]
-    targets, variants = run["targets"], run["variants"]
-    mine, ref = targets["kd_mp_over_tp"], targets[REFERENCE]
-    in_ms = mine["extra_ms_per_token"] <= ref["extra_ms_per_token"]
+    run = data["results-host.json"]["generate"]
+    rss = run["rss_mb"]
     return [
         (
             "TP",
             "generate",
-            run["label"],
-            number(mine["median_of_rounds"]),
-            number(ref["median_of_rounds"]),
-            f"{mine['holds_in_rounds']} by ratio; in ms "
-            f"{'held' if in_ms else 'not held'} "
-            f"(+{mine['extra_ms_per_token']} against "
-            f"+{ref['extra_ms_per_token']} ms a token)",
-            f"peak {variants['kd_mp']['peak_rss_mb']} / "
-            f"{variants['torch_tp']['peak_rss_mb']}",
+            "keras_hub Gemma",
+            number(run["ratio"]),
+            number(run["keras_ratio"]),
+            f"in ms {'held' if run['held'] else 'not held'} "
+            f"(+{number(run['extra_ms_per_token'], 1)} against "
+            f"+{number(run['keras_extra_ms_per_token'], 1)} ms a token)",
+            f"peak {rss['kd_mp']} / {rss['torch_tp']}",
             when(run),
         )
     ]

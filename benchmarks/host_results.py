@@ -1,0 +1,158 @@
+"""Assemble `results-host.json` (issue 37's host-work figures) from the
+benchmarks' own outputs, with every figure BENCHMARKS.md prints computed
+here (the report only lays them out):
+
+    python benchmarks/host_results.py \\
+        --step-before before.json --step-after after.json \\
+        --counts-before counts_before.json --counts-after counts_after.json \\
+        --generate generate.json --commit abc1234 --before-commit def5678 \\
+        --out benchmarks/results-host.json
+
+`--step-*`: `bench_step.py --models transformer_small --rounds 3 --steps 50
+--warmup 10 --variants torch_single,keras_single,torch_ddp,kd_dp,torch_tp,
+kd_mp,torch_fsdp2,kd_fsdp --out ...`; `--counts-*`: the same with
+`--rounds 1 --steps 3 --warmup 5` (the counts are exact; its times are not
+used); `--generate`: `bench_generate.py --rounds 2 --out ...`.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+
+MODEL = "transformer_small"
+SHARE = 0.5  # issue 37: keras-dtensor - native <= 0.5 x (Keras - torch)
+PAIRS = (
+    ("DDP", "kd_dp", "torch_ddp", "kd_dp_over_ddp"),
+    ("TP", "kd_mp", "torch_tp", "kd_mp_over_tp"),
+    ("FSDP2", "kd_fsdp", "torch_fsdp2", "kd_fsdp_over_fsdp2"),
+)
+STEP_COMMAND = (
+    "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 "
+    "python benchmarks/bench_step.py --models transformer_small --rounds 3 "
+    "--steps 50 --warmup 10 --variants torch_single,keras_single,torch_ddp,"
+    "kd_dp,torch_tp,kd_mp,torch_fsdp2,kd_fsdp"
+)
+GENERATE_COMMAND = "python benchmarks/bench_generate.py --rounds 2"
+NEW_TOKENS = 24  # bench_generate: a 32-token sequence after an 8-token prompt
+
+
+def _round(x, digits=1):
+    return round(x, digits)
+
+
+def _pairs(run):
+    table, targets = run["table"][MODEL], run["targets"][MODEL]
+    keras = targets["keras_over_torch_single"]
+    out = {}
+    for native_name, kd, native, name in PAIRS:
+        extra = targets[name]["extra_ms_per_round"]
+        allowed = [SHARE * a for a in keras["extra_ms_per_round"]]
+        held = sum(x <= a for x, a in zip(extra, allowed, strict=True))
+        own = (table[kd]["median_ms"] - table["keras_single"]["median_ms"]) - (
+            table[native]["median_ms"] - table["torch_single"]["median_ms"]
+        )
+        out[name] = {
+            "native": native_name,
+            "native_ms": _round(table[native]["median_ms"]),
+            "kd_ms": _round(table[kd]["median_ms"]),
+            "extra_ms": _round(statistics.median(extra)),
+            "allowed_ms": _round(statistics.median(allowed)),
+            "held": f"{held}/{len(extra)}",
+            "own_ms": _round(own),
+            "ratio": _round(targets[name]["median_of_rounds"], 2),
+            "keras_ratio": _round(keras["median_of_rounds"], 2),
+        }
+    return out
+
+
+def _counts(run):
+    return {
+        variant: row["counts_per_step"]
+        for variant, row in run["table"][MODEL].items()
+    }
+
+
+def _generate(run):
+    rounds = run["round_ms"]
+
+    def per_token(a, b):
+        return statistics.median(
+            (x - y) / NEW_TOKENS
+            for x, y in zip(rounds[a], rounds[b], strict=True)
+        )
+
+    mine = per_token("kd_mp", "torch_tp")
+    theirs = per_token("keras_single", "torch_single")
+    return {
+        "tp_ms_per_token": _round(
+            statistics.median(rounds["torch_tp"]) / NEW_TOKENS
+        ),
+        "kd_ms_per_token": _round(
+            statistics.median(rounds["kd_mp"]) / NEW_TOKENS
+        ),
+        "extra_ms_per_token": _round(mine),
+        "keras_extra_ms_per_token": _round(theirs),
+        "held": mine <= theirs,
+        "ratio": _round(statistics.median(run["ratios"]["kd_mp_over_tp"]), 2),
+        "keras_ratio": _round(
+            statistics.median(run["ratios"]["keras_over_torch_single"]), 2
+        ),
+        "rss_mb": {k: round(v) for k, v in run["rss_mb"].items()},
+        "same_tokens": run["same_tokens"],
+        "rounds": len(rounds["kd_mp"]),
+        "round_ms": rounds,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name in (
+        "step-before",
+        "step-after",
+        "counts-before",
+        "counts-after",
+        "generate",
+    ):
+        parser.add_argument(f"--{name}", required=True)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--before-commit", required=True)
+    parser.add_argument(
+        "--generate-commit", help="where generate was measured (--commit)"
+    )
+    parser.add_argument("--date", default=str(datetime.date.today()))
+    parser.add_argument("--out", default="benchmarks/results-host.json")
+    args = parser.parse_args(argv)
+
+    def read(path):
+        with open(path) as f:
+            return json.load(f)
+
+    after, before = read(args.step_after), read(args.step_before)
+    meta = {"date": args.date, "commit": args.commit, "machine": "cpu2"}
+    result = {
+        "step": {
+            **meta,
+            "command": STEP_COMMAND,
+            "before_commit": args.before_commit,
+            "rounds": after["rounds"],
+            "share": SHARE,
+            "after": _pairs(after),
+            "before": _pairs(before),
+            "counts_after": _counts(read(args.counts_after)),
+            "counts_before": _counts(read(args.counts_before)),
+        },
+        "generate": {
+            **meta,
+            "commit": args.generate_commit or args.commit,
+            "command": GENERATE_COMMAND,
+            **_generate(read(args.generate)),
+        },
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The host-work section of BENCHMARKS.md (issue 37), from
+`results-host.json` (`host_results.py`: `bench_step.py` on
+`transformer_small`, before and after, with one step's counts, and
+`bench_generate.py`). Every figure is computed there."""
+
+from report_format import number
+from report_format import table
+from report_format import when
+
+__all__ = ("host_headline", "host_work")
+
+
+def _rows(step):
+    rows = []
+    for name, now in step["after"].items():
+        then = step["before"][name]
+        rows.append(
+            (
+                f"kd-{name.split('_')[1].upper()} − {now['native']}",
+                number(now["native_ms"], 1),
+                number(now["kd_ms"], 1),
+                number(now["extra_ms"], 1),
+                number(now["allowed_ms"], 1),
+                now["held"],
+                number(now["own_ms"], 1),
+                number(then["extra_ms"], 1),
+                number(then["own_ms"], 1),
+            )
+        )
+    return rows
+
+
+def _counts(step):
+    rows = []
+    before, after = step["counts_before"], step["counts_after"]
+    for variant, now in after.items():
+        then = before.get(variant, {})
+        rows.append(
+            (
+                variant,
+                *(
+                    f"{then.get(key, '-')} → {now[key]}"
+                    for key in (
+                        "python_calls",
+                        "package_calls",
+                        "dtensors",
+                        "python_syncs",
+                    )
+                ),
+            )
+        )
+    return rows
+
+
+def host_work(data):
+    run = data["results-host.json"]
+    step, generate = run["step"], run["generate"]
+    lines = [
+        "Where a GPU will feel it: the host's work around each op. On "
+        "`transformer_small` (the transformer at sizes where each op's "
+        "host-side cost outweighs its arithmetic) every keras-dtensor "
+        "variant runs beside its native counterpart in paired rounds "
+        f"(measured {when(step)}, `{step['command']}`; before: the same "
+        f"command at {step['before_commit']}, the same day). Target "
+        f"(issue 37): keras-dtensor − native ≤ {step['share']} × (Keras − "
+        "torch, one process) in ms, per round. keras-dtensor − native "
+        "holds Keras's own overhead too; *the distribution's own* is "
+        "(keras-dtensor − Keras single) − (native − torch single), medians: "
+        "what the distribution adds beyond Keras's overhead and beyond the "
+        "native one's.",
+        "",
+    ]
+    lines += table(
+        (
+            "pair",
+            "native ms",
+            "keras-dtensor ms",
+            "keras-dtensor − native ms",
+            "target ≤ ms",
+            "held (rounds)",
+            "the distribution's own ms",
+            "before: keras-dtensor − native ms",
+            "before: the distribution's own ms",
+        ),
+        _rows(step),
+    )
+    lines += [
+        "",
+        "One untimed step counted (`benchmarks/step_counts.py`), before → "
+        "after: Python calls, the package's own, DTensors built from "
+        "Python, and calls of `.item()/.tolist()/.cpu()/.numpy()` (torch's "
+        "Adam reads its CPU step counts with `.item()`, no device sync). "
+        "The counts are exact on any machine. Host syncs that reach the "
+        "device are counted per step by `tests/test_host_syncs.py`: every "
+        "distribution has plain Keras's (one: seeded Dropout's seed).",
+        "",
+    ]
+    lines += table(
+        ("variant", "Python calls", "package calls", "DTensors", "syncs"),
+        _counts(step),
+    )
+    lines += [
+        "",
+        "Generate per token (keras_hub Gemma, greedy, (1, 2) mesh; "
+        f"measured {when(generate)}, `{generate['command']}`, "
+        f"{generate['rounds']} rounds; tokens as in one process: "
+        f"{generate['same_tokens']}). Target: kd-MP − torch TP ≤ Keras − "
+        "torch, ms a token.",
+        "",
+    ]
+    lines += table(
+        (
+            "torch TP ms/token",
+            "kd-MP ms/token",
+            "kd-MP − TP ms/token",
+            "Keras − torch ms/token",
+            "held",
+        ),
+        [
+            (
+                number(generate["tp_ms_per_token"], 1),
+                number(generate["kd_ms_per_token"], 1),
+                number(generate["extra_ms_per_token"], 1),
+                number(generate["keras_extra_ms_per_token"], 1),
+                "yes" if generate["held"] else "no",
+            )
+        ],
+    )
+    return lines
+
+
+def host_headline(data):
+    """Headline rows: the step pairs on `transformer_small`."""
+    step = data["results-host.json"]["step"]
+    return [
+        (
+            now["native"],
+            "host work a step",
+            "transformer_small",
+            number(now["ratio"]),
+            number(now["keras_ratio"]),
+            f"{now['held']} at ≤ {step['share']} × (Keras − torch) ms "
+            f"({now['extra_ms']:+.1f} against "
+            f"{number(now['allowed_ms'], 1)} ms)",
+            "-",
+            when(step),
+        )
+        for now in step["after"].values()
+    ]
