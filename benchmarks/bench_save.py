@@ -18,8 +18,10 @@ picks among them):
   optimizer, as DTensors): every rank writes its own shards.
 
 Each is timed on rank 0 from a barrier to its return (every save ends in
-a collective, so every rank has finished) and repeated `--repeat` times
-(best time kept; the previous save runs once: it is much slower); memory
+a collective, so every rank has finished) and repeated `--repeat` times,
+the order of the cases reversed every other round (best time kept, and
+each round's ratio to that round's DCP, with their median; the previous
+save runs once: it is much slower); memory
 is each rank's resident high-water mark during it (`/proc/self/status`
 VmHWM after resetting it) over its resident memory before it, as a
 fraction of the model's weights (the table and kernel), the largest over
@@ -34,6 +36,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -197,7 +200,8 @@ def main():
     cases = [(mode, what) for mode, what in cases if mode in chosen]
     results = {}
     for round_ in range(args.repeat):
-        for mode, what in cases:
+        # Alternating order: the shared machine's drift hits both sides.
+        for mode, what in cases if round_ % 2 == 0 else cases[::-1]:
             if mode == "old" and round_ > 0:
                 continue  # much slower: once is enough
             if mode == "old":
@@ -212,6 +216,7 @@ def main():
                 key, {"seconds": seconds, "peak_mb": peaks}
             )
             best["seconds"] = min(best["seconds"], seconds)
+            best.setdefault("rounds", {})[round_] = seconds
             best["peak_mb"] = [
                 max(a, b) for a, b in zip(best["peak_mb"], peaks, strict=True)
             ]
@@ -224,11 +229,18 @@ def main():
             f"{torch.__version__}"
         )
         dcp_s = results["dcp"]["seconds"]
+        dcp_rounds = results["dcp"]["rounds"]
         for key, r in results.items():
             fractions = ", ".join(f"{p / model_mb:.2f}" for p in r["peak_mb"])
+            # Each round's ratio to that round's DCP; their median.
+            ratios = [s / dcp_rounds[i] for i, s in sorted(r["rounds"].items())]
+            r["round_ratios"] = ratios
+            r["median_ratio"] = statistics.median(ratios)
             print(
                 f"{key:18s} {r['seconds']:6.2f} s ({r['seconds'] / dcp_s:4.1f}x"
-                f" DCP); peak increase per rank / model: {fractions}"
+                f" DCP); peak increase per rank / model: {fractions}; ratio "
+                f"by round {r['median_ratio']:.2f} median of "
+                f"{', '.join(f'{x:.2f}' for x in ratios)}"
             )
         if args.json:
             with open(args.json, "w") as f:

@@ -9,7 +9,8 @@ Keras's own writers and readers run on every rank, through the hooks the
 - `wrap_save_model_to_fileobj` (`collective`, `zip_writer`): the `.keras`
   zip written in one pass, the weights member filled in place;
 - the store hooks (`stores`): each sharded variable written in pieces by
-  the ranks holding its shards (`h5_stream`), never gathered;
+  the ranks holding its shards (`h5_stream`; on one host, assembled in
+  shared memory: `shared_blocks`), never gathered;
 - the load hooks (`sliced_load`): each rank reads only its slices of a
   sharded variable.
 

@@ -15,6 +15,12 @@ value as follows, in the same order (Keras walks the same model):
   (about four pieces held), the others hold nothing extra and leave the
   dataset of their scratch file empty.
 
+On one host (CPU values, every rank with a part able to open rank 0's
+files in `/dev/shm`), the blocks are assembled in shared memory instead
+(`shared_blocks.py`): each rank copies its part straight into the block,
+rank 0 writes it out; no bytes through sockets, no copy on rank 0 of
+the others' parts.
+
 Keras's stores hand their values here through the hooks in
 `stores.py` (layers, optimizer slots, the sharded `.weights.json`
 format). A replicated variable is
@@ -39,6 +45,7 @@ from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
 from keras_dtensor.backend import layout
+from keras_dtensor.saving import shared_blocks
 
 __all__ = [
     "active",
@@ -70,6 +77,8 @@ class _Save:
     piece_bytes: int
     error: BaseException | None = None
     buffers: dict = dataclasses.field(default_factory=dict)
+    shared: object = None  # `shared_blocks.Shared` of this save, if any
+    shared_ranks: frozenset | None = None  # None: not tried yet
 
     @property
     def slot_bytes(self):
@@ -112,6 +121,8 @@ def scope():
         yield state
     finally:
         _SAVE.reset(token)
+        if state.shared is not None:
+            state.shared.close()
 
 
 def active() -> bool:
@@ -221,6 +232,20 @@ def _to_numpy(tensor):
     return tensor.numpy()
 
 
+def _put(state, dataset, block, buffer):
+    """Rank 0 writes `buffer` as `block` of `dataset` (after a write
+    error, nothing: it only drains, so peers never wait on it)."""
+    if state.error is not None:
+        return
+    if buffer.device.type != "cpu":
+        staged = _carve(state.staging(), 0, buffer.shape, buffer.dtype)
+        buffer = staged.copy_(buffer)
+    try:
+        dataset[tuple(slice(a, b) for a, b in block)] = _to_numpy(buffer)
+    except Exception as e:
+        state.error = e
+
+
 class _Writer:
     """Rank 0's side: receives and writes the pieces of one variable."""
 
@@ -269,16 +294,7 @@ class _Writer:
             work.wait()
             if into is not target:
                 target.copy_(into)
-        if self.state.error is not None:
-            return  # drain only: peers must not wait on this rank
-        if buffer.device.type != "cpu":
-            staged = _carve(self.state.staging(), 0, buffer.shape, buffer.dtype)
-            buffer = staged.copy_(buffer)
-        try:
-            index = tuple(slice(a, b) for a, b in block)
-            self.dataset[index] = _to_numpy(buffer)
-        except Exception as e:
-            self.state.error = e
+        _put(self.state, self.dataset, block, buffer)
 
     def run(self, blocks):
         slots = self.state.slots(self.local.device)
@@ -334,6 +350,21 @@ def write(store, key, value, state):
             dataset = _create(store, key, value)
         except Exception as e:
             state.error = e
+    if value.device_mesh.device_type == "cpu" and state.shared_ranks is None:
+        state.shared, state.shared_ranks = shared_blocks.attach(
+            state.slot_bytes
+        )
+    if shared_blocks.usable(state.shared_ranks or (), local, owners):
+        shared_blocks.fill(
+            state.shared,
+            local,
+            blocks,
+            owners,
+            _overlap,
+            _carve,
+            lambda block, values: _put(state, dataset, block, values),
+        )
+        return
     if rank == 0:
         _Writer(dataset, local, owners, state).run(blocks)
         return
