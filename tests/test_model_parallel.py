@@ -472,6 +472,18 @@ def _fsdp_local(keras, world):
     return out
 
 
+# The models of `_tp_local` compared with plain Keras (and "stack").
+TP_KINDS = (
+    "plain",
+    "norm",
+    "heads",
+    "center",
+    "own_call",
+    "residual",
+    "row_activation",
+)
+
+
 def _tp_local(keras, world):
     """Tensor-parallel layouts with the ops between the sharded layers on
     local tensors (`islands`), against plain Keras: what a layer
@@ -634,16 +646,7 @@ def _tp_local(keras, world):
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        kinds = (
-            "plain",
-            "norm",
-            "heads",
-            "center",
-            "own_call",
-            "residual",
-            "row_activation",
-        )
-        for kind in (*kinds, "stack"):
+        for kind in (*TP_KINDS, "stack"):
             out[kind] = (run(None, kind), run(tp(), kind))
     out["warnings"] = [
         str(w.message) for w in caught if "runs as DTensors" in str(w.message)
@@ -1107,18 +1110,7 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         else:
             assert tp["warnings"] == []
         pairs = [groups["layers"], groups["whole"], groups["reads_back"]]
-        pairs += [
-            tp[kind]
-            for kind in (
-                "plain",
-                "norm",
-                "heads",
-                "center",
-                "own_call",
-                "residual",
-                "row_activation",
-            )
-        ]
+        pairs += [tp[kind] for kind in TP_KINDS]
         pairs.append(tp["off"])
         for plain, dist in [*local.values(), *pairs]:
             np.testing.assert_allclose(
