@@ -179,7 +179,7 @@ def test_save_on_2_resume_on_4_load_on_2_and_1_equal_one_process(tmp_path):
         assert set(errors) == {"truncated", "flipped", "missing", "uncommitted"}
         assert "__1_0.distcp has" in errors["truncated"]
         assert "it holds model/" in errors["truncated"]
-        assert "does not match its SHA-256" in errors["flipped"]
+        assert "does not match its CRC-32 in bytes" in errors["flipped"]
         assert "__1_0.distcp is missing" in errors["missing"]
         assert (
             "not a complete keras-dtensor checkpoint" in (errors["uncommitted"])
