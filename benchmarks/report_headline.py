@@ -13,9 +13,9 @@ from report_format import by_id
 from report_format import held
 from report_format import latest
 from report_format import number
-from report_format import numbers
 from report_format import table
 from report_format import when
+from report_host import checkpoint_headline
 from report_host import host_headline
 
 __all__ = ("headline",)
@@ -64,7 +64,7 @@ def headline(data):
     rows += host_headline(data)
     rows += _memory_headline(data)
     rows += _generate_headline(data)
-    rows += _checkpoint_headline(data)
+    rows += checkpoint_headline(data)
     return table(head, rows)
 
 
@@ -144,40 +144,3 @@ def _generate_headline(data):
             when(run),
         )
     ]
-
-
-def _checkpoint_headline(data):
-    runs = by_id(data, "checkpoints")
-    sharded, save = runs["sharded-vs-dcp"], runs["model-save-in-place"]
-    kd, dcp = sharded["rows"]
-    rows = [
-        (
-            "DCP",
-            f"sharded {op}",
-            sharded["label"],
-            number(sharded[f"{op}_ratio"]),
-            "-",
-            "-",
-            f"+{kd[f'{op}_mib_per_rank']} / +{dcp[f'{op}_mib_per_rank']}",
-            when(sharded),
-        )
-        for op in ("save", "load")
-    ]
-    theirs = max(save["rows"][2]["extra_memory_over_model"])
-    for row in save["rows"][:2]:
-        extra = row["extra_memory_over_model"]
-        rows.append(
-            (
-                "DCP",
-                f"`{row['case']}`",
-                save["label"],
-                f"{numbers(row['over_dcp'], 1, ', ')} "
-                f"({len(row['over_dcp'])} runs)",
-                "-",
-                "-",
-                f"+{numbers(extra, 2, ', ')} x the model, rank by rank"
-                f" / +{number(theirs)}",
-                when(save),
-            )
-        )
-    return rows

@@ -7,7 +7,7 @@ from report_format import number
 from report_format import table
 from report_format import when
 
-__all__ = ("host_headline", "host_work")
+__all__ = ("checkpoint_headline", "host_headline", "host_work")
 
 
 def _rows(step):
@@ -126,7 +126,51 @@ def host_work(data):
             )
         ],
     )
-    return lines
+    return lines + _checkpoints(run["checkpoints"])
+
+
+def _checkpoints(run):
+    lines = [
+        "",
+        f"Checkpoints against DCP ({run['what']}; measured {when(run)}, "
+        f"`{run['command']}`; before: {run['before_commit']}). Integrity is "
+        "still checked: a CRC-32 per 16 MiB block, taken while the bytes "
+        "are written and while a load checks them.",
+        "",
+    ]
+    return lines + table(
+        ("case", "÷ DCP before", "÷ DCP after", "target ≤", "rounds"),
+        [
+            (
+                f"`{r['case']}`",
+                number(r["before"]),
+                number(r["after"]),
+                number(r["target"], 1),
+                r["rounds"],
+            )
+            for r in run["rows"]
+        ],
+    )
+
+
+def checkpoint_headline(data):
+    """Headline rows: checkpoints against DCP."""
+    run = data["results-host.json"]["checkpoints"]
+    return [
+        (
+            "DCP",
+            f"`{r['case']}`",
+            r["model"],
+            number(r["after"]),
+            "-",
+            f"≤ {number(r['target'], 1)}: "
+            f"{'held' if r['after'] <= r['target'] else 'not held'} "
+            f"(before {number(r['before'])})",
+            "-",
+            when(run),
+        )
+        for r in run["rows"]
+    ]
 
 
 def host_headline(data):
