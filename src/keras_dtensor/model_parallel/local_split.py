@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.layout import chunk
 from keras_dtensor.ops import local_shards
+from keras_dtensor.ops.einsum_plan import matmul_subscripts
 from keras_dtensor.ops.einsum_plan import plan_for
 
 __all__ = ["call", "runs_on_shards"]
@@ -161,8 +162,9 @@ def _summed(layer, inputs, mesh):
     if isinstance(layer, EinsumDense):
         subscripts = layer.equation
     else:
-        rows = "abcdefgh"[: len(x_shape) - 1]
-        subscripts = f"{rows}y,yz->{rows}z"
+        subscripts = matmul_subscripts(len(x_shape))
+        if subscripts is None:
+            return None
     specs = (
         (tuple(x_placements), tuple(x_shape)),
         (tuple(value.placements), tuple(value.shape)),

@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor.ops import local_shards
+from keras_dtensor.ops.einsum_plan import matmul_subscripts
 from keras_dtensor.ops.einsum_plan import plan_for
 
 __all__ = ["shard_plan", "wrap_einsum", "wrap_matmul"]
@@ -128,9 +129,9 @@ def wrap_matmul(original):
         from keras.src.backend.torch.core import convert_to_tensor
 
         x1, x2 = convert_to_tensor(x1), convert_to_tensor(x2)
-        if x2.ndim != 2 or x1.ndim < 1 or x1.ndim > 8:
+        subscripts = matmul_subscripts(x1.ndim)
+        if x2.ndim != 2 or subscripts is None:
             raise local_shards.Unsupported("a matmul of another kind")
-        rows = "abcdefgh"[: x1.ndim - 1]
-        return local_shards.contract(f"{rows}y,yz->{rows}z", [x1, x2], original)
+        return local_shards.contract(subscripts, [x1, x2], original)
 
     return matmul

@@ -16,7 +16,16 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-__all__ = ["plan_for"]
+__all__ = ["matmul_subscripts", "plan_for"]
+
+
+def matmul_subscripts(ndim):
+    """The einsum of `matmul(x, kernel)` for an `ndim`-dim `x` and a 2-D
+    kernel (a `Dense` layer's product), or None past 8 dims."""
+    if not 1 <= ndim <= 8:
+        return None
+    rows = "abcdefgh"[: ndim - 1]
+    return f"{rows}y,yz->{rows}z"
 
 
 def _subscripts(subscripts, shapes):
