@@ -3,7 +3,8 @@
 Modelled on torch's `DTensorTestBase`: each rank is a fresh `spawn`ed
 interpreter, the group is started through `keras.distribution.initialize`
 with a `file://` rendezvous (no fixed ports), every rank is bounded in
-time, and a failure is re-raised naming its rank with its traceback.
+time, and a failure is re-raised naming every failed rank with its
+traceback (and any rank that died without one).
 
 The function runs with the group up and returns a picklable value; the
 harness returns the list of values, by rank.
@@ -13,6 +14,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
 import traceback
@@ -20,6 +22,8 @@ import traceback
 __all__ = ["RankError", "run_ranks"]
 
 DEFAULT_TIMEOUT = 240
+# Seconds to wait for the other ranks' reports once one has failed.
+GRACE = 10
 
 
 class RankError(RuntimeError):
@@ -109,15 +113,19 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
         ]
         for proc in procs:
             proc.start()
-        values, errors = {}, []
+        values, errors = {}, {}
         try:
             for _ in range(world_size):
-                rank, ok, value = results.get(timeout=timeout)
+                # Once a rank has failed, its peers may block on a
+                # collective: the others' reports are waited for briefly,
+                # so that the rank that failed first is among them.
+                rank, ok, value = results.get(
+                    timeout=GRACE if errors else timeout
+                )
                 if ok:
                     values[rank] = value
                 else:
-                    errors.append((rank, value))
-                    break  # peers may now block on a collective
+                    errors[rank] = value
         except queue.Empty:
             pass
         finally:
@@ -126,12 +134,45 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-    if errors:
-        rank, tb = errors[0]
-        raise RankError(f"rank {rank} of {world_size} failed:\n{tb}")
+        codes = {rank: proc.exitcode for rank, proc in enumerate(procs)}
+    silent = [
+        rank
+        for rank, code in codes.items()
+        if rank not in values
+        and rank not in errors
+        and code not in (0, None)
+        and code != -signal.SIGKILL  # killed here, after a failure
+    ]
+    if errors or silent:
+        raise RankError(_failures(world_size, errors, silent, codes))
     missing = sorted(set(range(world_size)) - set(values))
     if missing:
         raise RankError(
             f"ranks {missing} of {world_size} did not finish within {timeout} s"
         )
     return [values[r] for r in range(world_size)]
+
+
+def _failures(world_size, errors, silent, codes):
+    """Every failed rank's traceback, and the ranks that died without one
+    (a signal, `os._exit`): a peer's "Connection closed by peer" is often
+    only the echo of another rank's death."""
+    parts = [
+        f"rank {rank} of {world_size} exited with {_exit(codes[rank])} "
+        "without a report"
+        for rank in silent
+    ]
+    parts += [
+        f"rank {rank} of {world_size} failed:\n{tb}"
+        for rank, tb in sorted(errors.items())
+    ]
+    return "\n".join(parts)
+
+
+def _exit(code):
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            pass
+    return f"code {code}"
