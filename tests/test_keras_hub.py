@@ -152,7 +152,24 @@ def _run(family, distribution, lora=False):
             if records is None
             else sorted(r is not None for r in records[1].values())
         )
+        # The layers made to run as DTensors inside the local runs, by
+        # class: of the task model (fit, evaluate, predict) and of a
+        # decoder block (generate calls each on its own).
+        local["promoted"] = {
+            "model": _promoted(lm),
+            "block": _promoted(backbone.transformer_layers[0]),
+        }
     return result, generated, frozen_moved, local
+
+
+def _promoted(layer):
+    """Per layout of the inputs, the classes of the layers promoted."""
+    records = layer.__dict__.get("_keras_dtensor_sharded_records")
+    names = {id(sub): type(sub).__name__ for sub in layer._flatten_layers()}
+    return sorted(
+        sorted(names[i] for i in state.promoted)
+        for state in (records[2].values() if records else ())
+    )
 
 
 def _distribution(family, mesh_shape):
@@ -216,6 +233,19 @@ def _check(results, mesh_shape):
             if model_axis > 1:
                 assert r["local"]["signatures"], (family, mesh_shape)
                 assert all(r["local"]["signatures"]), (family, r["local"])
+            # A reshape to the global head count in the attention's own
+            # code runs locally (`reshapes`); with a single key/value head
+            # cut unevenly, the attention runs as DTensors, decided before
+            # its local run (a rank holding no head would fail alone).
+            promoted = r["local"]["promoted"]
+            if model_axis > 1 and family == "gemma":
+                assert promoted["model"], promoted
+                assert not any(promoted["model"]), promoted
+                assert [] in promoted["block"], promoted
+            if model_axis > 1 and family == "gemma_mqa":
+                assert any(
+                    "CachedGemmaAttention" in p for p in promoted["model"]
+                ), promoted
             # The layout map's weights really hold their shards.
             shape, local = r["local"]["token_embedding/embeddings"]
             assert local[0] == shape[0] // model_axis, (family, local)

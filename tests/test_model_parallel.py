@@ -531,12 +531,22 @@ def _tp_local(keras, world):
 
     class Heads(keras.layers.Layer):
         """Reshapes to the global head count and back (keras_hub's Gemma
-        attention does): on a local shard it raises."""
+        attention does): on a local shard, only with the local count."""
 
         def call(self, x):
             batch = keras.ops.shape(x)[0]
             h = keras.ops.reshape(x, (batch, 6, 4, 4))
             return keras.ops.reshape(h, (batch, 6, 16))
+
+    class Widths(keras.layers.Layer):
+        """Adds a tensor of the global width it was built with: on a local
+        shard it raises."""
+
+        def build(self, input_shape):
+            self.width = input_shape[-1]
+
+        def call(self, x):
+            return x + keras.ops.zeros((self.width,))
 
     rng = np.random.default_rng(4)
     x = rng.normal(size=(16, 6, 8)).astype("float32")
@@ -590,7 +600,7 @@ def _tp_local(keras, world):
         if kind == "center":
             f = Center(name="center")(f)
         if kind == "heads":
-            f = Heads(name="heads")(f)
+            f = Widths(name="widths")(Heads(name="heads")(f))
         return keras.Model(inputs, h + keras.layers.Dense(8, name="down")(f))
 
     def run(distribution, kind="plain"):
@@ -1052,8 +1062,9 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         # Tensor-parallel: the layer between the column- and the row-split
         # Dense gets this rank's half of the columns as a plain tensor;
         # fit's and predict's signatures both run locally; the per-head
-        # norm runs as DTensors, and so do a layer that raises locally and
-        # a layer whose outputs differ (the rest stays local); a mean over
+        # norm runs as DTensors, and so does a layer whose outputs differ
+        # (the rest stays local), and one that raises locally; a reshape to
+        # the global head count runs locally; a mean over
         # a split output makes the split layer hand its output on whole;
         # a mean over the split columns in the model's own call makes the
         # whole model run as DTensors (warned on rank 0); the setting off
@@ -1086,9 +1097,13 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         assert tp["norm"][1]["local"] == [True, True]
         assert tp["norm"][1]["boundary"] == ["norm", "o", "q"]
         assert tp["norm"][1]["on_shards"] == ["o", "q"]
-        for kind in ("heads", "center"):
-            assert tp[kind][1]["local"] == [True, True], kind
-            assert kind in tp[kind][1]["boundary"], tp[kind][1]["boundary"]
+        # A reshape to the global head count and back runs on the local
+        # heads (`reshapes`); a layer whose outputs differ runs as DTensors.
+        assert tp["heads"][1]["local"] == [True, True]
+        assert "heads" not in tp["heads"][1]["boundary"], tp["heads"][1]
+        assert "widths" in tp["heads"][1]["boundary"], tp["heads"][1]
+        assert tp["center"][1]["local"] == [True, True]
+        assert "center" in tp["center"][1]["boundary"], tp["center"][1]
         # Split Dense layers back to back: nothing to run locally.
         assert set(tp["stack"][1]["local"]) == {False}
         assert tp["residual"][1]["local"] == [True, True]

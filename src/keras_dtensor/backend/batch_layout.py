@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend import structure
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import distribute_data_input
 from keras_dtensor.backend.distribution_lib import shard_global_tensor
@@ -62,8 +63,6 @@ def distribute_batch(batch, distribution, per_process=False):
     Returns:
         The same structure with `DTensor` leaves.
     """
-    from keras.src import tree
-
-    return tree.map_structure(
+    return structure.map_structure(
         lambda x: _distribute_leaf(x, distribution, per_process), batch
     )

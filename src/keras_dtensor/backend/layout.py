@@ -19,6 +19,7 @@ __all__ = [
     "contiguous_strides",
     "local_shape",
     "local_slices",
+    "placed_shape",
     "normalize_axes",
     "to_placements",
 ]
@@ -57,6 +58,12 @@ def local_slices(shape, mesh, placements, coordinate=None) -> list:
             )
             ranges[placement.dim] = (start + offset, size)
     return ranges
+
+
+def placed_shape(shape, mesh, placements) -> tuple:
+    """This rank's shape of a tensor of global `shape` laid out by
+    `placements` on `mesh`."""
+    return tuple(n for _, n in local_slices(shape, mesh, placements))
 
 
 def local_shape(shape, axes, sizes) -> tuple:

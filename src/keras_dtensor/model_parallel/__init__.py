@@ -9,7 +9,9 @@ through `call_layer` (`call`), the one entry:
   batch-sharded weights gathered block by block (`local_run`,
   `eligibility`, `fsdp_blocks`, `packed_gather`);
 - a tensor-parallel layer inside such a run is a DTensor island
-  (`islands`), checked once against the DTensor run (`exactness`);
+  (`islands`), or runs on its local shards (`local_split`), checked once
+  against the DTensor run (`exactness`); a reshape to a global shape in
+  the model's own code takes its local shape from that run (`reshapes`);
 - everything else runs on DTensors, weights sharded over the batch axis
   gathered by the layer that uses them (`fsdp_weights`), pending sums
   reduced at each layer's boundary;
@@ -22,13 +24,16 @@ assignment and call `variables_changed()` when a variable is created.
 
 from keras_dtensor.model_parallel.call import call_layer
 from keras_dtensor.model_parallel.eligibility import variables_changed
-from keras_dtensor.model_parallel.islands import recorder
 from keras_dtensor.model_parallel.local_run import active as in_local_run
 from keras_dtensor.model_parallel.pending_grads import reduce_pending
+from keras_dtensor.model_parallel.record import recorder
+from keras_dtensor.model_parallel.reshapes import local_reshape
 
 __all__ = [
     "call_layer",
     "in_local_run",
+    "local_reshape",
+    "recorder",
     "recording",
     "reduce_pending",
     "variables_changed",

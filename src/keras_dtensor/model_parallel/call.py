@@ -24,11 +24,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import context
+from keras_dtensor.backend import structure
 from keras_dtensor.backend.batch_layout import distribute_batch
-from keras_dtensor.model_parallel import islands
 from keras_dtensor.model_parallel import local_run
 from keras_dtensor.model_parallel.fsdp_weights import gathered_weights
 from keras_dtensor.model_parallel.islands import reduce_partial
+from keras_dtensor.model_parallel.record import recorder
 
 __all__ = ["call_layer"]
 
@@ -78,13 +79,11 @@ def _reduce_partial_grad(x):
 def _reduced(outputs):
     """A layer's outputs with pending sums reduced (and, under autograd,
     their gradients laid out as the outputs when they arrive)."""
-    from keras.src import tree
-
     if torch.is_grad_enabled():
-        return tree.map_structure(
+        return structure.map_structure(
             lambda x: _reduce_partial_grad(reduce_partial(x)), outputs
         )
-    return tree.map_structure(reduce_partial, outputs)
+    return structure.map_structure(reduce_partial, outputs)
 
 
 def call_layer(layer, original, args, kwargs, distribution):
@@ -108,7 +107,7 @@ def call_layer(layer, original, args, kwargs, distribution):
             # No context manager around a traced call: Keras's own
             # graph breaks inside it would force a recompile per layer.
             return _reduced(original(layer, *args, **kwargs))
-        record = islands.recorder()  # a run to check against
+        record = recorder()  # a run to check against
         if record is not None:
             key = record.enter(layer, args, kwargs)
         with gathered_weights(layer, distribution):

@@ -45,13 +45,14 @@ from torch.distributed.tensor import DTensor
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend import structure
 from keras_dtensor.backend.errors import AssignedInCall
 from keras_dtensor.model_parallel import eligibility
-from keras_dtensor.model_parallel.islands import Record
 from keras_dtensor.model_parallel.islands import Replay
 from keras_dtensor.model_parallel.islands import outputs_global
-from keras_dtensor.model_parallel.islands import recording
-from keras_dtensor.model_parallel.islands import spec
+from keras_dtensor.model_parallel.record import Record
+from keras_dtensor.model_parallel.record import recording
+from keras_dtensor.model_parallel.record import spec
 
 __all__ = ["State", "agree", "call", "matches", "reason", "signature"]
 
@@ -82,11 +83,9 @@ def matches(reference, local, final=None):
     DTensor run's, bit for bit; `(ok, reason)`. `final`: the local
     outputs as the DTensors the call returns (`outputs_global`), if they
     were made: their shards are the ones compared."""
-    from keras.src import tree
-
-    flat_ref = tree.flatten(reference)
-    flat_local = tree.flatten(local)
-    flat_final = flat_local if final is None else tree.flatten(final)
+    flat_ref = structure.flatten(reference)
+    flat_local = structure.flatten(local)
+    flat_final = flat_local if final is None else structure.flatten(final)
     if not len(flat_ref) == len(flat_local) == len(flat_final):
         return False, "the outputs differ in structure"
     for ref, out, made in zip(flat_ref, flat_local, flat_final, strict=True):
@@ -233,6 +232,16 @@ def call(layer, plan_, flat, reference, run):
             records[key] = None
             eligibility.forget(layer)
             return False, None
+        if record.uneven:
+            # Decided from the DTensor run alone (the same on every rank):
+            # a layer meeting shards of different sizes runs as DTensors.
+            more = record.uneven - record.boundary
+            if None in more or len(state.promoted | more) > _MAX_PROMOTED:
+                records[key] = None
+                return False, None
+            if more:
+                state.promoted |= more
+                continue
         code, outputs, why = -1, None, None
         replay = _replay(record, plan_)
         try:

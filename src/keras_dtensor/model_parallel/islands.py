@@ -34,133 +34,28 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor.backend import structure
 from keras_dtensor.model_parallel import local_split
+from keras_dtensor.model_parallel.record import fingerprint
 
 __all__ = [
     "Mismatch",
-    "Record",
     "Replay",
     "boundary_call",
     "checked_call",
     "current_replay",
     "failed_in",
     "outputs_global",
-    "recorder",
-    "recording",
     "reduce_partial",
     "replaying",
-    "spec",
 ]
 
-_RECORDING = contextvars.ContextVar("keras_dtensor_recording", default=None)
 _REPLAY = contextvars.ContextVar("keras_dtensor_replay", default=None)
 
 
 class Mismatch(Exception):  # noqa: N818 (a signal, not an error)
     """The local run parted from the DTensor run: a call it did not make,
     an input laid out otherwise, or outputs that differ."""
-
-
-def spec(x):
-    """A DTensor leaf's `(placements, global shape)`; None for others."""
-    if isinstance(x, DTensor):
-        return tuple(x.placements), tuple(x.shape)
-    return None
-
-
-@dataclasses.dataclass
-class Record:
-    """A DTensor run's layer calls: `calls[(id(layer), n)]` holds the
-    input specs of the n-th call of a layer with weights; `weights` each
-    such layer's weights; `outputs` the specs of the model's outputs;
-    `boundary` the ids of the layers that run as DTensors."""
-
-    boundary: set
-    plan: object
-    calls: dict = dataclasses.field(default_factory=dict)
-    outputs: tuple = ()
-    counts: dict = dataclasses.field(default_factory=dict)
-    weights: dict = dataclasses.field(default_factory=dict)
-    # `{(id(layer), n): fingerprint of its outputs}` of every layer call,
-    # when a local run that differed is being traced to its layer.
-    fingerprints: dict | None = None
-    # Layer calls that run locally: with none (a stack of split Dense
-    # layers), the local run only adds conversions at every boundary.
-    between: int = 0
-    # The model's own sublayers (ids), and those among the boundary
-    # layers whose outputs were sharded over a model axis, in call order:
-    # the candidates for `replicated`.
-    children: frozenset = frozenset()
-    sharded_outputs: list = dataclasses.field(default_factory=list)
-    # Boundary layers whose outputs leave replicated (all-gathered over
-    # the model axes, torch's `output_layouts=Replicate()`): for a model
-    # whose own ops meet such an output with a whole tensor (a
-    # hidden-split embedding's output in a residual add).
-    replicated: frozenset = frozenset()
-    _kept: frozenset | None = None
-
-    def enter(self, layer, args, kwargs):
-        """Notes a nested layer call of the DTensor run; returns its key.
-        Layers with weights get their inputs' layouts noted: a replicated
-        weight given sharded inputs joins the boundary (its gradient is a
-        sum over the shards, which only the DTensor run makes)."""
-        key = (id(layer), self.counts.get(id(layer), 0))
-        self.counts[id(layer)] = key[1] + 1
-        if not (
-            id(layer) in self.boundary
-            or layer.__dict__.get("_trainable_variables")
-            or layer.__dict__.get("_non_trainable_variables")
-        ):
-            self.between += 1
-            return key
-        from keras.src import tree
-
-        inputs = tuple(spec(x) for x in tree.flatten((args, kwargs)))
-        if id(layer) not in self.boundary and not all(
-            spec is None or self.plan.whole(spec[0]) for spec in inputs
-        ):
-            self.boundary.add(id(layer))
-        self.calls[key] = inputs
-        self.weights[id(layer)] = tuple(layer.weights)
-        self.between += id(layer) not in self.boundary
-        return key
-
-    def kept(self):
-        """Indices into the plan's weights of the boundary layers' weights,
-        which the local run leaves as DTensors (computed once)."""
-        if self._kept is None:
-            ids = {
-                id(variable)
-                for layer_id in self.boundary
-                for variable in self.weights.get(layer_id, ())
-            }
-            self._kept = self.plan.kept | frozenset(
-                i
-                for i, (variable, _, _) in enumerate(self.plan.weights)
-                if id(variable) in ids
-            )
-        return self._kept
-
-    def leave(self, key, outputs):
-        from keras.src import tree
-
-        if self.fingerprints is not None:
-            specs = tuple(spec(x) for x in tree.flatten(outputs))
-            self.fingerprints[key] = (_fingerprint(outputs), specs)
-        layer_id = key[0]
-        if (
-            layer_id in self.boundary
-            and layer_id in self.children
-            and layer_id not in self.sharded_outputs
-        ):
-            specs = [spec(x) for x in tree.flatten(outputs)]
-            if not all(s is None or self.plan.whole(s[0]) for s in specs):
-                self.sharded_outputs.append(layer_id)
-
-    def set_outputs(self, outputs):
-        from keras.src import tree
-
-        self.outputs = tuple(spec(x) for x in tree.flatten(outputs))
 
 
 @contextlib.contextmanager
@@ -172,22 +67,12 @@ def _set(var, value):
         var.reset(token)
 
 
-def recording(record):
-    """A context in which layer calls are noted in `record`."""
-    return _set(_RECORDING, record)
-
-
-def recorder():
-    """The `Record` of the DTensor run in progress, or None."""
-    return _RECORDING.get()
-
-
 @dataclasses.dataclass
 class Replay:
     """A local run following `record` (the boundary layers' weights stay
     DTensors in it: `Record.kept`)."""
 
-    record: Record
+    record: object  # its `record.Record`
     mesh: object
     counts: dict = dataclasses.field(default_factory=dict)
     # The innermost layer whose call raised, if one did.
@@ -202,6 +87,7 @@ class Replay:
     # The same for an input of layers run on their shards (`local_split`):
     # `(local tensor, it through copy_in, the axes)`.
     copied: tuple = (None, None, None)
+    reshaped: int = 0  # reshapes run so far, outside boundary layers
 
     def to_dtensor(self, x, recorded):
         if recorded is None or not isinstance(x, torch.Tensor):
@@ -221,25 +107,6 @@ def replaying(replay):
     return _set(_REPLAY, replay)
 
 
-def _fingerprint(outputs):
-    """This rank's share of each output tensor, summed two ways: equal
-    for equal tensors (enough to find the layer where runs part)."""
-    from keras.src import tree
-
-    out = []
-    for x in tree.flatten(outputs):
-        if isinstance(x, torch.Tensor):
-            local = _local(x).detach().double()
-            out.append(
-                (
-                    tuple(local.shape),
-                    local.sum().item(),
-                    local.abs().sum().item(),
-                )
-            )
-    return tuple(out)
-
-
 def current_replay():
     """The `Replay` of the local run in progress, or None."""
     return _REPLAY.get()
@@ -249,20 +116,18 @@ def checked_call(replay, layer, original, args, kwargs):
     """A layer call of a local run being traced: its outputs must have
     the fingerprint the DTensor run's had, else this layer is where the
     runs part."""
-    from keras.src import tree
-
     key = (id(layer), replay.counts.get(id(layer), 0))
     replay.counts[id(layer)] = key[1] + 1
     outputs = original(layer, *args, **kwargs)
     expected, specs = replay.record.fingerprints.get(key, (None, ()))
-    flat = tree.flatten(outputs)
+    flat = structure.flatten(outputs)
     if len(specs) == len(flat):
         # An output handed on whole (`Record.replicated`) is compared by
         # the shard the DTensor run had.
         flat = [
             _as_shard(x, s, replay) for x, s in zip(flat, specs, strict=True)
         ]
-    got = _fingerprint(flat)
+    got = fingerprint(flat)
     if got != expected:
         failed_in(layer)
         shapes = [f[0] for f in got]
@@ -339,12 +204,10 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
     """Runs a boundary layer as DTensors inside a local run: inputs laid
     out as in the recorded DTensor run (its weights are DTensors there),
     outputs reduced and returned as local tensors."""
-    from keras.src import tree
-
     key = (id(layer), replay.counts.get(id(layer), 0))
     replay.counts[id(layer)] = key[1] + 1
     recorded = replay.record.calls.get(key)
-    flat = tree.flatten((args, kwargs))
+    flat = structure.flatten((args, kwargs))
     if recorded is None or len(recorded) != len(flat):
         raise Mismatch(f"{layer.name!r}: a call the DTensor run did not make")
     done, outputs = local_split.call(
@@ -359,7 +222,7 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
         ]
     except Mismatch as error:
         raise Mismatch(f"{layer.name!r}: {error}") from None
-    args, kwargs = tree.pack_sequence_as((args, kwargs), flat)
+    args, kwargs = structure.pack_sequence_as((args, kwargs), flat)
     with dtensor_scope(layer):
         outputs = original(layer, *args, **kwargs)
     replicated = id(layer) in replay.record.replicated
@@ -373,21 +236,19 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
             x = x.redistribute(x.device_mesh, whole)  # an all-gather
         return x.to_local(grad_placements=tuple(x.placements))
 
-    return tree.map_structure(to_local, outputs)
+    return structure.map_structure(to_local, outputs)
 
 
 def outputs_global(record, mesh, outputs):
     """The local run's outputs as the DTensors the DTensor run returned."""
-    from keras.src import tree
-
-    flat = tree.flatten(outputs)
+    flat = structure.flatten(outputs)
     if len(flat) != len(record.outputs):
         raise Mismatch("the outputs differ in structure")
     flat = [
         _to_dtensor(x, spec, mesh, record.plan.dim)
         for x, spec in zip(flat, record.outputs, strict=True)
     ]
-    return tree.pack_sequence_as(outputs, flat)
+    return structure.pack_sequence_as(outputs, flat)
 
 
 def _local(x):

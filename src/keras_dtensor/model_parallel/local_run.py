@@ -55,6 +55,7 @@ from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend import structure
 from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.model_parallel import exactness
 from keras_dtensor.model_parallel import fsdp_blocks
@@ -316,9 +317,7 @@ def call(layer, original, plan_, args, kwargs, reference):
     `reference()` runs the call as DTensors (a tensor-parallel layout's
     first call of a signature runs both and compares).
     """
-    from keras.src import tree
-
-    flat = tree.flatten((args, kwargs))
+    flat = structure.flatten((args, kwargs))
     if plan_.boundary:
         if not shards_enter(plan_, flat):
             return False, None
@@ -328,7 +327,9 @@ def call(layer, original, plan_, args, kwargs, reference):
     rows = _input_rows(plan_, flat)
     if rows is None:
         return False, None
-    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+    local_args, local_kwargs = structure.map_structure(
+        _to_local, (args, kwargs)
+    )
     layout = _layout(layer, plan_)
     assigned = False
     try:
@@ -361,7 +362,7 @@ def call(layer, original, plan_, args, kwargs, reference):
             sub._losses.clear()
         forget(layer)
         return False, None
-    return True, tree.map_structure(
+    return True, structure.map_structure(
         lambda x: _to_global(plan_, rows, x, layer), outputs
     )
 
@@ -372,12 +373,12 @@ def _call_tensor_parallel(
     """A tensor-parallel layout's local call (`exactness.call`); a
     model with a compiled forward (`jit_compile=True`) runs it over
     DTensors instead: a traced call cannot hold the DTensor islands."""
-    from keras.src import tree
-
     if object_state.get_on(layer, "call") is not None:
         return False, None
 
-    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+    local_args, local_kwargs = structure.map_structure(
+        _to_local, (args, kwargs)
+    )
 
     def run(replay):
         return _run(

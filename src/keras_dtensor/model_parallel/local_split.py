@@ -21,13 +21,16 @@ of the local run compares them); where this cannot place a call, the layer
 runs as DTensors from then on.
 """
 
+import dataclasses
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend.layout import chunk
+from keras_dtensor.backend import structure
+from keras_dtensor.backend.layout import placed_shape
 from keras_dtensor.ops import local_shards
 from keras_dtensor.ops.einsum_plan import matmul_subscripts
 from keras_dtensor.ops.einsum_plan import plan_for
@@ -35,6 +38,7 @@ from keras_dtensor.ops.einsum_plan import plan_for
 __all__ = ["call", "runs_on_shards"]
 
 _STATE = "_keras_dtensor_local_split"
+_NEVER = object()
 
 
 def _eligible(layer):
@@ -49,14 +53,66 @@ def _eligible(layer):
     return False
 
 
-def _local_shape(shape, placements, mesh):
-    """This rank's shape of a tensor of global `shape` laid out so."""
-    local = list(shape)
-    coordinate = mesh.get_coordinate()
-    for m, p in enumerate(placements):
-        if p.is_shard():
-            local[p.dim] = chunk(shape[p.dim], mesh.size(m), coordinate[m])[1]
-    return tuple(local)
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How one layer runs on its shards for one layout of its inputs:
+    `weights` `(variable, DTensor value, gradient placements)`; `inputs`
+    per flat input None (passed as it is) or `(local shape, placements,
+    global shape, mesh dims its gradient is summed over)`; `summed` the
+    mesh dims of the contraction's pending sum (`[]` or one)."""
+
+    weights: tuple
+    inputs: tuple
+    summed: list
+
+    def current(self):
+        return all(v._value is value for v, value, _ in self.weights)
+
+
+def _plan(replay, layer, flat, recorded):
+    """A `_Plan`, `_NEVER` (the layer cannot run on shards) or None (not
+    for these inputs)."""
+    mesh, batch_dim = replay.mesh, replay.record.plan.dim
+    weights, split_axes = [], set()
+    for variable in layer.weights:
+        value = variable._value
+        if not isinstance(value, DTensor) or value.device_mesh != mesh:
+            return _NEVER
+        grad = list(value.placements)
+        for m, p in enumerate(value.placements):
+            if mesh.size(m) == 1:
+                continue  # whole along an axis of one process
+            if m == batch_dim:
+                if not p.is_replicate():
+                    return _NEVER  # gathered over the batch axis
+                grad[m] = Partial()  # this rank's rows' share
+            elif p.is_shard():
+                split_axes.add(m)
+        weights.append((variable, value, tuple(grad)))
+    if not split_axes:
+        return _NEVER
+    known, inputs = [], []
+    for x, spec in zip(flat, recorded, strict=True):
+        if spec is None or not isinstance(x, torch.Tensor):
+            inputs.append(None)
+            continue
+        placements, shape = spec
+        if isinstance(x, DTensor) or any(p.is_partial() for p in placements):
+            return None
+        local = placed_shape(shape, mesh, placements)
+        if tuple(x.shape) != local:
+            return None
+        copied = tuple(
+            m
+            for m in sorted(split_axes)
+            if isinstance(placements[m], Replicate)
+        )
+        known.append((x, placements, shape))
+        inputs.append((local, placements, shape, copied))
+    summed = _summed(layer, known, mesh)
+    if summed is None:
+        return _NEVER
+    return _Plan(tuple(weights), tuple(inputs), summed)
 
 
 def call(replay, layer, original, args, kwargs, flat, recorded):
@@ -72,52 +128,42 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
         state = object_state.set_on(layer, _STATE, _eligible(layer))
         if not state:
             return False, None
-    if id(layer) in replay.record.replicated:
+    record = replay.record
+    if id(layer) in record.replicated:
         return False, None
-    mesh, batch_dim = replay.mesh, replay.record.plan.dim
-    weights, split_axes = [], set()
-    for variable in layer.weights:
-        value = variable._value
-        if not isinstance(value, DTensor) or value.device_mesh != mesh:
+    # Worked out once per layer and layout of its inputs (every token of
+    # `generate` asks again), again when a weight's value is replaced.
+    key = (id(layer), recorded)
+    plan = record.split_plans.get(key)
+    if plan is None or not plan.current():
+        plan = _plan(replay, layer, flat, recorded)
+        if plan is _NEVER:
             return _never(layer)
-        grad = list(value.placements)
-        for m, p in enumerate(value.placements):
-            if mesh.size(m) == 1:
-                continue  # whole along an axis of one process
-            if m == batch_dim:
-                if not p.is_replicate():
-                    return _never(layer)  # gathered over the batch axis
-                grad[m] = Partial()  # this rank's rows' share
-            elif p.is_shard():
-                split_axes.add(m)
-        weights.append((variable, value, tuple(grad)))
-    if not split_axes:
-        return _never(layer)
-    known, inputs = [], []
-    for x, spec in zip(flat, recorded, strict=True):
-        if spec is None or not isinstance(x, torch.Tensor):
+        if plan is None:
+            return False, None
+        record.split_plans[key] = plan
+    mesh, summed = replay.mesh, plan.summed
+    known, inputs, changed = [], [], False
+    for x, entry in zip(flat, plan.inputs, strict=True):
+        if entry is None:
             inputs.append(x)
             continue
-        placements, shape = spec
-        if isinstance(x, DTensor) or any(p.is_partial() for p in placements):
+        local, placements, shape, copied = entry
+        if isinstance(x, DTensor) or tuple(x.shape) != local:
             return False, None
-        if tuple(x.shape) != _local_shape(shape, placements, mesh):
-            return False, None
-        copied = [m for m in split_axes if isinstance(placements[m], Replicate)]
         if copied:
-            x = _copied(replay, x, mesh, copied)
+            y = _copied(replay, x, mesh, copied)
+            changed = changed or y is not x
+            x = y
         known.append((x, placements, shape))
         inputs.append(x)
-    summed = _summed(layer, known, mesh)
-    if summed is None:
-        return _never(layer)
-    from keras.src import tree
-
-    args, kwargs = tree.pack_sequence_as((args, kwargs), inputs)
-    for variable, value, grad in weights:
+    if changed:
+        args, kwargs = structure.pack_sequence_as((args, kwargs), inputs)
+    bias = getattr(layer, "bias", None)
+    for variable, value, grad in plan.weights:
         local = value.to_local(grad_placements=grad)
         known.append((local, value.placements, tuple(value.shape)))
-        if summed and variable is getattr(layer, "bias", None):
+        if summed and variable is bias:
             # DTensor adds a replicated bias to a pending sum as each
             # rank's share of it.
             local = local_shards.share(local, mesh.size(summed[0]))
@@ -133,7 +179,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
     except local_shards.Unsupported:
         return _never(layer)  # nothing written: the layer is pure
     finally:
-        for variable, value, _ in weights:
+        for variable, value, _ in plan.weights:
             variable._value = value
     if sorted(pending) != summed:
         raise RuntimeError(

@@ -118,16 +118,27 @@ class _CopyIn(torch.autograd.Function):
         return grad, None
 
 
+def _tracked(x):
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def all_reduce(x, groups):
-    return _AllReduce.apply(x, tuple(groups))
+    if _tracked(x):
+        return _AllReduce.apply(x, tuple(groups))
+    # No graph (a `generate` step): the sum in place, x being the layer's
+    # own new output.
+    x = x.contiguous()
+    for group in groups:
+        dist.all_reduce(x, group=group)
+    return x
 
 
 def copy_in(x, groups):
-    return _CopyIn.apply(x, tuple(groups))
+    return _CopyIn.apply(x, tuple(groups)) if _tracked(x) else x
 
 
 def share(x, n):
-    return _Share.apply(x, n)
+    return _Share.apply(x, n) if _tracked(x) else x / n
 
 
 def contract(subscripts, operands, run):

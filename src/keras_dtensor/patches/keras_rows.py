@@ -16,6 +16,7 @@ from keras_dtensor.hooks import fit
 from keras_dtensor.hooks import jit
 from keras_dtensor.hooks import layer_call
 from keras_dtensor.hooks import replicas
+from keras_dtensor.hooks import reshape
 from keras_dtensor.hooks import shared_files
 from keras_dtensor.hooks import slice_update
 from keras_dtensor.hooks import variables
@@ -327,6 +328,15 @@ KERAS_ROWS = (
         "kernel's product is placed there by the einsum rules. Returns at "
         "once outside such a call.",
         einsum.wrap_matmul,
+    ),
+    Patch(
+        "keras.src.backend.torch.numpy",
+        "reshape",
+        "A tensor-parallel model's own ops run on local tensors; a reshape "
+        "to a shape from its config (keras_hub's attention, by its global "
+        "head count) takes the local shape of the DTensor run it is "
+        "checked against. Returns at once outside such a run.",
+        reshape.wrap_reshape,
     ),
     Patch(
         _TORCH_CORE,

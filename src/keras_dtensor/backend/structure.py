@@ -1,0 +1,76 @@
+"""Keras's `tree.flatten`, `pack_sequence_as` and `map_structure`, fast
+for a layer call's usual arguments.
+
+On torch, Keras's tree functions go through torch's pytree, with a dict
+rebuilt in sorted order at every level first: about a hundred Python calls
+for a call's `(args, kwargs)` of a few tensors. The package walks each
+layer call's arguments several times (a tensor-parallel layer in a local
+run, every token of `generate`). A structure of plain tuples, lists and
+dicts holding tensors, numbers, strings and None is walked here directly,
+in Keras's order (dict keys sorted); anything else goes to Keras's.
+"""
+
+import torch
+
+__all__ = ["flatten", "map_structure", "pack_sequence_as"]
+
+_LEAVES = (torch.Tensor, int, float, str, type(None))
+_SIMPLE = (tuple, list, dict)
+
+
+def _simple(x):
+    """Whether `x` is plain tuples, lists and dicts (keys of one sortable
+    kind) over tensors, numbers, strings and None."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        return all(_simple(v) for v in x)
+    if kind is dict:
+        try:
+            sorted(x)  # (needed only for the outermost dicts)
+        except TypeError:
+            return False
+        return all(_simple(v) for v in x.values())
+    return isinstance(x, _LEAVES) and not isinstance(x, _SIMPLE)
+
+
+def _walk(x, leaf, top=True):
+    """`x` (`_simple`) rebuilt with `leaf(v)` for each leaf, in Keras's
+    order: a dict's keys sorted, but not those of the dicts inside one
+    (Keras sorts the outermost dicts only)."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        return kind([_walk(v, leaf, top) for v in x])
+    if kind is dict:
+        keys = sorted(x) if top else list(x)
+        return {k: _walk(x[k], leaf, False) for k in keys}
+    return leaf(x)
+
+
+def flatten(structure):
+    """`keras.tree.flatten(structure)`."""
+    if not _simple(structure):
+        from keras.src import tree
+
+        return tree.flatten(structure)
+    out = []
+    _walk(structure, out.append)
+    return out
+
+
+def pack_sequence_as(structure, flat):
+    """`keras.tree.pack_sequence_as(structure, flat)`."""
+    if not _simple(structure):
+        from keras.src import tree
+
+        return tree.pack_sequence_as(structure, flat)
+    values = iter(flat)
+    return _walk(structure, lambda _: next(values))
+
+
+def map_structure(fn, structure):
+    """`keras.tree.map_structure(fn, structure)` (one structure)."""
+    if not _simple(structure):
+        from keras.src import tree
+
+        return tree.map_structure(fn, structure)
+    return _walk(structure, fn, top=False)  # torch's tree_map: no sorting

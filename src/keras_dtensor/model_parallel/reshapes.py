@@ -1,0 +1,79 @@
+"""Reshapes to global shapes in a local run, made local.
+
+A model's own code often reshapes to a shape computed from its config:
+keras_hub's Gemma attention splits its query heads into key/value groups
+by its global head counts, and merges them back the same way. In a local
+run (`islands`) those heads are this rank's share, and the shape does not
+fit. The DTensor run the local run is checked against notes the layout of
+each reshape's result outside the boundary layers, in call order
+(`Record.note_reshape`); the local run's reshape of the same rank takes
+that result's local shape. A reshape that did not come out as recorded
+fails the exactness check like any other op.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor.backend.layout import placed_shape
+from keras_dtensor.model_parallel import islands
+from keras_dtensor.model_parallel import local_run
+from keras_dtensor.ops import local_shards
+
+__all__ = ["local_reshape"]
+
+
+def local_reshape(x, newshape):
+    """The shape to give `reshape(x, newshape)` in a local run that
+    follows a DTensor run; None anywhere else (and for `newshape` as it
+    is)."""
+    replay = islands.current_replay()
+    if (
+        replay is None
+        or not local_run.active()
+        or local_shards.active()  # a split layer's own call
+        or not isinstance(x, torch.Tensor)
+        or isinstance(x, DTensor)
+    ):
+        return None
+    i = replay.reshaped
+    replay.reshaped += 1  # every reshape counts, as in the DTensor run
+    shape = tuple(newshape) if isinstance(newshape, (list, tuple)) else None
+    if shape is None or not all(type(n) is int for n in shape):
+        return None
+    recorded = replay.record.reshapes
+    if i >= len(recorded):
+        return None
+    before, after = recorded[i]
+    if not (_even(before, replay.mesh) and _even(after, replay.mesh)):
+        # Shards of different sizes: a rank could take another path here
+        # than its peers, which would then wait in the next collective.
+        return None
+    placements, whole = after
+    if len(whole) != len(shape):
+        return None
+    local = placed_shape(whole, replay.mesh, placements)
+    if local == shape or x.shape != placed_shape(
+        before[1], replay.mesh, before[0]
+    ):
+        return None
+    # The same reshape as recorded: each dim asked for is the global one,
+    # the local one, or inferred (-1).
+    for asked, g, n in zip(shape, whole, local, strict=True):
+        if asked not in (g, n, -1):
+            return None
+    return local
+
+
+def _even(spec, mesh):
+    """Whether a recorded `(placements, shape)` is a DTensor's whose shards
+    all have one shape (the same decisions on every rank)."""
+    if spec is None:
+        return False
+    placements, shape = spec
+    parts = [1] * len(shape)
+    for m, p in enumerate(placements):
+        if p.is_partial():
+            return False
+        if p.is_shard():
+            parts[p.dim] *= mesh.size(m)
+    return all(n % k == 0 for n, k in zip(shape, parts, strict=True))
