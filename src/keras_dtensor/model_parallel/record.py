@@ -62,6 +62,7 @@ class Record:
     # shape from the model's config (keras_hub's attention splits its
     # global head count into groups) takes its local shape (`reshapes`).
     reshapes: list = dataclasses.field(default_factory=list)
+    reshape_plans: dict = dataclasses.field(default_factory=dict)
     inside: int = 0  # boundary layer calls under way
     # `local_split`'s plans, by `(id(layer), its inputs' specs)`.
     split_plans: dict = dataclasses.field(default_factory=dict)

@@ -21,6 +21,8 @@ from keras_dtensor.ops import local_shards
 
 __all__ = ["local_reshape"]
 
+_UNSEEN = object()
+
 
 def local_reshape(x, newshape):
     """The shape to give `reshape(x, newshape)` in a local run that
@@ -40,21 +42,17 @@ def local_reshape(x, newshape):
     shape = tuple(newshape) if isinstance(newshape, (list, tuple)) else None
     if shape is None or not all(type(n) is int for n in shape):
         return None
-    recorded = replay.record.reshapes
-    if i >= len(recorded):
+    plans = replay.record.reshape_plans
+    plan = plans.get(i, _UNSEEN)
+    if plan is _UNSEEN:
+        recorded = replay.record.reshapes
+        plan = plans[i] = _plan(
+            recorded[i] if i < len(recorded) else None, replay.mesh
+        )
+    if plan is None:
         return None
-    before, after = recorded[i]
-    if not (_even(before, replay.mesh) and _even(after, replay.mesh)):
-        # Shards of different sizes: a rank could take another path here
-        # than its peers, which would then wait in the next collective.
-        return None
-    placements, whole = after
-    if len(whole) != len(shape):
-        return None
-    local = placed_shape(whole, replay.mesh, placements)
-    if local == shape or x.shape != placed_shape(
-        before[1], replay.mesh, before[0]
-    ):
+    before, whole, local = plan
+    if len(whole) != len(shape) or local == shape or x.shape != before:
         return None
     # The same reshape as recorded: each dim asked for is the global one,
     # the local one, or inferred (-1).
@@ -62,6 +60,23 @@ def local_reshape(x, newshape):
         if asked not in (g, n, -1):
             return None
     return local
+
+
+def _plan(recorded, mesh):
+    """`(input's local shape, result's global shape, its local shape)` of a
+    recorded reshape, or None where its shards differ in size: a rank
+    could then take another path here than its peers, which would wait in
+    the next collective."""
+    if recorded is None:
+        return None
+    before, after = recorded
+    if not (_even(before, mesh) and _even(after, mesh)):
+        return None
+    return (
+        torch.Size(placed_shape(before[1], mesh, before[0])),
+        after[1],
+        placed_shape(after[1], mesh, after[0]),
+    )
 
 
 def _even(spec, mesh):
