@@ -8,11 +8,14 @@ here (the report only lays them out):
         --generate generate.json --commit abc1234 --before-commit def5678 \\
         --out benchmarks/results-host.json
 
+Without `--step-before`/`--counts-before`, the "before" figures already in
+`--out` are kept; sections made elsewhere (the checkpoints') are kept too.
+
 `--step-*`: `bench_step.py --models transformer_small --rounds 3 --steps 50
 --warmup 10 --variants torch_single,keras_single,torch_ddp,kd_dp,torch_tp,
 kd_mp,torch_fsdp2,kd_fsdp --out ...`; `--counts-*`: the same with
 `--rounds 1 --steps 3 --warmup 5` (the counts are exact; its times are not
-used); `--generate`: `bench_generate.py --rounds 2 --out ...`.
+used); `--generate`: `bench_generate.py --rounds 3 --out ...`.
 """
 
 import argparse
@@ -33,7 +36,7 @@ STEP_COMMAND = (
     "--steps 50 --warmup 10 --variants torch_single,keras_single,torch_ddp,"
     "kd_dp,torch_tp,kd_mp,torch_fsdp2,kd_fsdp"
 )
-GENERATE_COMMAND = "python benchmarks/bench_generate.py --rounds 2"
+GENERATE_COMMAND = "python benchmarks/bench_generate.py --rounds {rounds}"
 NEW_TOKENS = 24  # bench_generate: a 32-token sequence after an 8-token prompt
 
 
@@ -107,16 +110,13 @@ def _generate(run):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name in (
-        "step-before",
-        "step-after",
-        "counts-before",
-        "counts-after",
-        "generate",
-    ):
+    for name in ("step-after", "counts-after", "generate"):
         parser.add_argument(f"--{name}", required=True)
+    # Without them, the "before" figures already in --out are kept.
+    parser.add_argument("--step-before")
+    parser.add_argument("--counts-before")
     parser.add_argument("--commit", required=True)
-    parser.add_argument("--before-commit", required=True)
+    parser.add_argument("--before-commit")
     parser.add_argument(
         "--generate-commit", help="where generate was measured (--commit)"
     )
@@ -128,25 +128,39 @@ def main(argv=None):
         with open(path) as f:
             return json.load(f)
 
-    after, before = read(args.step_after), read(args.step_before)
+    # Sections not made here (the checkpoints') are kept as they are.
+    try:
+        result = read(args.out)
+    except FileNotFoundError:
+        result = {}
+    after = read(args.step_after)
+    kept = result.get("step", {})
+    if args.step_before:
+        before = _pairs(read(args.step_before))
+        counts_before = _counts(read(args.counts_before))
+        before_commit = args.before_commit
+    else:
+        before = kept["before"]
+        counts_before = kept["counts_before"]
+        before_commit = kept["before_commit"]
     meta = {"date": args.date, "commit": args.commit, "machine": "cpu2"}
-    result = {
+    result |= {
         "step": {
             **meta,
             "command": STEP_COMMAND,
-            "before_commit": args.before_commit,
+            "before_commit": before_commit,
             "rounds": after["rounds"],
             "share": SHARE,
             "after": _pairs(after),
-            "before": _pairs(before),
+            "before": before,
             "counts_after": _counts(read(args.counts_after)),
-            "counts_before": _counts(read(args.counts_before)),
+            "counts_before": counts_before,
         },
         "generate": {
             **meta,
             "commit": args.generate_commit or args.commit,
-            "command": GENERATE_COMMAND,
-            **_generate(read(args.generate)),
+            **(generate := _generate(read(args.generate))),
+            "command": GENERATE_COMMAND.format(rounds=generate["rounds"]),
         },
     }
     with open(args.out, "w") as f:
