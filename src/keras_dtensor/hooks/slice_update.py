@@ -7,6 +7,8 @@ local shards (`wrap_slice_update`).
 
 from torch.distributed.tensor import Shard
 
+from keras_dtensor import model_parallel
+
 __all__ = ["wrap_slice_update"]
 
 
@@ -75,9 +77,21 @@ def wrap_slice_update(original):
     def slice_update(inputs, start_indices, updates):
         from torch.distributed.tensor import DTensor
 
+        record = model_parallel.recorder()  # a DTensor run being recorded
         if isinstance(inputs, DTensor) or isinstance(updates, DTensor):
+            given = inputs
             start_indices = [int(i) for i in start_indices]
             inputs, updates = _aligned(inputs, start_indices, updates)
-        return original(inputs, start_indices, updates)
+            out = original(inputs, start_indices, updates)
+            if record is not None:
+                record.note_slice_update(given, out)
+            return out
+        if record is not None:
+            out = original(inputs, start_indices, updates)
+            record.note_slice_update(inputs, out)
+            return out
+        # A local run checked against such a run: the same cut.
+        cut = model_parallel.local_cache(inputs, updates)
+        return original(inputs if cut is None else cut, start_indices, updates)
 
     return slice_update

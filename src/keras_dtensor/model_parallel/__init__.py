@@ -27,11 +27,13 @@ from keras_dtensor.model_parallel.eligibility import variables_changed
 from keras_dtensor.model_parallel.local_run import active as in_local_run
 from keras_dtensor.model_parallel.pending_grads import reduce_pending
 from keras_dtensor.model_parallel.record import recorder
+from keras_dtensor.model_parallel.reshapes import local_cache
 from keras_dtensor.model_parallel.reshapes import local_reshape
 
 __all__ = [
     "call_layer",
     "in_local_run",
+    "local_cache",
     "local_reshape",
     "recorder",
     "recording",

@@ -88,6 +88,7 @@ class Replay:
     # `(local tensor, it through copy_in, the axes)`.
     copied: tuple = (None, None, None)
     reshaped: int = 0  # reshapes run so far, outside boundary layers
+    sliced: int = 0  # and slice_updates
 
     def to_dtensor(self, x, recorded):
         if recorded is None or not isinstance(x, torch.Tensor):

@@ -63,6 +63,10 @@ class Record:
     # global head count into groups) takes its local shape (`reshapes`).
     reshapes: list = dataclasses.field(default_factory=list)
     reshape_plans: dict = dataclasses.field(default_factory=dict)
+    # The same for each `slice_update`: the layouts of the updated tensor
+    # and of the result (a replicated KV cache filled with head-sharded
+    # keys comes out split by heads: `hooks.slice_update`).
+    slice_updates: list = dataclasses.field(default_factory=list)
     inside: int = 0  # boundary layer calls under way
     # `local_split`'s plans, by `(id(layer), its inputs' specs)`.
     split_plans: dict = dataclasses.field(default_factory=dict)
@@ -152,6 +156,11 @@ class Record:
         """Notes a reshape's input and result in the DTensor run."""
         if not self.inside:
             self.reshapes.append((spec(x), spec(out)))
+
+    def note_slice_update(self, inputs, out):
+        """Notes a `slice_update`'s updated tensor and result."""
+        if not self.inside:
+            self.slice_updates.append((spec(inputs), spec(out)))
 
     def set_outputs(self, outputs):
         self.outputs = tuple(spec(x) for x in structure.flatten(outputs))

@@ -1,4 +1,5 @@
-"""Reshapes to global shapes in a local run, made local.
+"""Reshapes to global shapes in a local run, made local; and a replicated
+KV cache cut to this rank's heads.
 
 A model's own code often reshapes to a shape computed from its config:
 keras_hub's Gemma attention splits its query heads into key/value groups
@@ -14,12 +15,13 @@ fails the exactness check like any other op.
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor.backend.layout import local_slices
 from keras_dtensor.backend.layout import placed_shape
 from keras_dtensor.model_parallel import islands
 from keras_dtensor.model_parallel import local_run
 from keras_dtensor.ops import local_shards
 
-__all__ = ["local_reshape"]
+__all__ = ["local_cache", "local_reshape"]
 
 _UNSEEN = object()
 
@@ -28,14 +30,8 @@ def local_reshape(x, newshape):
     """The shape to give `reshape(x, newshape)` in a local run that
     follows a DTensor run; None anywhere else (and for `newshape` as it
     is)."""
-    replay = islands.current_replay()
-    if (
-        replay is None
-        or not local_run.active()
-        or local_shards.active()  # a split layer's own call
-        or not isinstance(x, torch.Tensor)
-        or isinstance(x, DTensor)
-    ):
+    replay = _replay_for(x)
+    if replay is None:
         return None
     i = replay.reshaped
     replay.reshaped += 1  # every reshape counts, as in the DTensor run
@@ -60,6 +56,55 @@ def local_reshape(x, newshape):
         if asked not in (g, n, -1):
             return None
     return local
+
+
+def local_cache(inputs, updates):
+    """`inputs` of a `slice_update` in a local run, cut to this rank's
+    shard where the DTensor run's result was split and its `inputs`
+    replicated (keras_hub's first cached call: a replicated cache filled
+    with head-sharded keys, cut by `hooks.slice_update` there); None
+    anywhere else (and for `inputs` as it is)."""
+    replay = _replay_for(inputs) if isinstance(updates, torch.Tensor) else None
+    if replay is None:
+        return None
+    i = replay.sliced
+    replay.sliced += 1
+    recorded = replay.record.slice_updates
+    if i >= len(recorded) or recorded[i][0] is None:
+        return None
+    (before, whole), after = recorded[i]
+    if after is None or not (
+        _even(recorded[i][0], replay.mesh) and _even(after, replay.mesh)
+    ):
+        return None
+    if inputs.shape != placed_shape(whole, replay.mesh, before):
+        return None
+    batch_dim = replay.record.plan.dim
+    cut = list(before)
+    for m, (was, now) in enumerate(zip(before, after[0], strict=True)):
+        if m != batch_dim and was.is_replicate() and now.is_shard():
+            cut[m] = now
+    if cut == list(before):
+        return None
+    ranges = local_slices(whole, replay.mesh, cut)
+    for d, (start, size) in enumerate(ranges):
+        if size != inputs.shape[d]:
+            inputs = inputs.narrow(d, start, size)
+    return inputs
+
+
+def _replay_for(x):
+    """The replay of the checked local run `x` is a plain tensor of."""
+    replay = islands.current_replay()
+    if (
+        replay is None
+        or not local_run.active()
+        or local_shards.active()  # a split layer's own call
+        or not isinstance(x, torch.Tensor)
+        or isinstance(x, DTensor)
+    ):
+        return None
+    return replay
 
 
 def _plan(recorded, mesh):
