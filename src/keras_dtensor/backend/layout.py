@@ -17,10 +17,11 @@ from keras_dtensor.backend.errors import layout_error
 __all__ = [
     "chunk",
     "contiguous_strides",
+    "even_shards",
     "local_shape",
     "local_slices",
-    "placed_shape",
     "normalize_axes",
+    "placed_shape",
     "to_placements",
 ]
 
@@ -64,6 +65,16 @@ def placed_shape(shape, mesh, placements) -> tuple:
     """This rank's shape of a tensor of global `shape` laid out by
     `placements` on `mesh`."""
     return tuple(n for _, n in local_slices(shape, mesh, placements))
+
+
+def even_shards(shape, mesh, placements, skip=None) -> bool:
+    """Whether every rank's shard of a tensor of global `shape` laid out by
+    `placements` has one shape (a shard over mesh dim `skip` aside)."""
+    parts = [1] * len(shape)
+    for m, p in enumerate(placements):
+        if p.is_shard() and m != skip:
+            parts[p.dim] *= mesh.size(m)
+    return all(n % k == 0 for n, k in zip(shape, parts, strict=True))
 
 
 def local_shape(shape, axes, sizes) -> tuple:

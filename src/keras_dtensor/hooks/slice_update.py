@@ -78,20 +78,17 @@ def wrap_slice_update(original):
         from torch.distributed.tensor import DTensor
 
         record = model_parallel.recorder()  # a DTensor run being recorded
+        given = inputs
         if isinstance(inputs, DTensor) or isinstance(updates, DTensor):
-            given = inputs
             start_indices = [int(i) for i in start_indices]
             inputs, updates = _aligned(inputs, start_indices, updates)
-            out = original(inputs, start_indices, updates)
-            if record is not None:
-                record.note_slice_update(given, out)
-            return out
+        elif record is None:
+            # A local run checked against such a run: the same cut.
+            cut = model_parallel.local_cache(inputs, updates)
+            inputs = inputs if cut is None else cut
+        out = original(inputs, start_indices, updates)
         if record is not None:
-            out = original(inputs, start_indices, updates)
-            record.note_slice_update(inputs, out)
-            return out
-        # A local run checked against such a run: the same cut.
-        cut = model_parallel.local_cache(inputs, updates)
-        return original(inputs if cut is None else cut, start_indices, updates)
+            record.note_slice_update(given, out)
+        return out
 
     return slice_update

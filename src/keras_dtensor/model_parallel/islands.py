@@ -250,7 +250,3 @@ def outputs_global(record, mesh, outputs):
         for x, spec in zip(flat, record.outputs, strict=True)
     ]
     return structure.pack_sequence_as(outputs, flat)
-
-
-def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import structure
+from keras_dtensor.backend.layout import even_shards
 
 __all__ = ["Record", "fingerprint", "recorder", "recording", "spec"]
 
@@ -145,11 +146,8 @@ class Record:
         if recorded is None:
             return False
         placements, shape = recorded
-        mesh = self.plan.mesh
-        return any(
-            p.is_shard() and shape[p.dim] % mesh.size(m)
-            for m, p in enumerate(placements)
-            if m != self.plan.dim
+        return not even_shards(
+            shape, self.plan.mesh, placements, skip=self.plan.dim
         )
 
     def note_reshape(self, x, out):

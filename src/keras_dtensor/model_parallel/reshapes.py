@@ -15,6 +15,7 @@ fails the exactness check like any other op.
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor.backend.layout import even_shards
 from keras_dtensor.backend.layout import local_slices
 from keras_dtensor.backend.layout import placed_shape
 from keras_dtensor.model_parallel import islands
@@ -130,10 +131,6 @@ def _even(spec, mesh):
     if spec is None:
         return False
     placements, shape = spec
-    parts = [1] * len(shape)
-    for m, p in enumerate(placements):
-        if p.is_partial():
-            return False
-        if p.is_shard():
-            parts[p.dim] *= mesh.size(m)
-    return all(n % k == 0 for n, k in zip(shape, parts, strict=True))
+    return not any(p.is_partial() for p in placements) and even_shards(
+        shape, mesh, placements
+    )
