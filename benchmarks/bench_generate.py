@@ -3,10 +3,14 @@
 keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's own layout map
 on a (1, N) mesh) against a torch decoder of the same sizes with the same
 split (`parallelize_module`: q/k/v and the MLP's gate and up by columns,
-the attention output and the MLP's down by rows; the embedding
-replicated), each with a KV cache, one token at a time; and each in one
-process. Variants run back to back in alternating order, round by round,
-each in fresh processes (`torch.distributed.run`, one thread each):
+the attention output and the MLP's down by rows, the tied embedding by
+vocabulary rows as keras_hub's map splits it: an all-reduce after the
+lookup, the logits' shards gathered for the sampler), each with a KV
+cache, one token at a time; and each in one process
+(`torch_tp_whole_embedding`: the same torch TP with the embedding left
+whole, no collective outside the blocks, for information). Variants run
+back to back in alternating order, round by round, each in fresh
+processes (`torch.distributed.run`, one thread each):
 
     python benchmarks/bench_generate.py --rounds 3
 
@@ -28,7 +32,13 @@ import statistics
 import sys
 import time
 
-VARIANTS = {"torch_single": 1, "keras_single": 1, "torch_tp": 2, "kd_mp": 2}
+VARIANTS = {
+    "torch_single": 1,
+    "keras_single": 1,
+    "torch_tp": 2,
+    "kd_mp": 2,
+    "torch_tp_whole_embedding": 2,
+}
 RATIOS = (
     ("keras_over_torch_single", "keras_single", "torch_single"),
     ("kd_mp_over_tp", "kd_mp", "torch_tp"),
@@ -59,6 +69,8 @@ def _torch_decoder():
     import torch
     import torch.nn.functional as F  # noqa: N812
     from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate
 
     c = CONFIG
     width, head = c["hidden_dim"], c["head_dim"]
@@ -110,7 +122,13 @@ def _torch_decoder():
             x = self.embed(tokens)
             for block, cache in zip(self.blocks, caches, strict=True):
                 x = block(x, cache, pos)
-            return self.norm(x)[:, -1] @ self.embed.weight.T
+            h, weight = self.norm(x)[:, -1], self.embed.weight
+            if isinstance(weight, DTensor):  # split by vocabulary rows
+                # The tied head as a column split with a replicated
+                # output: logits' shards gathered for the sampler.
+                h = DTensor.from_local(h, weight.device_mesh, [Replicate()])
+                return (h @ weight.T).full_tensor()
+            return h @ weight.T
 
     torch.manual_seed(0)
     return Decoder()
@@ -122,9 +140,10 @@ def _run_torch(variant, calls):
 
     device = torch.device("cuda" if _cuda() else "cpu")
     model = _torch_decoder().to(device)  # replicated parts too, before TP
-    if variant == "torch_tp":
+    if variant.startswith("torch_tp"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel
         from torch.distributed.tensor.parallel import RowwiseParallel
         from torch.distributed.tensor.parallel import parallelize_module
@@ -137,6 +156,10 @@ def _run_torch(variant, calls):
                 plan[f"blocks.{i}.{name}"] = ColwiseParallel()
             for name in ("o", "down"):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+        if variant == "torch_tp":  # keras_hub's map splits it too
+            plan["embed"] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Replicate()
+            )
         model = parallelize_module(model, mesh, plan)
     tokens, _ = _prompt()
     prompt = torch.as_tensor(
@@ -262,7 +285,7 @@ def main(argv=None):
         for variant in order:
             runs[variant].append(_launch(variant, args))
             ms, rss, _ = runs[variant][-1]
-            print(f"round {index + 1} {variant:13} {ms:8.1f} ms {rss:6.0f} MB")
+            print(f"round {index + 1} {variant:24} {ms:8.1f} ms {rss:6.0f} MB")
     ratios = {
         name: [k[0] / t[0] for k, t in zip(runs[a], runs[b], strict=True)]
         for name, a, b in RATIOS
@@ -281,6 +304,7 @@ def main(argv=None):
         run[2] == single[2]
         for split, one in (
             ("torch_tp", "torch_single"),
+            ("torch_tp_whole_embedding", "torch_single"),
             ("kd_mp", "keras_single"),
         )
         for run, single in zip(runs[split], runs[one], strict=True)
