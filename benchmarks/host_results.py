@@ -9,7 +9,9 @@ here (the report only lays them out):
         --out benchmarks/results-host.json
 
 Without `--step-before`/`--counts-before`, the "before" figures already in
-`--out` are kept; sections made elsewhere (the checkpoints') are kept too.
+`--out` are kept; without `--step-after`/`--counts-after`, its whole step
+section (to record a new generate run alone); sections made elsewhere (the
+checkpoints') are kept too.
 
 `--step-*`: `bench_step.py --models transformer_small --rounds 3 --steps 50
 --warmup 10 --variants torch_single,keras_single,torch_ddp,kd_dp,torch_tp,
@@ -87,7 +89,19 @@ def _generate(run):
 
     mine = per_token("kd_mp", "torch_tp")
     theirs = per_token("keras_single", "torch_single")
+    whole = "torch_tp_whole_embedding"  # for information, where measured
+    extra = {}
+    if whole in rounds:
+        extra = {
+            "tp_whole_embedding_ms_per_token": _round(
+                statistics.median(rounds[whole]) / NEW_TOKENS
+            ),
+            "extra_whole_embedding_ms_per_token": _round(
+                per_token("kd_mp", whole)
+            ),
+        }
     return {
+        **extra,
         "tp_ms_per_token": _round(
             statistics.median(rounds["torch_tp"]) / NEW_TOKENS
         ),
@@ -108,13 +122,35 @@ def _generate(run):
     }
 
 
+def _step(args, read, kept, meta):
+    after = read(args.step_after)
+    if args.step_before:
+        before = _pairs(read(args.step_before))
+        counts_before = _counts(read(args.counts_before))
+        before_commit = args.before_commit
+    else:
+        before = kept["before"]
+        counts_before = kept["counts_before"]
+        before_commit = kept["before_commit"]
+    return {
+        **meta,
+        "command": STEP_COMMAND,
+        "before_commit": before_commit,
+        "rounds": after["rounds"],
+        "share": SHARE,
+        "after": _pairs(after),
+        "before": before,
+        "counts_after": _counts(read(args.counts_after)),
+        "counts_before": counts_before,
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name in ("step-after", "counts-after", "generate"):
-        parser.add_argument(f"--{name}", required=True)
-    # Without them, the "before" figures already in --out are kept.
-    parser.add_argument("--step-before")
-    parser.add_argument("--counts-before")
+    parser.add_argument("--generate", required=True)
+    # Without them, the figures already in --out are kept.
+    for name in ("step-after", "counts-after", "step-before", "counts-before"):
+        parser.add_argument(f"--{name}")
     parser.add_argument("--commit", required=True)
     parser.add_argument("--before-commit")
     parser.add_argument(
@@ -133,29 +169,10 @@ def main(argv=None):
         result = read(args.out)
     except FileNotFoundError:
         result = {}
-    after = read(args.step_after)
-    kept = result.get("step", {})
-    if args.step_before:
-        before = _pairs(read(args.step_before))
-        counts_before = _counts(read(args.counts_before))
-        before_commit = args.before_commit
-    else:
-        before = kept["before"]
-        counts_before = kept["counts_before"]
-        before_commit = kept["before_commit"]
     meta = {"date": args.date, "commit": args.commit, "machine": "cpu2"}
+    if args.step_after:
+        result["step"] = _step(args, read, result.get("step", {}), meta)
     result |= {
-        "step": {
-            **meta,
-            "command": STEP_COMMAND,
-            "before_commit": before_commit,
-            "rounds": after["rounds"],
-            "share": SHARE,
-            "after": _pairs(after),
-            "before": before,
-            "counts_after": _counts(read(args.counts_after)),
-            "counts_before": counts_before,
-        },
         "generate": {
             **meta,
             "commit": args.generate_commit or args.commit,

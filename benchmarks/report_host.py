@@ -126,6 +126,18 @@ def host_work(data):
             )
         ],
     )
+    if "tp_whole_embedding_ms_per_token" in generate:
+        lines += [
+            "",
+            "torch TP splits the tied embedding by vocabulary, as keras_hub's "
+            "map does (an all-reduce after the lookup, the logits gathered "
+            "for the sampler). The same torch TP with the embedding whole, "
+            "for information: "
+            f"{number(generate['tp_whole_embedding_ms_per_token'], 1)} ms a "
+            "token; kd-MP − that: "
+            f"{number(generate['extra_whole_embedding_ms_per_token'], 1)} ms "
+            "a token.",
+        ]
     return lines + _checkpoints(run["checkpoints"])
 
 
