@@ -231,6 +231,7 @@ def _features(cache):
     out["fsdp_groups"] = _fsdp_groups(keras, world)
     out["uneven_gather"] = _uneven_gather()
     out["tp_local"] = _tp_local(keras, world)
+    out["whole_weights"] = _whole_weights_without_batch_axis(keras, mesh)
 
     # A key that matches no weight warns: functional-model paths have no
     # model prefix ("up/kernel", not "mlp/up/kernel").
@@ -971,6 +972,47 @@ def _train_created(keras, distribution):
         return history.history["loss"], model.get_weights()
 
 
+def _whole_weights_without_batch_axis(keras, mesh):
+    """A layer of whole weights called on its own (not inside a model)
+    with a tensor-parallel block's output, on a mesh whose batch axis has
+    one process: it runs on plain tensors (the whole batch on every rank);
+    returns `(what its call saw, what its caller got)` and the largest
+    difference from plain Keras."""
+    import models
+
+    class Norm(keras.layers.LayerNormalization):
+        def call(self, x):
+            self.seen = type(x).__name__
+            return super().call(x)
+
+    x = np.random.default_rng(6).normal(size=(4, 3, 8)).astype("float32")
+    layouts = {".*up/kernel": (None, "model"), ".*down/kernel": ("model", None)}
+
+    def run(distribution):
+        keras.utils.set_random_seed(7)
+        with distribution.scope() if distribution else _null():
+            block = keras.Sequential(
+                [
+                    keras.Input((3, 8)),
+                    keras.layers.Dense(16, name="up"),
+                    keras.layers.Dense(8, name="down"),
+                ]
+            )
+            norm = Norm(name="norm", gamma_initializer="random_normal")
+            norm(block(x))  # builds the norm (as DTensors: no weights yet)
+            out = norm(block(x))
+            got = keras.ops.convert_to_numpy(out)
+            return norm.seen, type(out).__name__, got
+
+    _, _, reference = run(None)
+    seen, got_type, got = run(
+        keras.distribution.ModelParallel(
+            layout_map=models.layout_map(keras, mesh, layouts)
+        )
+    )
+    return (seen, got_type), float(np.max(np.abs(got - reference)))
+
+
 def _null():
     import contextlib
 
@@ -1026,6 +1068,11 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         }, out["fsdp_comms"]
         # Whole weights: the layers run on this rank's 4 rows as plain
         # tensors; a loss added in a call, or the setting off: DTensors.
+        # A norm called on its own after tensor-parallel layers (keras_hub
+        # `generate`'s final norm) on a (1, N) mesh: plain tensors, the
+        # values of one process.
+        seen, diff = out["whole_weights"]
+        assert seen == ("Tensor", "DTensor") and diff <= 1e-6, (seen, diff)
         local = out["fsdp_local"]
         assert local["plain"][1]["seen"] == ("Tensor", (4, 5))
         assert local["lora"][1]["seen"] == ("Tensor", (4, 5))

@@ -115,7 +115,10 @@ def _input_rows(plan_, flat):
 def _to_global(plan_, rows, x, layer):
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return x
-    if x.ndim == 0 or x.shape[0] != rows[1]:
+    placements = [Replicate()] * plan_.mesh.ndim
+    if plan_.dim is None:  # no batch axis: the whole batch on every rank
+        shape = tuple(x.shape)
+    elif x.ndim == 0 or x.shape[0] != rows[1]:
         raise errors.local_output_error(
             layer=layer.name,
             shape=x.shape,
@@ -123,9 +126,9 @@ def _to_global(plan_, rows, x, layer):
             rank=torch.distributed.get_rank(),
             mesh=plan_.mesh,
         )
-    placements = [Replicate()] * plan_.mesh.ndim
-    placements[plan_.dim] = Shard(0)
-    shape = (rows[0], *x.shape[1:])
+    else:
+        placements[plan_.dim] = Shard(0)
+        shape = (rows[0], *x.shape[1:])
     out = DTensor.from_local(
         x,
         plan_.mesh,
