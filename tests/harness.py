@@ -9,7 +9,7 @@ traceback (and any rank that died without one).
 Ranks are forked from a `forkserver` that has imported torch and Keras
 once and done nothing else (no thread, no TensorFlow, no keras_dtensor,
 no Keras state touched), so a group no longer pays seconds of imports in
-every rank (the suite: 1074 s -> 837 s); a rank sees the environment its
+every rank; a rank sees the environment its
 caller has when it starts the group, as a spawned one would.
 
 The function runs with the group up and returns a picklable value; the

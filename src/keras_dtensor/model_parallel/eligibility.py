@@ -130,8 +130,8 @@ def _build(layer, batch_axis):
         items.append((variable, gather, tuple(grad)))
     gathered = tuple(i for i, (_, gather, _) in enumerate(items) if gather)
     if not kept:
-        # dim None: a mesh without the batch axis (one of one process is
-        # left out), every weight whole: the layer runs on the whole batch,
+        # dim None: the batch axis had one process and is left out of the
+        # mesh, every weight is whole: the layer runs on the whole batch,
         # alike on every rank (keras_hub's final norm in `generate`).
         return Plan(mesh, dim, tuple(items), layers, gathered)
     return _tensor_parallel(layer, mesh, dim, items, layers, kept)
