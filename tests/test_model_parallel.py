@@ -386,7 +386,9 @@ def _fsdp_local(keras, world):
     Keras, for: a plain model, one with an activity regularizer (a loss
     added in the call: DTensors), one assigning a running mean of the
     batch in its call (DTensors), LoRA enabled after the first steps (new
-    weights join the local path), tensor-parallel layouts over a model
+    weights join the local path), a custom train_step taking
+    `torch.autograd.grad` over the weights (one with an expanded
+    gradient), tensor-parallel layouts over a model
     axis of one process (local), and with KERAS_DTENSOR_LOCAL_BATCH=0."""
     import os
 
@@ -412,16 +414,46 @@ def _fsdp_local(keras, world):
             self.mean.assign(0.9 * self.mean + 0.1 * batch_mean)
             return x
 
-    def run(distribution, regularizer=None, running=False, lora=False):
+    class Scale(keras.layers.Layer):
+        """A weight whose gradient is expanded (a sum's: stride 0)."""
+
+        def build(self, shape):
+            self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+        def call(self, x):
+            return x * keras.ops.sum(self.scale)
+
+    class GradModel(keras.Sequential):
+        """A custom train_step taking `torch.autograd.grad` over the
+        weights' values (their gradients reach them through autograd)."""
+
+        def train_step(self, data):
+            import torch
+
+            x, y = data
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            weights = self.trainable_weights
+            grads = torch.autograd.grad(loss, [v.value for v in weights])
+            self.optimizer.apply(list(grads), weights)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+            return {m.name: m.result() for m in self.metrics}
+
+    def run(
+        distribution, regularizer=None, running=False, lora=False, grad=False
+    ):
         keras.utils.set_random_seed(2)
         with distribution.scope() if distribution else _null():
             probe = Probe()
-            model = keras.Sequential(
+            model = (GradModel if grad else keras.Sequential)(
                 [
                     keras.Input((8,)),
                     keras.layers.Dense(
                         5, activity_regularizer=regularizer, name="up"
                     ),
+                    *([Scale()] if grad else []),
                     probe,
                     *([Running()] if running else []),
                     keras.layers.Dense(4, name="out"),
@@ -455,6 +487,7 @@ def _fsdp_local(keras, world):
         out[name] = (run(None, regularizer), run(fsdp(), regularizer))
     out["running"] = (run(None, running=True), run(fsdp(), running=True))
     out["lora"] = (run(None, lora=True), run(fsdp(), lora=True))
+    out["autograd_grad"] = (run(None, grad=True), run(fsdp(), grad=True))
     # Tensor-parallel layouts over a "model" axis of one process: local.
     mesh_2d = keras.distribution.DeviceMesh((world, 1), ["batch", "model"])
     tp_layouts = {
@@ -1076,6 +1109,7 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         local = out["fsdp_local"]
         assert local["plain"][1]["seen"] == ("Tensor", (4, 5))
         assert local["lora"][1]["seen"] == ("Tensor", (4, 5))
+        assert local["autograd_grad"][1]["seen"] == ("Tensor", (4, 5))
         assert local["model_axis_of_one"][1]["seen"] == ("Tensor", (4, 5))
         assert local["regularized"][1]["seen"][0] == "DTensor"
         assert local["running"][1]["seen"][0] == "DTensor"

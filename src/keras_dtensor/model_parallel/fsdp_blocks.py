@@ -42,6 +42,7 @@ import torch
 
 from keras_dtensor import config
 from keras_dtensor.model_parallel import packed_gather
+from keras_dtensor.ops import local_grads
 
 __all__ = ["Layout", "Session", "build"]
 
@@ -176,7 +177,7 @@ class Session:
         ]
 
     def _start(self, indices):
-        shards = [self.values[i].to_local() for i in indices]
+        shards = [local_grads.local(self.values[i]) for i in indices]
         pending = packed_gather.start(shards, self._specs(indices), self.group)
         return pending, shards
 

@@ -67,6 +67,7 @@ from keras_dtensor.model_parallel.eligibility import plan
 from keras_dtensor.model_parallel.eligibility import shards_enter
 from keras_dtensor.model_parallel.eligibility import variables_changed
 from keras_dtensor.model_parallel.eligibility import whole_along
+from keras_dtensor.ops import local_grads
 
 __all__ = [
     "AssignedInCall",
@@ -167,14 +168,14 @@ def _local_weights(plan_, layout, kept):
         if i in kept:  # a tensor-parallel layer's: stays a DTensor
             whole[id(variable)] = value
         elif not gather:
-            whole[id(variable)] = value.to_local(grad_placements=grad)
+            whole[id(variable)] = local_grads.local(value, grad)
         elif layout is None:
             by_dtype.setdefault(value.dtype, []).append((variable, value))
         elif i in grouped:
             whole[id(variable)] = value  # a shard until its group gathers
         # else: in `layout.root`, gathered above
     for items in by_dtype.values():
-        shards = [value.to_local() for _, value in items]
+        shards = [local_grads.local(value) for _, value in items]
         specs = [
             (value.placements[plan_.dim].dim, tuple(value.shape))
             for _, value in items

@@ -31,6 +31,7 @@ from torch.distributed.tensor import Replicate
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend import structure
 from keras_dtensor.backend.layout import placed_shape
+from keras_dtensor.ops import local_grads
 from keras_dtensor.ops import local_shards
 from keras_dtensor.ops.einsum_plan import matmul_subscripts
 from keras_dtensor.ops.einsum_plan import plan_for
@@ -161,7 +162,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
         args, kwargs = structure.pack_sequence_as((args, kwargs), inputs)
     bias = getattr(layer, "bias", None)
     for variable, value, grad in plan.weights:
-        local = value.to_local(grad_placements=grad)
+        local = local_grads.local(value, grad)
         known.append((local, value.placements, tuple(value.shape)))
         if summed and variable is bias:
             # DTensor adds a replicated bias to a pending sum as each

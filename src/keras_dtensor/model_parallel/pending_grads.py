@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import config
+from keras_dtensor.ops import local_grads
 
 __all__ = ["reduce_pending"]
 
@@ -79,7 +80,7 @@ def reduce_pending(grads, values):
             local = grads[index].to_local()
             if local.numel() * local.element_size() >= limit:
                 _reduce([local], mesh, dims)  # alone, in place
-                out[index] = _as_value(local, values[index])
+                out[index] = local_grads.like(local, values[index])
             else:
                 pending.append(index)
         for chunk in _chunks(pending, grads, limit):
@@ -88,7 +89,7 @@ def reduce_pending(grads, values):
             _reduce([flat], mesh, dims)
             pieces = flat.split([t.numel() for t in locals_])
             for i, local, piece in zip(chunk, locals_, pieces, strict=True):
-                out[i] = _as_value(piece.view(local.shape), values[i])
+                out[i] = local_grads.like(piece.view(local.shape), values[i])
     return out
 
 
@@ -104,14 +105,3 @@ def _chunks(indices, grads, limit):
         size += nbytes
     if chunk:
         yield chunk
-
-
-def _as_value(local, value):
-    return DTensor.from_local(
-        local,
-        value.device_mesh,
-        value.placements,
-        run_check=False,
-        shape=value.shape,
-        stride=value.stride(),
-    )

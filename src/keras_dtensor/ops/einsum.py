@@ -30,6 +30,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor.ops import local_grads
 from keras_dtensor.ops import local_shards
 from keras_dtensor.ops.einsum_plan import matmul_subscripts
 from keras_dtensor.ops.einsum_plan import plan_for
@@ -101,7 +102,7 @@ def wrap_einsum(original):
         for x, target, grad in zip(operands, targets, grads, strict=True):
             if tuple(x.placements) != target:
                 x = x.redistribute(mesh, target)
-            local.append(x.to_local(grad_placements=grad))
+            local.append(local_grads.local(x, grad))
         out = original(subscripts, *local, **kwargs)
         if _global_stride(out, tuple(out.shape)) != out.stride():
             out = out.contiguous()  # not a permuted dense result

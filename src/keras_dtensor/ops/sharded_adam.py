@@ -33,7 +33,8 @@ _PIECE = 1 << 20
 
 
 def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
+    # The update runs under no_grad, where `to_local()` is this tensor.
+    return x._local_tensor if isinstance(x, DTensor) else x
 
 
 def _aligned(tensors):
@@ -41,11 +42,12 @@ def _aligned(tensors):
     first = tensors[0]
     if not all(isinstance(t, DTensor) for t in tensors):
         return False
-    shape = first.to_local().shape
+    mesh, placements = first.device_mesh, first.placements
+    shape = first._local_tensor.shape
     return all(
-        t.device_mesh == first.device_mesh
-        and t.placements == first.placements
-        and t.to_local().shape == shape
+        t.device_mesh == mesh
+        and t.placements == placements
+        and t._local_tensor.shape == shape
         for t in tensors[1:]
     )
 

@@ -1,0 +1,96 @@
+"""A DTensor weight read as its local tensor, its gradient laid out once.
+
+Local runs (`model_parallel.local_run`, `local_split`, the einsum rule)
+read each weight as its local tensor for the call:
+`value.to_local(grad_placements=...)`. In backward, torch's `to_local`
+builds a new `DTensorSpec` for the gradient (its placements hashed, its
+shard order and global stride computed) and wraps the gradient in a
+DTensor of it, for every weight at every step: on small layers, more
+host work than the weight's own backward.
+
+`local(value, grad_placements)` is the same autograd edge with the
+gradient's spec built once per weight and placements. The gradient is the
+same tensor with the same layout; it reaches the weight through autograd
+as before, so `.grad` accumulation, hooks and `torch.autograd.grad` over
+the weights are unchanged. `like(local, value)` wraps a local tensor laid
+out as `value` the same way (a reduced gradient handed to the optimizer).
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor.backend import object_state
+
+__all__ = ["like", "local"]
+
+_SPECS = "_keras_dtensor_grad_specs"
+
+
+def _spec(value, placements):
+    """`value`'s spec with `placements`, built once per weight."""
+    specs = object_state.get_on(value, _SPECS)
+    if specs is None:
+        specs = object_state.set_on(value, _SPECS, {})
+    spec = specs.get(placements)
+    if spec is None:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+        own = value._spec
+        spec = (
+            own
+            if placements == tuple(own.placements)
+            else DTensorSpec(own.mesh, placements, tensor_meta=own.tensor_meta)
+        )
+        specs[placements] = spec
+    return spec
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, spec):
+        local = value._local_tensor
+        ctx.spec, ctx.shape, ctx.stride = spec, local.shape, local.stride()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.stride() != ctx.stride:  # e.g. an expanded sum's gradient
+            out = grad.new_empty_strided(ctx.shape, ctx.stride)
+            grad = out.copy_(grad)
+        return DTensor(grad, ctx.spec, requires_grad=grad.requires_grad), None
+
+
+def local(value, grad_placements=None):
+    """`value.to_local(grad_placements=grad_placements)` of a weight.
+
+    Args:
+        value: a DTensor; a leaf (a variable's value) takes the cached
+            path, anything else torch's `to_local`.
+        grad_placements: the gradient's placements (default: the
+            value's own).
+
+    Returns:
+        The local tensor, differentiable back to `value`.
+    """
+    if not (value.is_leaf and value.requires_grad and torch.is_grad_enabled()):
+        return value.to_local(grad_placements=grad_placements)
+    placements = tuple(
+        value.placements if grad_placements is None else grad_placements
+    )
+    return _ToLocal.apply(value, _spec(value, placements))
+
+
+def like(local_tensor, value):
+    """`local_tensor` as a DTensor laid out as `value` (its local shape
+    and stride), without building a new spec."""
+    own = value._local_tensor
+    if local_tensor.shape != own.shape or local_tensor.stride() != own.stride():
+        return DTensor.from_local(
+            local_tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return DTensor(local_tensor, value._spec, requires_grad=False)
