@@ -10,7 +10,8 @@ here (the report only lays them out):
 
 Without `--step-before`/`--counts-before`, the "before" figures already in
 `--out` are kept; without `--step-after`/`--counts-after`, its whole step
-section (to record a new generate run alone); sections made elsewhere (the
+section (to record a new generate run alone); without `--generate`, its
+generate section (a new step run alone); sections made elsewhere (the
 checkpoints') are kept too.
 
 `--step-*`: `bench_step.py --models transformer_small --rounds 3 --steps 50
@@ -147,8 +148,8 @@ def _step(args, read, kept, meta):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--generate", required=True)
     # Without them, the figures already in --out are kept.
+    parser.add_argument("--generate")
     for name in ("step-after", "counts-after", "step-before", "counts-before"):
         parser.add_argument(f"--{name}")
     parser.add_argument("--commit", required=True)
@@ -172,14 +173,13 @@ def main(argv=None):
     meta = {"date": args.date, "commit": args.commit, "machine": "cpu2"}
     if args.step_after:
         result["step"] = _step(args, read, result.get("step", {}), meta)
-    result |= {
-        "generate": {
+    if args.generate:
+        result["generate"] = {
             **meta,
             "commit": args.generate_commit or args.commit,
             **(generate := _generate(read(args.generate))),
             "command": GENERATE_COMMAND.format(rounds=generate["rounds"]),
-        },
-    }
+        }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

@@ -16,9 +16,9 @@ same here, at the outermost layer call (the model in `fit`, `predict`,
 - the inputs enter as this rank's rows, the outputs leave as the batch-
   sharded DTensors the loss and metrics expect;
 - backward: a weight's local gradient is a pending sum over the batch axis
-  (`to_local(grad_placements=Partial)`): the gather's backward reduce-
-  scatters it to the shard, the replicated weights' sums are reduced in
-  buckets (`pending_grads`).
+  (`ops.local_grads`, as `to_local(grad_placements=Partial)` would lay
+  it out): the gather's backward reduce-scatters it to the shard, the
+  replicated weights' sums are reduced in buckets (`pending_grads`).
 
 What makes a model take this path, checked once per model (and again after
 any variable is created): every weight a DTensor on one mesh, replicated but
