@@ -421,7 +421,7 @@ def _fsdp_local(keras, world):
             self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
 
         def call(self, x):
-            return x * keras.ops.sum(self.scale)
+            return x * keras.ops.sum(self.scale) / self.scale.shape[0]
 
     class GradModel(keras.Sequential):
         """A custom train_step taking `torch.autograd.grad` over the
