@@ -214,7 +214,40 @@ def _data_parallel_cases(names, checkpoint):
         _adam_state_gap(on_batch),
         _storage_cases(),
         _jit_gap(),
+        _small_model_whole(),
     )
+
+
+def _small_model_whole():
+    """With the default `KERAS_DTENSOR_SPLIT_UPDATE_MB` (the suite runs
+    with 0, so its small models split), a model smaller than it updates
+    whole on every rank after one all-reduce: against one process, and
+    whether the update was split."""
+    import os
+
+    import keras
+    import models
+
+    from keras_dtensor import data_parallel
+
+    x, y = models.data("mlp")
+    saved = os.environ.pop("KERAS_DTENSOR_SPLIT_UPDATE_MB", None)
+    try:
+        results = []
+        for distribution in (None, keras.distribution.DataParallel()):
+            keras.utils.set_random_seed(2)
+            scope = distribution.scope() if distribution else _no_scope()
+            with scope:
+                model = models.mlp(keras)
+                model.compile(optimizer="adam", loss="mse")
+                history = model.fit(
+                    x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
+                )
+                results.append((history.history["loss"], model.get_weights()))
+        return _gap(results), data_parallel.update_is_split(model)
+    finally:
+        if saved is not None:
+            os.environ["KERAS_DTENSOR_SPLIT_UPDATE_MB"] = saved
 
 
 def _storage_cases():
@@ -288,9 +321,17 @@ def test_every_optimizer_under_data_parallel(tmp_path):
     for result in run_ranks(
         _data_parallel_cases, 2, names, str(tmp_path / "mid-fit")
     ):
-        diffs, split, to_owners, storages, saved, on_batch, storage, jit = (
-            result
-        )
+        (
+            diffs,
+            split,
+            to_owners,
+            storages,
+            saved,
+            on_batch,
+            storage,
+            jit,
+            (small_gap, small_split),
+        ) = result
         bad = {n: d for n, d in diffs.items() if not d <= TOLERANCE}
         assert not bad, bad
         # Keras's own per-variable updates are split; Adafactor's factored
@@ -316,6 +357,12 @@ def test_every_optimizer_under_data_parallel(tmp_path):
         assert jit <= TOLERANCE, jit
         assert saved <= TOLERANCE
         assert on_batch <= TOLERANCE
+        # Below the default size the update is whole, with one process's
+        # numbers.
+        assert small_split is False and small_gap <= TOLERANCE, (
+            small_split,
+            small_gap,
+        )
 
 
 def _comparison_fallback():

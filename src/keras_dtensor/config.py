@@ -210,6 +210,16 @@ VARIABLES = (
         "1/0, true/false, yes/no, on/off",
         "DataParallel: split the optimizer update by variable inside fit",
     ),
+    Variable(
+        "SPLIT_UPDATE_MB",
+        _non_negative_float,
+        4.0,
+        "MiB >= 0",
+        "DataParallel: split the update only for models whose trainable "
+        "weights hold at least this much; below it, each rank updates "
+        "every variable after one all-reduce (the split's broadcasts cost "
+        "more than the work it saves); 0: always split",
+    ),
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}

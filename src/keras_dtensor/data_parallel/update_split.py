@@ -99,7 +99,8 @@ class UpdateSplit:
     Whole variables are dealt out, largest first, to the rank with the
     fewest elements so far (the same on every rank). Splitting whole
     variables keeps every Keras update exact, factored and per-matrix ones
-    included; with fewer variables than ranks there is no split.
+    included; with fewer variables than ranks, or fewer trainable bytes
+    than `$KERAS_DTENSOR_SPLIT_UPDATE_MB`, there is no split.
 
     Args:
         variables: the model's trainable Keras variables.
@@ -125,6 +126,14 @@ class UpdateSplit:
         if len(variables) < self.world:
             return
         sizes = [int(np.prod(v.shape)) for v in variables]
+        nbytes = sum(
+            size * v.value.element_size()
+            for size, v in zip(sizes, variables, strict=True)
+        )
+        if nbytes < config.get("SPLIT_UPDATE_MB") * 2**20:
+            # A small model: one all-reduce and the whole update on every
+            # rank (DDP's step) costs less than the split's broadcasts.
+            return
         load = [0] * self.world
         for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
             rank = load.index(min(load))
