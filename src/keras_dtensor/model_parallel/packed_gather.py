@@ -14,6 +14,7 @@ padded to c rows in the pack so every rank's pack has the same size (the
 padding's contents are never read).
 """
 
+import functools
 import math
 
 import torch
@@ -45,6 +46,20 @@ def _spans(n, world, chunk):
             yield rank, first, end
 
 
+@functools.lru_cache(maxsize=256)
+def _pack_layout(specs, world, rank):
+    """Per spec `(dim, shape)`: `(size in the pack, chunk, this rank's
+    rows, the padded chunk's view shape, every rank's spans)`; the same
+    for every step of a group, so computed once."""
+    out = []
+    for dim, shape in specs:
+        chunk, rows = _rows(shape[dim], world, rank)
+        size = chunk * math.prod(shape) // max(shape[dim], 1)
+        spans = tuple(_spans(shape[dim], world, chunk))
+        out.append((size, chunk, rows, (chunk, *_rest(shape, dim)), spans))
+    return tuple(out)
+
+
 class Pending:
     """An all-gather of packed shards in flight; `wait()` gives the full
     tensors (each its own contiguous storage, the same layout every time).
@@ -58,20 +73,16 @@ class Pending:
         self.specs, self.group = tuple(specs), group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.sizes = []
-        for dim, shape in self.specs:
-            chunk, _ = _rows(shape[dim], self.world, self.rank)
-            self.sizes.append(chunk * math.prod(shape) // max(shape[dim], 1))
+        self.layout = _pack_layout(self.specs, self.world, self.rank)
+        self.sizes = [size for size, *_ in self.layout]
         with torch.no_grad():
             pack = shards[0].new_empty(sum(self.sizes))
             offset = 0
-            for shard, size, (dim, shape) in zip(
-                shards, self.sizes, self.specs, strict=True
+            for shard, (size, _, rows, view, _), (dim, _) in zip(
+                shards, self.layout, self.specs, strict=True
             ):
-                chunk, rows = _rows(shape[dim], self.world, self.rank)
                 if rows:
-                    piece = pack[offset : offset + size]
-                    piece = piece.view(chunk, *_rest(shape, dim))
+                    piece = pack[offset : offset + size].view(view)
                     piece[:rows].copy_(shard.movedim(dim, 0))
                 offset += size
             self.gathered = pack.new_empty(self.world * pack.numel())
@@ -88,13 +99,13 @@ class Pending:
         self.gathered = self.work = None
         out, offset = [], 0
         with torch.no_grad():
-            for size, (dim, shape) in zip(self.sizes, self.specs, strict=True):
-                chunk, _ = _rows(shape[dim], self.world, self.rank)
+            for (size, _, _, view, spans), (dim, shape) in zip(
+                self.layout, self.specs, strict=True
+            ):
                 full = gathered.new_empty(shape)
                 rows = full.movedim(dim, 0)
-                for rank, first, end in _spans(shape[dim], self.world, chunk):
-                    piece = gathered[rank, offset : offset + size]
-                    piece = piece.view(chunk, *_rest(shape, dim))
+                for rank, first, end in spans:
+                    piece = gathered[rank, offset : offset + size].view(view)
                     rows[first:end].copy_(piece[: end - first])
                 offset += size
                 out.append(full)
@@ -117,35 +128,32 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         pending = ctx.pending
-        world, rank = pending.world, pending.rank
+        world = pending.world
         # Each rank's rows of every gradient written into its row of one
         # (world, total) pack, padded to the chunk: the padding's sums are
         # cut off below, unread, so only a missing gradient is zeroed.
         packs = pending.like.new_empty((world, sum(pending.sizes)))
         offset = 0
-        for grad, size, (dim, shape) in zip(
-            grads, pending.sizes, pending.specs, strict=True
+        for grad, (size, _, _, view, spans), (dim, _) in zip(
+            grads, pending.layout, pending.specs, strict=True
         ):
-            chunk, _ = _rows(shape[dim], world, rank)
             if grad is None:
                 packs[:, offset : offset + size].zero_()
             else:
                 moved = grad.movedim(dim, 0)
-                for r, first, end in _spans(shape[dim], world, chunk):
-                    piece = packs[r, offset : offset + size]
-                    piece = piece.view(chunk, *_rest(shape, dim))
+                for r, first, end in spans:
+                    piece = packs[r, offset : offset + size].view(view)
                     piece[: end - first].copy_(moved[first:end])
             offset += size
         local = packs.new_empty(packs.shape[1])
         _reduce_scatter(local, packs.reshape(-1), group=pending.group)
         out, offset = [], 0
-        for size, (dim, shape) in zip(
-            pending.sizes, pending.specs, strict=True
+        for (size, _, rows, view, _), (dim, _) in zip(
+            pending.layout, pending.specs, strict=True
         ):
-            chunk, rows = _rows(shape[dim], world, rank)
             piece = local[offset : offset + size]
             offset += size
-            shard = piece.view(chunk, *_rest(shape, dim))[:rows].movedim(0, dim)
+            shard = piece.view(view)[:rows].movedim(0, dim)
             out.append(shard.contiguous())
         return (None, *out)
 
