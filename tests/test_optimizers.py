@@ -225,26 +225,12 @@ def _small_model_whole():
     whether the update was split."""
     import os
 
-    import keras
-    import models
-
     from keras_dtensor import data_parallel
 
-    x, y = models.data("mlp")
     saved = os.environ.pop("KERAS_DTENSOR_SPLIT_UPDATE_MB", None)
     try:
-        results = []
-        for distribution in (None, keras.distribution.DataParallel()):
-            keras.utils.set_random_seed(2)
-            scope = distribution.scope() if distribution else _no_scope()
-            with scope:
-                model = models.mlp(keras)
-                model.compile(optimizer="adam", loss="mse")
-                history = model.fit(
-                    x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
-                )
-                results.append((history.history["loss"], model.get_weights()))
-        return _gap(results), data_parallel.update_is_split(model)
+        gap, model = _adam_gap()
+        return gap, data_parallel.update_is_split(model)
     finally:
         if saved is not None:
             os.environ["KERAS_DTENSOR_SPLIT_UPDATE_MB"] = saved
@@ -292,6 +278,12 @@ def _jit_gap():
     """DataParallel with `jit_compile=True` (Keras compiles the whole
     train step; the parameters are views of the owners' buffers) against
     the same compiled model in one process."""
+    return _adam_gap(jit_compile=True)[0]
+
+
+def _adam_gap(jit_compile=False):
+    """Adam on the MLP for 2 epochs, in one process and under
+    DataParallel: the largest difference, and the DataParallel model."""
     import keras
     import models
 
@@ -302,12 +294,12 @@ def _jit_gap():
         scope = distribution.scope() if distribution else _no_scope()
         with scope:
             model = models.mlp(keras)
-            model.compile(optimizer="adam", loss="mse", jit_compile=True)
+            model.compile(optimizer="adam", loss="mse", jit_compile=jit_compile)
             history = model.fit(
                 x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
             )
             results.append((history.history["loss"], model.get_weights()))
-    return _gap(results)
+    return _gap(results), model
 
 
 def _no_scope():
