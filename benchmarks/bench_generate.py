@@ -38,6 +38,11 @@ VARIANTS = {
     "torch_tp": 2,
     "kd_mp": 2,
     "torch_tp_whole_embedding": 2,
+    # Diagnostics: the split variants with every collective a no-op once
+    # warm (wrong numbers, the same host work), so the difference is what
+    # the collectives cost; their tokens are not compared.
+    "torch_tp_no_collectives": 2,
+    "kd_mp_no_collectives": 2,
 }
 RATIOS = (
     ("keras_over_torch_single", "keras_single", "torch_single"),
@@ -156,7 +161,7 @@ def _run_torch(variant, calls):
                 plan[f"blocks.{i}.{name}"] = ColwiseParallel()
             for name in ("o", "down"):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel()
-        if variant == "torch_tp":  # keras_hub's map splits it too
+        if variant != "torch_tp_whole_embedding":  # keras_hub's map splits it
             plan["embed"] = RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=Replicate()
             )
@@ -176,7 +181,7 @@ def _run_torch(variant, calls):
             out.append(logits.argmax(-1))
         return torch.stack(out, 1)
 
-    return _timed(generate, calls)
+    return _timed(generate, calls, variant)
 
 
 def _run_keras(variant, calls):
@@ -185,7 +190,7 @@ def _run_keras(variant, calls):
 
     import keras_dtensor  # noqa: F401
 
-    if variant == "kd_mp":
+    if variant.startswith("kd_mp"):
         keras.distribution.initialize()
         world = keras.distribution.get_device_count()
         mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
@@ -202,13 +207,59 @@ def _run_keras(variant, calls):
     lm.compile(sampler="greedy")
     tokens, mask = _prompt()
     prompt = {"token_ids": tokens, "padding_mask": mask}
-    return _timed(lambda: lm.generate(prompt, stop_token_ids=None), calls)
+    generate = lambda: lm.generate(prompt, stop_token_ids=None)  # noqa: E731
+    return _timed(generate, calls, variant)
 
 
-def _timed(generate, calls):
+def _collectives_off():
+    """Turns every collective the split variants run into a local no-op of
+    the same output shape (the group is the whole world here)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    world = dist.get_world_size()
+
+    def gather(tensor, gather_dim, *args, **kwargs):
+        return torch.cat([tensor] * world, dim=gather_dim)
+
+    def scatter(tensor, op, scatter_dim, *args, **kwargs):
+        return tensor.chunk(world, dim=scatter_dim)[0].contiguous()
+
+    funcol.all_reduce = lambda tensor, *args, **kwargs: tensor.clone()
+    funcol.all_gather_single = gather
+    funcol.reduce_scatter_single = scatter
+    dist.all_reduce = lambda tensor, *args, **kwargs: None
+
+
+def _count_collectives(generate):
+    """The collectives one call dispatches, by op (CommDebugMode's module
+    tracking fails on the torch decoder called under no_grad)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Collectives(TorchDispatchMode):
+        counts = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if func.namespace in ("c10d", "_c10d_functional"):
+                if not name.startswith("wait"):
+                    self.counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Collectives() as mode:
+        generate()
+    return dict(mode.counts)
+
+
+def _timed(generate, calls, variant):
     from bench_step import _sync
 
     generate()  # first call: checks, caches
+    if variant.endswith("_no_collectives"):
+        _collectives_off()
     times = []
     for _ in range(calls):
         _sync()
@@ -218,7 +269,11 @@ def _timed(generate, calls):
         times.append(time.perf_counter() - start)
     if isinstance(out, dict):  # keras_hub's: the prompt and the new tokens
         out = out["token_ids"][:, PROMPT:]
-    return {"ms": 1000 * min(times), "tokens": out.tolist()}
+    return {
+        "ms": 1000 * min(times),
+        "tokens": out.tolist(),
+        "collectives": _count_collectives(generate),  # one more call
+    }
 
 
 def worker(args):
@@ -254,6 +309,7 @@ def _launch(variant, args):
         max(r["ms"] for r in results),
         max(r["rss_mb"] for r in results),
         results[0]["tokens"],
+        results[0]["collectives"],
     )
 
 
@@ -284,7 +340,7 @@ def main(argv=None):
         order = list(VARIANTS) if index % 2 == 0 else list(VARIANTS)[::-1]
         for variant in order:
             runs[variant].append(_launch(variant, args))
-            ms, rss, _ = runs[variant][-1]
+            ms, rss = runs[variant][-1][:2]
             print(f"round {index + 1} {variant:24} {ms:8.1f} ms {rss:6.0f} MB")
     ratios = {
         name: [k[0] / t[0] for k, t in zip(runs[a], runs[b], strict=True)]
@@ -310,6 +366,15 @@ def main(argv=None):
         for run, single in zip(runs[split], runs[one], strict=True)
     )
     print(f"tokens as in one process: {same}")
+    # Collectives of one generate call, and none left in the diagnostics.
+    collectives = {v: rs[-1][3] for v, rs in runs.items()}
+    for variant, counts in collectives.items():
+        print(f"{variant}: collectives per call {counts or 0}")
+    off = all(
+        not counts
+        for v, counts in collectives.items()
+        if v.endswith("_no_collectives")
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
@@ -324,11 +389,13 @@ def main(argv=None):
                     },
                     "ratios": ratios,
                     "same_tokens": same,
+                    "collectives": collectives,
+                    "no_collectives_ran_none": off,
                 },
                 f,
                 indent=1,
             )
-    return 0 if same else 1
+    return 0 if same and off else 1
 
 
 if __name__ == "__main__":

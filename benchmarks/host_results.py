@@ -101,6 +101,24 @@ def _generate(run):
                 per_token("kd_mp", whole)
             ),
         }
+    off = "kd_mp_no_collectives", "torch_tp_no_collectives"
+    if all(v in rounds for v in off):  # diagnostics, where measured
+
+        def per_token_median(variant):
+            return _round(statistics.median(rounds[variant]) / NEW_TOKENS)
+
+        extra.update(
+            kd_no_collectives_ms_per_token=per_token_median(off[0]),
+            tp_no_collectives_ms_per_token=per_token_median(off[1]),
+            extra_no_collectives_ms_per_token=_round(per_token(*off)),
+            kd_collectives_ms_per_token=_round(per_token("kd_mp", off[0])),
+            tp_collectives_ms_per_token=_round(per_token("torch_tp", off[1])),
+            collectives_per_call={
+                v: sum(run["collectives"][v].values())
+                for v in ("kd_mp", "torch_tp")
+            },
+            no_collectives_ran_none=run["no_collectives_ran_none"],
+        )
     return {
         **extra,
         "tp_ms_per_token": _round(

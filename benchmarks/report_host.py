@@ -138,7 +138,30 @@ def host_work(data):
             f"{number(generate['extra_whole_embedding_ms_per_token'], 1)} ms "
             "a token.",
         ]
+    if "extra_no_collectives_ms_per_token" in generate:
+        lines += _without_collectives(generate)
     return lines + _checkpoints(run["checkpoints"])
+
+
+def _without_collectives(generate):
+    calls = generate["collectives_per_call"]
+    return [
+        "",
+        "Where the difference goes: the same two split runs with every "
+        "collective made a local no-op once warm (wrong tokens, the same "
+        "host work; "
+        f"{'none' if generate['no_collectives_ran_none'] else 'some'} left "
+        "running). Without collectives, kd-MP − torch TP is "
+        f"{number(generate['extra_no_collectives_ms_per_token'], 1)} ms a "
+        f"token (kd-MP {number(generate['kd_no_collectives_ms_per_token'], 1)}"
+        f", torch TP {number(generate['tp_no_collectives_ms_per_token'], 1)})"
+        f", against Keras − torch's "
+        f"{number(generate['keras_extra_ms_per_token'], 1)}. The collectives "
+        f"cost kd-MP {number(generate['kd_collectives_ms_per_token'], 1)} ms "
+        f"a token ({calls['kd_mp']} a call) and torch TP "
+        f"{number(generate['tp_collectives_ms_per_token'], 1)} "
+        f"({calls['torch_tp']} a call).",
+    ]
 
 
 def _checkpoints(run):

@@ -71,8 +71,8 @@ if ((smoke)); then
   # targets JSON) and bench_checkpoint (one launch for kd and DCP). The
   # tensor-parallel and FSDP pairs only repeat that driver with other
   # layouts, which the suite tests directly. generate is left out:
-  # bench_generate has no flag to run fewer than its 4 variants (4
-  # launches, ~50 s on 2 cores, more than smoke's whole budget), and what
+  # bench_generate has no flag to run fewer than its 7 variants (7
+  # launches, ~90 s on 2 cores, more than smoke's whole budget), and what
   # it would cover of keras-dtensor, keras_hub's Gemma generate under
   # ModelParallel on 2 processes, tests/test_keras_hub.py already runs;
   # its driver and JSON stay covered by --quick (the slow test).

@@ -30,7 +30,12 @@ STEP = (
     ("keras_over_torch_single", "keras_single", "torch_single"),
 )
 STEP_FILES = ("step.json", "step_tp.json")
-GENERATE = (("kd_mp", "torch_tp"), ("keras_single", "torch_single"))
+GENERATE = (
+    ("kd_mp", "torch_tp"),
+    ("keras_single", "torch_single"),
+    # Both split variants with their collectives made no-ops: host work.
+    ("kd_mp_no_collectives", "torch_tp_no_collectives"),
+)
 
 
 def _load(path):

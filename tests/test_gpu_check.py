@@ -129,8 +129,8 @@ def test_cpu_smoke_runs_each_stage_end_to_end(tmp_path):
     for stage in ("step_tp", "generate"):
         assert f"== {stage}: skipped (--smoke)" in result.stdout
     rows = _summary_rows(out)
-    # 4 step pairs (one model), 2 generate, save and load: all 8 listed.
-    assert len(rows) == 8
+    # 4 step pairs (one model), 3 generate, save and load: all 9 listed.
+    assert len(rows) == 9
     ran = [row for row in rows if row[4] != "not run (smoke)"]
     assert [row[:4] for row in ran] == [
         ["step", "transformer_small", "kd_dp", "torch_ddp"],
@@ -157,7 +157,7 @@ def test_cpu_fallback_fills_every_row(tmp_path):
     for stage in ("step", "step_tp", "generate", "checkpoint", "report"):
         assert f"== {stage} ok (" in result.stdout
     rows = _summary_rows(out)
-    # 4 step ratios (one model under --quick), 2 generate, save and load.
-    assert len(rows) == 8
+    # 4 step ratios (one model under --quick), 3 generate, save and load.
+    assert len(rows) == 9
     for row in rows:
         _assert_numbers(row)
