@@ -245,7 +245,8 @@ def _count_collectives(generate):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
             if func.namespace in ("c10d", "_c10d_functional"):
-                if not name.startswith("wait"):
+                # not collectives: waits, and a wrap for autograd
+                if not name.startswith(("wait", "_wrap")):
                     self.counts[name] += 1
             return func(*args, **(kwargs or {}))
 
