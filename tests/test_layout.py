@@ -99,6 +99,51 @@ def test_torch_style_dotted_keys_match_keras_paths():
     assert layout_map["mlp/up/bias"] is None
 
 
+def test_output_layouts_are_keras_answers_while_the_map_changes(monkeypatch):
+    import re
+
+    import keras
+
+    ModelParallel = keras.distribution.ModelParallel  # noqa: N806
+    keras_own = ModelParallel.get_tensor_layout.__wrapped__
+    mesh = keras.distribution.DeviceMesh(
+        (2,), ["model"], devices=["cpu:0", "cpu:1"]
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*output"] = (None, "model")
+    distribution = ModelParallel(layout_map=layout_map)
+    paths = ["mlp/dense/output", "mlp/up/output", "mlp/up/bias/output"]
+
+    def check():
+        for path in paths * 2:  # the second time from the memo
+            ours = distribution.get_tensor_layout(path)
+            assert ours is keras_own(distribution, path), path
+
+    check()
+    # A path asked again runs no regex: Layer.__call__ asks on every call.
+    calls = []
+    fullmatch = re.fullmatch
+    monkeypatch.setattr(
+        re, "fullmatch", lambda *a: calls.append(a) or fullmatch(*a)
+    )
+    distribution.get_tensor_layout("mlp/up/output")
+    assert calls == []
+    monkeypatch.undo()
+    layout_map[".*bias.*"] = ("model",)  # a key added: the bias matches
+    check()
+    assert distribution.get_tensor_layout(paths[2]).axes == ("model",)
+    del layout_map[".*bias.*"]
+    check()
+    assert distribution.get_tensor_layout(paths[2]) is None
+    layout_map[".*bias.*"] = (None,)  # the same key again, another layout
+    check()
+    assert distribution.get_tensor_layout(paths[2]).axes == (None,)
+    layout_map["mlp/.*"] = ("model",)  # now two keys match the dense
+    for _ in range(2):
+        with pytest.raises(ValueError, match="matches multiple"):
+            distribution.get_tensor_layout("mlp/dense/output")
+
+
 @pytest.mark.parametrize("length", [0, 1, 5, 7, 8, 9])
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
 def test_chunk_is_torch_chunk(length, parts):

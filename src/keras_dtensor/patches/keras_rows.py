@@ -15,6 +15,7 @@ from keras_dtensor.hooks import dropout
 from keras_dtensor.hooks import fit
 from keras_dtensor.hooks import jit
 from keras_dtensor.hooks import layer_call
+from keras_dtensor.hooks import layout_lookups
 from keras_dtensor.hooks import replicas
 from keras_dtensor.hooks import reshape
 from keras_dtensor.hooks import shared_files
@@ -46,6 +47,13 @@ KERAS_ROWS = (
         "distribution_lib",
         "keras.distribution binds the backend module a second time, at import.",
         _backend_module,
+    ),
+    Patch(
+        "keras.src.distribution.distribution_lib",
+        "ModelParallel.get_tensor_layout",
+        "Layer.__call__ looks up its output's layout on every call: every "
+        "key tried as a regex, per layer, per step (once per trace on JAX).",
+        layout_lookups.wrap_get_tensor_layout,
     ),
     Patch(
         _TORCH_CORE,
