@@ -19,8 +19,12 @@ them; `--nproc` sets the processes of the split variants (the heads, 4,
 must divide by it); `--out` writes the per-round times as JSON.
 
 Per variant: the time of one `generate` call (batch 2, an 8-token
-prompt, 24 new tokens; the best of `--calls` calls after one warm call)
-and the peak RSS per process. Target: kd-MP ÷ torch TP against Keras
+prompt, 24 new tokens; the best of `--calls` calls after one warm call),
+the peak RSS per process and the collectives one more call dispatches.
+`torch_tp_no_collectives` and `kd_mp_no_collectives` are diagnostics: the
+split variants with every collective made a local no-op once warm (wrong
+tokens, the same host work), so each side's collectives cost the
+difference. Target: kd-MP ÷ torch TP against Keras
 single ÷ torch single, per round.
 """
 
