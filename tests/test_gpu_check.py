@@ -75,7 +75,7 @@ def test_smoke_marks_its_rows_and_fails_the_rest(tmp_path):
         "step mlp kd_dp/torch_ddp",
     ]
     summary = (tmp_path / "summary.md").read_text()
-    assert summary.count("not run (smoke)") == 5
+    assert summary.count("not run (smoke)") == 6
     typo = subprocess.run(
         [sys.executable, report, str(tmp_path), "--smoke", "step:kd_tp"],
         capture_output=True,

@@ -9,10 +9,14 @@ layer, a `re.fullmatch` per key. The answer depends only on the path and
 the layout map's entries, so it is kept per distribution and path, and
 forgotten as soon as the entries differ (a key added or removed, a value
 replaced, another map). A path that several keys match is never kept: it
-raises on every lookup, as Keras's does.
+raises on every lookup, as Keras's does. Inside a compiled forward
+(`jit_compile=True`) Keras's own lookup runs: dynamo traces it once, where
+the memo's dict would be guarded and recompiled on.
 """
 
 import functools
+
+import torch
 
 from keras_dtensor.backend import object_state
 
@@ -26,6 +30,8 @@ def wrap_get_tensor_layout(original):
 
     @functools.wraps(original)
     def get_tensor_layout(self, path):
+        if torch.compiler.is_compiling():
+            return original(self, path)
         layout_map = self._layout_map
         # TensorLayout has no __eq__: the entries compare by identity.
         entries = tuple(layout_map._layout_map.items())
