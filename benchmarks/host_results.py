@@ -114,11 +114,7 @@ def _generate(run):
             kd_collectives_ms_per_token=_round(per_token("kd_mp", off[0])),
             tp_collectives_ms_per_token=_round(per_token("torch_tp", off[1])),
             collectives_per_call={
-                v: sum(  # runs before 2026-11-29 also counted "_wrap..."
-                    n
-                    for op, n in run["collectives"][v].items()
-                    if not op.startswith("_wrap")
-                )
+                v: sum(run["collectives"][v].values())
                 for v in ("kd_mp", "torch_tp")
             },
             no_collectives_ran_none=run["no_collectives_ran_none"],
