@@ -215,56 +215,14 @@ def _run_keras(variant, calls):
     return _timed(generate, calls, variant)
 
 
-def _collectives_off():
-    """Turns every collective the split variants run into a local no-op of
-    the same output shape (the group is the whole world here)."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    world = dist.get_world_size()
-
-    def gather(tensor, gather_dim, *args, **kwargs):
-        return torch.cat([tensor] * world, dim=gather_dim)
-
-    def scatter(tensor, op, scatter_dim, *args, **kwargs):
-        return tensor.chunk(world, dim=scatter_dim)[0].contiguous()
-
-    funcol.all_reduce = lambda tensor, *args, **kwargs: tensor.clone()
-    funcol.all_gather_single = gather
-    funcol.reduce_scatter_single = scatter
-    dist.all_reduce = lambda tensor, *args, **kwargs: None
-
-
-def _count_collectives(generate):
-    """The collectives one call dispatches, by op (CommDebugMode's module
-    tracking fails on the torch decoder called under no_grad)."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Collectives(TorchDispatchMode):
-        counts = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if func.namespace in ("c10d", "_c10d_functional"):
-                # not collectives: waits, and a wrap for autograd
-                if not name.startswith(("wait", "_wrap")):
-                    self.counts[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Collectives() as mode:
-        generate()
-    return dict(mode.counts)
-
-
 def _timed(generate, calls, variant):
     from bench_step import _sync
+    from collectives_off import CollectivesOff  # beside this script
+    from collectives_off import count_collectives
 
     generate()  # first call: checks, caches
     if variant.endswith("_no_collectives"):
-        _collectives_off()
+        CollectivesOff().install()
     times = []
     for _ in range(calls):
         _sync()
@@ -277,7 +235,7 @@ def _timed(generate, calls, variant):
     return {
         "ms": 1000 * min(times),
         "tokens": out.tolist(),
-        "collectives": _count_collectives(generate),  # one more call
+        "collectives": count_collectives(generate),  # one more call
     }
 
 

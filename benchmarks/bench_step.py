@@ -66,7 +66,18 @@ VARIANTS = {
     # jit_compile=True (a compiled forward under ModelParallel).
     "keras_single_jit": 1,
     "kd_mp_jit": 2,
+    # Diagnostics: the same steps with every collective a local no-op once
+    # warm (`collectives_off`): wrong numbers, the same host work. Each
+    # pair compares the host work alone; a variant minus its twin is what
+    # its collectives cost.
+    "torch_ddp_no_collectives": 2,
+    "kd_dp_no_collectives": 2,
+    "torch_tp_no_collectives": 2,
+    "kd_mp_no_collectives": 2,
+    "torch_fsdp2_no_collectives": 2,
+    "kd_fsdp_no_collectives": 2,
 }
+OFF = "_no_collectives"
 # Untimed steps that "_pair" processes other than rank 0 run after their
 # timed ones, so rank 0 never finishes alone.
 _PAIR_EXTRA_STEPS = 10
@@ -81,7 +92,12 @@ RATIOS = (
     ("keras_jit_over_eager", "keras_single_jit", "keras_single"),
     ("kd_mp_jit_over_eager", "kd_mp_jit", "kd_mp"),
     ("kd_mp_local_over_dtensor", "kd_mp", "kd_mp_dtensor"),
+    ("kd_dp_over_ddp" + OFF, "kd_dp" + OFF, "torch_ddp" + OFF),
+    ("kd_mp_over_tp" + OFF, "kd_mp" + OFF, "torch_tp" + OFF),
+    ("kd_fsdp_over_fsdp2" + OFF, "kd_fsdp" + OFF, "torch_fsdp2" + OFF),
 )
+# The ratios held against Keras's own overhead.
+_DISTRIBUTED = ("kd_dp_over_ddp", "kd_mp_over_tp", "kd_fsdp_over_fsdp2")
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
     "transformer": dict(
@@ -230,6 +246,8 @@ def _run_torch(variant, model_name, steps, warmup):
     from step_counts import StepCounts  # beside this script
     from torch.distributed.tensor.debug import CommDebugMode
 
+    off = variant.endswith(OFF)
+    variant = variant.removesuffix(OFF)
     cfg = _config(variant, model_name)
     torch.manual_seed(0)
     build = _torch_mlp if model_name == "mlp" else _torch_transformer
@@ -283,6 +301,8 @@ def _run_torch(variant, model_name, steps, warmup):
     times = []
     extra = _pair_start(variant)
     for i in range(warmup + steps + extra):
+        if off and i == warmup:
+            _collectives_off(model if variant == "torch_ddp" else None)
         start = time.perf_counter()
         step()
         _sync()
@@ -357,6 +377,15 @@ def _keras_layouts(model_name, variant):
     }
 
 
+def _collectives_off(ddp=None):
+    from collectives_off import CollectivesOff  # beside this script
+
+    off = CollectivesOff()
+    off.install()
+    if ddp is not None:
+        off.ddp(ddp)
+
+
 class _count_p2p:  # noqa: N801
     """Counts `batch_isend_irecv` calls, which CommDebugMode does not see
     (DataParallel's gradients reduced to their owners)."""
@@ -367,7 +396,8 @@ class _count_p2p:  # noqa: N801
         self.original, self.calls = dist.batch_isend_irecv, 0
 
         def counted(ops):
-            self.calls += 1
+            if not getattr(self.original, "collectives_off", False):
+                self.calls += 1
             return self.original(ops)
 
         dist.batch_isend_irecv = counted
@@ -387,6 +417,8 @@ def _run_keras(variant, model_name, steps, warmup):
     import keras_dtensor  # noqa: F401
 
     jit_compile = variant.endswith("_jit")
+    off = variant.endswith(OFF)
+    variant = variant.removesuffix(OFF)
     variant = variant.removesuffix("_jit").removesuffix("_dtensor")
 
     cfg = _config(variant, model_name)
@@ -427,6 +459,8 @@ def _run_keras(variant, model_name, steps, warmup):
             self.counts = None
 
         def on_train_batch_begin(self, batch, logs=None):
+            if off and batch == warmup:
+                _collectives_off()
             _sync()
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
@@ -562,7 +596,11 @@ def main(argv=None):
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default="mlp,transformer")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        default=",".join(v for v in VARIANTS if not v.endswith(OFF)),
+        help="default: all but the no-collectives diagnostics",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
@@ -625,8 +663,16 @@ def main(argv=None):
                 "counts_per_step": last[0].get("counts", {}),
                 "processes": _nproc(variant, args),
             }
+    # The diagnostics must have run without any collective once warm.
+    ran = {
+        f"{model}/{variant}": row["comms_per_step"]
+        for model, rows in table.items()
+        for variant, row in rows.items()
+        if variant.endswith(OFF) and row["comms_per_step"]
+    }
     summary = {
         "table": table,
+        "no_collectives_ran_none": not ran,
         "seconds": time.time() - started,
         "rounds": args.rounds,
         "steps": args.steps,
@@ -638,6 +684,9 @@ def main(argv=None):
         with open(args.out, "w") as f:
             f.write(text)
     print(_markdown(summary))
+    if ran:
+        print(f"collectives ran in no-collectives variants: {ran}")
+        return 1
     return 0
 
 
@@ -676,7 +725,7 @@ def _targets(rows, args):
         ("keras_over_torch_pair", "_vs_pair"),
     ):
         allowed = targets.get(allowed_name)
-        for name in ("kd_dp_over_ddp", "kd_mp_over_tp", "kd_fsdp_over_fsdp2"):
+        for name in _DISTRIBUTED + tuple(n + OFF for n in _DISTRIBUTED):
             if not allowed or name not in targets:
                 continue
             for key, label in (

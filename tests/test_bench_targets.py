@@ -82,3 +82,23 @@ def test_per_process_batch_references(bench):
     assert bench._held(targets["kd_mp_over_tp"], "holds_in_rounds") == (
         "0/2 / 1/2 / -"
     )
+
+
+def test_no_collectives_pairs_are_held_against_keras(bench):
+    # The diagnostics' pairs are read against Keras's own overhead like the
+    # real ones, each within its round.
+    rows = _rows(
+        {
+            "torch_single": [10.0, 10.0],
+            "keras_single": [14.0, 16.0],
+            "torch_ddp": [12.0, 12.0],
+            "kd_dp": [20.0, 20.0],
+            "torch_ddp_no_collectives": [11.0, 11.0],
+            "kd_dp_no_collectives": [13.0, 18.0],
+        }
+    )
+    targets = bench._targets(rows, types.SimpleNamespace(nproc=2))
+    assert targets["kd_dp_over_ddp"]["extra_holds"] == "0/2"  # 8 > 4, 6
+    off = targets["kd_dp_over_ddp_no_collectives"]
+    assert off["extra_ms_per_round"] == [2.0, 7.0]
+    assert off["extra_holds"] == "1/2"  # 2 <= 4, 7 > 6

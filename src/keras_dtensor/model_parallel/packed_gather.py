@@ -24,12 +24,19 @@ from keras_dtensor.backend import layout
 
 __all__ = ["Pending", "finish", "gather_shards", "start"]
 
+
 # torch 2.13 renamed these (`*_single`) and warns on every call of the old
-# names; older torch has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(
-    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
-)
+# names; older torch has only the old ones. Looked up at each call, as
+# FSDP2 does, so a tool that replaces `torch.distributed`'s collectives
+# (the benchmarks' no-collectives runs) replaces these too.
+def _all_gather(*args, **kwargs):
+    gather = getattr(dist, "all_gather_single", None)
+    return (gather or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter(*args, **kwargs):
+    scatter = getattr(dist, "reduce_scatter_single", None)
+    return (scatter or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def _rows(n, world, rank):

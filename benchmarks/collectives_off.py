@@ -1,0 +1,130 @@
+"""Diagnostics for the benchmarks: collectives turned into local no-ops,
+and the collectives a call dispatches, counted.
+
+A `*_no_collectives` variant runs the same program with every collective
+replaced, once warm, by a local copy of the right shape: the results are
+wrong (each rank keeps its own values) but the host work is the same, so
+a variant's time minus its no-collectives twin's is what its collectives
+cost, and the no-collectives pair compares the host work alone.
+
+    off = CollectivesOff()
+    off.install()             # after the warm-up steps
+    off.ddp(model)            # a DDP module: its reducer's all-reduce
+    count_collectives(step)   # {op: count}; must be {} once installed
+"""
+
+import collections
+
+__all__ = ["CollectivesOff", "count_collectives"]
+
+
+class _Done:
+    """What an `async_op=True` collective returns: already complete."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class CollectivesOff:
+    """Replaces the collectives of `torch.distributed`'s Python API and of
+    its functional collectives (what DTensor, FSDP2 and keras-dtensor
+    call, looked up at call time) with local copies."""
+
+    def install(self):
+        import torch
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        def size(group):
+            return dist.get_world_size(group)
+
+        def done(async_op):
+            return _Done() if async_op else None
+
+        def all_reduce(tensor, op=None, group=None, async_op=False):
+            return done(async_op)
+
+        def broadcast(tensor, src=None, group=None, async_op=False, **kw):
+            return done(async_op)
+
+        def all_gather_single(output, input, group=None, async_op=False):
+            # FSDP2 gathers in place: its input is a view of the output
+            piece = input.reshape(1, -1).clone()
+            output.view(size(group), -1).copy_(piece)
+            return done(async_op)
+
+        def reduce_scatter_single(
+            output, input, op=None, group=None, async_op=False
+        ):
+            output.view(-1).copy_(input.reshape(size(group), -1)[0])
+            return done(async_op)
+
+        def all_gather(tensors, tensor, group=None, async_op=False):
+            for t in tensors:
+                t.copy_(tensor)
+            return done(async_op)
+
+        def functional_size(group):
+            return dist.get_world_size(funcol._resolve_group(group))
+
+        def gather(tensor, gather_dim, group, *args, **kwargs):
+            copies = [tensor] * functional_size(group)
+            return torch.cat(copies, dim=gather_dim)
+
+        def scatter(tensor, op, scatter_dim, group, *args, **kwargs):
+            parts = tensor.chunk(functional_size(group), dim=scatter_dim)
+            return parts[0].contiguous()
+
+        dist.all_reduce = all_reduce
+        dist.broadcast = broadcast
+        dist.all_gather = all_gather
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            setattr(dist, name, all_gather_single)
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            setattr(dist, name, reduce_scatter_single)
+
+        def batch_isend_irecv(ops):
+            return []
+
+        batch_isend_irecv.collectives_off = True  # not counted as a batch
+        dist.batch_isend_irecv = batch_isend_irecv
+        funcol.all_reduce = lambda tensor, *args, **kwargs: tensor.clone()
+        funcol.all_gather_single = gather
+        funcol.reduce_scatter_single = scatter
+
+    def ddp(self, module):
+        """DDP's buckets are all-reduced by its C++ reducer: a comm hook
+        that hands each bucket back as it is."""
+        import torch
+
+        def keep(state, bucket):
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        module.register_comm_hook(None, keep)
+
+
+def count_collectives(call):
+    """The collectives `call()` dispatches, by op (c10d and functional;
+    CommDebugMode's module tracking fails on some modules under
+    `no_grad`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Collectives(TorchDispatchMode):
+        counts = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if func.namespace in ("c10d", "_c10d_functional"):
+                # not collectives: waits, and a wrap for autograd
+                if not name.startswith(("wait", "_wrap")):
+                    self.counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Collectives() as mode:
+        call()
+    return dict(mode.counts)
