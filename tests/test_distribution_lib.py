@@ -106,6 +106,31 @@ def _backend_checks():
         lambda: keras.distribution.distribute_tensor(glob, too_many)
     )
     out["shard_types"] = (Shard(1), Replicate())
+    # A tensor with no gradient is cut to this rank's shard directly: the
+    # same shard, shape and stride as Replicate -> Shard's redistribute
+    # (uneven chunks, empty ones, another dim, a non-contiguous global).
+    cut = []
+    for shape, dim in (((7, 3), 0), ((2, 5), 1), ((1, 4), 0), ((3, 4, 5), 2)):
+        dense = torch.arange(float(np.prod(shape))).reshape(shape)
+        strided = dense.transpose(0, 1).contiguous().transpose(0, 1)
+        for value in (dense, strided):
+            placements = [Shard(dim)]
+            got = distribution_lib.shard_global_tensor(
+                value, distribution_lib.DTensorLayout(torch_mesh, placements)
+            )
+            want = DTensor.from_local(
+                value, torch_mesh, [Replicate()], run_check=False
+            ).redistribute(torch_mesh, placements)
+            cut.append(
+                (
+                    torch.equal(got.to_local(), want.to_local()),
+                    got.shape == want.shape,
+                    got.stride() == want.stride(),
+                    tuple(got.placements) == tuple(want.placements),
+                    got.to_local().is_contiguous(),
+                )
+            )
+    out["cut"] = cut
 
     keras.utils.set_random_seed(7)
     out["random"] = keras.ops.convert_to_numpy(
@@ -143,6 +168,7 @@ def test_backend_module(world):
             out["local"], np.array_split(glob, world, axis=1)[rank]
         )
         assert out["full_equal"] and out["same_returned"]
+        assert all(all(case) for case in out["cut"]), out["cut"]
         assert out["redistributed"][1]
         np.testing.assert_array_equal(out["grad"], np.full((6, 8), 2.0))
         assert "mesh axis 'model' is used more than once" in out["err_twice"]
