@@ -14,6 +14,10 @@ section (to record a new generate run alone); without `--generate`, its
 generate section (a new step run alone); sections made elsewhere (the
 checkpoints') are kept too.
 
+`--step-no-collectives`: the step command with the no-collectives twins
+(`NO_COLLECTIVES_COMMAND`), its own section (its own "before" is the
+same run with collectives).
+
 `--step-*`: `bench_step.py --models transformer_small --rounds 3 --steps 50
 --warmup 10 --variants torch_single,keras_single,torch_ddp,kd_dp,torch_tp,
 kd_mp,torch_fsdp2,kd_fsdp --out ...`; `--counts-*`: the same with
@@ -38,6 +42,10 @@ STEP_COMMAND = (
     "python benchmarks/bench_step.py --models transformer_small --rounds 3 "
     "--steps 50 --warmup 10 --variants torch_single,keras_single,torch_ddp,"
     "kd_dp,torch_tp,kd_mp,torch_fsdp2,kd_fsdp"
+)
+OFF = "_no_collectives"
+NO_COLLECTIVES_COMMAND = STEP_COMMAND + "".join(
+    f",{v}{OFF}" for _, kd, native, _ in PAIRS for v in (native, kd)
 )
 GENERATE_COMMAND = "python benchmarks/bench_generate.py --rounds {rounds}"
 NEW_TOKENS = 24  # bench_generate: a 32-token sequence after an 8-token prompt
@@ -70,6 +78,49 @@ def _pairs(run):
             "keras_ratio": _round(keras["median_of_rounds"], 2),
         }
     return out
+
+
+def _no_collectives(run, meta):
+    """Each pair with and without collectives, from one run: the host
+    work alone against the target, the distribution's own host work, and
+    what each side's collectives cost."""
+    table, targets = run["table"][MODEL], run["targets"][MODEL]
+    keras = targets["keras_over_torch_single"]
+    allowed = [SHARE * a for a in keras["extra_ms_per_round"]]
+
+    def ms(variant):
+        return table[variant]["median_ms"]
+
+    pairs = {}
+    for native_name, kd, native, name in PAIRS:
+        off = targets[name + OFF]["extra_ms_per_round"]
+        held = sum(x <= a for x, a in zip(off, allowed, strict=True))
+        pairs[name] = {
+            "native": native_name,
+            "extra_ms": _round(targets[name]["extra_ms_median_of_rounds"]),
+            "extra_off_ms": _round(statistics.median(off)),
+            "held_off": f"{held}/{len(off)}",
+            "own_off_ms": _round(
+                (ms(kd + OFF) - ms("keras_single"))
+                - (ms(native + OFF) - ms("torch_single"))
+            ),
+            "kd_collectives_ms": _round(ms(kd) - ms(kd + OFF)),
+            "native_collectives_ms": _round(ms(native) - ms(native + OFF)),
+            "collectives": {
+                v: sum(table[v]["comms_per_step"].values())
+                for v in (kd, native)
+            },
+        }
+    return {
+        **meta,
+        "command": NO_COLLECTIVES_COMMAND,
+        "rounds": run["rounds"],
+        "share": SHARE,
+        "keras_extra_ms": _round(keras["extra_ms_median_of_rounds"]),
+        "allowed_ms": _round(statistics.median(allowed)),
+        "ran_none": run["no_collectives_ran_none"],
+        "pairs": pairs,
+    }
 
 
 def _counts(run):
@@ -168,7 +219,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # Without them, the figures already in --out are kept.
     parser.add_argument("--generate")
-    for name in ("step-after", "counts-after", "step-before", "counts-before"):
+    for name in (
+        "step-after",
+        "counts-after",
+        "step-before",
+        "counts-before",
+        "step-no-collectives",
+    ):
         parser.add_argument(f"--{name}")
     parser.add_argument("--commit", required=True)
     parser.add_argument("--before-commit")
@@ -191,6 +248,10 @@ def main(argv=None):
     meta = {"date": args.date, "commit": args.commit, "machine": "cpu2"}
     if args.step_after:
         result["step"] = _step(args, read, result.get("step", {}), meta)
+    if args.step_no_collectives:
+        result["step_no_collectives"] = _no_collectives(
+            read(args.step_no_collectives), meta
+        )
     if args.generate:
         result["generate"] = {
             **meta,

@@ -84,6 +84,8 @@ def host_work(data):
         ),
         _rows(step),
     )
+    if "step_no_collectives" in run:
+        lines += _step_without_collectives(run["step_no_collectives"])
     lines += [
         "",
         "One untimed step counted (`benchmarks/step_counts.py`), before → "
@@ -141,6 +143,47 @@ def host_work(data):
     if "extra_no_collectives_ms_per_token" in generate:
         lines += _without_collectives(generate)
     return lines + _checkpoints(run["checkpoints"])
+
+
+def _step_without_collectives(run):
+    lines = [
+        "",
+        "Host work alone: the same pairs, with each step's collectives "
+        "made local no-ops once warm (wrong numbers, the same host work; "
+        f"{'none' if run['ran_none'] else 'some'} left running; measured "
+        f"{when(run)}, `{run['command']}`). Keras − torch is "
+        f"{number(run['keras_extra_ms'], 1)} ms in this run, so the target "
+        f"is ≤ {number(run['allowed_ms'], 1)} ms. keras-dtensor runs "
+        "Keras's own step, so with its collectives gone kd − native cannot "
+        "fall far below Keras − torch itself; *the distribution's own* "
+        "(keras-dtensor − Keras single) − (native − torch single) is the "
+        "host work the package adds.",
+        "",
+    ]
+    return lines + table(
+        (
+            "pair",
+            "keras-dtensor − native ms",
+            "without collectives ms",
+            "held (rounds)",
+            "the distribution's own, without collectives ms",
+            "collectives cost keras-dtensor / native ms",
+            "collectives a step keras-dtensor / native",
+        ),
+        [
+            (
+                f"kd-{name.split('_')[1].upper()} − {p['native']}",
+                number(p["extra_ms"], 1),
+                number(p["extra_off_ms"], 1),
+                p["held_off"],
+                number(p["own_off_ms"], 1),
+                f"{number(p['kd_collectives_ms'], 1)} / "
+                f"{number(p['native_collectives_ms'], 1)}",
+                " / ".join(str(n) for n in p["collectives"].values()),
+            )
+            for name, p in run["pairs"].items()
+        ],
+    )
 
 
 def _without_collectives(generate):
