@@ -68,7 +68,11 @@ class CollectivesOff:
             return done(async_op)
 
         def functional_size(group):
-            return dist.get_world_size(funcol._resolve_group(group))
+            resolved = funcol._resolve_group(group)  # a name, in torch 2.13
+            if isinstance(resolved, str):
+                by_name = dist.distributed_c10d._get_group_size_by_name
+                return by_name(resolved)
+            return dist.get_world_size(resolved)
 
         def gather(tensor, gather_dim, group, *args, **kwargs):
             copies = [tensor] * functional_size(group)
