@@ -253,7 +253,21 @@ def checkpoint_headline(data):
 
 def host_headline(data):
     """Headline rows: the step pairs on `transformer_small`."""
-    step = data["results-host.json"]["step"]
+    run = data["results-host.json"]
+    step = run["step"]
+    off = run.get("step_no_collectives", {}).get("pairs", {})
+
+    def alone(name):
+        pair = off.get(name)
+        if pair is None:
+            return ""
+        commit = run["step_no_collectives"]["commit"]
+        return (
+            f"; at {commit} without collectives {pair['extra_off_ms']:+.1f}, "
+            f"{pair['held_off']}, the distribution's own "
+            f"{pair['own_off_ms']:+.1f} ms"
+        )
+
     return [
         (
             now["native"],
@@ -263,9 +277,9 @@ def host_headline(data):
             number(now["keras_ratio"]),
             f"{now['held']} at ≤ {step['share']} × (Keras − torch) ms "
             f"({now['extra_ms']:+.1f} against "
-            f"{number(now['allowed_ms'], 1)} ms)",
+            f"{number(now['allowed_ms'], 1)} ms{alone(name)})",
             "-",
             when(step),
         )
-        for now in step["after"].values()
+        for name, now in step["after"].items()
     ]
