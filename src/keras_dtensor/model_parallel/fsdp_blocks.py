@@ -177,7 +177,7 @@ class Session:
         ]
 
     def _start(self, indices):
-        shards = [local_grads.local(self.values[i]) for i in indices]
+        shards = local_grads.local_many([self.values[i] for i in indices])
         pending = packed_gather.start(shards, self._specs(indices), self.group)
         return pending, shards
 

@@ -163,19 +163,27 @@ def _local_weights(plan_, layout, kept):
         for i, full in session.gather_root().items():
             whole[id(plan_.weights[i][0])] = full
     grouped = () if layout is None else layout.grouped
+    read = []  # (variable, value, gradient placements): read locally
     for i, (variable, gather, grad) in enumerate(plan_.weights):
         value = values[i]
         if i in kept:  # a tensor-parallel layer's: stays a DTensor
             whole[id(variable)] = value
         elif not gather:
-            whole[id(variable)] = local_grads.local(value, grad)
+            read.append((variable, value, grad))
         elif layout is None:
             by_dtype.setdefault(value.dtype, []).append((variable, value))
+            read.append((variable, value, None))
         elif i in grouped:
             whole[id(variable)] = value  # a shard until its group gathers
         # else: in `layout.root`, gathered above
+    # Every weight read through one autograd edge (`local_many`).
+    locals_ = local_grads.local_many(
+        [value for _, value, _ in read], [grad for _, _, grad in read]
+    )
+    for (variable, _, _), local_tensor in zip(read, locals_, strict=True):
+        whole[id(variable)] = local_tensor  # a shard, where gathered below
     for items in by_dtype.values():
-        shards = [local_grads.local(value) for _, value in items]
+        shards = [whole[id(variable)] for variable, _ in items]
         specs = [
             (value.placements[plan_.dim].dim, tuple(value.shape))
             for _, value in items

@@ -12,8 +12,11 @@ host work than the weight's own backward.
 gradient's spec built once per weight and placements. The gradient is the
 same tensor with the same layout; it reaches the weight through autograd
 as before, so `.grad` accumulation, hooks and `torch.autograd.grad` over
-the weights are unchanged. `like(local, value)` wraps a local tensor laid
-out as `value` the same way (a reduced gradient handed to the optimizer).
+the weights are unchanged. `local_many` reads a model's weights through
+one such edge (one autograd node instead of one a weight: a Python
+Function's own cost, paid once). `like(local, value)` wraps a local tensor
+laid out as `value` the same way (a reduced gradient handed to the
+optimizer).
 """
 
 import torch
@@ -21,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import object_state
 
-__all__ = ["like", "local"]
+__all__ = ["like", "local", "local_many"]
 
 _SPECS = "_keras_dtensor_grad_specs"
 
@@ -60,6 +63,72 @@ class _ToLocal(torch.autograd.Function):
         return DTensor(grad, ctx.spec, requires_grad=grad.requires_grad), None
 
 
+class _ToLocalMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, specs, *values):
+        ctx.specs = specs
+        ctx.layouts = []
+        out = []
+        for value in values:
+            local = value._local_tensor
+            ctx.layouts.append((local.shape, local.stride()))
+            out.append(local.view_as(local))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = [None]
+        for grad, spec, (shape, stride) in zip(
+            grads, ctx.specs, ctx.layouts, strict=True
+        ):
+            if grad is None:
+                out.append(None)
+                continue
+            if grad.stride() != stride:
+                grad = grad.new_empty_strided(shape, stride).copy_(grad)
+            out.append(DTensor(grad, spec, requires_grad=grad.requires_grad))
+        return tuple(out)
+
+
+def _cached(value):
+    return value.is_leaf and value.requires_grad and torch.is_grad_enabled()
+
+
+def local_many(values, grad_placements=None):
+    """`[local(v, p) for v, p in zip(values, grad_placements)]`, the
+    weights read through one autograd node.
+
+    Args:
+        values: DTensors; the leaves among them (variables' values) share
+            one node, anything else takes torch's `to_local`.
+        grad_placements: one entry per value (`None`: the value's own), or
+            `None` for all.
+
+    Returns:
+        The local tensors, in order, each differentiable back to its value.
+    """
+    if grad_placements is None:
+        grad_placements = [None] * len(values)
+    out = [None] * len(values)
+    shared, specs = [], []
+    for i, (value, placements) in enumerate(
+        zip(values, grad_placements, strict=True)
+    ):
+        if not _cached(value):
+            out[i] = value.to_local(grad_placements=placements)
+            continue
+        placements = tuple(
+            value.placements if placements is None else placements
+        )
+        shared.append(i)
+        specs.append(_spec(value, placements))
+    if shared:
+        locals_ = _ToLocalMany.apply(specs, *(values[i] for i in shared))
+        for i, local_tensor in zip(shared, locals_, strict=True):
+            out[i] = local_tensor
+    return out
+
+
 def local(value, grad_placements=None):
     """`value.to_local(grad_placements=grad_placements)` of a weight.
 
@@ -72,7 +141,7 @@ def local(value, grad_placements=None):
     Returns:
         The local tensor, differentiable back to `value`.
     """
-    if not (value.is_leaf and value.requires_grad and torch.is_grad_enabled()):
+    if not _cached(value):
         return value.to_local(grad_placements=grad_placements)
     placements = tuple(
         value.placements if grad_placements is None else grad_placements
