@@ -29,6 +29,7 @@ def _backend_checks():
     from torch.distributed.tensor import Shard
 
     from keras_dtensor.backend import distribution_lib
+    from keras_dtensor.backend import shards
 
     world = keras.distribution.get_device_count()
     out = {
@@ -115,7 +116,7 @@ def _backend_checks():
         strided = dense.transpose(0, 1).contiguous().transpose(0, 1)
         for value in (dense, strided):
             placements = [Shard(dim)]
-            got = distribution_lib.shard_global_tensor(
+            got = shards.shard_global_tensor(
                 value, distribution_lib.DTensorLayout(torch_mesh, placements)
             )
             want = DTensor.from_local(

@@ -15,7 +15,7 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend import structure
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import distribute_data_input
-from keras_dtensor.backend.distribution_lib import shard_global_tensor
+from keras_dtensor.backend.shards import shard_global_tensor
 
 __all__ = ["distribute_batch"]
 

@@ -17,9 +17,9 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import check_layout
 from keras_dtensor.backend.distribution_lib import distribute_tensor
-from keras_dtensor.backend.distribution_lib import shard_global_tensor
 from keras_dtensor.backend.errors import AssignedInCall
 from keras_dtensor.backend.layout import local_slices
+from keras_dtensor.backend.shards import shard_global_tensor
 from keras_dtensor.hooks import sharded_init
 
 __all__ = [
