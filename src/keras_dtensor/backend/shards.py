@@ -19,8 +19,10 @@ def shard_global_tensor(tensor, layout):
     """Cuts this rank's shard out of a global value held by every rank.
 
     No communication: every rank holds the same global `tensor` (Keras's
-    single-program semantics) and keeps its own slice. Differentiable: the
-    gradient of `tensor` is the full (gathered) gradient on every rank.
+    single-program semantics) and keeps its own slice. A tensor that
+    needs a gradient goes through DTensor's `redistribute`, so the
+    gradient of `tensor` is the full (gathered) gradient on every rank;
+    any other (a batch, an initial value) is sliced directly.
 
     Args:
         tensor: a plain `torch.Tensor` with the global shape.
