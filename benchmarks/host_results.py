@@ -44,9 +44,9 @@ STEP_COMMAND = (
     "kd_dp,torch_tp,kd_mp,torch_fsdp2,kd_fsdp"
 )
 OFF = "_no_collectives"
-NO_COLLECTIVES_COMMAND = STEP_COMMAND + "".join(
-    f",{v}{OFF}" for _, kd, native, _ in PAIRS for v in (native, kd)
-)
+NO_COLLECTIVES_COMMAND = STEP_COMMAND.replace(
+    "--rounds 3", "--rounds {rounds}"
+) + "".join(f",{v}{OFF}" for _, kd, native, _ in PAIRS for v in (native, kd))
 GENERATE_COMMAND = "python benchmarks/bench_generate.py --rounds {rounds}"
 NEW_TOKENS = 24  # bench_generate: a 32-token sequence after an 8-token prompt
 
@@ -88,24 +88,41 @@ def _no_collectives(run, meta):
     keras = targets["keras_over_torch_single"]
     allowed = [SHARE * a for a in keras["extra_ms_per_round"]]
 
-    def ms(variant):
-        return table[variant]["median_ms"]
+    def rounds(variant):
+        return table[variant]["round_median_ms"]
+
+    def per_round(a, b):  # a - b within each round, its median
+        return statistics.median(
+            x - y for x, y in zip(rounds(a), rounds(b), strict=True)
+        )
 
     pairs = {}
     for native_name, kd, native, name in PAIRS:
         off = targets[name + OFF]["extra_ms_per_round"]
         held = sum(x <= a for x, a in zip(off, allowed, strict=True))
+        # The distribution's own, per round: (kd - Keras single) -
+        # (native - torch single), without collectives.
+        own = [
+            (k - ks) - (n - ts)
+            for k, ks, n, ts in zip(
+                rounds(kd + OFF),
+                rounds("keras_single"),
+                rounds(native + OFF),
+                rounds("torch_single"),
+                strict=True,
+            )
+        ]
+        own_held = sum(x <= a for x, a in zip(own, allowed, strict=True))
         pairs[name] = {
             "native": native_name,
             "extra_ms": _round(targets[name]["extra_ms_median_of_rounds"]),
             "extra_off_ms": _round(statistics.median(off)),
             "held_off": f"{held}/{len(off)}",
-            "own_off_ms": _round(
-                (ms(kd + OFF) - ms("keras_single"))
-                - (ms(native + OFF) - ms("torch_single"))
-            ),
-            "kd_collectives_ms": _round(ms(kd) - ms(kd + OFF)),
-            "native_collectives_ms": _round(ms(native) - ms(native + OFF)),
+            "own_off_ms": _round(statistics.median(own)),
+            "own_off_ms_per_round": [_round(x) for x in own],
+            "own_held_off": f"{own_held}/{len(own)}",
+            "kd_collectives_ms": _round(per_round(kd, kd + OFF)),
+            "native_collectives_ms": _round(per_round(native, native + OFF)),
             "collectives": {
                 v: sum(table[v]["comms_per_step"].values())
                 for v in (kd, native)
@@ -113,7 +130,7 @@ def _no_collectives(run, meta):
         }
     return {
         **meta,
-        "command": NO_COLLECTIVES_COMMAND,
+        "command": NO_COLLECTIVES_COMMAND.format(rounds=run["rounds"]),
         "rounds": run["rounds"],
         "share": SHARE,
         "keras_extra_ms": _round(keras["extra_ms_median_of_rounds"]),
