@@ -48,6 +48,14 @@ def _spec(value, placements):
     return spec
 
 
+def _as_grad(grad, spec, shape, stride):
+    """A local gradient as the weight's DTensor gradient, laid out as the
+    local tensor it reached (`shape`, `stride`)."""
+    if grad.stride() != stride:  # e.g. an expanded sum's gradient
+        grad = grad.new_empty_strided(shape, stride).copy_(grad)
+    return DTensor(grad, spec, requires_grad=grad.requires_grad)
+
+
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value, spec):
@@ -57,10 +65,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if grad.stride() != ctx.stride:  # e.g. an expanded sum's gradient
-            out = grad.new_empty_strided(ctx.shape, ctx.stride)
-            grad = out.copy_(grad)
-        return DTensor(grad, ctx.spec, requires_grad=grad.requires_grad), None
+        return _as_grad(grad, ctx.spec, ctx.shape, ctx.stride), None
 
 
 class _ToLocalMany(torch.autograd.Function):
@@ -77,17 +82,15 @@ class _ToLocalMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        out = [None]
-        for grad, spec, (shape, stride) in zip(
-            grads, ctx.specs, ctx.layouts, strict=True
-        ):
-            if grad is None:
-                out.append(None)
-                continue
-            if grad.stride() != stride:
-                grad = grad.new_empty_strided(shape, stride).copy_(grad)
-            out.append(DTensor(grad, spec, requires_grad=grad.requires_grad))
-        return tuple(out)
+        return (
+            None,
+            *(
+                None if grad is None else _as_grad(grad, spec, *layout)
+                for grad, spec, layout in zip(
+                    grads, ctx.specs, ctx.layouts, strict=True
+                )
+            ),
+        )
 
 
 def _cached(value):
