@@ -173,6 +173,25 @@ def _streamed_saves(directory):
     return out
 
 
+def _write_kernels(model, path):
+    """A weights file written by hand, as keras_hub's `save_lora_weights`
+    writes its own: a Keras store opened outside `save_weights`."""
+    from keras.src.saving import saving_lib
+
+    store = saving_lib.H5IOStore(path, mode="w")
+    for layer in model.layers:
+        if getattr(layer, "kernel", None) is not None:
+            store.make(layer.name)["kernel"] = layer.kernel
+    store.close()
+
+
+def _read_kernels(path):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return {name: np.asarray(f[name]["vars"]["kernel"]) for name in f}
+
+
 def _save(directory):
     import keras
     import models
@@ -192,6 +211,7 @@ def _save(directory):
     with distribution.scope():
         model.save_weights(os.path.join(directory, "mlp.weights.h5"))
         model.save(os.path.join(directory, "mlp.keras"))
+        _write_kernels(model, os.path.join(directory, "kernels.h5"))
     return {
         "predict": result["predict"],
         "weights": result["weights"],
@@ -302,6 +322,11 @@ def _load(directory):
                 model.save_weights(os.path.join(directory, "lone.weights.h5"))
         except RuntimeError as e:
             out["lone_error"] = str(e)
+        try:
+            with distribution.scope():
+                _write_kernels(model, os.path.join(directory, "lone.h5"))
+        except RuntimeError as e:
+            out["lone_store_error"] = str(e)
     return out
 
 
@@ -312,6 +337,7 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
     # (Keras names a sharded save's files after the target: table_00000...)
     shards = [f for f in saved[0]["files"] if f.startswith("table_")]
     assert [f for f in saved[0]["files"] if f not in shards] == [
+        "kernels.h5",
         "mlp.keras",
         "mlp.weights.h5",
         "table.keras",
@@ -354,6 +380,11 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
     assert "must be called on every rank" in loaded[0]["lone_error"]
     assert "lone.weights.h5" in loaded[0]["lone_error"]
     assert " s of 2 s (KERAS_DTENSOR_SAVE_TIMEOUT)" in loaded[0]["lone_error"]
+    # A store opened by hand: the same error, naming the function.
+    lone_store = loaded[0]["lone_store_error"]
+    assert "_write_kernels(" in lone_store and "lone.h5" in lone_store
+    assert "must be called on every rank" in lone_store
+    assert not (tmp_path / "lone.h5").exists()
 
     # Plain single-process Keras reads both files.
     import models
@@ -367,6 +398,12 @@ def test_save_on_4_ranks_load_on_2_and_in_plain_keras(tmp_path):
     plain_weights.load_weights(str(tmp_path / "mlp.weights.h5"))
     for got, want in zip(plain_weights.get_weights(), weights, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-7)
+    # The store written by hand holds every kernel whole (rank 0's file).
+    kernels = _read_kernels(str(tmp_path / "kernels.h5"))
+    assert len(kernels) == 3, sorted(kernels)
+    for name, kernel in kernels.items():
+        want = keras.ops.convert_to_numpy(plain_weights.get_layer(name).kernel)
+        np.testing.assert_array_equal(kernel, want)
 
 
 def _check_streamed_saves(saved, tmp_path):

@@ -74,7 +74,7 @@ def _data():
     return {"token_ids": ids, "padding_mask": mask}, y, mask.astype("float32")
 
 
-def _run(family, distribution, lora=False):
+def _run(family, distribution, lora=False, lora_file=None):
     import contextlib
 
     import keras
@@ -125,6 +125,10 @@ def _run(family, distribution, lora=False):
         generated["top_k"] = lm.generate(prompt, stop_token_ids=[0])[
             "token_ids"
         ]
+        if lora_file is not None:
+            # keras_hub writes this file itself, outside save_weights.
+            backbone.save_lora_weights(lora_file)
+            result["lora_saved"] = _lora_values(backbone)
         after = [
             keras.ops.convert_to_numpy(v)
             for v in backbone.weights
@@ -162,6 +166,31 @@ def _run(family, distribution, lora=False):
     return result, generated, frozen_moved, local
 
 
+def _lora_values(backbone):
+    import keras
+
+    return [
+        keras.ops.convert_to_numpy(v)
+        for v in backbone.weights
+        if "lora_kernel" in v.path
+    ]
+
+
+def _loaded_lora_diff(family, lora_file, saved):
+    """A plain one-process backbone loads the file: its largest
+    difference from the saved values."""
+    import keras_hub
+
+    backbone_cls, _, extra = FAMILIES[family]
+    backbone = getattr(keras_hub.models, backbone_cls)(**{**COMMON, **extra})
+    backbone.load_lora_weights(lora_file)
+    loaded = _lora_values(backbone)
+    assert len(loaded) == len(saved) > 0, (len(loaded), len(saved))
+    return max(
+        float(np.abs(a - b).max()) for a, b in zip(loaded, saved, strict=True)
+    )
+
+
 def _promoted(layer):
     """Per layout of the inputs, the classes of the layers promoted."""
     records = layer.__dict__.get("_keras_dtensor_sharded_records")
@@ -194,17 +223,29 @@ def _distribution(family, mesh_shape):
 def _families(mesh_shape, cases):
     """Rank 0 also runs each case in one process (the reference); every
     rank's distributed values are global, the same on all ranks."""
+    import tempfile
+
     import models
     import torch.distributed as dist
 
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
     out = {}
     for family, lora in cases:
         reference = None
         if dist.get_rank() == 0:
             reference = _run(family, None, lora)
         distribution = _distribution(family, mesh_shape)
-        got, got_gen, frozen_moved, local = _run(family, distribution, lora)
+        lora_file = f"{directory[0]}/{family}.lora.h5" if lora else None
+        got, got_gen, frozen_moved, local = _run(
+            family, distribution, lora, lora_file
+        )
+        saved = got.pop("lora_saved", None)
         out[(family, lora)] = {"frozen_moved": frozen_moved, "local": local}
+        if saved is not None and dist.get_rank() == 0:
+            out[(family, lora)]["lora_loaded"] = _loaded_lora_diff(
+                family, lora_file, saved
+            )
         if reference is not None:
             ref, ref_gen, _, _ = reference
             out[(family, lora)]["diff"] = models.max_diff(ref, got)
@@ -224,6 +265,9 @@ def _check(results, mesh_shape):
                 assert r["generate"] == {"greedy": 0, "top_k": 0}, family
             if lora:
                 assert r["frozen_moved"] == 0.0, family
+            if lora and rank == 0:
+                # save_lora_weights on every rank: rank 0's file, whole.
+                assert r["lora_loaded"] == 0.0, family
             if mesh_shape == "data":
                 continue  # DataParallel: plain, whole variables
             # Every signature (fit, evaluate, predict) ran on local tensors

@@ -45,6 +45,22 @@ SAVING_ROWS = (
     ),
     Patch(
         "keras.src.saving.saving_lib",
+        "H5IOStore.__init__",
+        "A store opened for writing outside save_weights/model.save "
+        "(keras_hub's save_lora_weights) was opened by every rank: h5py's "
+        "lock failed on all but one, whose gathers then hung; under a "
+        "distribution it is written as save_weights writes.",
+        saving.wrap_h5_store_init,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
+        "H5IOStore.close",
+        "Puts such a store's file in place (rank 0) and raises any rank's "
+        "failure on every rank.",
+        saving.wrap_h5_store_close,
+    ),
+    Patch(
+        "keras.src.saving.saving_lib",
         "H5IOStore.__setitem__",
         "Converting a sharded variable to numpy gathered it whole on every "
         "rank (2x the model per rank while saving); inside a save rank 0 "

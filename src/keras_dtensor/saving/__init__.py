@@ -10,7 +10,9 @@ Keras's own writers and readers run on every rank, through the hooks the
   zip written in one pass, the weights member filled in place;
 - the store hooks (`stores`): each sharded variable written in pieces by
   the ranks holding its shards (`h5_stream`; on one host, assembled in
-  shared memory: `shared_blocks`), never gathered;
+  shared memory: `shared_blocks`), never gathered; a store opened for
+  writing outside those functions (keras_hub's `save_lora_weights`)
+  written as they write;
 - the load hooks (`sliced_load`): each rank reads only its slices of a
   sharded variable.
 
@@ -23,6 +25,8 @@ from keras_dtensor.saving.sliced_load import wrap_convert_variable_value
 from keras_dtensor.saving.sliced_load import wrap_h5_store_getitem
 from keras_dtensor.saving.stores import Deferred
 from keras_dtensor.saving.stores import deferring
+from keras_dtensor.saving.stores import wrap_h5_store_close
+from keras_dtensor.saving.stores import wrap_h5_store_init
 from keras_dtensor.saving.stores import wrap_h5_store_setitem
 from keras_dtensor.saving.stores import wrap_optimizer_save_own_variables
 from keras_dtensor.saving.stores import wrap_sharded_h5_store_setitem
@@ -31,7 +35,9 @@ __all__ = [
     "Deferred",
     "deferring",
     "wrap_convert_variable_value",
+    "wrap_h5_store_close",
     "wrap_h5_store_getitem",
+    "wrap_h5_store_init",
     "wrap_h5_store_setitem",
     "wrap_optimizer_save_own_variables",
     "wrap_save",

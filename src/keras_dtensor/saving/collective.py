@@ -45,7 +45,7 @@ from keras_dtensor.backend.launch import multi_process
 from keras_dtensor.saving import h5_stream
 from keras_dtensor.saving import zip_writer
 
-__all__ = ["wrap_save", "wrap_save_model_to_fileobj"]
+__all__ = ["RankZeroFile", "wrap_save", "wrap_save_model_to_fileobj"]
 
 
 def _move_contents(staging, name, directory):
@@ -101,53 +101,98 @@ def _write_alone(original, model, filepath, *args, **kwargs):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
-    launch.every_rank_joins(
-        f"{what}({str(filepath)!r})",
-        "the ranks send rank 0 their shards of sharded variables; call it "
-        "on all ranks, only rank 0 writes the file",
-    )
-    # DataParallel leaves some optimizer slots stale on non-owners.
-    data_parallel.sync_optimizer_state(model)
-    final = os.fspath(filepath)
-    directory, name = files.split(final)  # Keras checks the file suffix
-    rank_0 = dist.get_rank() == 0
-    if rank_0:
-        files.remove_leftovers(directory, name)
-        staging = files.staging_path(final)
-    else:
-        files.remove_dead_scratch()
-        staging = files.scratch_dir()
-    target = os.path.join(staging, name)
-    result = problem = None
-    try:
-        if rank_0:
+class RankZeroFile:
+    """One file that every rank writes, of which rank 0's is kept.
+
+    Opening it makes every rank meet first (`every_rank_joins`), then
+    checks that rank 0 can write next to the target: rank 0 writes into a
+    hidden staging directory there, the others into a private scratch
+    directory (their stores take part in every transfer but keep nothing).
+    `finish(problem)` moves rank 0's file into place when no rank failed
+    and raises the first failure on every rank.
+
+    Args:
+        what: the user-facing call, for messages (`"save_weights"`).
+        filepath: the target path.
+    """
+
+    def __init__(self, what, filepath):
+        self.what, self.final = what, os.fspath(filepath)
+        launch.every_rank_joins(
+            f"{what}({self.final!r})",
+            "the ranks send rank 0 their shards of sharded variables; call "
+            "it on all ranks, only rank 0 writes the file",
+        )
+        # Keras checks the file's suffix on the name.
+        self.directory, self.name = files.split(self.final)
+        self.rank_0 = dist.get_rank() == 0
+        if self.rank_0:
+            files.remove_leftovers(self.directory, self.name)
+            self.staging = files.staging_path(self.final)
+        else:
+            files.remove_dead_scratch()
+            self.staging = files.scratch_dir()
+        self.target = os.path.join(self.staging, self.name)
+        problem = None
+        if self.rank_0:
             try:  # can rank 0 write there at all?
-                os.mkdir(staging)
-                open(target, "wb").close()
-                os.remove(target)
+                os.mkdir(self.staging)
+                open(self.target, "wb").close()
+                os.remove(self.target)
             except OSError as e:
                 problem = e
-        _raise_if_failed(_share_failure(problem), what, final)
+        # Every rank raises the same error, naming rank 0 and the path.
+        self.check(problem, raise_own=False)
+
+    def check(self, problem, raise_own=True):
+        """Raises on every rank if any rank failed (`problem`: this
+        rank's, raised as it is if `raise_own`), this rank's files
+        discarded; every rank must call it."""
+        failures = _share_failure(problem)
+        if failures:
+            self.discard()
+            own = problem if raise_own else None
+            _raise_if_failed(failures, self.what, self.final, own)
+
+    def discard(self):
+        """Removes what this rank wrote (idempotent)."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def finish(self, problem=None):
+        """Rank 0's file into place if no rank failed, else the first
+        failure raised on every rank (`problem`: this rank's)."""
         try:
-            with h5_stream.scope() as streamed:
-                try:
-                    result = original(model, target, *args, **kwargs)
-                except _PeerFailed:
-                    pass  # the failing rank's error is shared below
-                except Exception as e:
-                    problem = e
-            # A write that failed while shards kept arriving is the cause
-            # of any later error (h5py's close of the same file).
-            problem = streamed.error or problem
-            if problem is None and rank_0:
-                _move_contents(staging, name, directory)
+            if problem is None and self.rank_0:
+                _move_contents(self.staging, self.name, self.directory)
         except Exception as e:
             problem = e
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    # Nobody returns before the file is in place, so any rank may load.
-    _raise_if_failed(_share_failure(problem), what, final, problem)
+        finally:
+            self.discard()
+        # Nobody returns before the file is in place, so any rank may load.
+        _raise_if_failed(
+            _share_failure(problem), self.what, self.final, problem
+        )
+
+
+def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
+    written = RankZeroFile(what, filepath)
+    # DataParallel leaves some optimizer slots stale on non-owners.
+    data_parallel.sync_optimizer_state(model)
+    result = problem = None
+    try:
+        with h5_stream.scope() as streamed:
+            try:
+                result = original(model, written.target, *args, **kwargs)
+            except _PeerFailed:
+                pass  # the failing rank's error is shared below
+            except Exception as e:
+                problem = e
+        # A write that failed while shards kept arriving is the cause of
+        # any later error (h5py's close of the same file).
+        problem = streamed.error or problem
+    except Exception as e:
+        problem = e
+    written.finish(problem)
     return result
 
 

@@ -50,6 +50,8 @@ from keras_dtensor.saving import shared_blocks
 __all__ = [
     "active",
     "current",
+    "end_save",
+    "new_save",
     "numpy_dtype",
     "pieces",
     "scope",
@@ -107,22 +109,31 @@ class _Save:
 _SAVE = contextvars.ContextVar("keras_dtensor_stream_save", default=None)
 
 
+def new_save():
+    """The state of one save on this rank, for `write` (`end_save` when
+    done): `state.error` is the first write error on this rank (`None`
+    if none), to raise once the save's writer returns."""
+    return _Save(max(1, int(config.get("SAVE_PIECE_MB") * 2**20)))
+
+
+def end_save(state):
+    """Releases what `state` holds (its shared-memory blocks); idempotent."""
+    shared, state.shared = state.shared, None
+    if shared is not None:
+        shared.close()
+
+
 @contextlib.contextmanager
 def scope():
-    """The scope of one save on every rank (entered by `collective.py`).
-
-    Yields the save's state: `state.error` is the first write error on
-    this rank (`None` if none), to raise once Keras's writer returns.
-    """
-    piece_bytes = max(1, int(config.get("SAVE_PIECE_MB") * 2**20))
-    state = _Save(piece_bytes)
+    """The scope of one save on every rank (entered by `collective.py`):
+    the stores Keras opens inside stream into it. Yields `new_save()`."""
+    state = new_save()
     token = _SAVE.set(state)
     try:
         yield state
     finally:
         _SAVE.reset(token)
-        if state.shared is not None:
-            state.shared.close()
+        end_save(state)
 
 
 def active() -> bool:

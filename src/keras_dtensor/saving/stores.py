@@ -13,19 +13,34 @@ shards:
   Keras sizes its shard files from the numpy array; here the value passes
   through as a `Deferred` (shape and dtype only), which
   `convert_to_numpy` returns for a DTensor while `deferring()`.
+
+A store opened for writing outside Keras's save functions under a
+distribution (keras_hub's `save_lora_weights` opens its own) is written
+as `save_weights` writes: `H5IOStore.__init__` makes it a
+`collective.RankZeroFile` (every rank must open it; only rank 0's file is
+kept), its values stream as above, and `H5IOStore.close` puts the file in
+place or raises the first rank's failure on every rank.
 """
 
 import contextvars
 import functools
+import os
+import sys
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor.backend import context
+from keras_dtensor.backend.launch import multi_process
 from keras_dtensor.saving import h5_stream
+from keras_dtensor.saving.collective import RankZeroFile
 
 __all__ = [
     "Deferred",
     "deferring",
+    "wrap_h5_store_close",
+    "wrap_h5_store_init",
     "wrap_h5_store_setitem",
     "wrap_optimizer_save_own_variables",
     "wrap_sharded_h5_store_setitem",
@@ -94,7 +109,8 @@ def wrap_h5_store_setitem(original):
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
-        state = h5_stream.current()
+        direct = self.__dict__.get(_DIRECT)
+        state = h5_stream.current() if direct is None else direct[1]
         if state is None or self.mode not in ("w", "a"):
             return original(self, key, value)
         dtensor = _dtensor_of(value)
@@ -134,3 +150,70 @@ def wrap_optimizer_save_own_variables(original):
         return None
 
     return save_own_variables
+
+
+# On a store opened by `wrap_h5_store_init`: `(RankZeroFile, stream state)`.
+_DIRECT = "_keras_dtensor_direct_write"
+
+
+def _discard(written, state):
+    written.discard()
+    h5_stream.end_save(state)
+
+
+def wrap_h5_store_init(original):
+    """Wraps `H5IOStore.__init__(path_or_io, archive=None, mode="r")`: a
+    file opened for writing under a distribution on several processes,
+    outside Keras's save functions (which `collective.py` wraps), is
+    written as they write (see the module); the error of a call on some
+    ranks only names the calling function."""
+
+    @functools.wraps(original)
+    def __init__(self, path_or_io, archive=None, mode="r"):
+        if (
+            mode != "w"
+            or archive is not None
+            or not isinstance(path_or_io, (str, os.PathLike))
+            or h5_stream.active()
+            or not multi_process()
+            or context.current() is None
+        ):
+            return original(self, path_or_io, archive, mode)
+        caller = sys._getframe(1).f_code.co_name
+        written = RankZeroFile(caller, path_or_io)
+        problem = None
+        try:
+            original(self, written.target, archive, mode)
+        except Exception as e:
+            problem = e
+        written.check(problem)  # raises on every rank if any failed
+        state = h5_stream.new_save()
+        self.__dict__[_DIRECT] = (written, state)
+        # A writer that raises before `close()` leaves nothing behind.
+        weakref.finalize(self, _discard, written, state)
+        return None
+
+    return __init__
+
+
+def wrap_h5_store_close(original):
+    """Wraps `H5IOStore.close()`: a store opened by `wrap_h5_store_init`
+    is put in place on rank 0, or the first rank's failure is raised on
+    every rank."""
+
+    @functools.wraps(original)
+    def close(self):
+        direct = self.__dict__.pop(_DIRECT, None)
+        if direct is None:
+            return original(self)
+        written, state = direct
+        problem = None
+        try:
+            original(self)
+        except Exception as e:
+            problem = e
+        h5_stream.end_save(state)
+        written.finish(state.error or problem)
+        return None
+
+    return close
