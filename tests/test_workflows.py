@@ -10,6 +10,7 @@ computes the one-process reference itself.
 """
 
 import contextlib
+import random
 
 import numpy as np
 from harness import run_ranks
@@ -97,6 +98,10 @@ def _fit(keras, distribution, build, compile_kwargs, x, y, **fit_kwargs):
             validation_data=(x, y),
             **fit_kwargs,
         )
+        # The script's next draw from Python's `random` (a shuffled
+        # PyDataset's order, an unseeded initializer's seed): fit drew
+        # what one process draws.
+        after_fit = random.random()
         evaluated = model.evaluate(
             x, y, batch_size=8, verbose=0, return_dict=True
         )
@@ -105,6 +110,7 @@ def _fit(keras, distribution, build, compile_kwargs, x, y, **fit_kwargs):
             "evaluate": evaluated,
             "predict": model.predict(x, batch_size=8, verbose=0),
             "weights": model.get_weights(),
+            "random": after_fit,
         }
 
 
@@ -117,6 +123,7 @@ def _gap(a, b):
         for p, q in zip(a["weights"], b["weights"], strict=True)
     ]
     diffs.append(float(np.abs(a["predict"] - b["predict"]).max()))
+    diffs.append(abs(a["random"] - b["random"]))
     diffs += [abs(a["evaluate"][k] - b["evaluate"][k]) for k in a["evaluate"]]
     for key, values in a["history"].items():
         diffs += [
@@ -209,7 +216,7 @@ def _batch_losses(keras, x, y):
                 self.add_loss(2.0 * keras.ops.sum(balance))
             return x * keras.ops.sum(p, axis=-1, keepdims=True)
 
-    def build():
+    def balanced():
         inputs = keras.Input((3, 8))
         h = keras.layers.Dense(8, activation="relu")(inputs)
         h = Balance(name="balance")(h)
@@ -218,23 +225,37 @@ def _batch_losses(keras, x, y):
         )(h)
         return keras.Model(inputs, keras.layers.Dense(2)(h))
 
-    rows = np.resize(x, (32, 3, 8))
-    targets = np.resize(y, (32, 3, 2))
+    def regularized():  # rows of features: Keras's loss per row is (rows,)
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(8, activation="relu", activity_regularizer="l2")(
+            inputs
+        )
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    cases = {
+        "balanced": (
+            balanced,
+            np.resize(x, (32, 3, 8)),
+            np.resize(y, (32, 3, 2)),
+        ),
+        "regularized": (regularized, x[:32], y[:32]),
+    }
     out = {}
-    for n in (32, 25):
-        runs = [
-            _fit(
-                keras,
-                d,
-                build,
-                {"loss": "mse"},
-                rows[:n],
-                targets[:n],
-                batch_size=8,
-            )
-            for d in (None, keras.distribution.DataParallel())
-        ]
-        out[n] = _gap(*runs)
+    for name, (build, rows, targets) in cases.items():
+        for n in (32, 25):
+            runs = [
+                _fit(
+                    keras,
+                    d,
+                    build,
+                    {"loss": "mse"},
+                    rows[:n],
+                    targets[:n],
+                    batch_size=8,
+                )
+                for d in (None, keras.distribution.DataParallel())
+            ]
+            out[f"{name} {n}"] = _gap(*runs)
     return out
 
 

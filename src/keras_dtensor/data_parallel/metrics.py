@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
+from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel.state import state_of
 
 __all__ = [
@@ -158,7 +159,10 @@ def wrap_get_metrics_result(original):
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
         flat_states = [s for group in states for s in group]
-        if not flat_states:
+        # Keras's symbolic build computes the results on meta tensors:
+        # nothing to sum (torch's meta all-reduce would draw from Python's
+        # `random`, shifting the script's later draws from one process's).
+        if not flat_states or any(s.is_meta for s in flat_states):
             return original(self)
         state = state_of(self, create=False)
         reducer = None if state is None else state.reducer
@@ -303,18 +307,27 @@ def wrap_compute_loss_without_rows(original):
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
-        loss = original(self, *args, **kwargs)
-        if (
-            isinstance(loss, torch.Tensor)
-            and loss.ndim
-            and loss.numel() == 0
-            and getattr(state_of(self, create=False), "frozen", None)
-            is not None
+        if getattr(state_of(self, create=False), "frozen", None) is None:
+            return original(self, *args, **kwargs)
+        compiled = self.__dict__.get("_compile_loss")
+        if compiled is None:
+            return _summed_if_empty(original(self, *args, **kwargs))
+        # Keras sums the compiled loss with the losses layers added (a
+        # stack of scalars): the empty one becomes a scalar first.
+        with object_state.swapped(
+            self,
+            "_compile_loss",
+            lambda *a, **k: _summed_if_empty(compiled(*a, **k)),
         ):
-            return loss.sum()
-        return loss
+            return _summed_if_empty(original(self, *args, **kwargs))
 
     return compute_loss
+
+
+def _summed_if_empty(loss):
+    if isinstance(loss, torch.Tensor) and loss.ndim and loss.numel() == 0:
+        return loss.sum()
+    return loss
 
 
 def wrap_compute_metrics(original):

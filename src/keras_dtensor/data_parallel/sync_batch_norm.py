@@ -109,6 +109,7 @@ def wrap_moments(original):
             multi_process()
             and context.is_data_parallel()
             and isinstance(x, torch.Tensor)
+            and not x.is_meta  # shapes only: nothing to sum
         ):
             axes = tuple(a % x.dim() for a in axes)
             # Over the batch axis, as on JAX's global arrays; per-sample
