@@ -4,7 +4,8 @@ A custom `train_step`/`test_step` in the style of Keras's guide
 "Customizing what happens in fit() with PyTorch" (compiled metrics, and
 its own trackers), a global batch with fewer rows than processes, losses
 a layer adds from its whole input, and the
-`if rank == 0: model.save_weights(...)` idiom of torchrun scripts. One
+`if rank == 0: model.save_weights(...)` idiom of torchrun scripts, and
+thresholded metrics (AUC) under ModelParallel. One
 spawned group runs every case (processes are the suite's cost); each rank
 computes the one-process reference itself.
 """
@@ -124,11 +125,13 @@ def _gap(a, b):
     ]
     diffs.append(float(np.abs(a["predict"] - b["predict"]).max()))
     diffs.append(abs(a["random"] - b["random"]))
-    diffs += [abs(a["evaluate"][k] - b["evaluate"][k]) for k in a["evaluate"]]
+    pairs = [(a["evaluate"][k], b["evaluate"][k]) for k in a["evaluate"]]
     for key, values in a["history"].items():
-        diffs += [
-            abs(p - q) for p, q in zip(values, b["history"][key], strict=True)
-        ]
+        pairs += zip(values, b["history"][key], strict=True)
+    # A metric of several thresholds logs an array.
+    diffs += [
+        float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in pairs
+    ]
     return max(diffs)
 
 
@@ -259,6 +262,35 @@ def _batch_losses(keras, x, y):
     return out
 
 
+def _thresholded_metrics(keras, x, y):
+    """Metrics whose update scatters into threshold buckets (Keras's
+    `segment_sum`: `scatter_reduce`, which torch's DTensor has no rule
+    for) under ModelParallel, against one process."""
+
+    def build():
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+        return keras.Model(
+            inputs, keras.layers.Dense(1, activation="sigmoid")(h)
+        )
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    labels = (x[:, :1] > 0).astype("float32")
+    runs = []
+    for d in (None, keras.distribution.ModelParallel(layout_map=layout_map)):
+        compiled = {  # each model its own metrics, as compile builds them
+            "loss": "binary_crossentropy",
+            "metrics": [
+                keras.metrics.AUC(name="auc"),
+                keras.metrics.Precision([0.3, 0.5, 0.7], name="precision"),
+            ],
+        }
+        runs.append(_fit(keras, d, build, compiled, x, labels, batch_size=8))
+    return _gap(*runs)
+
+
 def _rank_0_saves(keras, torch, directory):
     """`if rank == 0: save` with no distribution set: plain Keras, alone;
     then under a distribution, alone: it raises after the timeout, having
@@ -322,6 +354,7 @@ def _workflows(directory):
         "custom": _custom_steps(keras, torch, x, y),
         "few_rows": _few_rows(keras, x, y),
         "batch_losses": _batch_losses(keras, x, y),
+        "thresholded": _thresholded_metrics(keras, x, y),
         "saves": _rank_0_saves(keras, torch, directory),
     }
 
@@ -344,6 +377,8 @@ def test_workflows_equal_one_process(tmp_path):
         assert out["few_rows"] <= TOLERANCE, out["few_rows"]
         # Losses added from the whole batch are the global batch's.
         assert max(out["batch_losses"].values()) <= TOLERANCE, out
+        # AUC and thresholded precision under ModelParallel.
+        assert out["thresholded"] <= TOLERANCE, out["thresholded"]
         saves = out["saves"]
         if rank == 0:
             assert saves["same"]

@@ -185,6 +185,10 @@ def wrap_direct_assign(original):
                 # A model on local rows: this rank's value must not land
                 # in a global variable; the call reruns as DTensors.
                 raise AssignedInCall(self.path)
+            if isinstance(value, DTensor):
+                # A variable made before the distribution (a metric built
+                # outside its scope) holds the global value, as on JAX.
+                value = value.full_tensor()
             return original(self, value)
         if model_parallel.recording():
             # The DTensor run a local run is checked against: it runs

@@ -20,6 +20,12 @@ the op is replicated: the probabilities are gathered (batch x classes)
 and every rank draws the whole sample from the same generator state, the
 one-process result.
 
+`scatter_reduce` (Keras's `ops.segment_sum`/`segment_max`, which every
+thresholded metric's update runs: `AUC`, `Precision(thresholds=...)`)
+has no strategy in torch 2.13: all replicated, or sharded on a dim other
+than the scattered one where every operand has the same size there (each
+rank reduces its own slices), as torch's `scatter_add`.
+
 Comparison ops (`eq`, `ne`, `lt`, ... on tensors and scalars) have
 strategies from torch 2.13 on; torch 2.11 lacks some (`aten.ne.Tensor`,
 which Keras's optimizer EMA runs on its replicated `iterations`). Where torch
@@ -44,6 +50,8 @@ __all__ = [
     "register_elementwise",
     "replicated_sample",
     "sample_ops",
+    "scatter_reduce",
+    "scatter_reduce_ops",
 ]
 
 _aten = torch.ops.aten
@@ -96,6 +104,27 @@ def elementwise(self, other=None, **kwargs):
 def replicated_sample(self, num_samples, replacement=False, **kwargs):
     # -> one output; input self; scalars num_samples, replacement.
     return [([Replicate()], [Replicate(), None, None])]
+
+
+def scatter_reduce(self, dim, index, src, reduce, **kwargs):
+    # -> one output; inputs self, index, src; scalars dim, reduce.
+    def placed(p):
+        return ([p], [p, None, p, p, None])
+
+    strategies = [placed(Replicate())]
+    shapes = [tuple(t.shape) for t in (self, index, src)]
+    if len({len(shape) for shape in shapes}) == 1:
+        dim %= len(shapes[0])
+        for d in range(len(shapes[0])):
+            if d != dim and len({shape[d] for shape in shapes}) == 1:
+                strategies.append(placed(Shard(d)))
+    return strategies
+
+
+def scatter_reduce_ops():
+    """`scatter_reduce` and its in-place form, where torch has no rule."""
+    ops = (_aten.scatter_reduce.two, _aten.scatter_reduce_.two)
+    return [op for op in ops if not _has_strategy(op)]
 
 
 def sample_ops():

@@ -130,6 +130,14 @@ TORCH_ROWS = (
         "DTensor rule for aten.ne.Tensor (2.13 has all: nothing registered).",
     ),
     Registration(
+        "aten.scatter_reduce",
+        strategies.scatter_reduce_ops,
+        strategies.scatter_reduce,
+        "No DTensor rule in torch 2.13: Keras's segment_sum, and so every "
+        "thresholded metric (AUC, Precision(thresholds=...)), crashed under "
+        "ModelParallel.",
+    ),
+    Registration(
         "aten.multinomial, replicated",
         strategies.sample_ops,
         strategies.replicated_sample,
