@@ -343,6 +343,17 @@ def _rank_0_saves(keras, torch, directory):
     return out
 
 
+def _summary(keras):
+    """What `model.summary()` printed on this rank."""
+    import io
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model.summary()
+    return printed.getvalue()
+
+
 def _workflows(directory):
     import keras
     import torch
@@ -356,6 +367,7 @@ def _workflows(directory):
         "batch_losses": _batch_losses(keras, x, y),
         "thresholded": _thresholded_metrics(keras, x, y),
         "saves": _rank_0_saves(keras, torch, directory),
+        "summary": _summary(keras),
     }
 
 
@@ -385,6 +397,9 @@ def test_workflows_equal_one_process(tmp_path):
             assert saves["alone_s"] < 30, saves  # no wait for rank 1
             assert "must be called on every rank" in saves["lone_error"]
             assert "lone.weights.h5" in saves["lone_error"]
+            assert "missing: rank 1" in saves["lone_error"], saves
+        # model.summary() prints once, from rank 0.
+        assert ("Total params" in out["summary"]) == (rank == 0), out
         assert saves["sum_after_plain"] == 3.0
         # Rank 0's lone save waited on the store, not in a collective
         # rank 1's all-reduce could pair with.

@@ -10,14 +10,20 @@
 
 2. Every Keras message goes through `keras.src.utils.io_utils.print_msg`;
    with several processes the other ranks' copies are dropped, since logged
-   values are global and identical on every rank. Set
+   values are global and identical on every rank. `model.summary()` prints
+   through a console of its own: it too prints from rank 0 only (a
+   `print_fn` of the caller's runs on every rank). Set
    `KERAS_DTENSOR_LOG_ALL_RANKS=1` to print on every rank.
 """
 
 from keras_dtensor.backend import console
 from keras_dtensor.backend.launch import multi_process
 
-__all__ = ["wrap_configure_async_dispatch", "wrap_print_msg"]
+__all__ = [
+    "wrap_configure_async_dispatch",
+    "wrap_print_msg",
+    "wrap_print_summary",
+]
 
 
 def wrap_configure_async_dispatch(original):
@@ -42,3 +48,19 @@ def wrap_print_msg(original):
         return original(message, line_break=line_break)
 
     return _print_msg
+
+
+def wrap_print_summary(original):
+    """Wraps `summary_utils.print_summary`: printed from rank 0 only unless
+    the caller passes its own `print_fn` (see 2. above)."""
+
+    def print_summary(model, *args, **kwargs):
+        if (
+            kwargs.get("print_fn") is None
+            and len(args) < 3
+            and console.silent()
+        ):
+            return None
+        return original(model, *args, **kwargs)
+
+    return print_summary

@@ -290,6 +290,12 @@ KERAS_ROWS = (
         callbacks.wrap_print_msg,
     ),
     Patch(
+        "keras.src.utils.summary_utils",
+        "print_summary",
+        "model.summary() prints through a rich console of its own: once.",
+        callbacks.wrap_print_summary,
+    ),
+    Patch(
         "keras.src.callbacks.callback_list",
         "CallbackList._configure_async_dispatch",
         "Batch-end callbacks on a worker thread gather DTensors out of "

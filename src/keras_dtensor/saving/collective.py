@@ -120,8 +120,9 @@ class RankZeroFile:
         self.what, self.final = what, os.fspath(filepath)
         launch.every_rank_joins(
             f"{what}({self.final!r})",
-            "the ranks send rank 0 their shards of sharded variables; call "
-            "it on all ranks, only rank 0 writes the file",
+            "every rank takes part (sharded variables travel to rank 0 in "
+            "pieces, and the ranks agree on the outcome); call it on all "
+            "ranks, only rank 0 writes the file",
         )
         # Keras checks the file's suffix on the name.
         self.directory, self.name = files.split(self.final)
