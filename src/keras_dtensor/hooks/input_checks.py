@@ -108,8 +108,10 @@ def _raise_if_batches_differ(digests, index):
         f"equal batches: {sorted(groups.values())}). Seed every source of "
         "randomness in the input pipeline the same way on every rank "
         "(keras.utils.set_random_seed(seed) before building it, or explicit "
-        "seeds), or, if each process deliberately feeds its own rows, pass "
-        "auto_shard_dataset=False. (A rank that is not running this same "
+        "seeds), or, if each process deliberately feeds its own rows, "
+        "create the distribution with auto_shard_dataset=False "
+        "(DataParallel(auto_shard_dataset=False), likewise ModelParallel), "
+        "not a fit argument. (A rank that is not running this same "
         "fit/evaluate/predict at all shows up here too: every rank must "
         "call it.)"
     )
