@@ -384,15 +384,11 @@ def every_rank_joins(what: str, why: str) -> None:
             store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout))
         except RuntimeError:
             store.set(f"{key}/abandoned", str(rank).encode())
-            missing = [
-                r
-                for r in range(size)
-                if store.add(f"{prefix}/rank{r}", 0) < call
-            ]
+            counts = [store.add(f"{prefix}/rank{r}", 0) for r in range(size)]
+            absent = [r for r, n in enumerate(counts) if n < call]
             raise RuntimeError(
                 f"{store.add(key, 0)} of {size} ranks arrived; missing: "
-                f"rank{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(map(str, missing))}"
+                f"rank {', '.join(map(str, absent))}"
             ) from None
     except RuntimeError as e:
         waited = time.monotonic() - start

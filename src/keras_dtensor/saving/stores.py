@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import context
+from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import multi_process
 from keras_dtensor.saving import h5_stream
 from keras_dtensor.saving.collective import RankZeroFile
@@ -109,7 +110,7 @@ def wrap_h5_store_setitem(original):
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
-        direct = self.__dict__.get(_DIRECT)
+        direct = object_state.get_on(self, _DIRECT)
         state = h5_stream.current() if direct is None else direct[1]
         if state is None or self.mode not in ("w", "a"):
             return original(self, key, value)
@@ -188,7 +189,7 @@ def wrap_h5_store_init(original):
             problem = e
         written.check(problem)  # raises on every rank if any failed
         state = h5_stream.new_save()
-        self.__dict__[_DIRECT] = (written, state)
+        object_state.set_on(self, _DIRECT, (written, state))
         # A writer that raises before `close()` leaves nothing behind.
         weakref.finalize(self, _discard, written, state)
         return None
@@ -203,9 +204,10 @@ def wrap_h5_store_close(original):
 
     @functools.wraps(original)
     def close(self):
-        direct = self.__dict__.pop(_DIRECT, None)
+        direct = object_state.get_on(self, _DIRECT)
         if direct is None:
             return original(self)
+        object_state.set_on(self, _DIRECT, None)
         written, state = direct
         problem = None
         try:
