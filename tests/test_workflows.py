@@ -128,9 +128,11 @@ def _gap(a, b):
     pairs = [(a["evaluate"][k], b["evaluate"][k]) for k in a["evaluate"]]
     for key, values in a["history"].items():
         pairs += zip(values, b["history"][key], strict=True)
-    # A metric of several thresholds logs an array.
+    # A metric of several thresholds logs an array; a loss summed over
+    # the batch is large: relative above 1.
     diffs += [
-        float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in pairs
+        float((np.abs(np.asarray(p) - q) / np.maximum(1.0, np.abs(p))).max())
+        for p, q in pairs
     ]
     return max(diffs)
 
@@ -262,6 +264,49 @@ def _batch_losses(keras, x, y):
     return out
 
 
+def _loss_reductions(keras, x, y):
+    """Compiled losses that are no mean over rows (`reduction="sum"`,
+    `"mean_with_sample_weight"`, a custom loss of the whole batch) and a
+    custom per-row one, with sample weights, at 25 rows (a last batch of
+    one row: a rank with none)."""
+
+    def build():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+
+    def whole_batch(y_true, y_pred):
+        return keras.ops.square(keras.ops.mean(y_true) - keras.ops.mean(y_pred))
+
+    def per_row(y_true, y_pred):
+        return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+    losses = {
+        "sum": lambda: keras.losses.MeanSquaredError(reduction="sum"),
+        "mean_with_sample_weight": lambda: keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight"
+        ),
+        "whole_batch": lambda: whole_batch,
+        "per_row": lambda: per_row,
+    }
+    weights = np.linspace(0.1, 2.0, 25).astype("float32")
+    out = {}
+    for name, loss in losses.items():
+        runs = [
+            _fit(
+                keras,
+                d,
+                build,
+                {"loss": loss()},
+                x[:25],
+                y[:25],
+                batch_size=8,
+                sample_weight=weights,
+            )
+            for d in (None, keras.distribution.DataParallel())
+        ]
+        out[name] = _gap(*runs)
+    return out
+
+
 def _thresholded_metrics(keras, x, y):
     """Metrics whose update scatters into threshold buckets (Keras's
     `segment_sum`: `scatter_reduce`, which torch's DTensor has no rule
@@ -366,6 +411,7 @@ def _workflows(directory):
         "few_rows": _few_rows(keras, x, y),
         "batch_losses": _batch_losses(keras, x, y),
         "thresholded": _thresholded_metrics(keras, x, y),
+        "reductions": _loss_reductions(keras, x, y),
         "saves": _rank_0_saves(keras, torch, directory),
         "summary": _summary(keras),
     }
@@ -389,6 +435,8 @@ def test_workflows_equal_one_process(tmp_path):
         assert out["few_rows"] <= TOLERANCE, out["few_rows"]
         # Losses added from the whole batch are the global batch's.
         assert max(out["batch_losses"].values()) <= TOLERANCE, out
+        # Losses that are no mean over rows: computed on the global batch.
+        assert max(out["reductions"].values()) <= TOLERANCE, out["reductions"]
         # AUC and thresholded precision under ModelParallel.
         assert out["thresholded"] <= TOLERANCE, out["thresholded"]
         saves = out["saves"]

@@ -50,7 +50,14 @@ from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.rows import gather_rows
 from keras_dtensor.data_parallel.rows import split_counts
 
-__all__ = ["call_layer", "find_loss_layers", "step_scope", "wrap_add_loss"]
+__all__ = [
+    "call_layer",
+    "current_step",
+    "find_loss_layers",
+    "gather_with_grad",
+    "step_scope",
+    "wrap_add_loss",
+]
 
 _ADDS_LOSSES = "_keras_dtensor_adds_losses"
 # A layer whose DTensor run failed: it runs on the gathered global batch.
@@ -164,7 +171,7 @@ def wrap_add_loss(original):
     def add_loss(self, loss):
         if not object_state.get_on(self, _ADDS_LOSSES):
             object_state.set_on(self, _ADDS_LOSSES, True)
-        step = _step()
+        step = current_step()
         if step is None or not step.inside:  # DTensors are ours only there
             return original(self, loss)
         if isinstance(loss, DTensor):
@@ -208,8 +215,20 @@ def find_loss_layers(model, batch):
         pass
 
 
-def _step():
+def current_step():
+    """The running DataParallel step on split rows (`step_scope`), or None:
+    `.rows`, `.global_rows` and `.count()`, every rank's rows."""
     return _global_state().get_global_attribute(_STEP)
+
+
+def gather_with_grad(x, counts, share):
+    """This rank's rows `x` (`share` of the global batch's) as the global
+    batch, identical on every rank; backward hands each rank its rows'
+    gradient divided by `share`, so the gradient reducer, which weighs
+    each rank by its share, counts every row once."""
+    if x.requires_grad and share:
+        x = _ScaleGrad.apply(x, 1.0 / share)
+    return _GatherRows.apply(x, counts)
 
 
 def call_layer(layer, original, args, kwargs):
@@ -217,7 +236,7 @@ def call_layer(layer, original, args, kwargs):
     batch if the layer adds losses and a train step runs, else as is."""
     step = None
     if object_state.get_on(layer, _ADDS_LOSSES):
-        step = _step()
+        step = current_step()
     if (
         step is None
         or step.inside
@@ -275,9 +294,7 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
     def gather(x):
         if not _batch_aligned(x, step):
             return x
-        if x.requires_grad and share:
-            x = _ScaleGrad.apply(x, 1.0 / share)
-        return _GatherRows.apply(x, counts)
+        return gather_with_grad(x, counts, share)
 
     args, kwargs = tree.map_structure(gather, (args, kwargs))
     outputs = original(layer, *args, **kwargs)

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
+from keras_dtensor.data_parallel import batch_terms
+from keras_dtensor.data_parallel import global_loss
 from keras_dtensor.data_parallel.state import state_of
 
 __all__ = [
@@ -299,7 +301,9 @@ def wrap_compute_loss(original):
 
 
 def wrap_compute_loss_without_rows(original):
-    """Wraps `Trainer.compute_loss`: on a DataParallel rank with no rows
+    """Wraps `Trainer.compute_loss`: a compiled loss that is no mean over
+    rows runs on the global batch (`global_loss`); on a DataParallel rank
+    with no rows
     of the batch (`without_rows`), the loss Keras reduces over no rows
     (an empty tensor: Keras leaves a `(0,)` loss unreduced) becomes a
     scalar zero that still reaches every weight, so a train step's
@@ -307,6 +311,18 @@ def wrap_compute_loss_without_rows(original):
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
+        step = batch_terms.current_step()
+        # compute_loss(x, y, y_pred, ...): Keras passes them by position.
+        given = dict(zip(("x", "y", "y_pred"), args, strict=False)) | kwargs
+        if step is not None and global_loss.needs_global(
+            self, given.get("y"), given.get("y_pred")
+        ):
+            with object_state.swapped(
+                self,
+                "_compile_loss",
+                global_loss.over_global_batch(self._compile_loss, step),
+            ):
+                return original(self, *args, **kwargs)
         if getattr(state_of(self, create=False), "frozen", None) is None:
             return original(self, *args, **kwargs)
         compiled = self.__dict__.get("_compile_loss")

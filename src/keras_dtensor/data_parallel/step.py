@@ -111,18 +111,19 @@ def run_step(model, step, kind, data, distribution):
         local, _ = local_rows(batch, distribution)
         return gather_rows(step([local]), counts)
     local, rows = local_rows(batch, distribution)
+    # A global batch split here: every rank knows the global row count.
+    global_rows = None
+    if distribution.auto_shard_dataset:
+        global_rows = leading_rows(batch)
     if kind != "train":
-        with without_rows(model, rows):
+        with without_rows(model, rows), step_scope(rows, global_rows):
             return global_logs(model, kind, step([local]))
     state = _prepare(model, step)
     if not state.probed:
         state.probed = True
         find_loss_layers(model, local)
-    # A global batch split here: every rank knows the global row count.
-    global_rows = None
     random_rows = contextlib.nullcontext()
     if distribution.auto_shard_dataset:
-        global_rows = leading_rows(batch)
         start, _ = row_range(global_rows)
         random_rows = split_rows(start, rows, global_rows)
     split = state.split if state.fit_depth else None

@@ -1,0 +1,106 @@
+"""A compiled loss that is no mean over rows, over the global batch.
+
+Under DataParallel each rank computes the compiled loss on its own rows,
+and the gradient reducer weighs each rank by its share of the rows: exact
+for a mean over rows, which Keras's default reduction
+(`"sum_over_batch_size"`) makes of every loss. A loss reduced otherwise
+(`reduction="sum"`, `"mean_with_sample_weight"`), or a loss from outside
+Keras that returns one value for the whole batch (probed once: its
+unreduced value has no batch dimension), is not a share-weighted mean of
+the ranks' values: one process gets another number. For those,
+inside a DataParallel step on split rows (`batch_terms.step_scope`), the
+compiled loss runs on the gathered global batch on every rank (`y_true`,
+`sample_weight` and masks gathered, `y_pred` gathered with autograd:
+each rank's rows get their gradient, divided by the rank's share, which
+the reducer weighs back), so the loss, its gradient and the loss trackers
+are one process's. The gather costs `y_pred`'s global size per step, for
+those losses only.
+"""
+
+from keras_dtensor.data_parallel import batch_terms
+from keras_dtensor.data_parallel.rows import gather_rows
+
+__all__ = ["needs_global", "over_global_batch"]
+
+# Reductions that are not a mean over rows of per-row terms.
+_GLOBAL = ("sum", "mean_with_sample_weight")
+
+
+_WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
+
+
+def needs_global(model, y_true, y_pred):
+    """Whether `model`'s compiled loss (once built) has a loss reduced
+    otherwise than by a mean over rows (decided from structure and
+    shapes only: the same on every rank)."""
+    compiled = getattr(model, "_compile_loss", None)
+    flat = getattr(compiled, "_flat_losses", None) or ()
+    for _, loss_fn, _, _ in flat:
+        if getattr(loss_fn, "reduction", None) in _GLOBAL:
+            return True
+        if _whole_batch(loss_fn, y_true, y_pred):
+            return True
+    return False
+
+
+def _whole_batch(loss_fn, y_true, y_pred):
+    """Whether a loss from outside Keras returns one value for the whole
+    batch: its unreduced value on these rows has no batch dimension
+    (probed once per loss; nested outputs are not probed)."""
+    import torch
+    from keras.src import tree
+
+    from keras_dtensor.backend import object_state
+
+    fn = getattr(loss_fn, "fn", loss_fn)
+    if getattr(fn, "__module__", "").startswith("keras."):
+        return False
+    known = object_state.get_on(loss_fn, _WHOLE_BATCH)
+    if known is None:
+        known = False
+        if not (tree.is_nested(y_true) or tree.is_nested(y_pred)):
+            try:
+                with torch.no_grad():
+                    value = loss_fn.call(y_true, y_pred)
+                known = getattr(value, "ndim", 1) == 0
+            except Exception:  # noqa: S110 - not probed: as a mean over rows
+                pass
+        object_state.set_on(loss_fn, _WHOLE_BATCH, known)
+    return known
+
+
+def over_global_batch(compiled, step):
+    """`compiled(y_true, y_pred, sample_weight)` on the global batch of
+    `step` (a `batch_terms` step), the same value on every rank."""
+    import torch
+    from keras.src import tree
+    from keras.src.backend.common.masking import get_keras_mask
+    from keras.src.backend.common.masking import set_keras_mask
+
+    def call(y_true, y_pred, sample_weight=None):
+        counts = step.count()
+        share = step.rows / step.global_rows
+
+        def gather(x, with_grad=False):
+            if (
+                not isinstance(x, torch.Tensor)
+                or x.dim() == 0
+                or x.shape[0] != step.rows
+            ):
+                return x
+            mask = get_keras_mask(x)
+            if with_grad and x.requires_grad:
+                out = batch_terms.gather_with_grad(x, counts, share)
+            else:
+                out = gather_rows(x.detach(), counts)
+            if mask is not None:
+                set_keras_mask(out, gather_rows(mask, counts))
+            return out
+
+        return compiled(
+            tree.map_structure(gather, y_true),
+            tree.map_structure(lambda x: gather(x, True), y_pred),
+            tree.map_structure(gather, sample_weight),
+        )
+
+    return call
