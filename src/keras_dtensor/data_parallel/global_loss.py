@@ -17,6 +17,7 @@ are one process's. The gather costs `y_pred`'s global size per step, for
 those losses only.
 """
 
+from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel import batch_terms
 from keras_dtensor.data_parallel.rows import gather_rows
 
@@ -49,8 +50,6 @@ def _whole_batch(loss_fn, y_true, y_pred):
     (probed once per loss; nested outputs are not probed)."""
     import torch
     from keras.src import tree
-
-    from keras_dtensor.backend import object_state
 
     fn = getattr(loss_fn, "fn", loss_fn)
     if getattr(fn, "__module__", "").startswith("keras."):
