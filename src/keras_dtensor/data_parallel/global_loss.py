@@ -5,8 +5,9 @@ and the gradient reducer weighs each rank by its share of the rows: exact
 for a mean over rows, which Keras's default reduction
 (`"sum_over_batch_size"`) makes of every loss. A loss reduced otherwise
 (`reduction="sum"`, `"mean_with_sample_weight"`), or a loss from outside
-Keras that returns one value for the whole batch (probed once: its
-unreduced value has no batch dimension), is not a share-weighted mean of
+Keras that returns one value for the whole batch (probed on the meta
+tensors of Keras's symbolic build: its unreduced value has no batch
+dimension), is not a share-weighted mean of
 the ranks' values: one process gets another number. For those,
 inside a DataParallel step on split rows (`batch_terms.step_scope`), the
 compiled loss runs on the gathered global batch on every rank (`y_true`,
@@ -30,42 +31,46 @@ _GLOBAL = ("sum", "mean_with_sample_weight")
 _WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
 
 
-def needs_global(model, y_true, y_pred):
+def needs_global(model):
     """Whether `model`'s compiled loss (once built) has a loss reduced
     otherwise than by a mean over rows (decided from structure and
     shapes only: the same on every rank)."""
-    compiled = getattr(model, "_compile_loss", None)
-    flat = getattr(compiled, "_flat_losses", None) or ()
-    for _, loss_fn, _, _ in flat:
+    for loss_fn in _flat_losses(model):
         if getattr(loss_fn, "reduction", None) in _GLOBAL:
             return True
-        if _whole_batch(loss_fn, y_true, y_pred):
+        if object_state.get_on(loss_fn, _WHOLE_BATCH):
             return True
     return False
 
 
-def _whole_batch(loss_fn, y_true, y_pred):
-    """Whether a loss from outside Keras returns one value for the whole
-    batch: its unreduced value on these rows has no batch dimension
-    (probed once per loss; nested outputs are not probed)."""
-    import torch
+def probe(model, y_true, y_pred):
+    """Notes which losses from outside Keras return one value for the
+    whole batch: no batch dimension in their unreduced value. Called with
+    the meta tensors of Keras's symbolic build (no compute, no host
+    sync, before any step); nested outputs are not probed."""
     from keras.src import tree
+    from keras.src.backend.torch.core import device_scope
 
-    fn = getattr(loss_fn, "fn", loss_fn)
-    if getattr(fn, "__module__", "").startswith("keras."):
-        return False
-    known = object_state.get_on(loss_fn, _WHOLE_BATCH)
-    if known is None:
-        known = False
-        if not (tree.is_nested(y_true) or tree.is_nested(y_pred)):
-            try:
-                with torch.no_grad():
-                    value = loss_fn.call(y_true, y_pred)
-                known = getattr(value, "ndim", 1) == 0
-            except Exception:  # noqa: S110 - not probed: as a mean over rows
-                pass
-        object_state.set_on(loss_fn, _WHOLE_BATCH, known)
-    return known
+    if tree.is_nested(y_true) or tree.is_nested(y_pred):
+        return
+    for loss_fn in _flat_losses(model):
+        fn = getattr(loss_fn, "fn", loss_fn)
+        if getattr(fn, "__module__", "").startswith("keras."):
+            continue
+        if object_state.get_on(loss_fn, _WHOLE_BATCH) is not None:
+            continue
+        whole = False
+        try:
+            with device_scope("meta"):
+                whole = loss_fn.call(y_true, y_pred).dim() == 0
+        except Exception:  # noqa: S110 - not probed: as a mean over rows
+            pass
+        object_state.set_on(loss_fn, _WHOLE_BATCH, whole)
+
+
+def _flat_losses(model):
+    compiled = getattr(model, "_compile_loss", None)
+    return [entry[1] for entry in getattr(compiled, "_flat_losses", None) or ()]
 
 
 def over_global_batch(compiled, step):

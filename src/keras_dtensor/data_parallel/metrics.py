@@ -312,11 +312,16 @@ def wrap_compute_loss_without_rows(original):
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
         step = batch_terms.current_step()
-        # compute_loss(x, y, y_pred, ...): Keras passes them by position.
-        given = dict(zip(("x", "y", "y_pred"), args, strict=False)) | kwargs
-        if step is not None and global_loss.needs_global(
-            self, given.get("y"), given.get("y_pred")
-        ):
+        if step is None and context.is_data_parallel():
+            # compute_loss(x, y, y_pred, ...): Keras passes them by position.
+            given = dict(zip(("x", "y", "y_pred"), args, strict=False))
+            given.update(kwargs)
+            y_pred = given.get("y_pred")
+            if isinstance(y_pred, torch.Tensor) and y_pred.is_meta:
+                loss = original(self, *args, **kwargs)  # builds the losses
+                global_loss.probe(self, given.get("y"), y_pred)
+                return loss
+        if step is not None and global_loss.needs_global(self):
             with object_state.swapped(
                 self,
                 "_compile_loss",
