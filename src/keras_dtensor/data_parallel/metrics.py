@@ -301,18 +301,21 @@ def wrap_compute_loss(original):
 
 
 def wrap_compute_loss_without_rows(original):
-    """Wraps `Trainer.compute_loss`: a compiled loss that is no mean over
-    rows runs on the global batch (`global_loss`); on a DataParallel rank
-    with no rows
-    of the batch (`without_rows`), the loss Keras reduces over no rows
-    (an empty tensor: Keras leaves a `(0,)` loss unreduced) becomes a
-    scalar zero that still reaches every weight, so a train step's
-    backward runs as on the other ranks and contributes nothing."""
+    """Wraps `Trainer.compute_loss` under DataParallel: a compiled loss
+    that is no mean over rows runs on the global batch (`global_loss`);
+    on a rank with no rows of the batch (`without_rows`), the loss Keras
+    reduces over no rows (an empty tensor: Keras leaves a `(0,)` loss
+    unreduced) becomes a scalar zero that still reaches every weight, so
+    a train step's backward runs as on the other ranks and contributes
+    nothing."""
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
+        distribution = context.active()
+        if distribution is None or not context.is_data_parallel(distribution):
+            return original(self, *args, **kwargs)
         step = batch_terms.current_step()
-        if step is None and context.is_data_parallel():
+        if step is None:
             # compute_loss(x, y, y_pred, ...): Keras passes them by position.
             given = dict(zip(("x", "y", "y_pred"), args, strict=False))
             given.update(kwargs)
