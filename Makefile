@@ -13,7 +13,18 @@ PINS := torch==2.13.0 keras==3.15.1
 # models (the `hub` extra); the demo needs neither.
 TEST_PINS := tensorflow-cpu==2.21.0 tensorboard==2.21.0 keras-hub==0.32.0
 
-.PHONY: demo test test-slow setup setup-test lint docs bench bench-report clean
+# `make test-next`: the same suite on the next releases, in a venv of its own:
+# Keras 3.16 (keras-nightly), keras-hub-nightly and torch 2.15.
+NEXT_VENV := .venv-next
+NEXT_BIN := $(NEXT_VENV)/bin
+NEXT_PINS := torch==2.15.0 tensorflow-cpu==2.21.0 tensorboard==2.21.0 \
+	keras-hub-nightly==0.33.0.dev202610250352
+NEXT_KERAS := keras-nightly==3.16.0.dev2026102704
+# Some machines cap torch below 2.15 with a constraints file in pip's own
+# configuration; this venv's pip calls (and only they) read an empty one.
+NEXT_PIP := PIP_CONSTRAINT=/dev/null $(NEXT_BIN)/pip
+
+.PHONY: demo test test-next test-slow setup setup-test lint docs bench bench-report clean
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -47,6 +58,20 @@ docs: $(VENV)/.installed-docs
 test: setup-test lint docs
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10 -m "not slow"
 
+# tensorflow and keras-hub-nightly pull in `keras`, which owns the same keras/
+# folder as keras-nightly: it is taken out, then keras-nightly put back whole.
+$(NEXT_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_PIP) install --quiet --upgrade pip
+	$(NEXT_PIP) install --quiet $(NEXT_PINS) 'pytest>=8' 'ruff>=0.6'
+	$(NEXT_PIP) uninstall --quiet --yes keras
+	$(NEXT_PIP) install --quiet --no-deps --force-reinstall $(NEXT_KERAS)
+	$(NEXT_PIP) install --quiet --no-deps -e .
+	touch $@
+
+test-next: $(NEXT_VENV)/.installed
+	OMP_NUM_THREADS=1 $(NEXT_BIN)/python -m pytest -q --durations=10 -m "not slow"
+
 # BENCHMARKS.md is generated from benchmarks/results*.json, never edited.
 bench-report: setup
 	$(BIN)/python benchmarks/report.py
@@ -55,4 +80,4 @@ test-slow: setup-test
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=10 -m slow
 
 clean:
-	rm -rf $(VENV) build site *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(NEXT_VENV) build site *.egg-info src/*.egg-info .pytest_cache

@@ -4,10 +4,10 @@ import importlib
 import os
 import subprocess
 import sys
+import types
 
 import keras
 import pytest
-from packaging.specifiers import SpecifierSet
 
 import keras_dtensor
 from keras_dtensor import compat
@@ -15,7 +15,12 @@ from keras_dtensor import patches
 from keras_dtensor.backend import distribution_lib
 from keras_dtensor.patches import rows
 
-ATTRIBUTES = [p for p in patches.PATCHES if isinstance(p, rows.Patch)]
+# The attribute rows that apply to the installed Keras and torch.
+ATTRIBUTES = [
+    p
+    for p in patches.PATCHES
+    if isinstance(p, rows.Patch) and rows.applies(p)[0]
+]
 
 
 def _current(patch):
@@ -29,9 +34,27 @@ def reinstall():
         keras_dtensor.install()
 
 
+def _keras_own_distribution_lib():
+    """What Keras itself binds: None on 3.15, its own module on 3.16."""
+    if compat.keras_ships_torch_distribution():
+        return importlib.import_module(
+            "keras.src.backend.torch.distribution_lib"
+        )
+    return None
+
+
+def _states():
+    """{state} of the rows that apply to the installed versions."""
+    return {
+        state
+        for _, state, _ in patches.status()
+        if not state.startswith("skipped")
+    }
+
+
 def test_import_installs_every_row():
     assert keras_dtensor.is_installed()
-    assert {state for _, state, _ in patches.status()} == {"applied"}
+    assert _states() == {"applied"}
     assert importlib.import_module("keras.src.backend").distribution_lib is (
         distribution_lib
     )
@@ -42,14 +65,33 @@ def test_import_installs_every_row():
     assert keras.distribution.list_devices() == ["cpu:0"]
 
 
-def test_table_matches_installed_versions():
-    versions = {
+def test_every_row_declares_the_versions_it_applies_to():
+    # Each row's ranges lie inside the supported ones; a row applies
+    # exactly when both installed versions are in its ranges, and info
+    # names the reason of every skipped one.
+    installed = {
         "keras": compat.keras_version(),
         "torch": compat.torch_version(),
     }
+    states = dict((t, s) for t, s, _ in patches.status())
     for row in patches.PATCHES:
-        assert versions[row.package] in SpecifierSet(row.versions), row.target
         assert row.why, row.target
+        inside = all(
+            compat.contains(getattr(row, p), v) for p, v in installed.items()
+        )
+        for package, supported, probes in (
+            ("keras", compat.SUPPORTED_KERAS, ("3.14.9", "3.17.0")),
+            ("torch", compat.SUPPORTED_TORCH, ("2.10.0", "2.16.0")),
+        ):
+            for outside in probes:
+                assert not compat.contains(supported, outside)
+                assert not compat.contains(getattr(row, package), outside), (
+                    row.target
+                )
+        if inside:
+            assert states[row.target] == "applied", row.target
+        else:
+            assert states[row.target].startswith("skipped: applies to")
     for patch in ATTRIBUTES:
         # Wrapped functions keep the original they replaced.
         current = _current(patch)
@@ -67,13 +109,16 @@ def test_uninstall_restores_originals_exactly(reinstall):
             assert _current(patch) is original, patch.target
         else:
             assert _current(patch) is rows.MISSING, patch.target
-    assert importlib.import_module("keras.src.backend").distribution_lib is None
+    assert (
+        importlib.import_module("keras.src.backend").distribution_lib
+        is _keras_own_distribution_lib()
+    )
     keras_dtensor.uninstall()  # a second uninstall does nothing
     keras_dtensor.install()
-    assert {state for _, state, _ in patches.status()} == {"applied"}
+    assert _states() == {"applied"}
     with pytest.warns(UserWarning, match="already installed"):
         keras_dtensor.install()
-    assert {state for _, state, _ in patches.status()} == {"applied"}
+    assert _states() == {"applied"}
 
 
 def test_uninstall_leaves_a_later_wrapper_alone(reinstall):
@@ -98,28 +143,74 @@ def test_unsupported_keras_touches_nothing(reinstall, monkeypatch):
     monkeypatch.setattr(
         compat, "keras_version", lambda: compat.Version("3.14.0")
     )
-    with pytest.raises(RuntimeError, match=r"supports keras<3.16,>=3.15"):
+    with pytest.raises(RuntimeError, match=r"supports keras<3.17,>=3.15") as e:
         keras_dtensor.install()
+    assert "pip install 'keras<3.17,>=3.15'" in str(e.value)
     assert not keras_dtensor.is_installed()
-    assert importlib.import_module("keras.src.backend").distribution_lib is None
+    assert (
+        importlib.import_module("keras.src.backend").distribution_lib
+        is _keras_own_distribution_lib()
+    )
 
 
 def test_a_newer_torch_fails_at_install(reinstall, monkeypatch):
-    # The torch rows are checked against the tested range, upper bound
-    # included: an untested torch fails here, naming the range.
+    # Outside the supported range install() refuses before touching
+    # anything, naming the range and the pip command that fixes it.
     keras_dtensor.uninstall()
     monkeypatch.setattr(
-        compat, "torch_version", lambda: compat.Version("2.15.0")
+        compat, "torch_version", lambda: compat.Version("2.16.0")
     )
-    with pytest.raises(RuntimeError, match=r"supports torch<2.15,>=2.11"):
+    with pytest.raises(RuntimeError, match=r"supports torch<2.16,>=2.11") as e:
         keras_dtensor.install()
+    assert "pip install 'torch<2.16,>=2.11'" in str(e.value)
     assert not keras_dtensor.is_installed()
-    torch_rows = [p for p in patches.PATCHES if p.package == "torch"]
-    assert torch_rows
-    for row in torch_rows:
-        spec = SpecifierSet(row.versions)
-        assert any(s.operator == "<" for s in spec), row.target
-        assert compat.Version("2.15.0") not in spec, row.target
+
+
+def test_keras_nightly_version_is_read_from_the_imported_folder():
+    # keras and keras-nightly install the same keras/ folder: the version
+    # is the one `import keras` loads, whichever distribution owns it.
+    assert compat.keras_version() == compat.Version(keras.__version__)
+
+
+_HARMLESS = types.SimpleNamespace(value="original")
+
+
+def test_install_is_all_or_nothing():
+    # A target missing on this install: refused before any row applies.
+    good = rows.Patch(
+        __name__, "_HARMLESS.value", "test", lambda original: "ours"
+    )
+    missing = rows.Patch(
+        "keras.src.no_such_module", "thing", "test", lambda o: o
+    )
+    saved = {}
+    with pytest.raises(RuntimeError, match="has no target"):
+        rows.apply_rows([good, missing], saved)
+    assert _HARMLESS.value == "original" and not saved
+
+    # A row that fails while applying: the rows before it are put back.
+    def fails(original):
+        raise ValueError("factory failed")
+
+    broken = rows.Patch(__name__, "_HARMLESS.other", "test", fails)
+    with pytest.raises(ValueError, match="factory failed"):
+        rows.apply_rows([good, broken], saved)
+    assert _HARMLESS.value == "original" and not saved
+
+
+def test_a_row_outside_its_versions_is_skipped_not_applied():
+    row = rows.Patch(
+        __name__,
+        "_HARMLESS.value",
+        "test",
+        lambda original: "ours",
+        keras="<3.0",
+    )
+    saved = {}
+    rows.apply_rows([row], saved)
+    assert _HARMLESS.value == "original" and not saved
+    ((_, state, _),) = rows.row_status([row], saved)
+    assert state.startswith("skipped: applies to keras<3.0; installed ")
 
 
 def _import_with(**env):

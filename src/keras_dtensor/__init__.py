@@ -64,14 +64,18 @@ def install() -> None:
             "keras_dtensor is already installed; nothing to do.", stacklevel=2
         )
         return
-    if compat.upstream_torch_distribution_lib():
-        warnings.warn(
-            "This Keras ships its own torch distribution_lib; keras_dtensor "
-            "replaces it while installed (keras_dtensor.uninstall() puts it "
-            "back).",
-            stacklevel=2,
-        )
     patches.apply()
+    if compat.keras_ships_torch_distribution() and os.environ.get(
+        "RANK", "0"
+    ) in ("0", ""):
+        print(
+            f"keras_dtensor: Keras {compat.keras_version()} ships a torch "
+            "distribution of its own; keras_dtensor replaces its "
+            "distribution_lib, DDP wrapping, metric summing, variable and "
+            "batch layouts and sharded attention while installed "
+            "(`keras-dtensor info` lists each; uninstall() puts them back).",
+            file=sys.stderr,
+        )
 
 
 def uninstall() -> None:

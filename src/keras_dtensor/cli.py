@@ -32,8 +32,12 @@ def _info(args):
     from keras_dtensor.backend import object_state
 
     print(f"keras-dtensor {keras_dtensor.__version__}")
-    print(f"keras         {keras.__version__} ({compat.SUPPORTED_KERAS})")
-    print(f"torch         {torch.__version__} ({compat.SUPPORTED_TORCH})")
+    supported = f"supported {compat.SUPPORTED_KERAS}"
+    print(f"keras         {keras.__version__} ({supported})")
+    supported = f"supported {compat.SUPPORTED_TORCH}"
+    print(f"torch         {torch.__version__} ({supported})")
+    hub = compat.keras_hub_version()
+    print(f"keras_hub     {hub if hub else 'not installed'}")
     print(f"python        {platform.python_version()}")
     print(f"backend       {keras.backend.backend()}")
     print(f"device        {launch.local_device()}")
@@ -44,10 +48,23 @@ def _info(args):
         + ("" if started or launch.under_launcher() else " (no launcher)")
     )
     print(f"devices       {keras.distribution.list_devices()}")
-    if compat.upstream_torch_distribution_lib():
-        print("upstream      Keras's own torch distribution_lib: replaced")
-    print("\nhooks into Keras and torch (keras_dtensor.patches):")
-    for target, state, why in patches.status():
+    print(
+        "keras's own   torch distribution: "
+        + (
+            "shipped (keras.src.backend.torch.distribution_lib); the rows "
+            "below marked keras>=3.16 stand it down"
+            if compat.keras_ships_torch_distribution()
+            else "none (Keras 3.15 has no torch distribution)"
+        )
+    )
+    status = patches.status()
+    applied = sum(state == "applied" for _, state, _ in status)
+    skipped = sum(state.startswith("skipped") for _, state, _ in status)
+    print(
+        f"\nhooks into Keras and torch (keras_dtensor.patches): {applied} "
+        f"applied, {skipped} skipped on these versions, {len(status)} rows"
+    )
+    for target, state, why in status:
         print(f"  [{state}] {target}\n      {why}")
     attached = object_state.status()
     print(

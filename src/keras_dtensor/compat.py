@@ -1,32 +1,95 @@
-"""Version gates for Keras and torch, and detection of upstream support."""
+"""The supported Keras and torch releases, and where Keras keeps what we hook.
 
+One code base serves Keras 3.15.x and 3.16 (released or `keras-nightly`),
+and torch 2.11 through 2.15. Three things vary between them, and all three
+are answered here, so nothing else in the package tests a version:
+
+- **The supported ranges.** `check_environment()` refuses, at import, a
+  Keras or torch outside them, with the range and the pip command that
+  fixes it: never a wrong number later.
+- **The installed versions.** Keras's version is read from the `keras/`
+  folder that `import keras` loads, not from a distribution's metadata:
+  `keras` and `keras-nightly` install the same folder, and either may own it.
+- **Where a Keras name lives.** Keras 3.16 moved the torch backend's `core`,
+  `numpy` and `nn` under `backend/torch/ops/`, renamed `TorchTrainer` to
+  `Trainer` and the base `Trainer` to `BaseTrainer`. `KERAS` maps each
+  name the package uses to its place on the installed Keras.
+
+Keras 3.16 also ships a torch distribution of its own
+(`keras.src.backend.torch.distribution_lib`); `keras_ships_torch_distribution()`
+tells, and the table's rows that take its place declare `keras>=3.16`.
+"""
+
+import functools
+import importlib
 import importlib.util
 import os
+import re
+import types
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 __all__ = [
+    "KERAS",
     "SUPPORTED_KERAS",
     "SUPPORTED_TORCH",
+    "Version",
+    "base_trainer_class",
     "check_environment",
+    "contains",
+    "keras_hub_version",
+    "keras_module",
+    "keras_ships_torch_distribution",
     "keras_version",
+    "torch_core",
+    "torch_trainer_class",
     "torch_version",
-    "upstream_torch_distribution_lib",
 ]
 
-SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.16")
-# Tested: 2.11 (CUDA), 2.13 (CI), 2.14 (the suite on CPU). A newer torch
-# fails at install() with this range in the message; widen it after the
-# suite passes on the new version.
-SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.15")
+# Keep in step with pyproject.toml's dependencies and the README's table.
+SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.17")
+SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.16")
+
+# The first Keras whose torch backend has the 3.16 layout.
+_KERAS_3_16 = Version("3.16.0.dev0")
 
 
+def contains(spec, version) -> bool:
+    """`version in spec`, pre-releases included (keras-nightly: 3.16.0.devN)."""
+    return SpecifierSet(str(spec)).contains(version, prereleases=True)
+
+
+@functools.cache
 def keras_version() -> Version:
-    """The installed Keras version, without importing Keras."""
+    """The version of the Keras that `import keras` loads, without importing it.
+
+    Read from `keras/src/version.py` in the folder Python would import:
+    `keras` and `keras-nightly` both install that folder, and the metadata
+    of either may be present whichever owns it now.
+    """
+    spec = importlib.util.find_spec("keras")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = os.path.join(folder, "src", "version.py")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    found = re.search(
+                        r"""__version__\s*=\s*["']([^"']+)["']""", f.read()
+                    )
+                if found:
+                    return Version(found.group(1))
+    from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version
 
-    return Version(version("keras"))
+    for name in ("keras", "keras-nightly"):
+        try:
+            return Version(version(name))
+        except PackageNotFoundError:
+            continue
+    raise RuntimeError(
+        "keras_dtensor needs Keras: pip install 'keras>=3.15,<3.17'."
+    )
 
 
 def torch_version() -> Version:
@@ -36,12 +99,72 @@ def torch_version() -> Version:
     return Version(torch.__version__.split("+")[0])
 
 
+def keras_hub_version():
+    """The installed keras_hub version, or `None`."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version
+
+    for name in ("keras-hub", "keras-hub-nightly"):
+        try:
+            return Version(version(name))
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _keras_paths(version):
+    new = version >= _KERAS_3_16
+    ops = "keras.src.backend.torch.ops" if new else "keras.src.backend.torch"
+    return types.SimpleNamespace(
+        # The torch backend's modules.
+        torch_core=f"{ops}.core",
+        torch_numpy=f"{ops}.numpy",
+        torch_nn=f"{ops}.nn",
+        # The module that re-exports torch_core's functions (`from core
+        # import *`) for `keras.src.backend.ops` (3.16) or `backend` (3.15).
+        torch_ops=ops,
+        # Classes of the trainers: (module, name).
+        torch_trainer="Trainer" if new else "TorchTrainer",
+        base_trainer="BaseTrainer" if new else "Trainer",
+    )
+
+
+KERAS = _keras_paths(keras_version())
+
+
+def keras_module(name):
+    """The installed Keras's module for one of `KERAS`'s names.
+
+    Example:
+    >>> keras_module("torch_core").convert_to_tensor([1.0])
+    """
+    return importlib.import_module(getattr(KERAS, name))
+
+
+def torch_core():
+    """Keras's torch backend `core` module (`Variable`, `convert_to_tensor`)."""
+    return keras_module("torch_core")
+
+
+def torch_trainer_class():
+    """Keras's torch trainer class (`TorchTrainer`, `Trainer` on 3.16)."""
+    module = importlib.import_module("keras.src.backend.torch.trainer")
+    return getattr(module, KERAS.torch_trainer)
+
+
+def base_trainer_class():
+    """Keras's backend-agnostic trainer (`Trainer`, `BaseTrainer` on 3.16)."""
+    module = importlib.import_module("keras.src.trainers.trainer")
+    return getattr(module, KERAS.base_trainer)
+
+
 def check_environment():
     """Raises a clear error unless Keras and torch are supported.
 
     Raises:
         RuntimeError: the Keras backend is not torch, or the Keras or torch
-            version is outside the tested range.
+            version is outside the supported range (with the pip command
+            that installs a supported one).
     """
     backend = os.environ.get("KERAS_BACKEND")
     if backend is None:
@@ -55,24 +178,26 @@ def check_environment():
             "importing keras."
         )
     version = keras_version()
-    if version not in SUPPORTED_KERAS:
+    if not contains(SUPPORTED_KERAS, version):
         raise RuntimeError(
             f"keras_dtensor supports keras{SUPPORTED_KERAS}; the installed "
-            f"Keras is {version}. Install a supported Keras "
-            "(pip install 'keras==3.15.1')."
+            f"Keras is {version}. Install a supported Keras: "
+            f"pip install 'keras{SUPPORTED_KERAS}'"
         )
-    if torch_version() not in SUPPORTED_TORCH:
+    if not contains(SUPPORTED_TORCH, torch_version()):
         raise RuntimeError(
             f"keras_dtensor supports torch{SUPPORTED_TORCH}; the installed "
-            f"torch is {torch_version()}."
+            f"torch is {torch_version()}. Install a supported torch: "
+            f"pip install 'torch{SUPPORTED_TORCH}'"
         )
 
 
-def upstream_torch_distribution_lib() -> bool:
-    """Whether this Keras ships its own (partial) torch distribution module.
+def keras_ships_torch_distribution() -> bool:
+    """Whether this Keras ships its own torch distribution module.
 
-    Keras master has `keras/src/backend/torch/distribution_lib.py`
-    (DataParallel through DDP only); no release up to 3.15.1 does.
+    Keras 3.16 has `keras/src/backend/torch/distribution_lib.py` (DDP under
+    `DataParallel`, a DTensor promotion mode under `ModelParallel`); 3.15
+    has none.
     """
     return (
         importlib.util.find_spec("keras.src.backend.torch.distribution_lib")

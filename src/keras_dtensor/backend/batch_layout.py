@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import compat
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend import structure
 from keras_dtensor.backend.distribution_lib import as_backend_layout
@@ -39,7 +40,7 @@ def _distribute_leaf(x, distribution, per_process):
     if isinstance(x, np.ndarray) or (
         isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
     ):
-        from keras.src.backend.torch.core import convert_to_tensor
+        convert_to_tensor = compat.torch_core().convert_to_tensor
 
         x = convert_to_tensor(x)
         if x.ndim == 0:

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor import compat
 from keras_dtensor.backend import launch
 from keras_dtensor.backend.errors import describe_mesh
 from keras_dtensor.backend.layout import contiguous_strides
@@ -281,7 +282,7 @@ def distribute_tensor(tensor, layout):
             return tensor
         return tensor.redistribute(layout.device_mesh, layout.placements)
     if not isinstance(tensor, torch.Tensor):
-        from keras.src.backend.torch.core import convert_to_tensor
+        convert_to_tensor = compat.torch_core().convert_to_tensor
 
         tensor = convert_to_tensor(tensor)
     if launch.num_processes() == 1:
@@ -338,7 +339,7 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     if isinstance(per_process_batch, DTensor):
         return distribute_tensor(per_process_batch, layout)
     if not isinstance(per_process_batch, torch.Tensor):
-        from keras.src.backend.torch.core import convert_to_tensor
+        convert_to_tensor = compat.torch_core().convert_to_tensor
 
         per_process_batch = convert_to_tensor(per_process_batch)
     if launch.num_processes() == 1:

@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from keras_dtensor import compat
 from keras_dtensor import config
 from keras_dtensor.backend import placement_order
 
@@ -52,7 +53,7 @@ def under_launcher() -> bool:
 
 def device_type() -> str:
     """`"cuda"` when this process computes on a GPU, else `"cpu"`."""
-    from keras.src.backend.torch.core import get_device
+    get_device = compat.torch_core().get_device
 
     return "cuda" if str(get_device()).startswith("cuda") else "cpu"
 

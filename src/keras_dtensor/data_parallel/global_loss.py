@@ -18,6 +18,7 @@ are one process's. The gather costs `y_pred`'s global size per step, for
 those losses only.
 """
 
+from keras_dtensor import compat
 from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel import batch_terms
 from keras_dtensor.data_parallel.rows import gather_rows
@@ -49,7 +50,8 @@ def probe(model, y_true, y_pred):
     the meta tensors of Keras's symbolic build (no compute, no host
     sync, before any step); nested outputs are not probed."""
     from keras.src import tree
-    from keras.src.backend.torch.core import device_scope
+
+    device_scope = compat.torch_core().device_scope
 
     if tree.is_nested(y_true) or tree.is_nested(y_pred):
         return

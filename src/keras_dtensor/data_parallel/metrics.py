@@ -190,10 +190,11 @@ def wrap_get_metrics_result(original):
 
 @functools.cache
 def _keras_steps():
-    from keras.src.backend.torch.trainer import TorchTrainer
-    from keras.src.trainers.trainer import Trainer
+    from keras_dtensor import compat
 
-    return TorchTrainer.train_step, Trainer.compute_metrics, TorchTrainer
+    torch_trainer = compat.torch_trainer_class()
+    base = compat.base_trainer_class()
+    return torch_trainer.train_step, base.compute_metrics, torch_trainer
 
 
 def is_keras_train_step(model):

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from keras_dtensor import compat
 from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
 
@@ -28,7 +29,7 @@ def _row_split(total, size):
 
 
 def _to_tensor(x):
-    from keras.src.backend.torch.core import convert_to_tensor
+    convert_to_tensor = compat.torch_core().convert_to_tensor
 
     return None if x is None else convert_to_tensor(x)
 

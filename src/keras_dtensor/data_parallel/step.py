@@ -18,6 +18,7 @@ every train, test and predict step under `DataParallel`, in this order:
 import contextlib
 import functools
 
+from keras_dtensor import compat
 from keras_dtensor import config
 from keras_dtensor.backend import context
 from keras_dtensor.backend.launch import world
@@ -200,7 +201,7 @@ def wrap_distribute_tensor(original):
     @functools.wraps(original)
     def distribute_tensor(tensor, layout):
         if context.is_data_parallel():
-            from keras.src.backend.torch.core import convert_to_tensor
+            convert_to_tensor = compat.torch_core().convert_to_tensor
 
             return convert_to_tensor(tensor)
         return original(tensor, layout)

@@ -30,10 +30,12 @@ def wrap_get_iterator(original):
     """Wraps `TorchEpochIterator._get_iterator`: batches become DTensors."""
 
     def _get_iterator(self):
-        iterator = original(self)
         distribution = context.active()
         if distribution is None:
-            return iterator
+            return original(self)
+        # The adapter's own batches (Keras 3.16 would lay them out itself,
+        # each process's batch as its shard).
+        iterator = self.data_adapter.get_torch_dataloader()
         per_process = not distribution.auto_shard_dataset
         if per_process:
             iterator = input_checks.same_number_of_batches(

@@ -209,10 +209,14 @@ def _compile_forward(model):
 
 
 def wrap_should_torch_compile(original):
-    """Wraps `TorchTrainer._should_torch_compile` (see module docstring)."""
+    """Wraps the torch trainer's `_should_torch_compile` (`_use_torch_compile`
+    on Keras 3.16, which turns `jit_compile` off under any distribution but
+    `DataParallel`): see the module docstring."""
 
     def _should_torch_compile(self):
-        if not original(self):
+        if context.current() is None:
+            return original(self)
+        if not self.jit_compile or self.run_eagerly:
             return False
         distribution = context.active()
         if distribution is None or context.is_data_parallel(distribution):

@@ -10,6 +10,7 @@ these; each receives the original method it replaces.
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import compat
 from keras_dtensor import model_parallel
 from keras_dtensor import planning
 from keras_dtensor import saving
@@ -65,7 +66,7 @@ def _to_dtensor(variable, value):
     )
     if isinstance(value, DTensor):
         return distribute_tensor(value, layout)
-    from keras.src.backend.torch.core import convert_to_tensor
+    convert_to_tensor = compat.torch_core().convert_to_tensor
 
     value = convert_to_tensor(value, dtype=variable._dtype)
     return shard_global_tensor(value, layout)
@@ -127,8 +128,8 @@ def _initialize_shard_only(variable, initializer):
         Whether it did; `False` leaves the variable to Keras's own path
         (the full value is drawn, then sliced).
     """
-    from keras.src.backend.torch.core import convert_to_tensor
-    from keras.src.backend.torch.core import get_device
+    convert_to_tensor = compat.torch_core().convert_to_tensor
+    get_device = compat.torch_core().get_device
 
     layout = as_backend_layout(
         variable._layout, path=variable.path, shape=variable._shape

@@ -30,6 +30,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import compat
 from keras_dtensor.ops import local_grads
 from keras_dtensor.ops import local_shards
 from keras_dtensor.ops.einsum_plan import matmul_subscripts
@@ -76,7 +77,7 @@ def wrap_einsum(original):
         if torch.compiler.is_compiling():
             return original(subscripts, *operands, **kwargs)
         if local_shards.active():  # a split layer's call on its shards
-            from keras.src.backend.torch.core import convert_to_tensor
+            convert_to_tensor = compat.torch_core().convert_to_tensor
 
             return local_shards.contract(
                 subscripts,
@@ -88,7 +89,7 @@ def wrap_einsum(original):
             isinstance(getattr(x, "_value", x), DTensor) for x in operands
         ):
             return original(subscripts, *operands, **kwargs)
-        from keras.src.backend.torch.core import convert_to_tensor
+        convert_to_tensor = compat.torch_core().convert_to_tensor
 
         operands = [convert_to_tensor(x) for x in operands]
         if not all(isinstance(x, DTensor) for x in operands):
@@ -127,7 +128,7 @@ def wrap_matmul(original):
     def matmul(x1, x2):
         if torch.compiler.is_compiling() or not local_shards.active():
             return original(x1, x2)
-        from keras.src.backend.torch.core import convert_to_tensor
+        convert_to_tensor = compat.torch_core().convert_to_tensor
 
         x1, x2 = convert_to_tensor(x1), convert_to_tensor(x2)
         subscripts = matmul_subscripts(x1.ndim)

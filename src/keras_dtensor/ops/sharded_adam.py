@@ -26,6 +26,8 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import compat
+
 __all__ = ["wrap_adam_update"]
 
 # Elements per piece: 4 MiB of float32, so at most ~12 MiB of temporaries.
@@ -91,7 +93,7 @@ def _step_size(optimizer, learning_rate, dtype):
     step count from the int64 `iterations`, powers of the betas cast to
     `dtype`), on the local values of the replicated scalars.
     """
-    from keras.src.backend.torch.core import convert_to_tensor
+    convert_to_tensor = compat.torch_core().convert_to_tensor
 
     # Variables, tensors or DTensors (replicated): their local values.
     lr = _local(convert_to_tensor(learning_rate)).to(dtype)

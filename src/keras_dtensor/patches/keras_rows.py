@@ -9,11 +9,13 @@ import functools
 from keras_dtensor import data_parallel
 from keras_dtensor.backend import context
 from keras_dtensor.backend import distribution_lib
+from keras_dtensor.compat import KERAS
 from keras_dtensor.hooks import callbacks
 from keras_dtensor.hooks import data
 from keras_dtensor.hooks import dropout
 from keras_dtensor.hooks import fit
 from keras_dtensor.hooks import jit
+from keras_dtensor.hooks import keras_torch_distribution as upstream
 from keras_dtensor.hooks import layer_call
 from keras_dtensor.hooks import layout_lookups
 from keras_dtensor.hooks import replicas
@@ -33,7 +35,13 @@ def _backend_module(original):
 
 
 _BACKEND = "keras.src.backend"
-_TORCH_CORE = "keras.src.backend.torch.core"
+_TORCH_CORE = KERAS.torch_core
+_TORCH_NUMPY = KERAS.torch_numpy
+_TRAINER = "keras.src.backend.torch.trainer"
+_TORCH_TRAINER = KERAS.torch_trainer  # TorchTrainer; Trainer on 3.16
+_BASE_TRAINER = KERAS.base_trainer  # Trainer; BaseTrainer on 3.16
+_KERAS_3_15 = ">=3.15,<3.16.0.dev0"
+_KERAS_3_16 = ">=3.16.0.dev0,<3.17"
 KERAS_ROWS = (
     Patch(
         _BACKEND,
@@ -84,9 +92,10 @@ KERAS_ROWS = (
         variables.wrap_convert_to_numpy,
     ),
     Patch(
-        "keras.src.backend.torch",
+        KERAS.torch_ops,
         "convert_to_numpy",
-        "Second binding of convert_to_numpy (package re-export).",
+        "Second binding of convert_to_numpy (package re-export; "
+        "backend.ops.convert_to_numpy on 3.16: saving and predict).",
         variables.wrap_convert_to_numpy,
     ),
     Patch(
@@ -95,6 +104,7 @@ KERAS_ROWS = (
         "Third binding: keras.ops, saving and predict call "
         "backend.convert_to_numpy.",
         variables.wrap_convert_to_numpy,
+        keras=_KERAS_3_15,
     ),
     Patch(
         "keras.src.trainers.data_adapters",
@@ -104,14 +114,14 @@ KERAS_ROWS = (
         data.wrap_get_data_adapter,
     ),
     Patch(
-        "keras.src.backend.torch.trainer",
+        _TRAINER,
         "TorchEpochIterator._get_iterator",
         "Batches must enter the step as DTensors sharded along the batch "
         "axis (else: 'got mixed torch.Tensor and DTensor').",
         data.wrap_get_iterator,
     ),
     Patch(
-        "keras.src.backend.torch.trainer",
+        _TRAINER,
         "TorchEpochIterator.__iter__",
         "A checkpoint written mid-epoch (on SIGTERM) must resume at its "
         "batch; Keras starts every epoch at batch 0.",
@@ -119,8 +129,8 @@ KERAS_ROWS = (
     ),
     *(
         Patch(
-            "keras.src.backend.torch.trainer",
-            f"TorchTrainer.make_{kind}_function",
+            _TRAINER,
+            f"{_TORCH_TRAINER}.make_{kind}_function",
             f"{kind}_on_batch passes the user's arrays straight to the "
             "step; y and sample_weight must be DTensors like y_pred.",
             functools.partial(data.wrap_make_function, kind=kind),
@@ -129,14 +139,14 @@ KERAS_ROWS = (
     ),
     Patch(
         "keras.src.trainers.trainer",
-        "Trainer.get_metrics_result",
+        f"{_BASE_TRAINER}.get_metrics_result",
         "DataParallel: each rank's metric states cover its rows; logged "
         "values must be the global ones.",
         data_parallel.wrap_get_metrics_result,
     ),
     Patch(
         "keras.src.trainers.trainer",
-        "Trainer._compute_loss",
+        f"{_BASE_TRAINER}._compute_loss",
         "DataParallel: Keras updates compiled metrics after the optimizer "
         "step, so summing them was one more collective every step; they "
         "are updated with the loss and summed while backward runs.",
@@ -144,7 +154,7 @@ KERAS_ROWS = (
     ),
     Patch(
         "keras.src.trainers.trainer",
-        "Trainer.compute_loss",
+        f"{_BASE_TRAINER}.compute_loss",
         "DataParallel: a batch with fewer rows than processes leaves some "
         "ranks none; Keras's loss over no rows is an empty tensor, whose "
         "backward raises. There it is a zero that contributes nothing.",
@@ -152,7 +162,7 @@ KERAS_ROWS = (
     ),
     Patch(
         "keras.src.trainers.trainer",
-        "Trainer.compute_metrics",
+        f"{_BASE_TRAINER}.compute_metrics",
         "DataParallel: the compiled metrics of this train step were "
         "already updated with the loss; only their results are read.",
         data_parallel.wrap_compute_metrics,
@@ -228,7 +238,7 @@ KERAS_ROWS = (
         data_parallel.wrap_batch_norm_init,
     ),
     Patch(
-        "keras.src.backend.torch.nn",
+        KERAS.torch_nn,
         "moments",
         "Its synchronized=True raised; under DataParallel on N processes it "
         "computes the global batch's mean and variance (one all-reduce), "
@@ -236,8 +246,8 @@ KERAS_ROWS = (
         data_parallel.wrap_moments,
     ),
     Patch(
-        "keras.src.backend.torch.trainer",
-        "TorchTrainer.fit",
+        _TRAINER,
+        f"{_TORCH_TRAINER}.fit",
         "DataParallel splits optimizer updates only inside fit, and its "
         "end must bring the slots stale off their owner back; callbacks' "
         "file operations are shared (as evaluate/predict below); replicas "
@@ -248,8 +258,8 @@ KERAS_ROWS = (
     ),
     *(
         Patch(
-            "keras.src.backend.torch.trainer",
-            f"TorchTrainer.{method}",
+            _TRAINER,
+            f"{_TORCH_TRAINER}.{method}",
             "Callbacks' file operations on N processes: rank 0 performs "
             "each, every rank gets its outcome (shared_files.py); a failed "
             "collective says a peer died or stalled (fit.py).",
@@ -276,12 +286,20 @@ KERAS_ROWS = (
         "(one run per rank); the others write to a scratch directory.",
         shared_files.wrap_tensorboard_set_model,
     ),
-    Patch(
-        "keras.src.backend.torch.trainer",
-        "TorchTrainer._should_torch_compile",
-        "torch.compile of the whole train_step fails on DTensor tangents "
-        "after the graph break at loss.backward(); compile the forward.",
-        jit.wrap_should_torch_compile,
+    *(
+        Patch(
+            _TRAINER,
+            f"{_TORCH_TRAINER}.{name}",
+            "torch.compile of the whole train_step fails on DTensor tangents "
+            "after the graph break at loss.backward(); compile the forward "
+            "(Keras 3.16 turns jit_compile off under ModelParallel).",
+            jit.wrap_should_torch_compile,
+            keras=versions,
+        )
+        for name, versions in (
+            ("_should_torch_compile", _KERAS_3_15),
+            ("_use_torch_compile", _KERAS_3_16),
+        )
     ),
     Patch(
         "keras.src.utils.io_utils",
@@ -326,7 +344,7 @@ KERAS_ROWS = (
         layer_call.wrap_seed_generator_next,
     ),
     Patch(
-        "keras.src.backend.torch.numpy",
+        _TORCH_NUMPY,
         "einsum",
         "torch's einsum over DTensors reshapes a sharded dim into a merged "
         "one for some shapes (one token at a time in generate) and then "
@@ -335,7 +353,7 @@ KERAS_ROWS = (
         einsum.wrap_einsum,
     ),
     Patch(
-        "keras.src.backend.torch.numpy",
+        _TORCH_NUMPY,
         "matmul",
         "A tensor-parallel Dense runs on its local shards (DTensor's "
         "per-op dispatch is most of a small layer's step on a GPU); its "
@@ -344,7 +362,7 @@ KERAS_ROWS = (
         einsum.wrap_matmul,
     ),
     Patch(
-        "keras.src.backend.torch.numpy",
+        _TORCH_NUMPY,
         "reshape",
         "A tensor-parallel model's own ops run on local tensors; a reshape "
         "to a shape from its config (keras_hub's attention, by its global "
@@ -390,5 +408,57 @@ KERAS_ROWS = (
             "keras.src.distribution",
             "keras.distribution",
         )
+    ),
+    # Keras 3.16's own torch distribution (hooks/keras_torch_distribution.py).
+    Patch(
+        _TRAINER,
+        "Trainer._initialize_ddp",
+        "Keras 3.16 wraps the model in DDP whenever a process group is up; "
+        "keras-dtensor reduces DataParallel's gradients itself: with both, "
+        "they would be reduced twice.",
+        upstream.wrap_initialize_ddp,
+        keras=_KERAS_3_16,
+    ),
+    Patch(
+        _TRAINER,
+        "Trainer.get_metrics_result",
+        "Keras 3.16 sums every metric variable across processes here; "
+        "keras-dtensor's metrics are global values already: summed twice.",
+        upstream.wrap_get_metrics_result,
+        keras=_KERAS_3_16,
+    ),
+    Patch(
+        _TRAINER,
+        "_distribute_data",
+        "train_on_batch/test_on_batch/predict_on_batch: Keras 3.16 takes "
+        "each process's arrays as its shard (DTensor.from_local), N times "
+        "the global batch; they stay the global batch.",
+        upstream.wrap_distribute_data,
+        keras=_KERAS_3_16,
+    ),
+    Patch(
+        _TRAINER,
+        "_gather_non_batch_axes",
+        "Keras 3.16's predict keeps each process's rows of a DTensor "
+        "output; predictions are global values on every process.",
+        upstream.wrap_gather_non_batch_axes,
+        keras=_KERAS_3_16,
+    ),
+    Patch(
+        _TORCH_CORE,
+        "Variable._initialize_distributed",
+        "Keras 3.16 lays variables out itself; the hooks above do (sharded "
+        "initialization, checked layouts): its own path lays out none.",
+        upstream.wrap_initialize_distributed,
+        keras=_KERAS_3_16,
+    ),
+    Patch(
+        KERAS.torch_nn,
+        "dot_product_attention",
+        "Keras 3.16 runs DTensor attention on local shards and rewraps it "
+        "with the query's placements: a pending Partial sum or a sequence "
+        "split is lost with no error. Such inputs are replicated first.",
+        upstream.wrap_dot_product_attention,
+        keras=_KERAS_3_16,
     ),
 )

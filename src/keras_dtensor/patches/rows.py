@@ -12,10 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_dtensor.compat import SUPPORTED_KERAS
-from keras_dtensor.compat import SUPPORTED_TORCH
-from keras_dtensor.compat import keras_version
-from keras_dtensor.compat import torch_version
+from keras_dtensor import compat
 
 __all__ = [
     "MISSING",
@@ -23,6 +20,7 @@ __all__ = [
     "CacheKey",
     "Patch",
     "Registration",
+    "applies",
     "apply_rows",
     "restore_rows",
     "row_status",
@@ -41,16 +39,16 @@ class Patch:
         attribute: attribute name; `Class.method` for a class attribute.
         why: what breaks without it.
         factory: `original -> replacement`; `None` original when absent.
-        package: `"keras"` or `"torch"`, whose versions `versions` names.
-        versions: the versions this row was checked against.
+        keras: the Keras versions the row applies to.
+        torch: the torch versions the row applies to.
     """
 
     module: str
     attribute: str
     why: str
     factory: Callable[[Any], Any]
-    package: str = "keras"
-    versions: str = str(SUPPORTED_KERAS)
+    keras: str = str(compat.SUPPORTED_KERAS)
+    torch: str = str(compat.SUPPORTED_TORCH)
 
     @property
     def target(self) -> str:
@@ -66,6 +64,17 @@ class Patch:
     @property
     def name(self) -> str:
         return self.attribute.rsplit(".", 1)[-1]
+
+    def check(self):
+        """Raises unless the target's owner resolves on this install."""
+        try:
+            self.owner()
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(
+                f"keras_dtensor's hook on {self.target} has no target on "
+                f"keras {compat.keras_version()}, torch "
+                f"{compat.torch_version()}: {e}"
+            ) from e
 
     def apply(self):
         owner = self.owner()
@@ -118,8 +127,8 @@ class Registration:
         why: what breaks without it.
         refine: `(OpStrategy, OpSchema) -> OpStrategy`, applied to what
             the strategy expands to (e.g. to drop invalid combinations).
-        package: `"torch"`.
-        versions: the torch versions this row was checked against.
+        keras: the Keras versions the row applies to.
+        torch: the torch versions the row applies to.
     """
 
     name: str
@@ -127,8 +136,11 @@ class Registration:
     strategy: Callable[..., Any]
     why: str
     refine: Callable[..., Any] | None = None
-    package: str = "torch"
-    versions: str = str(SUPPORTED_TORCH)
+    keras: str = str(compat.SUPPORTED_KERAS)
+    torch: str = str(compat.SUPPORTED_TORCH)
+
+    def check(self):
+        """Nothing to resolve before applying: `ops()` may be empty."""
 
     @property
     def target(self) -> str:
@@ -202,15 +214,18 @@ class CacheKey:
         op: `() -> OpOverload`.
         static_argnum: the first argument that must be part of the key.
         why: what breaks without it.
-        package: `"torch"`.
-        versions: the torch versions this row was checked against.
+        keras: the Keras versions the row applies to.
+        torch: the torch versions the row applies to.
     """
 
     op: Callable[[], Any]
     static_argnum: int
     why: str
-    package: str = "torch"
-    versions: str = str(SUPPORTED_TORCH)
+    keras: str = str(compat.SUPPORTED_KERAS)
+    torch: str = str(compat.SUPPORTED_TORCH)
+
+    def check(self):
+        self.op()
 
     @property
     def target(self) -> str:
@@ -258,28 +273,35 @@ class CacheKey:
         return table is not None and table.get(op) is ours
 
 
-def _installed_versions():
-    return {"keras": keras_version(), "torch": torch_version()}
+def applies(row):
+    """`(True, "")` where `row` applies to the installed Keras and torch,
+    else `(False, why not)`."""
+    for package, installed in (
+        ("keras", compat.keras_version()),
+        ("torch", compat.torch_version()),
+    ):
+        spec = getattr(row, package)
+        if not compat.contains(spec, installed):
+            return False, f"applies to {package}{spec}; installed {installed}"
+    return True, ""
 
 
 def apply_rows(rows, saved):
-    """Applies `rows`, recording each original in `saved[row.target]`.
+    """Applies the rows that apply here, recording each original in
+    `saved[row.target]`; all or nothing.
 
-    Every row's version range is checked before anything is replaced.
+    Every target is resolved before the first replacement; if a row still
+    fails, the rows applied before it are restored and the error raised.
     """
-    from packaging.specifiers import SpecifierSet
-
-    versions = _installed_versions()
+    rows = [row for row in rows if applies(row)[0]]
     for row in rows:
-        version = versions[row.package]
-        if version not in SpecifierSet(row.versions):
-            raise RuntimeError(
-                f"keras_dtensor's hook on {row.target} was checked against "
-                f"{row.package}{row.versions}; the installed {row.package} "
-                f"is {version}."
-            )
-    for row in rows:
-        saved[row.target] = row.apply()
+        row.check()
+    try:
+        for row in rows:
+            saved[row.target] = row.apply()
+    except BaseException:
+        restore_rows(rows, saved)
+        raise
 
 
 def restore_rows(rows, saved):
@@ -291,11 +313,16 @@ def restore_rows(rows, saved):
 
 
 def row_status(rows, saved):
-    """`[(target, state, why)]`, state `applied`, `original` or replaced."""
+    """`[(target, state, why)]`: state `applied`, `original`, `replaced by
+    another library`, or `skipped: <reason>` for a row that does not apply
+    to the installed versions."""
     result = []
     for row in rows:
         original = saved.get(row.target)
-        if original is None:
+        ok, reason = applies(row)
+        if not ok:
+            state = f"skipped: {reason}"
+        elif original is None:
             state = "original"
         elif row.is_current(original):
             state = "applied"

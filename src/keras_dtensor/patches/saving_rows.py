@@ -7,13 +7,13 @@ checked against; `keras_dtensor.patches` applies and restores them.
 import functools
 
 from keras_dtensor import saving
+from keras_dtensor.compat import KERAS
 from keras_dtensor.patches.rows import Patch
 
 __all__ = ["SAVING_ROWS"]
 
 
-_BACKEND = "keras.src.backend"
-_TORCH_CORE = "keras.src.backend.torch.core"
+_TORCH_CORE = KERAS.torch_core
 SAVING_ROWS = (
     Patch(
         "keras.src.saving.saving_lib",

@@ -1,15 +1,14 @@
 """The torch rows of the `PATCHES` table: torch attributes replaced, DTensor
 sharding strategies registered and sharding-cache keys fixed.
 
-Every row is checked against `compat.SUPPORTED_TORCH`, the tested torch
-range with an upper bound: a newer torch fails at `install()` with the
-range in its message, not somewhere inside a step.
+Each row declares the Keras and torch versions it applies to (by default
+the whole supported range, `compat.SUPPORTED_*`); a torch outside that
+range is refused at import.
 """
 
 import torch
 
 from keras_dtensor.backend import placement_order
-from keras_dtensor.compat import SUPPORTED_TORCH
 from keras_dtensor.ops import compile_fixes
 from keras_dtensor.ops import embedding_grad
 from keras_dtensor.ops import redistribute
@@ -29,8 +28,6 @@ TORCH_ROWS = (
         "ranks launched by plain torchrun could choose different "
         "collectives and hang.",
         lambda original: placement_order.partial_hash,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch.distributed.tensor.placement_types",
@@ -39,16 +36,12 @@ TORCH_ROWS = (
         "DTensor orders strategies by hash, so ranks could choose "
         "different collectives (vocabulary-sharded Embedding).",
         lambda original: placement_order.mask_partial_hash,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch.distributed.tensor._ops._math_ops",
         "_NormPartial.__hash__",
         "Its norm type may be a string ('fro'), salted per process.",
         lambda original: placement_order.norm_partial_hash,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch.distributed.tensor._redistribute",
@@ -57,8 +50,6 @@ TORCH_ROWS = (
         "string-hash order; insertion-ordered sets make the planned "
         "collectives agree across ranks.",
         placement_order.wrap_planner_init,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch.distributed.tensor",
@@ -68,8 +59,6 @@ TORCH_ROWS = (
         "share the cache, and a warm run loaded another rank's compiled "
         "forward: different numbers, no error. The key names the rank.",
         compile_fixes.wrap_stable_hash_for_caching,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch._functorch._aot_autograd.runtime_wrappers",
@@ -80,8 +69,6 @@ TORCH_ROWS = (
         "graph break) and keras_hub's Qwen-MoE (a reshape). A permutation "
         "is rebuilt with permute, a reshape with view.",
         compile_fixes.wrap_gen_alias_from_base,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch.distributed.tensor._redistribute",
@@ -91,8 +78,6 @@ TORCH_ROWS = (
         " from one partial type (P(sum)) to another (MaskP(...)) is "
         "unsupported' in backward. The gradient is summed first.",
         redistribute.wrap_redistribute_backward,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch.distributed.tensor._dispatch",
@@ -101,8 +86,6 @@ TORCH_ROWS = (
         "masked (vocabulary-sharded table) record their mask before the "
         "gather: a wrong-shape mask (keras_hub Gemma on a 2 x 2 mesh).",
         redistribute.wrap_redistribute_local_tensor,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     Patch(
         "torch.nn.functional",
@@ -112,8 +95,6 @@ TORCH_ROWS = (
         "whole table's gradient on every rank. Its lookup goes through an "
         "autograd function whose backward computes this rank's rows only.",
         embedding_grad.wrap_embedding,
-        package="torch",
-        versions=str(SUPPORTED_TORCH),
     ),
     CacheKey(
         lambda: torch.ops.aten.topk.default,

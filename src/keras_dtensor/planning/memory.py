@@ -23,6 +23,7 @@ import dataclasses
 import math
 import re
 
+from keras_dtensor import compat
 from keras_dtensor.backend import context
 from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
@@ -105,7 +106,8 @@ def _itemsize(dtype):
 
 def _build_on_meta(model_or_build_fn, optimizer):
     import keras
-    from keras.src.backend.torch.core import device_scope
+
+    device_scope = compat.torch_core().device_scope
 
     previous = context.current()
     keras.distribution.set_distribution(None)  # plain, shape-only weights

@@ -22,6 +22,8 @@ import warnings
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keras_dtensor import compat
+
 __all__ = ["Node", "Trace", "record"]
 
 
@@ -161,7 +163,8 @@ def keras_standard_dtype(dtype) -> str:
 
 def _build(build, device):
     import keras
-    from keras.src.backend.torch.core import device_scope
+
+    device_scope = compat.torch_core().device_scope
 
     if isinstance(build, keras.Model):
         return build
@@ -176,7 +179,8 @@ def _trace_call(model, sample_input, fake):
     import contextlib
 
     import keras
-    from keras.src.backend.torch.core import device_scope
+
+    device_scope = compat.torch_core().device_scope
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = (

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import compat
 from keras_dtensor.backend import context
 from keras_dtensor.backend.launch import multi_process
 from keras_dtensor.backend.layout import local_slices
@@ -101,7 +102,7 @@ def wrap_h5_store_getitem(original):
 
 
 def _read_shards(variable, value):
-    from keras.src.backend.torch.core import to_torch_dtype
+    to_torch_dtype = compat.torch_core().to_torch_dtype
 
     current = variable._value
     mesh, placements = current.device_mesh, current.placements
