@@ -35,14 +35,22 @@ def _torchrun(script, env=None, *options):
 
 
 def test_info_lists_versions_and_every_hook():
+    import keras
+    import torch
+
     from keras_dtensor import patches
 
     proc = _run([sys.executable, "-m", "keras_dtensor.cli", "info"])
     assert proc.returncode == 0, proc.stderr
-    assert "keras         3.15" in proc.stdout
+    assert f"keras         {keras.__version__}" in proc.stdout
+    assert f"torch         {torch.__version__}" in proc.stdout
+    assert "keras_hub     " in proc.stdout
+    assert "keras's own   torch distribution: " in proc.stdout
     assert "rank 0 of 1" in proc.stdout
-    for patch in patches.PATCHES:
-        assert f"[applied] {patch.target}" in proc.stdout
+    # Every row: applied, or skipped with the versions it applies to.
+    for target, state, _ in patches.status():
+        assert f"[{state}] {target}" in proc.stdout
+        assert state == "applied" or state.startswith("skipped: applies to")
 
 
 def test_demo_trains_on_two_processes_with_parity():

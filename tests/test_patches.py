@@ -375,3 +375,27 @@ def test_per_object_attributes_do_not_keep_their_object_alive():
     gc.collect()
     assert alive() is None
     assert ("Model", "step") not in object_state.status()
+
+
+def test_supported_ranges_move_together():
+    # pyproject.toml's dependencies, compat's gates and the README's table
+    # name the same ranges.
+    import pathlib
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    declared = {
+        r.name: r.specifier
+        for r in map(Requirement, project["project"]["dependencies"])
+    }
+    assert declared["keras"] == compat.SUPPORTED_KERAS
+    assert declared["torch"] == compat.SUPPORTED_TORCH
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    for name, spec in declared.items():
+        if name in ("keras", "torch"):
+            ordered = ",".join(sorted(str(spec).split(","), reverse=True))
+            assert f"| {name} | `{ordered}` (checked at import)" in readme

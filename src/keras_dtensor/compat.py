@@ -32,6 +32,8 @@ from packaging.version import Version
 
 __all__ = [
     "KERAS",
+    "KERAS_3_15",
+    "KERAS_3_16",
     "SUPPORTED_KERAS",
     "SUPPORTED_TORCH",
     "Version",
@@ -51,8 +53,11 @@ __all__ = [
 SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.17")
 SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.16")
 
-# The first Keras whose torch backend has the 3.16 layout.
+# The first Keras whose torch backend has the 3.16 layout, and the ranges of
+# rows that apply to one release line only.
 _KERAS_3_16 = Version("3.16.0.dev0")
+KERAS_3_15 = ">=3.15,<3.16.0.dev0"
+KERAS_3_16 = ">=3.16.0.dev0,<3.17"
 
 
 def contains(spec, version) -> bool:
@@ -125,6 +130,8 @@ def _keras_paths(version):
         torch_ops=ops,
         # Classes of the trainers: (module, name).
         torch_trainer="Trainer" if new else "TorchTrainer",
+        # Its method that decides whether `jit_compile` compiles the step.
+        should_compile="_use_torch_compile" if new else "_should_torch_compile",
         base_trainer="BaseTrainer" if new else "Trainer",
     )
 

@@ -53,9 +53,8 @@ def under_launcher() -> bool:
 
 def device_type() -> str:
     """`"cuda"` when this process computes on a GPU, else `"cpu"`."""
-    get_device = compat.torch_core().get_device
-
-    return "cuda" if str(get_device()).startswith("cuda") else "cpu"
+    device = compat.torch_core().get_device()
+    return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
 def local_device() -> torch.device:

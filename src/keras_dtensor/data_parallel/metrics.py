@@ -27,6 +27,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from keras_dtensor import compat
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
@@ -190,8 +191,6 @@ def wrap_get_metrics_result(original):
 
 @functools.cache
 def _keras_steps():
-    from keras_dtensor import compat
-
     torch_trainer = compat.torch_trainer_class()
     base = compat.base_trainer_class()
     return torch_trainer.train_step, base.compute_metrics, torch_trainer

@@ -3,14 +3,18 @@
 Two kinds of rows:
 
 - `Patch`: one attribute of Keras or torch (`module`, dotted
-  `attribute`), why it is replaced, the versions of its package it was
-  checked against, and a factory that builds the replacement from the
+  `attribute`), why it is replaced, the Keras and torch versions it
+  applies to, and a factory that builds the replacement from the
   original.
 - `Registration`: a DTensor sharding strategy registered for torch ops
   (through the public `register_sharding`), with the rule it replaces
   saved.
 
-`apply()` checks every row's versions before touching anything, is
+Tables: `keras_rows` and `saving_rows` (Keras), `keras_3_16_rows` (Keras
+3.16's own torch distribution stood down), `torch_rows` (torch).
+
+`apply()` skips the rows outside the installed versions, resolves every
+other row's target before touching anything, applies all or none, is
 idempotent, and tags every replacement; `restore()` puts back only what
 still holds our replacement (someone else's later wrapper is left alone,
 with a warning), then takes off the attributes hooks set on single
@@ -20,6 +24,7 @@ and torch as they were.
 
 from keras_dtensor.backend import object_state
 from keras_dtensor.patches import rows
+from keras_dtensor.patches.keras_3_16_rows import KERAS_3_16_ROWS
 from keras_dtensor.patches.keras_rows import KERAS_ROWS
 from keras_dtensor.patches.rows import CacheKey
 from keras_dtensor.patches.rows import Patch
@@ -38,7 +43,7 @@ __all__ = [
     "status",
 ]
 
-PATCHES = KERAS_ROWS + SAVING_ROWS + TORCH_ROWS
+PATCHES = KERAS_ROWS + KERAS_3_16_ROWS + SAVING_ROWS + TORCH_ROWS
 
 # Saved originals: {target: what the row's apply() returned}.
 _ORIGINALS = {}

@@ -10,12 +10,12 @@ from keras_dtensor import data_parallel
 from keras_dtensor.backend import context
 from keras_dtensor.backend import distribution_lib
 from keras_dtensor.compat import KERAS
+from keras_dtensor.compat import KERAS_3_15
 from keras_dtensor.hooks import callbacks
 from keras_dtensor.hooks import data
 from keras_dtensor.hooks import dropout
 from keras_dtensor.hooks import fit
 from keras_dtensor.hooks import jit
-from keras_dtensor.hooks import keras_torch_distribution as upstream
 from keras_dtensor.hooks import layer_call
 from keras_dtensor.hooks import layout_lookups
 from keras_dtensor.hooks import replicas
@@ -35,13 +35,7 @@ def _backend_module(original):
 
 
 _BACKEND = "keras.src.backend"
-_TORCH_CORE = KERAS.torch_core
-_TORCH_NUMPY = KERAS.torch_numpy
 _TRAINER = "keras.src.backend.torch.trainer"
-_TORCH_TRAINER = KERAS.torch_trainer  # TorchTrainer; Trainer on 3.16
-_BASE_TRAINER = KERAS.base_trainer  # Trainer; BaseTrainer on 3.16
-_KERAS_3_15 = ">=3.15,<3.16.0.dev0"
-_KERAS_3_16 = ">=3.16.0.dev0,<3.17"
 KERAS_ROWS = (
     Patch(
         _BACKEND,
@@ -64,28 +58,28 @@ KERAS_ROWS = (
         layout_lookups.wrap_get_tensor_layout,
     ),
     Patch(
-        _TORCH_CORE,
+        KERAS.torch_core,
         "Variable._initialize",
         "A variable created under a distribution must hold a DTensor laid "
         "out by Distribution.get_variable_layout, as on JAX.",
         variables.wrap_initialize,
     ),
     Patch(
-        _TORCH_CORE,
+        KERAS.torch_core,
         "Variable._initialize_with_initializer",
         "The layout (and with it the process group and the agreed seed) "
         "must exist before the initializer draws the value.",
         variables.wrap_initialize_with_initializer,
     ),
     Patch(
-        _TORCH_CORE,
+        KERAS.torch_core,
         "Variable._direct_assign",
         "assign/set_weights/load_weights pass global values; copy_ into a "
         "DTensor needs them laid out first.",
         variables.wrap_direct_assign,
     ),
     Patch(
-        _TORCH_CORE,
+        KERAS.torch_core,
         "convert_to_numpy",
         "Variable.__array__ and the optimizers convert through this "
         "binding; a DTensor must be gathered to its global value.",
@@ -104,7 +98,7 @@ KERAS_ROWS = (
         "Third binding: keras.ops, saving and predict call "
         "backend.convert_to_numpy.",
         variables.wrap_convert_to_numpy,
-        keras=_KERAS_3_15,
+        keras=KERAS_3_15,
     ),
     Patch(
         "keras.src.trainers.data_adapters",
@@ -130,7 +124,7 @@ KERAS_ROWS = (
     *(
         Patch(
             _TRAINER,
-            f"{_TORCH_TRAINER}.make_{kind}_function",
+            f"{KERAS.torch_trainer}.make_{kind}_function",
             f"{kind}_on_batch passes the user's arrays straight to the "
             "step; y and sample_weight must be DTensors like y_pred.",
             functools.partial(data.wrap_make_function, kind=kind),
@@ -139,14 +133,14 @@ KERAS_ROWS = (
     ),
     Patch(
         "keras.src.trainers.trainer",
-        f"{_BASE_TRAINER}.get_metrics_result",
+        f"{KERAS.base_trainer}.get_metrics_result",
         "DataParallel: each rank's metric states cover its rows; logged "
         "values must be the global ones.",
         data_parallel.wrap_get_metrics_result,
     ),
     Patch(
         "keras.src.trainers.trainer",
-        f"{_BASE_TRAINER}._compute_loss",
+        f"{KERAS.base_trainer}._compute_loss",
         "DataParallel: Keras updates compiled metrics after the optimizer "
         "step, so summing them was one more collective every step; they "
         "are updated with the loss and summed while backward runs.",
@@ -154,7 +148,7 @@ KERAS_ROWS = (
     ),
     Patch(
         "keras.src.trainers.trainer",
-        f"{_BASE_TRAINER}.compute_loss",
+        f"{KERAS.base_trainer}.compute_loss",
         "DataParallel: a batch with fewer rows than processes leaves some "
         "ranks none; Keras's loss over no rows is an empty tensor, whose "
         "backward raises. There it is a zero that contributes nothing.",
@@ -162,7 +156,7 @@ KERAS_ROWS = (
     ),
     Patch(
         "keras.src.trainers.trainer",
-        f"{_BASE_TRAINER}.compute_metrics",
+        f"{KERAS.base_trainer}.compute_metrics",
         "DataParallel: the compiled metrics of this train step were "
         "already updated with the loss; only their results are read.",
         data_parallel.wrap_compute_metrics,
@@ -247,7 +241,7 @@ KERAS_ROWS = (
     ),
     Patch(
         _TRAINER,
-        f"{_TORCH_TRAINER}.fit",
+        f"{KERAS.torch_trainer}.fit",
         "DataParallel splits optimizer updates only inside fit, and its "
         "end must bring the slots stale off their owner back; callbacks' "
         "file operations are shared (as evaluate/predict below); replicas "
@@ -259,7 +253,7 @@ KERAS_ROWS = (
     *(
         Patch(
             _TRAINER,
-            f"{_TORCH_TRAINER}.{method}",
+            f"{KERAS.torch_trainer}.{method}",
             "Callbacks' file operations on N processes: rank 0 performs "
             "each, every rank gets its outcome (shared_files.py); a failed "
             "collective says a peer died or stalled (fit.py).",
@@ -286,20 +280,13 @@ KERAS_ROWS = (
         "(one run per rank); the others write to a scratch directory.",
         shared_files.wrap_tensorboard_set_model,
     ),
-    *(
-        Patch(
-            _TRAINER,
-            f"{_TORCH_TRAINER}.{name}",
-            "torch.compile of the whole train_step fails on DTensor tangents "
-            "after the graph break at loss.backward(); compile the forward "
-            "(Keras 3.16 turns jit_compile off under ModelParallel).",
-            jit.wrap_should_torch_compile,
-            keras=versions,
-        )
-        for name, versions in (
-            ("_should_torch_compile", _KERAS_3_15),
-            ("_use_torch_compile", _KERAS_3_16),
-        )
+    Patch(
+        _TRAINER,
+        f"{KERAS.torch_trainer}.{KERAS.should_compile}",
+        "torch.compile of the whole train_step fails on DTensor tangents "
+        "after the graph break at loss.backward(); compile the forward "
+        "(Keras 3.16 turns jit_compile off under ModelParallel).",
+        jit.wrap_should_torch_compile,
     ),
     Patch(
         "keras.src.utils.io_utils",
@@ -344,7 +331,7 @@ KERAS_ROWS = (
         layer_call.wrap_seed_generator_next,
     ),
     Patch(
-        _TORCH_NUMPY,
+        KERAS.torch_numpy,
         "einsum",
         "torch's einsum over DTensors reshapes a sharded dim into a merged "
         "one for some shapes (one token at a time in generate) and then "
@@ -353,7 +340,7 @@ KERAS_ROWS = (
         einsum.wrap_einsum,
     ),
     Patch(
-        _TORCH_NUMPY,
+        KERAS.torch_numpy,
         "matmul",
         "A tensor-parallel Dense runs on its local shards (DTensor's "
         "per-op dispatch is most of a small layer's step on a GPU); its "
@@ -362,7 +349,7 @@ KERAS_ROWS = (
         einsum.wrap_matmul,
     ),
     Patch(
-        _TORCH_NUMPY,
+        KERAS.torch_numpy,
         "reshape",
         "A tensor-parallel model's own ops run on local tensors; a reshape "
         "to a shape from its config (keras_hub's attention, by its global "
@@ -371,7 +358,7 @@ KERAS_ROWS = (
         reshape.wrap_reshape,
     ),
     Patch(
-        _TORCH_CORE,
+        KERAS.torch_core,
         "slice_update",
         "With tensor start indices it writes by index_put_, which DTensor "
         "cannot run in place on a sharded tensor (a KV cache in generate).",
@@ -408,57 +395,5 @@ KERAS_ROWS = (
             "keras.src.distribution",
             "keras.distribution",
         )
-    ),
-    # Keras 3.16's own torch distribution (hooks/keras_torch_distribution.py).
-    Patch(
-        _TRAINER,
-        "Trainer._initialize_ddp",
-        "Keras 3.16 wraps the model in DDP whenever a process group is up; "
-        "keras-dtensor reduces DataParallel's gradients itself: with both, "
-        "they would be reduced twice.",
-        upstream.wrap_initialize_ddp,
-        keras=_KERAS_3_16,
-    ),
-    Patch(
-        _TRAINER,
-        "Trainer.get_metrics_result",
-        "Keras 3.16 sums every metric variable across processes here; "
-        "keras-dtensor's metrics are global values already: summed twice.",
-        upstream.wrap_get_metrics_result,
-        keras=_KERAS_3_16,
-    ),
-    Patch(
-        _TRAINER,
-        "_distribute_data",
-        "train_on_batch/test_on_batch/predict_on_batch: Keras 3.16 takes "
-        "each process's arrays as its shard (DTensor.from_local), N times "
-        "the global batch; they stay the global batch.",
-        upstream.wrap_distribute_data,
-        keras=_KERAS_3_16,
-    ),
-    Patch(
-        _TRAINER,
-        "_gather_non_batch_axes",
-        "Keras 3.16's predict keeps each process's rows of a DTensor "
-        "output; predictions are global values on every process.",
-        upstream.wrap_gather_non_batch_axes,
-        keras=_KERAS_3_16,
-    ),
-    Patch(
-        _TORCH_CORE,
-        "Variable._initialize_distributed",
-        "Keras 3.16 lays variables out itself; the hooks above do (sharded "
-        "initialization, checked layouts): its own path lays out none.",
-        upstream.wrap_initialize_distributed,
-        keras=_KERAS_3_16,
-    ),
-    Patch(
-        KERAS.torch_nn,
-        "dot_product_attention",
-        "Keras 3.16 runs DTensor attention on local shards and rewraps it "
-        "with the query's placements: a pending Partial sum or a sequence "
-        "split is lost with no error. Such inputs are replicated first.",
-        upstream.wrap_dot_product_attention,
-        keras=_KERAS_3_16,
     ),
 )
