@@ -65,16 +65,16 @@ def install() -> None:
         )
         return
     patches.apply()
-    if compat.keras_ships_torch_distribution() and os.environ.get(
-        "RANK", "0"
-    ) in ("0", ""):
-        print(
-            f"keras_dtensor: Keras {compat.keras_version()} ships a torch "
-            "distribution of its own; keras_dtensor replaces its "
-            "distribution_lib, DDP wrapping, metric summing, variable and "
-            "batch layouts and sharded attention while installed "
-            "(`keras-dtensor info` lists each; uninstall() puts them back).",
-            file=sys.stderr,
+    if compat.keras_ships_torch_distribution():
+        import logging
+
+        logging.getLogger("keras_dtensor").info(
+            "Keras %s ships a torch distribution of its own; keras_dtensor "
+            "replaces its distribution_lib, DDP wrapping, metric summing, "
+            "variable and batch layouts and sharded attention while "
+            "installed (`keras-dtensor info` lists each; uninstall() puts "
+            "them back).",
+            compat.keras_version(),
         )
 
 

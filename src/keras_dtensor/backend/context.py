@@ -35,18 +35,25 @@ __all__ = [
 ]
 
 
-@functools.cache
-def _distribution_getter():
-    # Looked up once: an import statement in a hook costs every layer call.
-    from keras.distribution import distribution
+_GETTER = []
 
-    return distribution
+
+def _distribution_getter():
+    # Resolved once into a plain list: an import statement in a hook costs
+    # every layer call, and torch.compile traces a list lookup where it
+    # only warns about a cached function.
+    if not _GETTER:
+        from keras.distribution import distribution
+
+        _GETTER.append(distribution)
+    return _GETTER[0]
 
 
 def current():
     """The active Keras distribution, or `None`.
 
-    Called by every hook first, on every layer call: one cached lookup.
+    Called by every hook first, on every layer call: one lookup, which
+    `torch.compile` traces (no graph break in a compiled step).
 
     Example:
     >>> with keras.distribution.DataParallel().scope():

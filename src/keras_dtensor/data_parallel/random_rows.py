@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from keras_dtensor.backend import context
+
 __all__ = [
     "SHAPED_DRAWS",
     "split_rows",
@@ -81,7 +83,9 @@ def wrap_shaped_draw(original):
 
     @functools.wraps(original)
     def draw(shape, *args, **kwargs):
-        if _ROWS.get() is None:  # not in a DataParallel train step
+        # Nothing distributed: return before the ContextVar read, which
+        # torch.compile cannot trace (a graph break in every compiled step).
+        if context.current() is None or _ROWS.get() is None:
             return original(shape, *args, **kwargs)
         rows = _rows_for(tuple(shape), kwargs.get("seed"))
         if rows is None:
@@ -97,7 +101,12 @@ def wrap_dropout(original):
 
     @functools.wraps(original)
     def dropout(inputs, rate, noise_shape=None, seed=None):
-        if _ROWS.get() is None or rate in (0.0, 1.0) or not _seeded(seed):
+        if (
+            context.current() is None  # as in draw()
+            or _ROWS.get() is None
+            or rate in (0.0, 1.0)
+            or not _seeded(seed)
+        ):
             return original(inputs, rate, noise_shape, seed)
         shape = tuple(inputs.shape)
         if noise_shape is not None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
+from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.state import state_of
@@ -231,6 +232,8 @@ def wrap_backend_update_step(original):
 
     @functools.wraps(original)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if context.current() is None:  # traced by torch.compile: no break
+            return original(self, grads, trainable_variables, learning_rate)
         split = _ACTIVE.get()
         if split is None or split.depth or not split.splits(self):
             return original(self, grads, trainable_variables, learning_rate)

@@ -182,6 +182,11 @@ def wrap_direct_assign(original):
 
     def _direct_assign(self, value):
         if not isinstance(self._value, DTensor):
+            if context.current() is None:
+                # Nothing distributed: Keras's own assign, and nothing here
+                # that torch.compile cannot trace (optimizer and metric
+                # updates run inside a compiled step).
+                return original(self, value)
             if model_parallel.in_local_run():
                 # A model on local rows: this rank's value must not land
                 # in a global variable; the call reruns as DTensors.

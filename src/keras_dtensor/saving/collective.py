@@ -286,18 +286,19 @@ def _save_archive(model, fileobj):
 
 
 def wrap_save_model_to_fileobj(original):
-    """Wraps `saving_lib._save_model_to_fileobj(model, fileobj, format)`:
+    """Wraps `saving_lib._save_model_to_fileobj(model, fileobj[, format])`
+    (Keras 3.16 writes `.h5` weights only and drops the format argument):
     inside a save's `scope()`, `.h5` weights into a file on disk are
     written in place inside the zip (see the module)."""
 
     @functools.wraps(original)
-    def _save_model_to_fileobj(model, fileobj, weights_format):
+    def _save_model_to_fileobj(model, fileobj, *weights_format):
         if (
             h5_stream.active()
-            and weights_format == "h5"
+            and tuple(weights_format) in ((), ("h5",))
             and isinstance(getattr(fileobj, "name", None), str)
         ):
             return _save_archive(model, fileobj)
-        return original(model, fileobj, weights_format)
+        return original(model, fileobj, *weights_format)
 
     return _save_model_to_fileobj
