@@ -47,8 +47,8 @@ class Patch:
     attribute: str
     why: str
     factory: Callable[[Any], Any]
-    keras: str = str(compat.SUPPORTED_KERAS)
-    torch: str = str(compat.SUPPORTED_TORCH)
+    keras: str = ">=3.15,<3.17"
+    torch: str = ">=2.11,<2.16"
 
     @property
     def target(self) -> str:
@@ -136,8 +136,8 @@ class Registration:
     strategy: Callable[..., Any]
     why: str
     refine: Callable[..., Any] | None = None
-    keras: str = str(compat.SUPPORTED_KERAS)
-    torch: str = str(compat.SUPPORTED_TORCH)
+    keras: str = ">=3.15,<3.17"
+    torch: str = ">=2.11,<2.16"
 
     def check(self):
         """Nothing to resolve before applying: `ops()` may be empty."""
@@ -221,8 +221,8 @@ class CacheKey:
     op: Callable[[], Any]
     static_argnum: int
     why: str
-    keras: str = str(compat.SUPPORTED_KERAS)
-    torch: str = str(compat.SUPPORTED_TORCH)
+    keras: str = ">=3.15,<3.17"
+    torch: str = ">=2.11,<2.16"
 
     def check(self):
         self.op()
