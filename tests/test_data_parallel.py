@@ -262,14 +262,23 @@ def _per_process_slices():
             error = None
         except RuntimeError as e:
             error = str(e)
-    # A global-batch pipeline seeded differently per rank (here: numpy
-    # shuffling) would silently train on the wrong rows: it raises.
+    # A global-batch pipeline seeded differently per rank (here: a torch
+    # DataLoader shuffled by torch's seeded generator; Keras 3.16 shuffles
+    # arrays by epoch number alone) would silently train on the wrong rows:
+    # it raises.
+    import torch
+
     keras.utils.set_random_seed(100 + rank)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y)),
+        batch_size=8,
+        shuffle=True,
+    )
     with keras.distribution.DataParallel().scope():
         model = models.mlp(keras)
         model.compile(optimizer="sgd", loss="mse")
         try:
-            model.fit(x, y, batch_size=8, shuffle=True, verbose=0)
+            model.fit(loader, verbose=0)
             diverged = None
         except RuntimeError as e:
             diverged = str(e)

@@ -7,10 +7,15 @@ for a call's `(args, kwargs)` of a few tensors. The package walks each
 layer call's arguments several times (a tensor-parallel layer in a local
 run, every token of `generate`). A structure of plain tuples, lists and
 dicts holding tensors, numbers, strings and None is walked here directly,
-in Keras's order (dict keys sorted); anything else goes to Keras's.
+in Keras's order; anything else goes to Keras's.
+
+Keras's order for `flatten` and `pack_sequence_as` is a dict's keys sorted:
+Keras 3.15 sorts the outermost dicts only, Keras 3.16 every level. Which
+one is asked of the installed Keras, once, so the walk follows it.
 """
 
 import torch
+from keras.src import tree as _keras_tree
 
 __all__ = ["flatten", "map_structure", "pack_sequence_as"]
 
@@ -33,16 +38,20 @@ def _simple(x):
     return isinstance(x, _LEAVES) and not isinstance(x, _SIMPLE)
 
 
+# Whether Keras sorts the keys of a dict inside a dict.
+_SORTS_NESTED = _keras_tree.flatten({"a": {"b": 0, "a": 1}}) == [1, 0]
+
+
 def _walk(x, leaf, top=True):
     """`x` (`_simple`) rebuilt with `leaf(v)` for each leaf, in Keras's
-    order: a dict's keys sorted, but not those of the dicts inside one
-    (Keras sorts the outermost dicts only)."""
+    order: a dict's keys sorted where `top`, and inside it where Keras
+    sorts nested dicts (`_SORTS_NESTED`)."""
     kind = type(x)
     if kind is tuple or kind is list:
         return kind([_walk(v, leaf, top) for v in x])
     if kind is dict:
         keys = sorted(x) if top else list(x)
-        return {k: _walk(x[k], leaf, False) for k in keys}
+        return {k: _walk(x[k], leaf, _SORTS_NESTED and top) for k in keys}
     return leaf(x)
 
 

@@ -16,8 +16,12 @@ is set, so a plain one-process job on Keras 3.16 runs exactly as Keras wrote
 it.
 """
 
+import weakref
+
 from keras_dtensor import compat
 from keras_dtensor.backend import context
+from keras_dtensor.backend import object_state
+from keras_dtensor.backend.launch import world
 
 __all__ = [
     "wrap_distribute_data",
@@ -29,17 +33,50 @@ __all__ = [
 ]
 
 
+class _DataParallelStandIn:
+    """What `Trainer.ddp_model` holds under keras-dtensor's `DataParallel`.
+
+    Keras 3.16's train step differentiates with `loss.backward()` when
+    `ddp_model` is set (DDP's gradient hooks need `.grad`), and with
+    `torch.autograd.grad` in a compiled step otherwise, which fires no
+    post-accumulate-grad hook. keras-dtensor's gradient reducer stands
+    where DDP would, and its hooks need the same `backward()`: so the
+    trainer is given this stand-in, which calls the model itself.
+    """
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def __call__(self, *args, **kwargs):
+        return self._model()(*args, **kwargs)
+
+    def zero_grad(self, *args, **kwargs):
+        return self._model().zero_grad(*args, **kwargs)
+
+
 def wrap_initialize_ddp(original):
     """Wraps `Trainer._initialize_ddp`: no DDP wrapper while installed.
 
     Keras 3.16 wraps the model in DDP under `DataParallel` and under no
     distribution whenever a process group is up; keras-dtensor's
-    `DataParallel` reduces gradients in buckets itself, and a job with no
-    distribution is one process's job on every rank.
+    `DataParallel` reduces gradients in buckets itself (the trainer gets
+    `_DataParallelStandIn` in DDP's place, on more than one process), and
+    a job with no distribution is one process's job on every rank.
     """
 
     def _initialize_ddp(self):
-        return None
+        distribution = context.active()
+        stand_in = None
+        if (
+            distribution is not None
+            and context.is_data_parallel(distribution)
+            and world()[0] > 1
+        ):
+            stand_in = self.ddp_model
+            if not isinstance(stand_in, _DataParallelStandIn):
+                stand_in = _DataParallelStandIn(self)
+        if self.__dict__.get("ddp_model") is not stand_in:
+            object_state.set_on(self, "ddp_model", stand_in)
 
     return _initialize_ddp
 
