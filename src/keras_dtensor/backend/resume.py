@@ -2,11 +2,16 @@
 
 A checkpoint written in the middle of an epoch (on a termination signal)
 resumes at its exact batch when the input can be positioned: the epoch's
-shuffle is drawn again from the random state it was drawn from, and the
-batches already trained are read and dropped. The checkpoint callback asks
-for that (`request`) when the resumed epoch begins; the epoch iterator
-takes the request when it starts (`take`), skips the batches if its input
-can be positioned, and reports back through `done(positioned)`.
+shuffle is drawn again from what it was drawn from, and the batches already
+trained are read and dropped. Keras 3.15 draws an epoch's shuffle from the
+global generators (restored by the checkpoint callback); Keras 3.16 seeds
+it with the number of epochs its data adapter has read (`_epoch`), which a
+resumed `fit` starts afresh, so the request carries the number of epochs
+the uninterrupted run had read and the epoch iterator adds it
+(`count_epochs_read`). The checkpoint callback asks for that (`request`)
+when the resumed epoch begins; the epoch iterator takes the request when it
+starts (`take`), skips the batches if its input can be positioned, and
+reports back through `done(positioned)`.
 
 Positionable: numpy arrays and tensors, a torch `DataLoader` (its sampler
 draws from torch's generator), a `PyDataset` (Python's `random`), each
@@ -18,7 +23,7 @@ data); there the epoch restarts from its first batch.
 import dataclasses
 from collections.abc import Callable
 
-__all__ = ["Request", "positionable", "request", "take"]
+__all__ = ["Request", "positionable", "request", "count_epochs_read", "take"]
 
 _KEY = "keras_dtensor_resume_request"
 _POSITIONABLE = (
@@ -36,10 +41,13 @@ class Request:
         batches: how many batches were trained in the epoch already.
         done: called with whether they were skipped (the input could be
             positioned) once the epoch iterator has started.
+        epochs_read: how many epochs of the input the uninterrupted run
+            had read before this one.
     """
 
     batches: int
-    done: Callable[[bool, str], None]
+    done: Callable[[bool, str], None] | None
+    epochs_read: int = 0
 
 
 def _state():
@@ -50,9 +58,14 @@ def _state():
     return global_state
 
 
-def request(batches: int, done: Callable[[bool, str], None]) -> None:
-    """Asks the next training epoch to start at batch `batches`."""
-    _state().set_global_attribute(_KEY, Request(batches, done))
+def request(
+    batches: int,
+    done: Callable[[bool, str], None] | None,
+    epochs_read: int = 0,
+) -> None:
+    """Asks the next training epoch to start at batch `batches`, as the
+    `epochs_read + 1`-th epoch of its input."""
+    _state().set_global_attribute(_KEY, Request(batches, done, epochs_read))
 
 
 def take() -> Request | None:
@@ -62,6 +75,15 @@ def take() -> Request | None:
     if pending is not None:
         global_state.set_global_attribute(_KEY, None)
     return pending
+
+
+def count_epochs_read(epoch_iterator, epochs_read: int) -> None:
+    """Adds `epochs_read` to the data adapter's epoch count where it seeds
+    the shuffle (Keras 3.16's array and `PyDataset` adapters), so the
+    resumed `fit`'s first epoch is drawn as the uninterrupted run's was."""
+    adapter = epoch_iterator.data_adapter
+    if isinstance(getattr(adapter, "_epoch", None), int):
+        adapter._epoch += epochs_read
 
 
 def positionable(epoch_iterator) -> tuple[bool, str]:

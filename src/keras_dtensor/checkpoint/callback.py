@@ -109,6 +109,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._history = ([], {})
         self._resumed_epochs = 0
         self._position = None
+        self._loaded = False
         if self.on_preemption:  # before loading: a signal then is saved too
             self._signals = preemption.Signals(self.model, self.signals)
             if not self._signals.install():
@@ -143,11 +144,13 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         )
         self._resumed_epochs = len(self._history[0])
         self._position = extra.get("position")
+        self._loaded = True
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_start = self._batches
         resumed, self._position = self._position, None
+        loaded, self._loaded = self._loaded, False
         if resumed and resumed["batches"]:
             position.restore_random(resumed, "begin")
             resume.request(
@@ -155,7 +158,10 @@ class ShardedCheckpoint(keras.callbacks.Callback):
                 lambda positioned, kind: self._resumed(
                     resumed, positioned, kind
                 ),
+                self._resumed_epochs,
             )
+        elif loaded:  # at an epoch's start: its shuffle all the same
+            resume.request(0, None, self._resumed_epochs)
         self._begin_state = position.random_state()
 
     def _resumed(self, resumed, positioned, kind):

@@ -32,7 +32,12 @@ def wrap_get_iterator(original):
     def _get_iterator(self):
         distribution = context.active()
         if distribution is None:
-            return original(self)
+            if context.current() is None:
+                return original(self)
+            # One process: plain Keras's loader. (Keras 3.16 reads a
+            # ModelParallel's batches from another iterator, whose shuffle
+            # differs: the numbers would change with the process count.)
+            return self.data_adapter.get_torch_dataloader()
         # The adapter's own batches (Keras 3.16 would lay them out itself,
         # each process's batch as its shard).
         iterator = self.data_adapter.get_torch_dataloader()
@@ -60,9 +65,13 @@ def wrap_epoch_iter(original):
     batch its checkpoint was written at (`backend.resume`)."""
 
     def __iter__(self):
-        iterator = original(self)
         pending = resume.take()
         if pending is None:
+            return original(self)
+        # Before the iterator exists: the adapter seeds its shuffle with it.
+        resume.count_epochs_read(self, pending.epochs_read)
+        iterator = original(self)
+        if not pending.batches:
             return iterator
         positioned, kind = resume.positionable(self)
         if positioned:

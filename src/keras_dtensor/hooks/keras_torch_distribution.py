@@ -181,9 +181,10 @@ def _local_run_valid(tensors):
 
     Query, key and value must be DTensors on one mesh with the same
     placements, each `Shard(0)` (batch), `Shard(2)` (heads, in Keras's
-    (batch, seq, heads, dim) layout) or `Replicate()`. A mask or bias is laid
-    out (batch, heads, seq, seq): its local part matches a split query's
-    only by coincidence, so with one the query must be replicated.
+    (batch, seq, heads, dim) layout) or `Replicate()`. A mask or bias
+    (broadcast to (batch, heads, seq, seq)) must be split over a mesh dim
+    where the query is, along the same axis, unless it has size 1 there
+    (it broadcasts): then every process uses the whole of it.
     """
     from torch.distributed.tensor import DTensor
 
@@ -198,13 +199,38 @@ def _local_run_valid(tensors):
     split = [p for p in query.placements if not p.is_replicate()]
     if any(not (p.is_shard(0) or p.is_shard(2)) for p in split):
         return False
-    extra = [t for t in (bias, mask) if t is not None]
-    if not extra:
-        return True
-    return not split and all(
-        isinstance(t, DTensor) and all(p.is_replicate() for p in t.placements)
-        for t in extra
-    )
+    return all(_mask_follows(query, t) for t in (bias, mask) if t is not None)
+
+
+def _mask_follows(query, mask):
+    """Whether each process's part of `mask` is the mask of its query
+    shard (see `_local_run_valid`)."""
+    from torch.distributed.tensor import DTensor
+
+    # The query's batch and heads axes, as axes of the mask (None: absent,
+    # broadcast).
+    ndim = mask.ndim
+    axis_of = {0: ndim - 4 if ndim >= 4 else None, 2: ndim - 3}
+    if isinstance(mask, DTensor):
+        if mask.device_mesh != query.device_mesh:
+            return False
+        placements = mask.placements
+    else:
+        placements = [None] * len(query.placements)
+    for q, m in zip(query.placements, placements, strict=True):
+        if m is not None and m.is_partial():
+            return False
+        if q.is_replicate():
+            if m is not None and not m.is_replicate():
+                return False
+            continue
+        axis = axis_of[q.dim]
+        if axis is None or axis < 0 or mask.shape[axis] == 1:
+            if m is not None and not m.is_replicate():
+                return False  # (a size-1 axis is never split)
+        elif m is None or not m.is_shard(axis):
+            return False
+    return True
 
 
 def _replicated(tensor):
