@@ -8,6 +8,7 @@
   (`data_parallel` or `model_parallel`); `slice_update`: a KV cache
   updated on shards;
 - `fit`, `replicas`, `allocator`: around `fit`/`evaluate`/`predict`;
+- `attention`: `dot_product_attention` on DTensor inputs;
 - `callbacks`, `shared_files`: callbacks and their file operations on N
   processes; `jit`: `jit_compile=True` as a compiled forward.
 

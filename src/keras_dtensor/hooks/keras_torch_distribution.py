@@ -4,7 +4,7 @@ Keras 3.16 ships a partial torch distribution: its trainer wraps the model
 in `DistributedDataParallel` whenever a process group is up, sums metric
 variables across processes, lays variables and batches out itself
 (`DTensor.from_local` on each process's batch) and gathers predictions per
-process; `dot_product_attention` runs DTensors on their local shards.
+process.
 keras-dtensor does each of these jobs itself, with one process's numbers
 (variables laid out in `hooks.variables`, batches in `hooks.data`, gradients
 in `data_parallel`, metrics in `data_parallel.metrics`). Running both would
@@ -25,7 +25,6 @@ from keras_dtensor.backend.launch import world
 
 __all__ = [
     "wrap_distribute_data",
-    "wrap_dot_product_attention",
     "wrap_gather_non_batch_axes",
     "wrap_get_metrics_result",
     "wrap_initialize_ddp",
@@ -147,95 +146,3 @@ def wrap_gather_non_batch_axes(original):
         return data
 
     return _gather_non_batch_axes
-
-
-def wrap_dot_product_attention(original):
-    """Wraps Keras 3.16's torch `dot_product_attention`.
-
-    On a DTensor query it runs attention on each process's local shards and
-    rewraps the output with the query's placements. That holds only where
-    every input is split the same way over batch or heads: a pending
-    `Partial` sum, a split sequence or feature dim, or inputs placed
-    differently give wrong numbers with no error. Such inputs are
-    redistributed to replicated first (correct; the heads-split case keeps
-    its local run).
-    """
-
-    def dot_product_attention(query, key, value, bias=None, mask=None, *a, **k):
-        from torch.distributed.tensor import DTensor
-
-        tensors = (query, key, value, bias, mask)
-        if not any(isinstance(t, DTensor) for t in tensors):
-            return original(query, key, value, bias, mask, *a, **k)
-        if not _local_run_valid(tensors):
-            query, key, value, bias, mask = (
-                _replicated(t) if isinstance(t, DTensor) else t for t in tensors
-            )
-        return original(query, key, value, bias, mask, *a, **k)
-
-    return dot_product_attention
-
-
-def _local_run_valid(tensors):
-    """Whether attention on local shards gives the global result.
-
-    Query, key and value must be DTensors on one mesh with the same
-    placements, each `Shard(0)` (batch), `Shard(2)` (heads, in Keras's
-    (batch, seq, heads, dim) layout) or `Replicate()`. A mask or bias
-    (broadcast to (batch, heads, seq, seq)) must be split over a mesh dim
-    where the query is, along the same axis, unless it has size 1 there
-    (it broadcasts): then every process uses the whole of it.
-    """
-    from torch.distributed.tensor import DTensor
-
-    query, key, value, bias, mask = tensors
-    for t in (query, key, value):
-        if not isinstance(t, DTensor):
-            return False
-        if t.device_mesh != query.device_mesh:
-            return False
-        if tuple(t.placements) != tuple(query.placements):
-            return False
-    split = [p for p in query.placements if not p.is_replicate()]
-    if any(not (p.is_shard(0) or p.is_shard(2)) for p in split):
-        return False
-    return all(_mask_follows(query, t) for t in (bias, mask) if t is not None)
-
-
-def _mask_follows(query, mask):
-    """Whether each process's part of `mask` is the mask of its query
-    shard (see `_local_run_valid`)."""
-    from torch.distributed.tensor import DTensor
-
-    # The query's batch and heads axes, as axes of the mask (None: absent,
-    # broadcast).
-    ndim = mask.ndim
-    axis_of = {0: ndim - 4 if ndim >= 4 else None, 2: ndim - 3}
-    if isinstance(mask, DTensor):
-        if mask.device_mesh != query.device_mesh:
-            return False
-        placements = mask.placements
-    else:
-        placements = [None] * len(query.placements)
-    for q, m in zip(query.placements, placements, strict=True):
-        if m is not None and m.is_partial():
-            return False
-        if q.is_replicate():
-            if m is not None and not m.is_replicate():
-                return False
-            continue
-        axis = axis_of[q.dim]
-        if axis is None or axis < 0 or mask.shape[axis] == 1:
-            if m is not None and not m.is_replicate():
-                return False  # (a size-1 axis is never split)
-        elif m is None or not m.is_shard(axis):
-            return False
-    return True
-
-
-def _replicated(tensor):
-    from torch.distributed.tensor import Replicate
-
-    return tensor.redistribute(
-        tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim
-    )

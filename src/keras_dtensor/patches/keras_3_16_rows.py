@@ -57,13 +57,4 @@ KERAS_3_16_ROWS = (
         upstream.wrap_initialize_distributed,
         keras=KERAS_3_16,
     ),
-    Patch(
-        KERAS.torch_nn,
-        "dot_product_attention",
-        "Keras 3.16 runs DTensor attention on local shards and rewraps it "
-        "with the query's placements: a pending Partial sum or a sequence "
-        "split is lost with no error. Such inputs are replicated first.",
-        upstream.wrap_dot_product_attention,
-        keras=KERAS_3_16,
-    ),
 )

@@ -11,6 +11,7 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import distribution_lib
 from keras_dtensor.compat import KERAS
 from keras_dtensor.compat import KERAS_3_15
+from keras_dtensor.hooks import attention
 from keras_dtensor.hooks import callbacks
 from keras_dtensor.hooks import data
 from keras_dtensor.hooks import dropout
@@ -40,8 +41,7 @@ KERAS_ROWS = (
     Patch(
         _BACKEND,
         "distribution_lib",
-        "Keras sets it to None for torch; every keras.distribution call "
-        "goes through it.",
+        "None for torch in Keras; every keras.distribution call uses it.",
         _backend_module,
     ),
     Patch(
@@ -60,29 +60,25 @@ KERAS_ROWS = (
     Patch(
         KERAS.torch_core,
         "Variable._initialize",
-        "A variable created under a distribution must hold a DTensor laid "
-        "out by Distribution.get_variable_layout, as on JAX.",
+        "Under a distribution a variable holds a DTensor, as on JAX.",
         variables.wrap_initialize,
     ),
     Patch(
         KERAS.torch_core,
         "Variable._initialize_with_initializer",
-        "The layout (and with it the process group and the agreed seed) "
-        "must exist before the initializer draws the value.",
+        "The layout (group, agreed seed) must exist before the draw.",
         variables.wrap_initialize_with_initializer,
     ),
     Patch(
         KERAS.torch_core,
         "Variable._direct_assign",
-        "assign/set_weights/load_weights pass global values; copy_ into a "
-        "DTensor needs them laid out first.",
+        "assign/set_weights/load_weights pass global values: laid out.",
         variables.wrap_direct_assign,
     ),
     Patch(
         KERAS.torch_core,
         "convert_to_numpy",
-        "Variable.__array__ and the optimizers convert through this "
-        "binding; a DTensor must be gathered to its global value.",
+        "Variable.__array__, optimizers: a DTensor is gathered first.",
         variables.wrap_convert_to_numpy,
     ),
     Patch(
@@ -95,8 +91,7 @@ KERAS_ROWS = (
     Patch(
         _BACKEND,
         "convert_to_numpy",
-        "Third binding: keras.ops, saving and predict call "
-        "backend.convert_to_numpy.",
+        "Third binding: keras.ops, saving and predict call this one.",
         variables.wrap_convert_to_numpy,
         keras=KERAS_3_15,
     ),
@@ -240,6 +235,14 @@ KERAS_ROWS = (
         data_parallel.wrap_moments,
     ),
     Patch(
+        KERAS.torch_nn,
+        "dot_product_attention",
+        "DTensor attention: 3.15's torch rule cannot move the mask (shape "
+        "error), 3.16 drops a Partial or sequence split with no error. "
+        "q/k/v are split alike or replicated, the mask follows the query.",
+        attention.wrap_dot_product_attention,
+    ),
+    Patch(
         _TRAINER,
         f"{KERAS.torch_trainer}.fit",
         "DataParallel splits optimizer updates only inside fit, and its "
@@ -265,10 +268,8 @@ KERAS_ROWS = (
         Patch(
             "keras.src.utils.file_utils",
             name,
-            "Every rank ran BackupAndRestore/ModelCheckpoint/CSVLogger's "
-            "directory creation, copies and deletes on shared paths: "
-            "FileExistsError/FileNotFoundError, then a hang. Inside fit/"
-            "evaluate/predict, rank 0 acts and every rank gets its outcome.",
+            "Callbacks' directory creation, copies and deletes on shared "
+            "paths raised on some rank, then hung: rank 0 acts.",
             functools.partial(shared_files.wrap_file_operation, name=name),
         )
         for name in shared_files.FILE_OPERATIONS
