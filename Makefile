@@ -69,9 +69,8 @@ $(NEXT_VENV)/.installed: pyproject.toml Makefile
 	$(NEXT_PIP) install --quiet --no-deps -e .
 	touch $@
 
-# KERAS_DTENSOR_NEXT=1: the next releases are accepted, not yet supported.
 test-next: $(NEXT_VENV)/.installed
-	KERAS_DTENSOR_NEXT=1 OMP_NUM_THREADS=1 $(NEXT_BIN)/python -m pytest -q --durations=10 -m "not slow"
+	OMP_NUM_THREADS=1 $(NEXT_BIN)/python -m pytest -q --durations=10 -m "not slow"
 
 # BENCHMARKS.md is generated from benchmarks/results*.json, never edited.
 bench-report: setup

@@ -7,7 +7,16 @@ pooling), and keras_hub's ResNetImageClassifier on a tiny ResNetBackbone
 last batch. Rank 0 also runs each case with no distribution (the
 reference), in the same spawned group. SGD's update is the gradient times
 lr, so a wrong gradient shows; statistics of each process's own rows
-(`KERAS_DTENSOR_SYNC_BATCH_NORM=0`) miss by 1e-2 or more."""
+(`KERAS_DTENSOR_SYNC_BATCH_NORM=0`) miss by 1e-2 or more.
+
+A ReLU input within rounding of 0 takes either side of the kink depending
+on the order of the sums (rows per process, or rows reordered in one
+process): its gradient is then all or nothing, and momentum carries that
+to 1e-3 over a few steps (issue 51: seeds where 2 processes drift and 4 do
+not, and the reverse). So the ReLU cases use data where no input lands
+there, and a third case runs the keras_hub ResNet of that report (8 rows
+per process, 64 filters then 32) with GELU in place of ReLU: no kink, so
+any gap past rounding is a wrong term, whatever the data."""
 
 import numpy as np
 import pytest
@@ -81,7 +90,29 @@ def _keras_hub(keras):
     return model, 16
 
 
-def _train(build, distribution):
+def _keras_hub_smooth(keras):
+    import keras_hub
+
+    backbone = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64],
+        input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 32],
+        stackwise_num_blocks=[1, 1],
+        stackwise_num_strides=[1, 2],
+        block_type="basic_block",
+        use_pre_activation=False,
+        image_shape=(16, 16, 3),
+    )
+    for layer in backbone._flatten_layers():
+        if isinstance(layer, keras.layers.Activation):
+            layer.activation = keras.activations.gelu
+    model = keras_hub.models.ResNetImageClassifier(
+        backbone=backbone, num_classes=3, preprocessor=None
+    )
+    return model, 16
+
+
+def _train(build, distribution, batch=BATCH):
     import contextlib
 
     import keras
@@ -99,7 +130,7 @@ def _train(build, distribution):
         history = model.fit(
             x,
             y,
-            batch_size=BATCH,
+            batch_size=batch,
             epochs=2,
             shuffle=False,
             validation_data=(x[:VALIDATION], y[:VALIDATION]),
@@ -109,8 +140,8 @@ def _train(build, distribution):
             "paths": [w.path for w in model.weights],
             "weights": [np.asarray(w) for w in model.get_weights()],
             "history": history.history,
-            "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
-            "predict": model.predict(x, batch_size=BATCH, verbose=0),
+            "evaluate": model.evaluate(x, y, batch_size=batch, verbose=0),
+            "predict": model.predict(x, batch_size=batch, verbose=0),
         }
 
 
@@ -137,9 +168,13 @@ def _cases():
     import torch.distributed as dist
 
     out = {}
-    for name, build in (("plain", _plain), ("keras_hub", _keras_hub)):
-        reference = _train(build, None) if dist.get_rank() == 0 else None
-        got = _train(build, keras.distribution.DataParallel())
+    for name, build, batch in (
+        ("plain", _plain, BATCH),
+        ("keras_hub", _keras_hub, BATCH),
+        ("keras_hub_gelu", _keras_hub_smooth, 2 * BATCH),
+    ):
+        reference = _train(build, None, batch) if dist.get_rank() == 0 else None
+        got = _train(build, keras.distribution.DataParallel(), batch)
         if reference is not None:
             out[name] = {"diffs": _diffs(got, reference), "got": got}
     return out

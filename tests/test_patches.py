@@ -85,9 +85,6 @@ def test_every_row_declares_the_versions_it_applies_to():
         ):
             for outside in probes:
                 assert not compat.contains(supported, outside)
-                assert not compat.contains(
-                    getattr(compat, f"NEXT_{package.upper()}"), outside
-                )
                 assert not compat.contains(getattr(row, package), outside), (
                     row.target
                 )
@@ -141,14 +138,15 @@ def test_uninstall_leaves_a_later_wrapper_alone(reinstall):
     setattr(patch.owner(), patch.name, ours.__wrapped__)
 
 
-def test_unsupported_keras_touches_nothing(reinstall, monkeypatch):
+@pytest.mark.parametrize("version", ["3.14.0", "3.17.0.dev0", "3.17.0"])
+def test_unsupported_keras_touches_nothing(reinstall, monkeypatch, version):
     keras_dtensor.uninstall()
     monkeypatch.setattr(
-        compat, "keras_version", lambda: compat.Version("3.14.0")
+        compat, "keras_version", lambda: compat.Version(version)
     )
-    with pytest.raises(RuntimeError, match=r"supports keras<3.16,>=3.15") as e:
+    with pytest.raises(RuntimeError, match=r"supports keras<3.17,>=3.15") as e:
         keras_dtensor.install()
-    assert "pip install 'keras<3.16,>=3.15'" in str(e.value)
+    assert "pip install 'keras<3.17,>=3.15'" in str(e.value)
     assert not keras_dtensor.is_installed()
     assert (
         importlib.import_module("keras.src.backend").distribution_lib
@@ -163,24 +161,10 @@ def test_a_newer_torch_fails_at_install(reinstall, monkeypatch):
     monkeypatch.setattr(
         compat, "torch_version", lambda: compat.Version("2.16.0")
     )
-    with pytest.raises(RuntimeError, match=r"supports torch<2.15,>=2.11") as e:
+    with pytest.raises(RuntimeError, match=r"supports torch<2.16,>=2.11") as e:
         keras_dtensor.install()
-    assert "pip install 'torch<2.15,>=2.11'" in str(e.value)
+    assert "pip install 'torch<2.16,>=2.11'" in str(e.value)
     assert not keras_dtensor.is_installed()
-
-
-def test_the_next_releases_need_the_opt_in(reinstall, monkeypatch):
-    # Keras 3.16 runs, but is not yet supported: refused unless asked for.
-    keras_dtensor.uninstall()
-    monkeypatch.delenv("KERAS_DTENSOR_NEXT", raising=False)
-    monkeypatch.setattr(
-        compat, "keras_version", lambda: compat.Version("3.16.0.dev20261027")
-    )
-    with pytest.raises(RuntimeError, match="KERAS_DTENSOR_NEXT=1 accepts"):
-        keras_dtensor.install()
-    assert not keras_dtensor.is_installed()
-    monkeypatch.setenv("KERAS_DTENSOR_NEXT", "1")
-    compat.check_environment()
 
 
 def test_keras_nightly_version_is_read_from_the_imported_folder():

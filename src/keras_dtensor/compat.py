@@ -1,9 +1,9 @@
 """The supported Keras and torch releases, and where Keras keeps what we hook.
 
 One code base serves Keras 3.15.x and 3.16 (released or `keras-nightly`),
-and torch 2.11 through 2.15; 3.16 and 2.15 are accepted only with
-`KERAS_DTENSOR_NEXT=1` until `make test-next` is green. Three things vary
-between them, all answered here, so nothing else tests a version:
+and torch 2.11 through 2.15 (`make test` runs the suite on the first line,
+`make test-next` on the second). Three things vary between them, all
+answered here, so nothing else tests a version:
 
 - **The supported ranges.** `check_environment()` refuses, at import, a
   Keras or torch outside them, with the range and the pip command that
@@ -31,14 +31,10 @@ import types
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from keras_dtensor import config
-
 __all__ = [
     "KERAS",
     "KERAS_3_15",
     "KERAS_3_16",
-    "NEXT_KERAS",
-    "NEXT_TORCH",
     "SUPPORTED_KERAS",
     "SUPPORTED_TORCH",
     "Version",
@@ -55,13 +51,9 @@ __all__ = [
 ]
 
 # Keep in step with pyproject.toml's dependencies and the README's table.
-SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.16")
-SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.15")
-# The next releases: the code base runs on them (`make test-next`), but the
-# suite is not yet green there, so they are accepted only on request
-# (KERAS_DTENSOR_NEXT=1). Once it is, the supported ranges take them in.
-NEXT_KERAS = SpecifierSet(">=3.16.0.dev0,<3.17")
-NEXT_TORCH = SpecifierSet(">=2.15,<2.16")
+# (A Keras 3.16 development build, `keras-nightly`, is inside.)
+SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.17")
+SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.16")
 
 # The first Keras whose torch backend has the 3.16 layout, and the ranges of
 # rows that apply to one release line only.
@@ -194,25 +186,16 @@ def check_environment():
             f"KERAS_BACKEND is {backend!r}. Set KERAS_BACKEND=torch before "
             "importing keras."
         )
-    for name, installed, supported, following in (
-        ("keras", keras_version(), SUPPORTED_KERAS, NEXT_KERAS),
-        ("torch", torch_version(), SUPPORTED_TORCH, NEXT_TORCH),
+    for name, installed, supported in (
+        ("keras", keras_version(), SUPPORTED_KERAS),
+        ("torch", torch_version(), SUPPORTED_TORCH),
     ):
         if contains(supported, installed):
             continue
-        if contains(following, installed):
-            if config.get("NEXT"):
-                continue
-            hint = (
-                f" keras-dtensor runs on {name}{following} but does not "
-                "support it yet; KERAS_DTENSOR_NEXT=1 accepts it."
-            )
-        else:
-            hint = ""
         raise RuntimeError(
             f"keras_dtensor supports {name}{supported}; the installed "
             f"{name} is {installed}. Install a supported one: "
-            f"pip install '{name}{supported}'.{hint}"
+            f"pip install '{name}{supported}'."
         )
 
 

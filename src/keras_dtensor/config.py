@@ -141,14 +141,6 @@ VARIABLES = (
         "print Keras's progress and messages on every rank, not only 0",
     ),
     Variable(
-        "NEXT",
-        _flag,
-        False,
-        "1 or 0",
-        "accept Keras 3.16 and torch 2.15, which keras-dtensor runs on but "
-        "does not support yet (make test-next is not green there)",
-    ),
-    Variable(
         "BUCKET_MB",
         _positive_float,
         25.0,

@@ -11,11 +11,12 @@ in Keras's order; anything else goes to Keras's.
 
 Keras's order for `flatten` and `pack_sequence_as` is a dict's keys sorted:
 Keras 3.15 sorts the outermost dicts only, Keras 3.16 every level. Which
-one is asked of the installed Keras, once, so the walk follows it.
+one is asked of the installed Keras, at the first walk, so the walk
+follows it (not at import: `import keras_dtensor` checks the environment
+before anything loads Keras).
 """
 
 import torch
-from keras.src import tree as _keras_tree
 
 __all__ = ["flatten", "map_structure", "pack_sequence_as"]
 
@@ -38,20 +39,29 @@ def _simple(x):
     return isinstance(x, _LEAVES) and not isinstance(x, _SIMPLE)
 
 
-# Whether Keras sorts the keys of a dict inside a dict.
-_SORTS_NESTED = _keras_tree.flatten({"a": {"b": 0, "a": 1}}) == [1, 0]
+# [whether Keras sorts the keys of a dict inside a dict], once known.
+_SORTS_NESTED = []
+
+
+def _sorts_nested():
+    if not _SORTS_NESTED:
+        from keras.src import tree
+
+        _SORTS_NESTED.append(tree.flatten({"a": {"b": 0, "a": 1}}) == [1, 0])
+    return _SORTS_NESTED[0]
 
 
 def _walk(x, leaf, top=True):
     """`x` (`_simple`) rebuilt with `leaf(v)` for each leaf, in Keras's
     order: a dict's keys sorted where `top`, and inside it where Keras
-    sorts nested dicts (`_SORTS_NESTED`)."""
+    sorts nested dicts (`_sorts_nested`)."""
     kind = type(x)
     if kind is tuple or kind is list:
         return kind([_walk(v, leaf, top) for v in x])
     if kind is dict:
         keys = sorted(x) if top else list(x)
-        return {k: _walk(x[k], leaf, _SORTS_NESTED and top) for k in keys}
+        nested = top and _sorts_nested()
+        return {k: _walk(x[k], leaf, nested) for k in keys}
     return leaf(x)
 
 
