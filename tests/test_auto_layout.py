@@ -191,6 +191,48 @@ def test_mesh_without_the_axis_and_indivisible_dims():
     assert axes["embed/embeddings"] == (None, "model")  # small: hidden
 
 
+def _block_without_norms(names):
+    """Attention, a residual add, an MLP pair, another add, a head: with no
+    norm, the residual stream itself can run split by hidden."""
+    import keras
+
+    attention, up, down, head = names
+    inputs = keras.Input((SEQ, 32))
+    a = keras.layers.MultiHeadAttention(4, 8, name=attention)(inputs, inputs)
+    x = keras.layers.Add()([inputs, a])
+    h = keras.layers.Dense(64, activation="gelu", name=up)(x)
+    x = keras.layers.Add()([x, keras.layers.Dense(32, name=down)(h)])
+    return keras.Model(inputs, keras.layers.Dense(8, name=head)(x))
+
+
+@pytest.mark.parametrize(
+    "names", [("omega", "theta", "zeta", "eta"), ("attn", "up", "down", "out")]
+)
+def test_equal_collectives_shard_the_most_bytes(names):
+    # The residual stream split by hidden (the attention output and the
+    # second Dense column-parallel, the first Dense and the head row-
+    # parallel, q/k/v whole) takes as many all-reduces as Megatron's plan
+    # but shards fewer bytes: Megatron's is chosen.
+    import keras_dtensor
+
+    attention, up, down, head = names
+    layout = keras_dtensor.auto_layout(
+        lambda: _block_without_norms(names), _mesh(2)
+    )
+    axes = _axes(layout)
+    for part in ("query", "key", "value"):
+        assert axes[f"{attention}/{part}/kernel"] == (None, "model", None)
+    assert axes[f"{attention}/attention_output/kernel"] == (
+        "model",
+        None,
+        None,
+    )
+    assert axes[f"{up}/kernel"] == (None, "model")
+    assert axes[f"{down}/kernel"] == ("model", None)
+    assert axes[f"{head}/kernel"] == (None, None)
+    assert (layout.all_reduces_forward, layout.all_reduces_backward) == (2, 2)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_keras_hub_families_get_column_row_pairs(family):
     import keras_dtensor

@@ -188,10 +188,12 @@ def auto_layout(
                 continue
             size = sum(_bytes(v) for v, _, _ in split.weights.values())
             found.append((-size, number, split))
-        # Largest splits first; a weight belongs to one split region (a
-        # row of one region is not also a column of the next).
+        # A weight belongs to one split region (a row of one region is not
+        # also a column of the next): the plan is the set of regions that
+        # shards the most bytes (fewest per rank), then has the fewest
+        # collectives.
         taken = {}
-        for *_, split in sorted(found, key=lambda f: f[:2]):
+        for split in _plan(sorted(found, key=lambda f: f[:2])):
             shared = sorted(set(split.weights) & set(taken))
             if shared:
                 why = f"whole: {shared[0]} is split with {taken[shared[0]]}"
@@ -231,6 +233,43 @@ def auto_layout(
         (fwd, bwd, gathers),
         min_shard_bytes,
     )
+
+
+def _compatible(splits):
+    """`splits` in order, each kept unless a weight of it is already in a
+    kept one."""
+    kept, seen = [], set()
+    for split in splits:
+        if seen.isdisjoint(split.weights):
+            kept.append(split)
+            seen.update(split.weights)
+    return kept
+
+
+def _plan(found):
+    """The regions to split, from `(-bytes, number, split)` sorted largest
+    first: the largest-first choice, or the one that starts from another
+    region where that shards more bytes (a residual stream split by hidden
+    can hold the projections of both the attention and the MLP pairs,
+    Megatron's plan, which shards more) or, equal, needs fewer
+    collectives. Every split of `found` is returned, the unchosen last (they
+    are reported whole)."""
+    splits = [split for *_, split in found]
+    size = {id(s): -f[0] for f, s in zip(found, splits, strict=True)}
+
+    def score(plan):
+        return (
+            sum(size[id(s)] for s in plan),
+            -sum(s.forward + s.backward for s in plan),
+        )
+
+    best = _compatible(splits)
+    for i, first in enumerate(splits[1:], 1):
+        plan = _compatible([first, *splits[:i], *splits[i + 1 :]])
+        if score(plan) > score(best):
+            best = plan
+    chosen = {id(s) for s in best}
+    return best + [s for s in splits if id(s) not in chosen]
 
 
 def _label(split):
