@@ -256,4 +256,25 @@ def zero_cost(data):
             for r in hooks["rows"]
         ],
     )
+    jit = runs.get("jit-no-dist")
+    if jit is not None:
+        lines += ["", f"{_capital(jit['what'])} ({when(jit)}):", ""]
+        lines += table(
+            (
+                "Inductor cache",
+                "plain Keras s",
+                "with keras_dtensor s",
+                "ratio",
+            ),
+            [
+                (
+                    r["cache"],
+                    number(r["plain_s"], 1),
+                    number(r["kd_s"], 1),
+                    f"{number(r['ratio'][0], 3)} ({number(r['ratio'][1], 3)}"
+                    f"-{number(r['ratio'][2], 3)})",
+                )
+                for r in jit["rows"]
+            ],
+        )
     return lines
