@@ -6,7 +6,8 @@ optimizer and metric update, each seeded draw, breaks the compiled step's
 graph. The same short `fit`/`evaluate`/`predict` runs in one process before
 and after `import keras_dtensor`: dynamo must compile as many graphs, and
 break them for the same reasons only (a ContextVar read in any hook on the
-step's path adds a reason of its own and fails it).
+step's path adds a reason of its own and fails it), and recompile as
+often (a lookup of per-object state in the step guards on the object).
 """
 
 import os
@@ -39,7 +40,12 @@ def counted():
     model.compile(
         optimizer="adam", loss="mse", metrics=["mae"], jit_compile=True
     )
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    # Two epochs with validation: between the compiled train steps the
+    # model gains attributes (its test function), which a lookup of the
+    # package's per-object state in the step would guard on: a recompile.
+    model.fit(
+        x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0
+    )
     model.evaluate(x, y, batch_size=16, verbose=0)
     model.predict(x, batch_size=16, verbose=0)
     return {

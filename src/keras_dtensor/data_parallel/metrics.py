@@ -261,7 +261,11 @@ def global_logs(model, kind, logs):
 
 def _armed_reducer(model):
     """The model's reducer while a DataParallel train step runs Keras's own
-    `train_step` and `compute_metrics` (else `None`)."""
+    `train_step` and `compute_metrics` (else `None`). Nothing distributed:
+    `None` before any lookup on the model, which a compiled step would
+    guard on (a recompile each time the model gains an attribute)."""
+    if context.current() is None:
+        return None
     state = state_of(model, create=False)
     reducer = None if state is None else state.reducer
     if reducer is None or not reducer.active:
