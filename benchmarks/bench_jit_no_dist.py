@@ -146,9 +146,9 @@ def _save(rows, rounds):
         "command": f"python benchmarks/bench_jit_no_dist.py --rounds {rounds}",
         "rounds": rounds,
         "what": (
-            "jit_compile=True, nothing distributed: compile, fit 2 epochs "
-            "(256 rows, validation_split 0.25), evaluate and predict of a "
-            "3 x Dense(64) MLP, fresh processes, an Inductor cache per "
+            "compile time with jit_compile=True, nothing distributed: fit 2 "
+            "epochs (256 rows, validation_split 0.25), evaluate and predict "
+            "of a 3 x Dense(64) MLP, fresh processes, an Inductor cache per "
             "variant and round (cold: empty, warm: filled by the cold run); "
             "median seconds and per-round kd / plain ratios (min-max)"
         ),
