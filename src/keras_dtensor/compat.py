@@ -95,7 +95,7 @@ def keras_version() -> Version:
         except PackageNotFoundError:
             continue
     raise RuntimeError(
-        "keras_dtensor needs Keras: pip install 'keras>=3.15,<3.17'."
+        f"keras_dtensor needs Keras: pip install 'keras{SUPPORTED_KERAS}'."
     )
 
 

@@ -23,6 +23,7 @@ query is, after:
 import torch
 
 from keras_dtensor.backend import context
+from keras_dtensor.backend.layout import contiguous_strides
 
 __all__ = ["wrap_dot_product_attention"]
 
@@ -45,8 +46,8 @@ def wrap_dot_product_attention(original):
         dtensors = [t for t in tensors if isinstance(t, DTensor)]
         if not dtensors:
             return original(query, key, value, bias, mask, *a, **k)
-        mesh = dtensors[0].device_mesh
         if not _split_alike(query, key, value):
+            mesh = dtensors[0].device_mesh
             query, key, value = (
                 _replicated(t, mesh) for t in (query, key, value)
             )
@@ -68,7 +69,7 @@ def wrap_dot_product_attention(original):
             placements,
             run_check=False,
             shape=torch.Size(shape),
-            stride=_contiguous_strides(shape),
+            stride=contiguous_strides(shape),
         )
 
     return dot_product_attention
@@ -80,14 +81,6 @@ def _even(shape, mesh, placements):
         not p.is_shard() or shape[p.dim] % mesh.size(i) == 0
         for i, p in enumerate(placements)
     )
-
-
-def _contiguous_strides(shape):
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def _split_alike(query, key, value):

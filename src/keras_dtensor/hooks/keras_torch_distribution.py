@@ -11,9 +11,10 @@ in `data_parallel`, metrics in `data_parallel.metrics`). Running both would
 reduce gradients or metrics twice, so while installed each upstream piece
 below steps aside; `uninstall()` puts it back.
 
-Every wrapper here returns at once to Keras's own code when no distribution
-is set, so a plain one-process job on Keras 3.16 runs exactly as Keras wrote
-it.
+Every wrapper here but `_initialize_ddp` returns at once to Keras's own
+code when no distribution is set, so a plain one-process job on Keras 3.16
+runs exactly as Keras wrote it; `_initialize_ddp` never wraps the model in
+DDP (with no distribution, each process runs its own job).
 """
 
 import weakref
@@ -65,17 +66,16 @@ def wrap_initialize_ddp(original):
 
     def _initialize_ddp(self):
         distribution = context.active()
-        stand_in = None
-        if (
+        wanted = (
             distribution is not None
             and context.is_data_parallel(distribution)
             and world()[0] > 1
-        ):
-            stand_in = self.ddp_model
-            if not isinstance(stand_in, _DataParallelStandIn):
-                stand_in = _DataParallelStandIn(self)
-        if self.__dict__.get("ddp_model") is not stand_in:
-            object_state.set_on(self, "ddp_model", stand_in)
+        )
+        current = self.__dict__.get("ddp_model")
+        if wanted and not isinstance(current, _DataParallelStandIn):
+            object_state.set_on(self, "ddp_model", _DataParallelStandIn(self))
+        elif not wanted and current is not None:
+            object_state.set_on(self, "ddp_model", None)
 
     return _initialize_ddp
 
@@ -128,7 +128,7 @@ def wrap_distribute_data(original):
             return original(data, layouts)
         from keras.src import tree
 
-        convert = compat.keras_module("torch_core").convert_to_tensor
+        convert = compat.torch_core().convert_to_tensor
         return tree.map_structure(
             lambda x: None if x is None else convert(x), data
         )

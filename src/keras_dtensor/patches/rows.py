@@ -26,6 +26,10 @@ __all__ = [
     "row_status",
 ]
 
+# A row's versions unless it names its own: the whole supported range.
+_ANY_KERAS = str(compat.SUPPORTED_KERAS)
+_ANY_TORCH = str(compat.SUPPORTED_TORCH)
+
 TAG = "__keras_dtensor_patch__"
 MISSING = object()
 
@@ -47,8 +51,8 @@ class Patch:
     attribute: str
     why: str
     factory: Callable[[Any], Any]
-    keras: str = ">=3.15,<3.17"
-    torch: str = ">=2.11,<2.16"
+    keras: str = _ANY_KERAS
+    torch: str = _ANY_TORCH
 
     @property
     def target(self) -> str:
@@ -136,8 +140,8 @@ class Registration:
     strategy: Callable[..., Any]
     why: str
     refine: Callable[..., Any] | None = None
-    keras: str = ">=3.15,<3.17"
-    torch: str = ">=2.11,<2.16"
+    keras: str = _ANY_KERAS
+    torch: str = _ANY_TORCH
 
     def check(self):
         """Nothing to resolve before applying: `ops()` may be empty."""
@@ -221,8 +225,8 @@ class CacheKey:
     op: Callable[[], Any]
     static_argnum: int
     why: str
-    keras: str = ">=3.15,<3.17"
-    torch: str = ">=2.11,<2.16"
+    keras: str = _ANY_KERAS
+    torch: str = _ANY_TORCH
 
     def check(self):
         self.op()
