@@ -141,6 +141,22 @@ def _collectives_per_train_step(keras, metrics):
     )
 
 
+def _bfloat16_first_loss(keras, distribution):
+    """The loss logged by the first `train_on_batch` of a bfloat16 model.
+    Before any update it is the same on any process count up to float32
+    rounding, so a loss sum rounded to bfloat16 (as a bfloat16 gradient
+    bucket would carry it) shows."""
+    keras.utils.set_random_seed(6)
+    scope = distribution.scope() if distribution else contextlib.nullcontext()
+    x, y = _arrays()
+    with scope:
+        model = keras.Sequential(
+            [keras.layers.Dense(16, dtype="bfloat16"), keras.layers.Dense(1)]
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        return float(model.train_on_batch(x[:8], y[:8]))
+
+
 def _rows_computed(keras):
     """Rows a layer computes on in the first `train_on_batch` calls of a
     model built by them (a pass on `meta` only infers shapes)."""
@@ -189,6 +205,9 @@ def _input_kinds(kinds):
         for metrics in ((), ("mae", "mse"))
     }
     out["rows_computed"] = _rows_computed(keras)
+    reference = _bfloat16_first_loss(keras, None)
+    loss = _bfloat16_first_loss(keras, keras.distribution.DataParallel())
+    out["bfloat16"] = abs(loss - reference) / abs(reference)
     # Progress bars print on rank 0 only.
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -363,12 +382,14 @@ def test_every_input_kind_matches_one_process(world):
             assert out[kind]["history"] == results[0][kind]["history"]
         assert out["loss_scale"] <= TOLERANCE
         assert out["late_tracker"] <= TOLERANCE
-        # Compiled metrics are summed with the loss while backward runs:
-        # they add no collective to a step.
+        # The loss tracker and the compiled metrics are summed in the
+        # gradient bucket's all-reduce: one collective per step, as DDP's.
         (plain, _), (metrics, logs) = out["collectives"].values()
         assert plain == metrics, out["collectives"]
-        assert sum(plain.values()) >= 2, plain  # the buckets, the loss
+        assert plain == {"c10d.allreduce_": 1}, plain
         assert logs == ["loss", "mae", "mse"], logs
+        # A bfloat16 gradient bucket cannot carry the float32 loss sum.
+        assert out["bfloat16"] <= 1e-6, out["bfloat16"]
         # Even the first train_on_batch computes only this rank's rows.
         assert out["rows_computed"] == [32 // world] * 2, out["rows_computed"]
         if rank == 0:

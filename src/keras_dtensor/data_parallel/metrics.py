@@ -2,9 +2,9 @@
 
 Metric states (sums and counts in every built-in Keras metric) are summed
 across ranks, so logs are global. The loss tracker, which Keras updates
-before backward, is summed by an all-reduce launched when backward starts
-(`EarlyMetrics`, from the gradient reducer's first hook), which completes
-with the gradient buckets. Keras's own train step updates the compiled
+before backward, is summed with the gradients: its states ride in the
+last gradient bucket's all-reduce (`EarlyMetrics`, made at the gradient
+reducer's first hook). Keras's own train step updates the compiled
 metrics after the optimizer step, but they depend only on `y` and
 `y_pred`: here they are updated right after the loss instead
 (`wrap_compute_loss`), so they travel in the same all-reduce, and
@@ -48,16 +48,17 @@ __all__ = [
 
 
 class EarlyMetrics:
-    """Metric states summed over every rank by an all-reduce launched now.
+    """Metric states summed over every rank, launched with backward.
 
-    Launched when a train step's backward starts (for the loss tracker,
-    which Keras's train step updates before backward), the sum travels
-    with the gradient buckets instead of making every step wait on one
-    more collective after the optimizer. `summed()` gives the sum of each
-    state that still holds the value it had at launch (same tensor, same
-    `_version`: no in-place write since, as when a custom train step
-    updates the tracker after backward: then it is summed when read, on
-    every rank alike).
+    Made when a train step's backward starts (for the loss tracker, which
+    Keras's train step updates before backward), the sum travels in the
+    tail of the last gradient bucket's all-reduce (`reducer`): one
+    collective per step, as DDP's, instead of one more after the
+    optimizer. Where no bucket can carry it, `launch()` all-reduces it on
+    its own. `summed()` gives the sum of each state that still holds the
+    value it had when made (same tensor, same `_version`: no in-place
+    write since, as when a custom train step updates the tracker after
+    backward: then it is summed when read, on every rank alike).
 
     Args:
         states: the metric state tensors, in the same order on every rank.
@@ -68,10 +69,23 @@ class EarlyMetrics:
         self.states = states
         self.versions = [s._version for s in states]
         self.flat = _flat_double(states, frozen)
+        self.work = None
+        self.pending = True  # neither launched nor received yet
+
+    def launch(self):
+        """All-reduces the states on their own (no bucket carries them)."""
+        self.pending = False
         self.work = dist.all_reduce(self.flat, async_op=True)
+
+    def received(self, flat):
+        """Takes the sum carried by a gradient bucket."""
+        self.pending = False
+        self.flat = flat
 
     def summed(self):
         """`{id(state): summed value}` for the states unchanged since."""
+        if self.pending:  # the step ended before any bucket ran
+            self.launch()
         if self.work is not None:
             self.work.wait()
             self.work = None

@@ -6,8 +6,10 @@ backward ends, weighted by each rank's row count, so the update equals the
 one-process update on the global batch, uneven last batch included. When
 the optimizer update is split by variable and nothing else reads the
 gradients, each bucket's segments go to their owners instead (point to
-point: half the bytes of an all-reduce). The metric states summed with
-the buckets are `metrics`' (`EarlyMetrics`).
+point: half the bytes of an all-reduce). The step's other sums (the
+metric states of `metrics.EarlyMetrics`, and the row count when each
+process feeds its own rows) ride in the tail of the last bucket to
+launch, so a step makes one collective, as DDP's does.
 """
 
 import weakref
@@ -23,6 +25,9 @@ from keras_dtensor.data_parallel.state import state_of
 __all__ = ["GradientReducer"]
 
 _FIRST_BUCKET_BYTES = 1024 * 1024
+# Spare elements after each bucket for the step's other sums (grown on
+# demand): the loss tracker's two states and a row count fit.
+_TAIL_ROOM = 16
 
 
 class GradientReducer:
@@ -76,20 +81,10 @@ class GradientReducer:
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
         for bucket in self.buckets:
             bucket.sort(key=lambda p: owner_of.get(id(p), 0))
-        self.buffers = [
-            torch.empty(
-                sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device
-            )
-            for b in self.buckets
-        ]
-        self.slot = {}  # id(param) -> (bucket index, view of its slice)
-        for index, bucket in enumerate(self.buckets):
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                view = self.buffers[index][offset : offset + n].view_as(p)
-                self.slot[id(p)] = (index, view)
-                offset += n
+        self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        # Room after each bucket's gradients for the step's other sums.
+        self.tail_room = 0
+        self._allocate(_TAIL_ROOM)
         self.world, self.rank = world()
         # Per bucket: {owner: its segment of the buffer}, and the
         # (peer, buffer) pairs this rank receives the other ranks' shares
@@ -131,11 +126,30 @@ class GradientReducer:
             for p in self.params
         ]
 
+    def _allocate(self, tail_room):
+        """(Re)allocates the bucket buffers with `tail_room` spare
+        elements each, and the views `.grad` becomes."""
+        self.tail_room = tail_room
+        self.buffers = [
+            torch.empty(n + tail_room, dtype=b[0].dtype, device=b[0].device)
+            for n, b in zip(self.sizes, self.buckets, strict=True)
+        ]
+        self.slot = {}  # id(param) -> (bucket index, view of its slice)
+        for index, bucket in enumerate(self.buckets):
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                view = self.buffers[index][offset : offset + n].view_as(p)
+                self.slot[id(p)] = (index, view)
+                offset += n
+
     def _reset(self):
         self.ready = [0] * len(self.buckets)
         self.works = {}
         self.queued = False
         self.total_rows = None
+        self.tail = None  # the sums the last bucket carries, flat, float64
+        self.tail_at = None  # the bucket that carried them
 
     def begin(self, rows, global_rows=None, to_owners=False):
         """Arms the reducer for one train step.
@@ -182,18 +196,13 @@ class GradientReducer:
                         if metric is not tracker
                         for v in metric.variables
                     ]
+            self.early = None
             if states:
                 self.early = EarlyMetrics(
                     states,
                     getattr(state_of(model, create=False), "frozen", None),
                 )
-            if self.weight is None:  # per-process rows: sum them too
-                self.total_rows = torch.tensor(
-                    [float(self.rows)], dtype=torch.float64
-                )
-                self.works["rows"] = dist.all_reduce(
-                    self.total_rows, async_op=True
-                )
+            self._arm_tail(states)
         index, view = self.slot[id(param)]
         # Each rank's loss is a mean over its rows: weight by rows.
         scale = float(self.rows) if self.weight is None else self.weight
@@ -206,10 +215,50 @@ class GradientReducer:
         if self.ready[index] == len(self.buckets[index]):
             self._launch(index)
 
+    def _arm_tail(self, states):
+        """Gathers the step's other sums for the last bucket's tail, or
+        launches them on their own where no bucket can carry them (a
+        point-to-point step, or a bucket dtype that would round them)."""
+        parts = []
+        if self.early is not None:
+            parts.append(self.early.flat)
+        if self.weight is None:  # per-process rows: sum them too
+            parts.append(torch.tensor([float(self.rows)], dtype=torch.float64))
+        if not parts:
+            return
+        tail = torch.cat(parts)
+        width = max(s.element_size() for s in states) if states else 4
+        exact = all(s.is_floating_point() for s in states) and all(
+            b.dtype in (torch.float32, torch.float64)
+            and b.element_size() >= width
+            for b in self.buffers
+        )
+        if self.to_owners or not exact:
+            if self.early is not None:
+                self.early.launch()
+            if self.weight is None:
+                self.total_rows = parts[-1]
+                self.works["rows"] = dist.all_reduce(
+                    self.total_rows, async_op=True
+                )
+            return
+        if tail.numel() > self.tail_room:
+            # No gradient is in the buckets yet: grow every tail once.
+            self._allocate(tail.numel())
+        self.tail = tail
+
     def _launch(self, index):
         if not self.to_owners:
+            n = self.sizes[index]
+            last = len(self.works) - ("rows" in self.works) == len(
+                self.buckets
+            ) - 1
+            if last and self.tail is not None:
+                n += self.tail.numel()
+                self.buffers[index][self.sizes[index] : n].copy_(self.tail)
+                self.tail_at = index
             self.works[index] = dist.all_reduce(
-                self.buffers[index], async_op=True
+                self.buffers[index][:n], async_op=True
             )
             return
         # Each owner gets every other rank's share of its segment.
@@ -250,8 +299,19 @@ class GradientReducer:
             rows.wait()
         for index, work in sorted(self.works.items()):
             self._wait(index, work)
+        if self.tail_at is not None:
+            n = self.sizes[self.tail_at]
+            tail = self.buffers[self.tail_at][n : n + self.tail.numel()]
+            tail = tail.double()
+            if self.early is not None:
+                self.early.received(tail[: self.early.flat.numel()])
+            if self.weight is None:
+                self.total_rows = tail[-1:]
+        for index in sorted(self.works):
             if self.total_rows is not None:
-                self.buffers[index].div_(float(self.total_rows))
+                self.buffers[index][: self.sizes[index]].div_(
+                    float(self.total_rows)
+                )
             for p in self.buckets[index]:
                 p.grad = self.slot[id(p)][1]
         self._reset()
