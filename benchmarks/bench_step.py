@@ -298,16 +298,17 @@ def _run_torch(variant, model_name, steps, warmup):
         loss.backward()
         optimizer.step()
 
-    times = []
+    times, cpu = [], []
     extra = _pair_start(variant)
     for i in range(warmup + steps + extra):
         if off and i == warmup:
             _collectives_off(model if variant == "torch_ddp" else None)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         _sync()
         if warmup <= i < warmup + steps:
             times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
     with StepCounts() as counts:
         step()
     comm = CommDebugMode()
@@ -316,6 +317,7 @@ def _run_torch(variant, model_name, steps, warmup):
     state = [t for s in optimizer.state.values() for t in s.values() if t.dim()]
     return {
         "times": times,
+        "cpu_times": cpu,
         "bytes": _bytes(list(model.parameters()) + state),
         "comms": {str(k): v for k, v in comm.get_comm_counts().items()},
         "counts": counts.as_dict(),
@@ -456,6 +458,7 @@ def _run_keras(variant, model_name, steps, warmup):
         def __init__(self):
             super().__init__()
             self.times, self.comm, self.comms = [], None, {}
+            self.cpu = []
             self.counts = None
 
         def on_train_batch_begin(self, batch, logs=None):
@@ -469,10 +472,12 @@ def _run_keras(variant, model_name, steps, warmup):
                 self.comm.__enter__()
                 self.p2p = _count_p2p()
             self.start = time.perf_counter()
+            self.start_cpu = time.thread_time()
 
         def on_train_batch_end(self, batch, logs=None):
             _sync()
             elapsed = time.perf_counter() - self.start
+            elapsed_cpu = time.thread_time() - self.start_cpu
             if batch == warmup + steps:
                 self.counts.__exit__(None, None, None)
             if self.comm is not None:
@@ -484,6 +489,7 @@ def _run_keras(variant, model_name, steps, warmup):
                 self.comm = None
             elif warmup <= batch < warmup + steps:
                 self.times.append(elapsed)
+                self.cpu.append(elapsed_cpu)
 
     timer = Timer()
     repeats = warmup + steps + 2 + _PAIR_EXTRA_STEPS
@@ -501,6 +507,7 @@ def _run_keras(variant, model_name, steps, warmup):
     held = [v.value for v in model.variables + model.optimizer.variables]
     return {
         "times": timer.times,
+        "cpu_times": timer.cpu,
         "bytes": _bytes(held),
         "comms": timer.comms,
         "counts": timer.counts.as_dict(),
@@ -651,8 +658,11 @@ def main(argv=None):
             runs = raw[model][variant]
             times = [t for run in runs for t in run[0]["times"]]
             last = runs[-1]
+            cpu = [t for run in runs for t in run[0].get("cpu_times", ())]
             table[model][variant] = {
                 "median_ms": 1000 * statistics.median(times),
+                # The main thread's CPU time: host work, without waits.
+                "cpu_median_ms": 1000 * statistics.median(cpu) if cpu else None,
                 "min_ms": 1000 * min(times),
                 "round_median_ms": [
                     1000 * statistics.median(run[0]["times"]) for run in runs
@@ -753,12 +763,17 @@ def _held(value, label):
     return " / ".join(h or "-" for h in held) if any(held) else ""
 
 
+def _ms(value):
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _markdown(summary):
     lines = [
-        "| model | variant | procs | median ms | min ms | peak RSS MB | "
+        "| model | variant | procs | median ms | min ms | host CPU ms | "
+        "peak RSS MB | "
         "param+opt MB/rank | collectives/step | Python calls "
         "(package's) / DTensors / syncs per step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, rows in summary["table"].items():
         for variant, row in rows.items():
@@ -776,7 +791,8 @@ def _markdown(summary):
             lines.append(
                 f"| {model} | {variant} | {row['processes']} | "
                 f"{row['median_ms']:.1f} | "
-                f"{row['min_ms']:.1f} | {row['rss_mb']:.0f} | "
+                f"{row['min_ms']:.1f} | {_ms(row.get('cpu_median_ms'))} | "
+                f"{row['rss_mb']:.0f} | "
                 f"{row['bytes_per_rank'] / 2**20:.1f} | {comms or '-'} | "
                 f"{counts} |"
             )
