@@ -84,7 +84,14 @@ def _child(fn, rank, world_size, init_file, args, results, tensorflow, env):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
+def run_ranks(
+    fn,
+    world_size,
+    *args,
+    timeout=DEFAULT_TIMEOUT,
+    tensorflow=False,
+    children=False,
+):
     """Runs `fn(*args)` on `world_size` ranks; returns their results.
 
     Args:
@@ -94,6 +101,9 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
         timeout: seconds for the whole group.
         tensorflow: let the ranks import TensorFlow (else it counts as
             not installed).
+        children: let the ranks start processes of their own (DataLoader
+            workers): they are then not daemons, and are still killed
+            here if they outlive the timeout.
 
     Returns:
         The list of return values, indexed by rank.
@@ -123,7 +133,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, tensorflow=False):
                     tensorflow,
                     dict(os.environ),
                 ),
-                daemon=True,
+                daemon=not children,
             )
             for rank in range(world_size)
         ]

@@ -167,6 +167,14 @@ def base_trainer_class():
     return getattr(module, KERAS.base_trainer)
 
 
+def data_loader_adapter_class():
+    """Keras's adapter of a user's torch `DataLoader`."""
+    module = importlib.import_module(
+        "keras.src.trainers.data_adapters.torch_data_loader_adapter"
+    )
+    return module.TorchDataLoaderAdapter
+
+
 def check_environment():
     """Raises a clear error unless Keras and torch are supported.
 

@@ -157,6 +157,16 @@ VARIABLES = (
         "batches (auto_shard_dataset=True)",
     ),
     Variable(
+        "SHARDED_LOADING",
+        _flag,
+        True,
+        "1/0, true/false, yes/no, on/off",
+        "a map-style torch DataLoader loads only this process's shard of "
+        "each global batch, from indices drawn alike on every rank "
+        "(auto_shard_dataset=True); 0: every process loads the whole "
+        "global batch",
+    ),
+    Variable(
         "LOCAL_BATCH",
         _flag,
         True,

@@ -3,8 +3,10 @@ DTensors.
 
 Every array of a batch gets the distribution's data layout for its rank
 (`Distribution.get_data_layout`), cached on the distribution object. The
-batch is either the global one, the same on every process, or this
-process's slice of it (`per_process`).
+batch is either the global one, the same on every process, this
+process's slice of it (`per_process`), or this process's shard of a
+global batch, tagged with its place in it (`tag_shard`: a loader that
+loaded only this shard).
 """
 
 import numpy as np
@@ -16,11 +18,66 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend import structure
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import distribute_data_input
+from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.shards import shard_global_tensor
 
-__all__ = ["distribute_batch"]
+__all__ = [
+    "BatchShard",
+    "batch_shard",
+    "data_placements",
+    "distribute_batch",
+    "tag_shard",
+]
 
 _LAYOUTS = "_keras_dtensor_data_layouts"
+_SHARD = "_keras_dtensor_batch_shard"
+
+
+class BatchShard:
+    """Where a batch that holds only this process's shard sits in its
+    global batch: rows `[start, start + rows)` of `total`, whose indices
+    have checksum `digest` (equal on every rank that drew them)."""
+
+    __slots__ = ("start", "total", "digest")
+
+    def __init__(self, start, total, digest):
+        self.start, self.total, self.digest = start, total, digest
+
+
+def _first_leaf(batch):
+    return next((x for x in structure.flatten(batch) if x is not None), None)
+
+
+def tag_shard(batch, start, total, digest):
+    """Marks `batch` (this process's shard of a global batch) with its
+    place: on its first array, which the step reads the rows from. NumPy
+    leaves become tensors (no copy) so the mark can travel.
+
+    Returns:
+        The batch, its arrays as tensors.
+    """
+
+    def as_tensor(x):
+        return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+    batch = structure.map_structure(as_tensor, batch)
+    first = _first_leaf(batch)
+    if isinstance(first, torch.Tensor):
+        setattr(first, _SHARD, BatchShard(start, total, digest))
+    return batch
+
+
+def batch_shard(batch):
+    """The `BatchShard` a batch was tagged with, or `None` (a global batch,
+    or a process's own slice)."""
+    return getattr(_first_leaf(batch), _SHARD, None)
+
+
+def data_placements(distribution):
+    """`(placements, mesh)` of the distribution's batch layout (a batch of
+    any rank: only the batch dim is split)."""
+    layout = _data_layout(distribution, 1)
+    return tuple(layout.placements), layout.device_mesh
 
 
 def _data_layout(distribution, ndim):
@@ -34,7 +91,7 @@ def _data_layout(distribution, ndim):
     return cache[ndim]
 
 
-def _distribute_leaf(x, distribution, per_process):
+def _distribute_leaf(x, distribution, per_process, total=None):
     if isinstance(x, DTensor) or x is None:
         return x
     if isinstance(x, np.ndarray) or (
@@ -46,6 +103,17 @@ def _distribute_leaf(x, distribution, per_process):
         if x.ndim == 0:
             return x
         layout = _data_layout(distribution, x.ndim)
+        if total is not None:  # this rank's shard, loaded as such
+            shape = (total, *x.shape[1:])
+            x = x.contiguous()
+            return DTensor.from_local(
+                x,
+                layout.device_mesh,
+                layout.placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=contiguous_strides(shape),
+            )
         if per_process:
             return distribute_data_input(x, layout, distribution.batch_dim_name)
         return shard_global_tensor(x, layout)
@@ -64,6 +132,8 @@ def distribute_batch(batch, distribution, per_process=False):
     Returns:
         The same structure with `DTensor` leaves.
     """
+    shard = batch_shard(batch)
+    total = None if shard is None else shard.total
     return structure.map_structure(
-        lambda x: _distribute_leaf(x, distribution, per_process), batch
+        lambda x: _distribute_leaf(x, distribution, per_process, total), batch
     )

@@ -250,9 +250,10 @@ class GradientReducer:
     def _launch(self, index):
         if not self.to_owners:
             n = self.sizes[index]
-            last = len(self.works) - ("rows" in self.works) == len(
-                self.buckets
-            ) - 1
+            last = (
+                len(self.works) - ("rows" in self.works)
+                == len(self.buckets) - 1
+            )
             if last and self.tail is not None:
                 n += self.tail.numel()
                 self.buffers[index][self.sizes[index] : n].copy_(self.tail)

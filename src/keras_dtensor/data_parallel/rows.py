@@ -34,7 +34,7 @@ def _to_tensor(x):
     return None if x is None else convert_to_tensor(x)
 
 
-def local_rows(batch, distribution):
+def local_rows(batch, distribution, shard=None):
     """This process's rows of a batch, and how many there are.
 
     A global batch with fewer rows than processes leaves the last ranks
@@ -45,6 +45,8 @@ def local_rows(batch, distribution):
         batch: a nested structure of arrays/tensors (the global batch, or
             this process's own rows when `auto_shard_dataset=False`).
         distribution: the active `DataParallel`.
+        shard: the batch's `BatchShard` when it holds only this rank's rows
+            of a global batch (a loader that loaded only them).
 
     Returns:
         `(local_batch, rows)`.
@@ -55,7 +57,7 @@ def local_rows(batch, distribution):
     if not leaves:
         return batch, 0
     total = int(leaves[0].shape[0])
-    if not distribution.auto_shard_dataset:
+    if shard is not None or not distribution.auto_shard_dataset:
         return tree.map_structure(_to_tensor, batch), total
     size, rank = world()
     start, length = _row_split(total, size)[rank]
@@ -84,12 +86,15 @@ def leading_rows(batch):
     return int(next(x for x in tree.flatten(batch) if x is not None).shape[0])
 
 
-def row_counts(batch, distribution):
+def row_counts(batch, distribution, shard=None):
     """Rows every rank computes on, in rank order, for this batch.
 
-    A global batch is split by `_row_split` (no communication); with
-    `auto_shard_dataset=False` each rank's own count is exchanged.
+    A global batch (or a shard of one, `shard`) is split by `_row_split`
+    (no communication); with `auto_shard_dataset=False` each rank's own
+    count is exchanged.
     """
+    if shard is not None:
+        return split_counts(shard.total)
     if distribution.auto_shard_dataset:
         return split_counts(leading_rows(batch))
     return all_gather_ints(leading_rows(batch))

@@ -21,6 +21,7 @@ import functools
 from keras_dtensor import compat
 from keras_dtensor import config
 from keras_dtensor.backend import context
+from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.batch_terms import find_loss_layers
 from keras_dtensor.data_parallel.batch_terms import step_scope
@@ -107,14 +108,18 @@ def run_step(model, step, kind, data, distribution):
     if world()[0] == 1:
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data
+    shard = batch_shard(batch)  # this rank's rows, loaded as such
     if kind == "predict":
-        counts = row_counts(batch, distribution)
-        local, _ = local_rows(batch, distribution)
+        counts = row_counts(batch, distribution, shard)
+        local, _ = local_rows(batch, distribution, shard)
         return gather_rows(step([local]), counts)
-    local, rows = local_rows(batch, distribution)
-    # A global batch split here: every rank knows the global row count.
+    local, rows = local_rows(batch, distribution, shard)
+    # A global batch split here or by the loader: every rank knows the
+    # global row count.
     global_rows = None
-    if distribution.auto_shard_dataset:
+    if shard is not None:
+        global_rows = shard.total
+    elif distribution.auto_shard_dataset:
         global_rows = leading_rows(batch)
     if kind != "train":
         with without_rows(model, rows), step_scope(rows, global_rows):
@@ -124,7 +129,7 @@ def run_step(model, step, kind, data, distribution):
         state.probed = True
         find_loss_layers(model, local)
     random_rows = contextlib.nullcontext()
-    if distribution.auto_shard_dataset:
+    if global_rows is not None:
         start, _ = row_range(global_rows)
         random_rows = split_rows(start, rows, global_rows)
     split = state.split if state.fit_depth else None

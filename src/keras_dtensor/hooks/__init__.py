@@ -3,7 +3,8 @@
 - `variables`, `sharded_init`: variables are DTensors laid out by the
   distribution, initialized shard by shard;
 - `data`, `input_checks`: inputs become the global batch, checked equal on
-  every rank; `dropout`: one process's mask on split activations;
+  every rank; `loader_shards`: a map-style DataLoader loads only this
+  process's shard of it; `dropout`: one process's mask on split activations;
   `layer_call`: each layer call handed to its strategy
   (`data_parallel` or `model_parallel`); `slice_update`: a KV cache
   updated on shards;

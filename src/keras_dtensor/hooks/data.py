@@ -10,6 +10,7 @@ Plain tensors are converted here, at the boundary, with the layout they
 really have. Nothing downstream guesses that a plain tensor is replicated.
 """
 
+from keras_dtensor import compat
 from keras_dtensor import data_parallel
 from keras_dtensor import planning
 from keras_dtensor.backend import context
@@ -17,6 +18,7 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend import resume
 from keras_dtensor.backend.batch_layout import distribute_batch
 from keras_dtensor.hooks import input_checks
+from keras_dtensor.hooks import loader_shards
 
 __all__ = [
     "wrap_epoch_iter",
@@ -42,6 +44,12 @@ def wrap_get_iterator(original):
         # each process's batch as its shard).
         iterator = self.data_adapter.get_torch_dataloader()
         per_process = not distribution.auto_shard_dataset
+        if not per_process and isinstance(
+            self.data_adapter, compat.data_loader_adapter_class()
+        ):
+            derived = loader_shards.sharded_loader(iterator, distribution)
+            if derived is not None:  # each rank loads only its shard
+                iterator = _Shards(derived)
         if per_process:
             iterator = input_checks.same_number_of_batches(
                 iterator, self.data_adapter.num_batches
@@ -58,6 +66,19 @@ def wrap_get_iterator(original):
         )
 
     return _get_iterator
+
+
+class _Shards:
+    """A sharded loader's tagged shards, re-iterable like the loader."""
+
+    def __init__(self, derived):
+        self.derived = derived
+
+    def __iter__(self):
+        # The loader's iterator now, not at the first batch: it draws its
+        # seed when made, and Keras makes (and drops) one at each epoch's
+        # end, which must draw as the user's loader would.
+        return loader_shards.shards(iter(self.derived))
 
 
 def wrap_epoch_iter(original):

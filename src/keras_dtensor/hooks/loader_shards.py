@@ -1,0 +1,213 @@
+"""A map-style `DataLoader` that loads only this process's batch shard.
+
+Under DDP each rank's `DistributedSampler` loads 1/N of the samples.
+Keras's semantics here are a global batch, the same on every process;
+this keeps both. Every rank draws the same global batch of indices from
+the user's own batch sampler (so shuffles, weights, seeds and `drop_last`
+behave as on one process, and the RNG streams advance as they would
+there), then fetches and collates only the indices of its shard:
+
+- under `DataParallel`, the rows the step would cut from the global batch
+  (`data_parallel.row_range`);
+- under any other distribution, the shard of the batch axis in the data
+  layout (`torch.chunk`'s rule over the mesh dims that split it); ranks
+  that share a batch-axis coordinate load the same rows.
+
+A rank whose shard is empty (a global batch smaller than the ranks)
+fetches the batch's first sample and keeps zero rows of it. The collated
+shard is tagged with its place in the global batch
+(`backend.batch_layout.BatchShard`), with a digest of the global indices
+for the cross-rank check, so the step treats it exactly like a shard it
+cut out itself: the numbers are one process's.
+
+Workers, `pin_memory`, `collate_fn`, prefetching, persistent workers and
+`in_order` are the user's: the derived loader is built once per loader
+and distribution with the same settings, around the same dataset and
+batch sampler. Loaders that cannot be split this way read the whole
+global batch, as before: an `IterableDataset`, a loader without automatic
+batching (`batch_size=None`), a data layout that splits more than the
+batch dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`.
+"""
+
+import zlib
+
+import numpy as np
+import torch
+from torch.utils import data as torch_data
+
+from keras_dtensor import config
+from keras_dtensor import data_parallel
+from keras_dtensor.backend import context
+from keras_dtensor.backend import object_state
+from keras_dtensor.backend.batch_layout import data_placements
+from keras_dtensor.backend.batch_layout import tag_shard
+from keras_dtensor.backend.launch import world
+from keras_dtensor.backend.layout import local_slices
+
+__all__ = ["sharded_loader"]
+
+_DERIVED = "_keras_dtensor_sharded_loader"
+
+
+def sharded_loader(loader, distribution):
+    """The loader of this process's shards of `loader`'s global batches,
+    or `None` where `loader` is read whole (see the module docstring).
+
+    Args:
+        loader: the user's `torch.utils.data.DataLoader`.
+        distribution: the active distribution (`auto_shard_dataset=True`).
+    """
+    if not config.get("SHARDED_LOADING") or world()[0] == 1:
+        return None
+    if loader.batch_sampler is None or isinstance(
+        loader.dataset, torch_data.IterableDataset
+    ):
+        return None
+    shard_of = _shard_rule(distribution)
+    if shard_of is None:
+        return None
+    cached = object_state.get_on(loader, _DERIVED)
+    if cached is not None and cached[0] is distribution:
+        return cached[1]
+    dataset = loader.dataset
+    keyed = (
+        _KeyedBatched(dataset)
+        if getattr(dataset, "__getitems__", None)
+        else _Keyed(dataset)
+    )
+    workers = loader.num_workers
+    derived = torch_data.DataLoader(
+        keyed,
+        batch_sampler=_ShardIndices(loader.batch_sampler, shard_of),
+        num_workers=workers,
+        collate_fn=_Collate(loader.collate_fn),
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=getattr(loader, "in_order", True),
+    )
+    object_state.set_on(loader, _DERIVED, (distribution, derived))
+    return derived
+
+
+def shards(iterator):
+    """Each shard of a derived loader's `iterator`, tagged with its
+    place."""
+    for batch, (start, total, digest, empty) in iterator:
+        if empty:  # zero rows of the sample that stood in
+            batch = _first_rows(batch, 0)
+        yield tag_shard(batch, start, total, digest)
+
+
+def _shard_rule(distribution):
+    """`total -> (start, length)` of this process's shard of a global
+    batch of `total` rows, or `None` where the batch is not split by its
+    leading dim alone."""
+    if context.is_data_parallel(distribution):
+        return data_parallel.row_range
+    placements, mesh = data_placements(distribution)
+    if any(p.is_shard() and p.dim != 0 for p in placements):
+        return None
+    if not any(p.is_shard() for p in placements):
+        return None  # a replicated batch: every rank loads it whole
+
+    def shard_of(total):
+        return local_slices((total,), mesh, placements)[0]
+
+    return shard_of
+
+
+def _digest(indices):
+    """A checksum of a global batch's indices, equal on ranks that drew
+    the same batch."""
+    try:
+        raw = np.asarray(indices)
+        if raw.dtype.kind in "biu":
+            return zlib.crc32(raw.astype(np.int64).tobytes())
+    except (TypeError, ValueError):
+        pass
+    return zlib.crc32(repr(list(indices)).encode())
+
+
+class _ShardIndices:
+    """The user's batch sampler, each global batch of indices cut to this
+    process's shard; every index carries `(start, total, digest, empty)`
+    (`empty`: the shard has no rows, and the batch's first sample stands
+    in for its structure)."""
+
+    def __init__(self, batch_sampler, shard_of):
+        self.batch_sampler = batch_sampler
+        self.shard_of = shard_of
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+    def __iter__(self):
+        for indices in self.batch_sampler:
+            indices = list(indices)
+            total = len(indices)
+            start, length = self.shard_of(total)
+            digest = _digest(indices)
+            if length:
+                meta = (start, total, digest, False)
+                yield [(i, meta) for i in indices[start : start + length]]
+            else:
+                yield [(indices[0], (start, total, digest, True))]
+
+
+class _Keyed(torch_data.Dataset):
+    """The user's dataset, fetched by `(index, meta)` keys."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, meta = key
+        return self.dataset[index], meta
+
+
+class _Fetched:
+    """What a dataset's `__getitems__` returned (any object: the user's
+    `collate_fn` reads it), and the shard's meta."""
+
+    def __init__(self, data, meta):
+        self.data, self.meta = data, meta
+
+
+class _KeyedBatched(_Keyed):
+    """`_Keyed` for a dataset that fetches a list of indices at once."""
+
+    def __getitems__(self, keys):
+        indices = [index for index, _ in keys]
+        return _Fetched(self.dataset.__getitems__(indices), keys[0][1])
+
+
+class _Collate:
+    """The user's `collate_fn` on the fetched samples; the meta beside."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, items):
+        if isinstance(items, _Fetched):
+            return self.collate_fn(items.data), items.meta
+        return self.collate_fn([item for item, _ in items]), items[0][1]
+
+
+def _first_rows(batch, n):
+    from keras.src import tree
+
+    def cut(x):
+        if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim:
+            return x[:n]
+        return x
+
+    return tree.map_structure(cut, batch)
