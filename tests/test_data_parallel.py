@@ -8,6 +8,7 @@ validation data and shuffling.
 
 import contextlib
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -313,7 +314,13 @@ def _tf_data_cases():
     import models
     import tensorflow as tf
 
-    out = _input_kinds(["tfdata"])
+    # One line says that tf.data is read whole by every process.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _input_kinds(["tfdata"])
+    out["read_whole_said"] = sum(
+        "reads this tf.data pipeline whole" in str(w.message) for w in caught
+    )
     # Checked by test_every_input_kind_matches_one_process.
     for key in ("stdout", "loss_scale", "collectives", "rows_computed"):
         del out[key]
@@ -364,6 +371,7 @@ def test_tf_data_matches_one_process(world):
     pytest.importorskip("tensorflow")
     for out in run_ranks(_tf_data_cases, world, timeout=400, tensorflow=True):
         assert out.pop("tfdata")["diff"] <= TOLERANCE
+        assert out.pop("read_whole_said") == 1
         for case, diff in out.items():
             assert diff <= TOLERANCE, case
 

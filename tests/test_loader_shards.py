@@ -1,4 +1,5 @@
-"""A map-style DataLoader loads only each process's shard of a global batch.
+"""A map-style DataLoader loads only each process's shard of a global batch,
+and a `PyDataset` builds 1/N of the batches per process.
 
 Every rank trains plain one-process Keras and the distributed model on
 the same loader, in the same process: history, evaluate, predict and
@@ -106,12 +107,39 @@ def _loader(kind, seed=3):
             persistent_workers=True,
             pin_memory=False,
         )
+    if kind.startswith("pydataset"):
+        return _py_dataset(kind)
     raise ValueError(kind)
+
+
+def _py_dataset(kind):
+    """A `PyDataset` that counts the rows it builds: batches of 8 (the last
+    of 4), or `CUSTOM_BATCHES` as a dict of inputs (a batch of one row)."""
+    import keras
+
+    x, y = _arrays()
+    bounds = [(i, min(i + 8, ROWS)) for i in range(0, ROWS, 8)]
+    if kind == "pydataset_dict":
+        bounds = [(b[0], b[-1] + 1) for b in CUSTOM_BATCHES]
+
+    class Rows(keras.utils.PyDataset):
+        def __len__(self):
+            return len(bounds)
+
+        def __getitem__(self, i):
+            start, stop = bounds[i]
+            self.reads += stop - start
+            if kind == "pydataset_dict":
+                return {"features": x[start:stop]}, y[start:stop]
+            return x[start:stop], y[start:stop]
+
+    dataset = Rows()
+    return dataset, dataset
 
 
 def _global_batches(kind):
     """The global batch sizes of one epoch."""
-    if kind == "batch_sampler":
+    if kind in ("batch_sampler", "pydataset_dict"):
         return [len(b) for b in CUSTOM_BATCHES]
     if kind == "getitems":
         return [8] * (ROWS // 8)
@@ -130,8 +158,15 @@ def _split(total, world, rank, torch_chunks):
 def _expected_reads(kind, world, index, torch_chunks):
     """Samples a rank at batch-axis index `index` of `world` reads in `fit`:
     its shard of every batch of each epoch, and of the first batch for
-    Keras's build (a rank with no rows reads one sample, kept as zero)."""
+    Keras's build (a rank with no rows reads one sample, kept as zero).
+    A `PyDataset` (not shuffled) builds whole batches: those at the
+    positions `k` with `k % world == index`, and for the build, the one at
+    `index` (every rank builds its batch of a group of `world` steps)."""
     sizes = _global_batches(kind)
+    if kind.startswith("pydataset"):
+        owned = sum(sizes[index::world])
+        first = sizes[index] if index < len(sizes) else 0
+        return EPOCHS * owned + first
 
     def reads(total):
         return _split(total, world, index, torch_chunks) or 1
@@ -139,7 +174,7 @@ def _expected_reads(kind, world, index, torch_chunks):
     return EPOCHS * sum(reads(n) for n in sizes) + reads(sizes[0])
 
 
-def _run(keras, distribution, kind, layouts=None):
+def _run(keras, distribution, kind):
     import models
 
     keras.utils.set_random_seed(6)
@@ -148,7 +183,9 @@ def _run(keras, distribution, kind, layouts=None):
         model = models.mlp(keras)
         model.compile(optimizer="adam", loss="mse", metrics=["mae"])
         dataset, loader = _loader(kind)
-        history = model.fit(loader, epochs=EPOCHS, verbose=0)
+        dataset.reads = 0
+        shuffle = kind == "pydataset_shuffled"  # the PyDataset's batches
+        history = model.fit(loader, epochs=EPOCHS, verbose=0, shuffle=shuffle)
         reads = dataset.reads
         return {
             "history": history.history,
@@ -191,6 +228,9 @@ def _cases(world):
         "batch_sampler",
         "getitems",
         "workers",
+        "pydataset",
+        "pydataset_shuffled",
+        "pydataset_dict",
     ]
     for kind in kinds:
         reference = _run(keras, None, kind)
@@ -232,6 +272,14 @@ def test_each_rank_loads_its_shard_with_one_process_numbers(world):
             if kind == "diverged":
                 continue
             assert case["diff"] <= TOLERANCE, (world, rank, kind, case)
-            if kind != "workers":
-                assert case["reads"] == case["expected"], (world, rank, kind)
+            if kind == "pydataset_shuffled":  # the order decides: bounded
+                most = EPOCHS * 8 * -(-len(_global_batches(kind)) // world) + 8
+                assert case["reads"] <= most, (world, rank, kind, case)
+            elif kind != "workers":
+                assert case["reads"] == case["expected"], (
+                    world,
+                    rank,
+                    kind,
+                    case,
+                )
         assert "batch 0 of this epoch differs" in out["diverged"], out

@@ -167,12 +167,20 @@ def base_trainer_class():
     return getattr(module, KERAS.base_trainer)
 
 
-def data_loader_adapter_class():
-    """Keras's adapter of a user's torch `DataLoader`."""
+# Keras's data adapters that hooks tell apart: class name -> module.
+_ADAPTERS = {
+    "TorchDataLoaderAdapter": "torch_data_loader_adapter",
+    "PyDatasetAdapter": "py_dataset_adapter",
+    "TFDatasetAdapter": "tf_dataset_adapter",
+}
+
+
+def data_adapter_class(name):
+    """One of Keras's data adapter classes (`_ADAPTERS`), by name."""
     module = importlib.import_module(
-        "keras.src.trainers.data_adapters.torch_data_loader_adapter"
+        f"keras.src.trainers.data_adapters.{_ADAPTERS[name]}"
     )
-    return module.TorchDataLoaderAdapter
+    return getattr(module, name)
 
 
 def check_environment():

@@ -162,9 +162,10 @@ VARIABLES = (
         True,
         "1/0, true/false, yes/no, on/off",
         "a map-style torch DataLoader loads only this process's shard of "
-        "each global batch, from indices drawn alike on every rank "
-        "(auto_shard_dataset=True); 0: every process loads the whole "
-        "global batch",
+        "each global batch, from indices drawn alike on every rank, and a "
+        "PyDataset's batches are built 1/N per process, their rows "
+        "scattered (auto_shard_dataset=True); 0: every process loads the "
+        "whole global batch",
     ),
     Variable(
         "LOCAL_BATCH",

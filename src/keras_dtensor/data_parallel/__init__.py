@@ -38,7 +38,7 @@ from keras_dtensor.data_parallel.metrics import wrap_get_metrics_result
 from keras_dtensor.data_parallel.random_rows import SHAPED_DRAWS
 from keras_dtensor.data_parallel.random_rows import wrap_dropout
 from keras_dtensor.data_parallel.random_rows import wrap_shaped_draw
-from keras_dtensor.data_parallel.rows import row_range
+from keras_dtensor.data_parallel.rows import split_counts
 from keras_dtensor.data_parallel.step import run_step
 from keras_dtensor.data_parallel.step import update_is_split
 from keras_dtensor.data_parallel.step import wrap_distribute_tensor
@@ -56,8 +56,8 @@ __all__ = [
     "SHAPED_DRAWS",
     "call_layer",
     "has_stale_state",
-    "row_range",
     "run_step",
+    "split_counts",
     "sync_optimizer_state",
     "update_is_split",
     "wrap_add_loss",

@@ -4,10 +4,11 @@
   distribution, initialized shard by shard;
 - `data`, `input_checks`: inputs become the global batch, checked equal on
   every rank; `loader_shards`: a map-style DataLoader loads only this
-  process's shard of it; `dropout`: one process's mask on split activations;
-  `layer_call`: each layer call handed to its strategy
-  (`data_parallel` or `model_parallel`); `slice_update`: a KV cache
-  updated on shards;
+  process's shard of it; `pydataset_shards`: a `PyDataset`'s batches are
+  built 1/N per process and their rows scattered; `dropout`: one
+  process's mask on split activations; `layer_call`: each layer call
+  handed to its strategy (`data_parallel` or `model_parallel`);
+  `slice_update`: a KV cache updated on shards;
 - `fit`, `replicas`, `allocator`: around `fit`/`evaluate`/`predict`;
 - `attention`: `dot_product_attention` on DTensor inputs;
 - `callbacks`, `shared_files`: callbacks and their file operations on N

@@ -1,14 +1,19 @@
 """Where data enters the distributed computation: batches become DTensors.
 
 Keras's single-program semantics hold on every rank: the data a user
-passes (arrays, DataLoader, PyDataset, generator) yields the *global* batch
-on every process, and each process keeps its slice along the batch axis.
-With `auto_shard_dataset=False` (or a tf.data dataset that Keras already
-sharded per process) each process yields its own slice instead.
+passes (arrays, DataLoader, PyDataset, generator, tf.data) is the *global*
+batch on every process, and each process keeps its slice along the batch
+axis. Where the input allows, a process loads only that slice: a
+map-style DataLoader fetches its rows alone (`loader_shards`), a
+PyDataset's batches are built 1/N per process and their rows scattered
+(`pydataset_shards`); the rest is read whole. With
+`auto_shard_dataset=False` each process yields its own slice instead.
 
 Plain tensors are converted here, at the boundary, with the layout they
 really have. Nothing downstream guesses that a plain tensor is replicated.
 """
+
+import warnings
 
 from keras_dtensor import compat
 from keras_dtensor import data_parallel
@@ -17,8 +22,10 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend import resume
 from keras_dtensor.backend.batch_layout import distribute_batch
+from keras_dtensor.backend.launch import world
 from keras_dtensor.hooks import input_checks
 from keras_dtensor.hooks import loader_shards
+from keras_dtensor.hooks import pydataset_shards
 
 __all__ = [
     "wrap_epoch_iter",
@@ -40,21 +47,19 @@ def wrap_get_iterator(original):
             # ModelParallel's batches from another iterator, whose shuffle
             # differs: the numbers would change with the process count.)
             return self.data_adapter.get_torch_dataloader()
-        # The adapter's own batches (Keras 3.16 would lay them out itself,
-        # each process's batch as its shard).
-        iterator = self.data_adapter.get_torch_dataloader()
         per_process = not distribution.auto_shard_dataset
-        if not per_process and isinstance(
-            self.data_adapter, compat.data_loader_adapter_class()
-        ):
-            derived = loader_shards.sharded_loader(iterator, distribution)
-            if derived is not None:  # each rank loads only its shard
-                iterator = _Shards(derived)
         if per_process:
             iterator = input_checks.same_number_of_batches(
-                iterator, self.data_adapter.num_batches
+                self.data_adapter.get_torch_dataloader(),
+                self.data_adapter.num_batches,
             )
         else:
+            # This process's shards, where the input can load them alone;
+            # else the adapter's own global batches (Keras 3.16 would lay
+            # them out itself, each process's batch as its shard).
+            iterator = _own_shards(self.data_adapter, distribution)
+            if iterator is None:
+                iterator = self.data_adapter.get_torch_dataloader()
             iterator = input_checks.same_global_batches(
                 iterator, self.data_adapter.num_batches
             )
@@ -66,6 +71,42 @@ def wrap_get_iterator(original):
         )
 
     return _get_iterator
+
+
+def _own_shards(adapter, distribution):
+    """This process's shards of the adapter's global batches, each loaded
+    or built here alone, or `None` where every process reads the input
+    whole (`loader_shards`, `pydataset_shards`)."""
+    if isinstance(adapter, compat.data_adapter_class("TorchDataLoaderAdapter")):
+        derived = loader_shards.sharded_loader(
+            adapter.get_torch_dataloader(), distribution
+        )
+        return None if derived is None else _Shards(derived)
+    if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
+        return pydataset_shards.sharded_batches(adapter, distribution)
+    if isinstance(adapter, compat.data_adapter_class("TFDatasetAdapter")):
+        _say_read_whole(adapter)
+    return None
+
+
+def _say_read_whole(adapter):
+    """One warning per process, at the first tf.data input: every process
+    runs its pipeline."""
+    if _SAID or world()[0] == 1:
+        return
+    _SAID.append(type(adapter).__name__)
+    warnings.warn(
+        f"keras-dtensor: each of the {world()[0]} processes reads this "
+        "tf.data pipeline whole (its maps run on every element in every "
+        "process) and keeps its rows of each global batch. A map-style "
+        "torch DataLoader or a PyDataset is loaded 1/N per process; or "
+        "shard the pipeline per process yourself and pass "
+        "auto_shard_dataset=False to the distribution.",
+        stacklevel=2,
+    )
+
+
+_SAID = []  # the inputs already said to be read whole
 
 
 class _Shards:

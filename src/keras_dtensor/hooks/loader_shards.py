@@ -8,7 +8,7 @@ behave as on one process, and the RNG streams advance as they would
 there), then fetches and collates only the indices of its shard:
 
 - under `DataParallel`, the rows the step would cut from the global batch
-  (`data_parallel.row_range`);
+  (`data_parallel.split_counts`);
 - under any other distribution, the shard of the batch axis in the data
   layout (`torch.chunk`'s rule over the mesh dims that split it); ranks
   that share a batch-axis coordinate load the same rows.
@@ -44,7 +44,7 @@ from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import world
 from keras_dtensor.backend.layout import local_slices
 
-__all__ = ["sharded_loader"]
+__all__ = ["shard_rule", "shards", "sharded_loader"]
 
 _DERIVED = "_keras_dtensor_sharded_loader"
 
@@ -63,9 +63,14 @@ def sharded_loader(loader, distribution):
         loader.dataset, torch_data.IterableDataset
     ):
         return None
-    shard_of = _shard_rule(distribution)
-    if shard_of is None:
+    rule = shard_rule(distribution)
+    if rule is None:
         return None
+    rank = world()[1]
+
+    def shard_of(total):
+        return rule(total, rank)
+
     cached = object_state.get_on(loader, _DERIVED)
     if cached is not None and cached[0] is distribution:
         return cached[1]
@@ -104,20 +109,27 @@ def shards(iterator):
         yield tag_shard(batch, start, total, digest)
 
 
-def _shard_rule(distribution):
-    """`total -> (start, length)` of this process's shard of a global
+def shard_rule(distribution):
+    """`(total, rank) -> (start, length)`: rank `rank`'s shard of a global
     batch of `total` rows, or `None` where the batch is not split by its
     leading dim alone."""
     if context.is_data_parallel(distribution):
-        return data_parallel.row_range
+
+        def row_shard(total, rank):
+            counts = data_parallel.split_counts(total)
+            return sum(counts[:rank]), counts[rank]
+
+        return row_shard
     placements, mesh = data_placements(distribution)
     if any(p.is_shard() and p.dim != 0 for p in placements):
         return None
     if not any(p.is_shard() for p in placements):
         return None  # a replicated batch: every rank loads it whole
+    ranks = mesh.mesh
 
-    def shard_of(total):
-        return local_slices((total,), mesh, placements)[0]
+    def shard_of(total, rank):
+        coordinate = (ranks == rank).nonzero()[0].tolist()
+        return local_slices((total,), mesh, placements, coordinate)[0]
 
     return shard_of
 

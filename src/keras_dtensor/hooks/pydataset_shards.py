@@ -1,0 +1,242 @@
+"""A `PyDataset` built 1/N per process: each global batch is built by one
+rank, which scatters every rank its shard of the rows.
+
+A `PyDataset`'s `__getitem__` returns a whole batch, so the work is split
+by batch: the epoch's batch order is Keras's own (its adapter's
+generator, run on a stand-in dataset that only names indices, so the
+shuffle draws as on one process), and in every group of N consecutive
+steps each rank builds one batch, all ranks at once, the rank `k % N`
+owning step `k`. At step `k` its owner sends each rank its rows
+(`torch.distributed.scatter`, padded to the widest shard): a rank
+receives only its shard's bytes, and builds 1/N of the batches, in
+parallel with the others. The shard is tagged with its place in the
+global batch (`backend.batch_layout.tag_shard`), with a checksum of the
+batch's index for the cross-rank check, so the step computes one
+process's numbers.
+
+The batch's structure, shapes and dtypes travel as JSON from the owner
+(nothing from a peer is unpickled). A batch with a leaf that cannot be
+scattered (a string, a scalar, a key that is not a string) is built by
+every rank instead. Read whole, as before: a `PyDataset` of unknown
+length, one with `workers > 1` or `use_multiprocessing` (Keras's
+enqueuer prefetches it in parallel), a data layout that splits more
+than the batch dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`.
+"""
+
+import copy
+import json
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keras_dtensor import config
+from keras_dtensor.backend.batch_layout import tag_shard
+from keras_dtensor.backend.launch import broadcast_bytes
+from keras_dtensor.backend.launch import world
+from keras_dtensor.hooks.loader_shards import shard_rule
+
+__all__ = ["sharded_batches"]
+
+
+def sharded_batches(adapter, distribution):
+    """An iterable of this process's shards of `adapter`'s batches, or
+    `None` where they are read whole (see the module docstring).
+
+    Args:
+        adapter: Keras's `PyDatasetAdapter`.
+        distribution: the active distribution (`auto_shard_dataset=True`).
+    """
+    if not config.get("SHARDED_LOADING") or world()[0] == 1:
+        return None
+    if adapter.enqueuer is not None or adapter.py_dataset.num_batches is None:
+        return None
+    rule = shard_rule(distribution)
+    if rule is None:
+        return None
+    return _Epoch(adapter, rule)
+
+
+class _Indices:
+    """Stands in for the user's `PyDataset`: item `i` is the index `i`."""
+
+    def __init__(self, py_dataset):
+        self.num_batches = py_dataset.num_batches
+
+    def __getitem__(self, index):
+        return np.asarray(index)
+
+
+class _Epoch:
+    """One epoch's batches, re-iterable like Keras's adapter."""
+
+    def __init__(self, adapter, rule):
+        self.adapter, self.rule = adapter, rule
+
+    def __iter__(self):
+        return _shards(self.adapter, self.rule)
+
+
+def _order(adapter):
+    """The epoch's batch indices, drawn by Keras's own generator."""
+    stand_in = copy.copy(adapter)
+    stand_in.py_dataset = _Indices(adapter.py_dataset)
+    stand_in.class_weight = None
+    return [int(b[0]) for b in stand_in._finite_generator()]
+
+
+def _shards(adapter, rule):
+    # A generator: the order is drawn at the first batch, as Keras's
+    # generator draws it (Keras makes and drops an iterator at each
+    # epoch's end: it must not draw).
+    size, rank = world()
+    order = _order(adapter)
+    built = None
+    for k, index in enumerate(order):
+        owner = k % size
+        if owner == 0:  # a new group: every rank builds its batch of it
+            mine = k + rank
+            built = _build(adapter, order[mine]) if mine < len(order) else None
+        batch = _receive(built if owner == rank else None, owner, rule)
+        if batch is None:  # not scatterable: every rank builds it
+            batch = _build(adapter, index)
+            total = _leading_rows(batch)
+            start, length = rule(total, rank)
+            batch = _rows(batch, start, length)
+        else:
+            batch, start, total = batch
+        yield tag_shard(batch, start, total, zlib.crc32(str(index).encode()))
+
+
+def _build(adapter, index):
+    return adapter._standardize_batch(adapter.py_dataset[index])
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _spec(x):
+    """The structure, shapes and dtypes of a batch, JSON-ready."""
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return {"seq": type(x).__name__, "items": [_spec(v) for v in x]}
+    if isinstance(x, dict):
+        if not all(isinstance(k, str) for k in x):
+            raise _Unsupported
+        return {"keys": list(x), "items": [_spec(v) for v in x.values()]}
+    if isinstance(x, torch.Tensor):
+        x = x.numpy() if x.dtype != torch.bfloat16 else None
+    array = np.asarray(x) if x is not None else None
+    if array is None or array.ndim == 0 or array.dtype.kind not in "iuf":
+        raise _Unsupported
+    return {"shape": list(array.shape), "dtype": array.dtype.str}
+
+
+def _leaves(x, out):
+    if x is None:
+        return out
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            _leaves(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _leaves(v, out)
+    else:
+        out.append(torch.as_tensor(np.asarray(x)))
+    return out
+
+
+def _rebuild(spec, leaves):
+    if spec is None:
+        return None
+    if "items" in spec and "keys" in spec:
+        return {
+            k: _rebuild(s, leaves)
+            for k, s in zip(spec["keys"], spec["items"], strict=True)
+        }
+    if "items" in spec:
+        items = [_rebuild(s, leaves) for s in spec["items"]]
+        return tuple(items) if spec["seq"] == "tuple" else items
+    return next(leaves)
+
+
+def _first_shape(spec):
+    if spec is None:
+        return None
+    if "items" in spec:
+        return next(
+            (s for s in map(_first_shape, spec["items"]) if s is not None), None
+        )
+    return spec["shape"]
+
+
+def _receive(batch, owner, rule):
+    """This rank's rows of the owner's `batch`: `(shard, start, total)`, or
+    `None` when the batch cannot be scattered."""
+    size, rank = world()
+    text = None
+    if rank == owner:
+        try:
+            text = json.dumps(_spec(batch))
+        except _Unsupported:
+            text = "null"
+    spec = json.loads(broadcast_bytes(text and text.encode(), src=owner))
+    if spec is None:
+        return None
+    total = _first_shape(spec)[0]
+    shards = [rule(total, r) for r in range(size)]
+    widest = max(length for _, length in shards)
+    start, length = shards[rank]
+    leaves = _leaves(batch, []) if rank == owner else None
+    received = []
+    for i, leaf_spec in enumerate(_leaf_specs(spec, [])):
+        dtype = torch.from_numpy(
+            np.empty(0, np.dtype(leaf_spec["dtype"]))
+        ).dtype
+        out = torch.empty((widest, *leaf_spec["shape"][1:]), dtype=dtype)
+        chunks = None
+        if rank == owner:
+            leaf = leaves[i]
+            chunks = []
+            for s, n in shards:
+                chunk = out.new_zeros(out.shape)
+                chunk[:n] = leaf[s : s + n]
+                chunks.append(chunk)
+        dist.scatter(out, chunks, src=owner)
+        received.append(out[:length])
+    return _rebuild(spec, iter(received)), start, total
+
+
+def _leaf_specs(spec, out):
+    if spec is None:
+        return out
+    if "items" in spec:
+        for s in spec["items"]:
+            _leaf_specs(s, out)
+    else:
+        out.append(spec)
+    return out
+
+
+def _leading_rows(batch):
+    if isinstance(batch, (tuple, list, dict)):
+        values = batch.values() if isinstance(batch, dict) else batch
+        return next(
+            (n for n in map(_leading_rows, values) if n is not None), None
+        )
+    array = np.asarray(batch) if batch is not None else None
+    return int(array.shape[0]) if array is not None and array.ndim else None
+
+
+def _rows(batch, start, length):
+    if batch is None:
+        return None
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_rows(v, start, length) for v in batch)
+    if isinstance(batch, dict):
+        return {k: _rows(v, start, length) for k, v in batch.items()}
+    array = np.asarray(batch)
+    return array[start : start + length] if array.ndim else array
