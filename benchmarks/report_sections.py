@@ -1,4 +1,5 @@
-"""The memory, checkpoints, generate, faults and zero cost sections."""
+"""The memory, checkpoints, generate, faults, zero cost and input
+sections."""
 
 from report_format import by_id
 from report_format import number
@@ -6,7 +7,14 @@ from report_format import numbers
 from report_format import table
 from report_format import when
 
-__all__ = ("memory", "checkpoints", "generate", "faults", "zero_cost")
+__all__ = (
+    "memory",
+    "checkpoints",
+    "generate",
+    "faults",
+    "zero_cost",
+    "input_work",
+)
 
 NO_DIST_METHODS = ("fit", "train_on_batch", "predict")
 
@@ -277,4 +285,49 @@ def zero_cost(data):
                 for r in jit["rows"]
             ],
         )
+    return lines
+
+
+_INPUT_VARIANTS = {
+    "ddp_sampler": "torch DDP, `DistributedSampler`",
+    "kd_sharded": "keras-dtensor DataParallel, `DataLoader`",
+    "kd_whole": "the same, `KERAS_DTENSOR_SHARDED_LOADING=0`",
+    "kd_pydataset": "keras-dtensor DataParallel, `PyDataset`",
+}
+
+
+def input_work(data):
+    run = data["results-input.json"]
+    lines = [
+        "Input work per rank on an input-bound map-style dataset "
+        f"({run['samples']} samples, each costing {run['sample_ms']} ms of "
+        f"CPU to load; one shuffled epoch at a global batch of "
+        f"{run['batch']}; measured {when(run)}, `{run['command']}`). "
+        "Samples read per rank include Keras's first-batch build; the goal "
+        "(issue 49) is the global count ÷ N plus at most one batch, and an "
+        "epoch within 1.1 × DDP's. The machine has 2 cores: at 4 processes "
+        "two share each core.",
+        "",
+    ]
+    lines += table(
+        (
+            "processes",
+            "input",
+            "epoch s",
+            "÷ DDP (median of rounds)",
+            "samples read per rank",
+            "goal ≤",
+        ),
+        [
+            (
+                r["processes"],
+                _INPUT_VARIANTS[r["variant"]],
+                number(r["epoch_s"]),
+                number(r["over_ddp"]),
+                r["reads_per_rank"],
+                r["goal_reads"],
+            )
+            for r in run["rows"]
+        ],
+    )
     return lines
