@@ -217,8 +217,11 @@ def wrap_get_data_adapter(original):
             return original(x, *args, **kwargs)
         distribution.auto_shard_dataset = False
         try:
-            return original(x, *args, **kwargs)
+            adapter = original(x, *args, **kwargs)
         finally:
             distribution.auto_shard_dataset = True
+        if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
+            pydataset_shards.take_over_workers(adapter, distribution)
+        return adapter
 
     return _get_data_adapter

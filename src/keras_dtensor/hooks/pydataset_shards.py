@@ -17,27 +17,32 @@ process's numbers.
 The batch's structure, shapes and dtypes travel as JSON from the owner
 (nothing from a peer is unpickled). A batch with a leaf that cannot be
 scattered (a string, a scalar, a key that is not a string) is built by
-every rank instead. Read whole, as before: a `PyDataset` of unknown
-length, one with `workers > 1` or `use_multiprocessing` (Keras's
-enqueuer prefetches it in parallel), a data layout that splits more
-than the batch dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`.
+every rank instead. With `workers > 1` (threads), Keras's enqueuer,
+which would build every batch, stands down (`take_over_workers`), and
+that many threads build this rank's batches ahead. Read whole, as
+before: a `PyDataset` of unknown length, one with `use_multiprocessing`
+(its worker processes are Keras's), a data layout that splits more than
+the batch dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`.
 """
 
+import collections
 import copy
 import json
 import zlib
+from concurrent import futures
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
+from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import broadcast_bytes
 from keras_dtensor.backend.launch import world
 from keras_dtensor.hooks.loader_shards import shard_rule
 
-__all__ = ["sharded_batches"]
+__all__ = ["sharded_batches", "take_over_workers"]
 
 
 def sharded_batches(adapter, distribution):
@@ -48,14 +53,29 @@ def sharded_batches(adapter, distribution):
         adapter: Keras's `PyDatasetAdapter`.
         distribution: the active distribution (`auto_shard_dataset=True`).
     """
-    if not config.get("SHARDED_LOADING") or world()[0] == 1:
+    if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
-    if adapter.enqueuer is not None or adapter.py_dataset.num_batches is None:
-        return None
-    rule = shard_rule(distribution)
-    if rule is None:
-        return None
-    return _Epoch(adapter, rule)
+    return _Epoch(adapter, shard_rule(distribution))
+
+
+def take_over_workers(adapter, distribution):
+    """Stands down Keras's enqueuer of a `PyDataset` with thread workers
+    that will be built 1/N per process: its threads would build every
+    batch. This rank's batches are built by as many threads instead
+    (`_owned`). Recorded, so `uninstall()` puts the enqueuer back."""
+    if adapter.enqueuer is not None and _shardable(adapter, distribution):
+        object_state.set_on(adapter, "enqueuer", None)
+
+
+def _shardable(adapter, distribution):
+    py_dataset = adapter.py_dataset
+    return (
+        config.get("SHARDED_LOADING")
+        and world()[0] > 1
+        and py_dataset.num_batches is not None
+        and not py_dataset.use_multiprocessing
+        and shard_rule(distribution) is not None
+    )
 
 
 class _Indices:
@@ -92,12 +112,12 @@ def _shards(adapter, rule):
     # epoch's end: it must not draw).
     size, rank = world()
     order = _order(adapter)
+    owned = _owned(adapter, order[rank::size])
     built = None
     for k, index in enumerate(order):
         owner = k % size
-        if owner == 0:  # a new group: every rank builds its batch of it
-            mine = k + rank
-            built = _build(adapter, order[mine]) if mine < len(order) else None
+        if owner == 0:  # a new group: every rank takes its batch of it
+            built = next(owned) if k + rank < len(order) else None
         batch = _receive(built if owner == rank else None, owner, rule)
         if batch is None:  # not scatterable: every rank builds it
             batch = _build(adapter, index)
@@ -107,6 +127,38 @@ def _shards(adapter, rule):
         else:
             batch, start, total = batch
         yield tag_shard(batch, start, total, zlib.crc32(str(index).encode()))
+
+
+def _owned(adapter, indices):
+    """This rank's batches, in order: each built when asked for, or, for
+    a `PyDataset` with `workers > 1`, by that many threads, ahead by one
+    batch more after each one taken, up to `max_queue_size` (so an
+    iterator dropped after its first batch, as Keras's first-batch build
+    does, has built only that one)."""
+    py_dataset = adapter.py_dataset
+    if py_dataset.workers <= 1:
+        for index in indices:
+            yield _build(adapter, index)
+        return
+    pool = futures.ThreadPoolExecutor(py_dataset.workers)
+    ahead = collections.deque()
+    pending = iter(indices)
+    taken = 0
+    try:
+        while True:
+            while len(ahead) < min(
+                taken + 1, max(1, py_dataset.max_queue_size)
+            ):
+                index = next(pending, None)
+                if index is None:
+                    break
+                ahead.append(pool.submit(_build, adapter, index))
+            if not ahead:
+                return
+            taken += 1
+            yield ahead.popleft().result()
+    finally:  # an iterator dropped early (Keras's first-batch build)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _build(adapter, index):
