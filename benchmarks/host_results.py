@@ -18,6 +18,11 @@ checkpoints') are kept too.
 (`NO_COLLECTIVES_COMMAND`), its own section (its own "before" is the
 same run with collectives).
 
+`--dp-host-cpu after.json --dp-host-cpu-before before.json`: DataParallel's
+own host work as CPU time (issue 51), from `bench_step.py --models
+transformer_small --variants DP_CPU_VARIANTS --rounds 5 --steps 50`, after
+and before (its counts).
+
 `--step-*`: `bench_step.py --models transformer_small --rounds 3 --steps 50
 --warmup 10 --variants torch_single,keras_single,torch_ddp,kd_dp,torch_tp,
 kd_mp,torch_fsdp2,kd_fsdp --out ...`; `--counts-*`: the same with
@@ -232,6 +237,54 @@ def _step(args, read, kept, meta):
     }
 
 
+DP_CPU_VARIANTS = "torch_single_local,keras_single_local,torch_ddp,kd_dp"
+
+
+def _dp_host_cpu(after, before, meta, rounds):
+    """DataParallel's own host work as CPU time (issue 51), from
+    `bench_step.py --variants DP_CPU_VARIANTS` output (and the same
+    command's output before, for its counts)."""
+    rows = []
+    for variant, r in after["table"]["transformer_small"].items():
+        rows.append(
+            {
+                "variant": variant,
+                "wall_ms": round(r["median_ms"], 3),
+                "cpu_ms": round(r["cpu_median_ms"], 3),
+                "python_calls": r["counts_per_step"]["python_calls"],
+                "package_calls": r["counts_per_step"]["package_calls"],
+                "collectives": sum(r["comms_per_step"].values()),
+            }
+        )
+    by = {r["variant"]: r for r in rows}
+
+    def own(key):
+        keras = by["keras_single_local"][key] - by["torch_single_local"][key]
+        return keras, by["kd_dp"][key] - by["torch_ddp"][key] - keras
+
+    keras_cpu, own_cpu = own("cpu_ms")
+    keras_wall, own_wall = own("wall_ms")
+    then = before["table"]["transformer_small"]["kd_dp"]
+    return {
+        **meta,
+        "command": "python benchmarks/bench_step.py --models "
+        f"transformer_small --variants {DP_CPU_VARIANTS} --rounds {rounds} "
+        "--steps 50",
+        "rounds": rounds,
+        "share": 0.2,
+        "before": {
+            "collectives": sum(then["comms_per_step"].values()),
+            "python_calls": then["counts_per_step"]["python_calls"],
+            "package_calls": then["counts_per_step"]["package_calls"],
+        },
+        "rows": rows,
+        "keras_cpu_ms": round(keras_cpu, 3),
+        "own_cpu_ms": round(own_cpu, 3),
+        "keras_wall_ms": round(keras_wall, 3),
+        "own_wall_ms": round(own_wall, 3),
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # Without them, the figures already in --out are kept.
@@ -242,6 +295,8 @@ def main(argv=None):
         "step-before",
         "counts-before",
         "step-no-collectives",
+        "dp-host-cpu",
+        "dp-host-cpu-before",
     ):
         parser.add_argument(f"--{name}")
     parser.add_argument("--commit", required=True)
@@ -276,6 +331,11 @@ def main(argv=None):
             **(generate := _generate(read(args.generate))),
             "command": GENERATE_COMMAND.format(rounds=generate["rounds"]),
         }
+    if args.dp_host_cpu:
+        after = read(args.dp_host_cpu)
+        result["dp_host_cpu"] = _dp_host_cpu(
+            after, read(args.dp_host_cpu_before), meta, after["rounds"]
+        )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

@@ -142,7 +142,50 @@ def host_work(data):
         ]
     if "extra_no_collectives_ms_per_token" in generate:
         lines += _without_collectives(generate)
+    if "dp_host_cpu" in run:
+        lines += _dp_host_cpu(run["dp_host_cpu"])
     return lines + _checkpoints(run["checkpoints"])
+
+
+def _dp_host_cpu(run):
+    """DataParallel's own host work as CPU time (issue 51): the main
+    thread's, which the waits of a 2-process step on 2 cores leave out."""
+    lines = [
+        "",
+        "DataParallel's own host work as the main thread's CPU time per step "
+        f"(measured {when(run)}, `{run['command']}`, pooled medians), which "
+        "leaves out the waits that make 2-process wall times on this "
+        f"machine swing. Target (issue 51): DataParallel's own ≤ "
+        f"{run['share']} × Keras's overhead. Keras − torch, one process's "
+        f"share of the batch: {number(run['keras_cpu_ms'])} ms CPU; "
+        "DataParallel's own, (kd-DP − DDP) − (Keras − torch): "
+        f"**{number(run['own_cpu_ms'])} ms CPU** "
+        f"({number(run['own_cpu_ms'] / run['keras_cpu_ms'])} ×); in wall "
+        f"time {number(run['own_wall_ms'])} ms. Before (one all-reduce for "
+        "the metrics beside the gradients'): "
+        f"{run['before']['collectives']} collectives and "
+        f"{run['before']['python_calls']} Python calls a step.",
+        "",
+    ]
+    return lines + table(
+        (
+            "variant",
+            "wall ms",
+            "CPU ms",
+            "Python calls (package's)",
+            "collectives",
+        ),
+        [
+            (
+                r["variant"],
+                number(r["wall_ms"]),
+                number(r["cpu_ms"]),
+                f"{r['python_calls']} ({r['package_calls']})",
+                r["collectives"],
+            )
+            for r in run["rows"]
+        ],
+    )
 
 
 def _step_without_collectives(run):
