@@ -32,12 +32,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_step import head_commit  # noqa: E402
 from bench_step import run_workers  # noqa: E402
 
 VARIANTS = ("ddp_sampler", "kd_sharded", "kd_whole", "kd_pydataset")
@@ -210,15 +210,9 @@ def main(argv=None):
                     "goal_reads": SAMPLES // nproc + BATCH,
                 }
             )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=HERE,
-    ).stdout.strip()
     result = {
         "date": datetime.date.today().isoformat(),
-        "commit": commit,
+        "commit": head_commit(),
         "command": (
             f"python benchmarks/bench_input.py --rounds {args.rounds} "
             f"--sample-ms {args.sample_ms} --nprocs {args.nprocs}"

@@ -27,6 +27,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_step import head_commit  # noqa: E402
+
 VARIANTS = ("plain", "kd")
 RECORD_ID = "jit-no-dist"
 _MARK = "RESULT "
@@ -131,12 +134,7 @@ def _save(rows, rounds):
     path = os.path.join(HERE, "results-history.json")
     with open(path) as f:
         text = f.read()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=HERE,
-    ).stdout.strip()
+    commit = head_commit()
     record = {
         "id": RECORD_ID,
         "source": "benchmarks/bench_jit_no_dist.py",

@@ -557,6 +557,16 @@ def _launch(variant, model, args):
     )
 
 
+def head_commit():
+    """The short commit of the checkout being measured."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    ).stdout.strip()
+
+
 def run_workers(script, nproc, arguments, env, name):
     """Runs `script worker *arguments` on `nproc` fresh processes
     (`torch.distributed.run`, one thread each, the torch backend) and
