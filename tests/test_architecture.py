@@ -225,6 +225,25 @@ def test_no_module_level_rebinding():
             assert not isinstance(node, ast.Global), name
 
 
+def test_every_module_is_named_in_its_folder_docstring():
+    # A newcomer opening a folder learns from its `__init__` what each
+    # module there does: every module and subpackage is named in it.
+    unnamed = []
+    for init in PACKAGE.rglob("__init__.py"):
+        folder = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+        names += [
+            p.name for p in folder.iterdir() if (p / "__init__.py").exists()
+        ]
+        unnamed += [
+            f"{folder.relative_to(PACKAGE.parent)}/{name}"
+            for name in names
+            if f"`{name}`" not in doc
+        ]
+    assert not unnamed, unnamed
+
+
 def test_modules_stay_small():
     long = {
         name: n

@@ -15,6 +15,15 @@ keras.distribution.set_distribution(
 ```
 
 Run the script under `torchrun --nproc_per_node=2 train.py`.
+
+The package's parts, lowest first (imports point down): `config` (every
+`KERAS_DTENSOR_*` variable) and `compat` (the supported releases);
+`backend` (the `distribution_lib` contract on DTensor); `ops` (torch-level
+strategies and kernels); `data_parallel` and `model_parallel` (the two
+strategies) beside `planning` (layouts checked and derived); `saving` and
+`checkpoint` (files); `hooks` (the Keras-side wrappers) and `patches` (the
+table that installs them); `cli` and `demo` (the `keras-dtensor` command
+and its main job).
 """
 
 import os

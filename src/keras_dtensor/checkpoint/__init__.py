@@ -5,8 +5,11 @@ layout, loads them back. The entry points (`api`): `save_checkpoint`,
 `load_checkpoint`, `latest_checkpoint`, `export_weights`,
 `import_weights`; `ShardedCheckpoint` (`callback`) saves during `fit` and
 resumes from the newest. The files and their manifest (`manifest`), the
-writer that hashes as it writes (`writer`) and the reader that unpickles
-nothing but DCP's metadata (`reader`) serve them. Imported on first use:
+writer that hashes as it writes (`writer`, with the checksums of
+`digest`) and the reader that unpickles nothing but DCP's metadata
+(`reader`) serve them; `position` records where a run is inside an epoch,
+and `preemption` turns a termination signal on any rank into a
+checkpoint on all. Imported on first use:
 `import keras_dtensor` does not load DCP.
 """
 

@@ -21,7 +21,10 @@ DTensor would only add per-op dispatch cost. Instead:
 - seeded random layers use this rank's rows of the global draw
   (`random_rows`);
 - a layer that adds losses in its call computes them over the global
-  batch (`batch_terms`).
+  batch (`batch_terms`), and a compiled loss that is no mean over rows is
+  taken over the global batch (`global_loss`);
+- the trainable parameters are stored by owner for the split update
+  (`flat_params`).
 
 The package is entered through `run_step` (`step`) and the hooks the
 `PATCHES` table installs; its per-model state lives on the model (`state`).

@@ -10,7 +10,11 @@
   handed to its strategy (`data_parallel` or `model_parallel`);
   `slice_update`: a KV cache updated on shards;
 - `fit`, `replicas`, `allocator`: around `fit`/`evaluate`/`predict`;
-- `attention`: `dot_product_attention` on DTensor inputs;
+- `attention`: `dot_product_attention` on DTensor inputs; `reshape`: a
+  global shape in a local run made local; `layout_lookups`: output
+  layout lookups by path, remembered per distribution;
+- `keras_torch_distribution`: Keras 3.16's own torch distribution, stood
+  down where keras-dtensor acts;
 - `callbacks`, `shared_files`: callbacks and their file operations on N
   processes; `jit`: `jit_compile=True` as a compiled forward.
 

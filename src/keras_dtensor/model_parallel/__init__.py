@@ -10,8 +10,9 @@ through `call_layer` (`call`), the one entry:
   `eligibility`, `fsdp_blocks`, `packed_gather`);
 - a tensor-parallel layer inside such a run is a DTensor island
   (`islands`), or runs on its local shards (`local_split`), checked once
-  against the DTensor run (`exactness`); a reshape to a global shape in
-  the model's own code takes its local shape from that run (`reshapes`);
+  against the DTensor run as it ran (`record`, `exactness`); a reshape
+  to a global shape in the model's own code takes its local shape from
+  that run (`reshapes`);
 - everything else runs on DTensors, weights sharded over the batch axis
   gathered by the layer that uses them (`fsdp_weights`), pending sums
   reduced at each layer's boundary;

@@ -1,6 +1,6 @@
 """The only code that touches Keras or torch internals: the `PATCHES` table.
 
-Two kinds of rows:
+Two kinds of rows (`rows`):
 
 - `Patch`: one attribute of Keras or torch (`module`, dotted
   `attribute`), why it is replaced, the Keras and torch versions it

@@ -14,7 +14,9 @@ Keras's own writers and readers run on every rank, through the hooks the
   writing outside those functions (keras_hub's `save_lora_weights`)
   written as they write;
 - the load hooks (`sliced_load`): each rank reads only its slices of a
-  sharded variable.
+  sharded variable;
+- the `.keras` zip's records (`zip_records`) and the CRC-32 of a member
+  written in pieces (`crc32`).
 
 Files are ordinary Keras files: plain single-process Keras loads them.
 """
