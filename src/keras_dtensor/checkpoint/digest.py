@@ -6,14 +6,14 @@ as 8 hex digits each, in order. The blocks are checksummed independently,
 so a file is checksummed on several threads at once (`zlib` lets go of
 the GIL on large buffers) while a writer writes it or a load checks it.
 
-Measured (BENCHMARKS.md): zlib's CRC-32 runs at 2-3.5 GB/s a core where
-SHA-256 runs at 1.1-1.2 GB/s with SHA-NI; on 2 cores shared by 4
-processes, a SHA-256 of every byte alone cost more CPU time than DCP's
-whole save. What a CRC-32 per 16 MiB block detects: any change of 1 or 2
-bits or of a run of up to 32 bits in a block, and other damage except
-with a chance of 2^-32 per damaged block; a truncated, extended or
-missing file by its size. It is not tamper-evident (a forger can fix up
-a CRC, and the manifest is not signed either).
+A CRC-32 rather than a cryptographic hash, because what a checkpoint
+meets is accidental damage, and a cryptographic hash of every byte would
+cost more than the save itself (the benchmark history has the figures).
+What a CRC-32 per block detects: any change of 1 or 2 bits or of a run
+of up to 32 bits in a block, and other damage except with a chance of
+2^-32 per damaged block; a truncated, extended or missing file by its
+size. It is not tamper-evident (a forger can fix up a CRC, and the
+manifest is not signed either).
 
 The threads are a pool shared by the process: at most `_MAX_THREADS`,
 and no more than this process's share of the cores it may run on (the

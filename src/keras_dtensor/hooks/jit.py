@@ -1,48 +1,45 @@
-"""`jit_compile=True` under a distribution: compile the forward pass.
+"""`jit_compile=True` under a distribution: a compiled forward, an eager
+rest.
 
-Keras's torch trainer compiles the whole `train_step`, which breaks the
-graph at `loss.backward()`. With DTensor weights the first graph returns
-several outputs that require grad (the loss and what the metrics use
-later) and only the loss gets a gradient; AOTAutograd then meets a plain
-zero tangent where it guessed a DTensor ("Expected a DTensor tangent but
-got a plain Tensor"). Dynamic shapes also fail in
-`DTensor.__tensor_unflatten__`.
+What it guarantees:
 
-So under a distribution the step runs eagerly around a compiled model
-forward (`torch.compile(model.call, dynamic=False)`): the graph has one
-differentiable output, its tangent is the DTensor gradient of the loss,
-and each batch shape compiles once. Loss, backward, optimizer and metrics
-run eagerly on DTensors.
+- Under a distribution, the model's forward is compiled
+  (`torch.compile(model.call, dynamic=False)`, once per input signature);
+  loss, backward, optimizer and metrics run eagerly on DTensors. With
+  nothing distributed, Keras's own compiled step runs as it is.
+- The numbers are an eager step's. Where torch cannot run the compiled
+  forward over DTensors (e.g. a sliced view returned across a graph
+  break), the model runs eagerly instead of failing `fit`, with one
+  warning naming the error (rank 0). The first call of each input
+  signature is the trial: the model's non-trainable state (seeds,
+  running statistics) is restored before the eager rerun.
+- Every rank runs compiled, or every rank eagerly. Once dynamo has
+  compiled a function of the forward as many times as
+  `torch._dynamo.config.recompile_limit` allows, it runs that function
+  eagerly on its own, rank by rank; so from then on the whole forward
+  runs eagerly on every rank, with one warning. The ranks agree first
+  (one all-gather of two ints after a signature's 1st, 2nd, 4th, 8th...
+  call, the same calls on every rank), and a rank whose trial failed
+  makes every rank eager the same way.
 
-`KERAS_DTENSOR_JIT=0` runs the model eagerly instead. The torch-level
-fixes a compiled forward over DTensors needs (the compile-cache key, views
+Why not Keras's compiled `train_step`: it breaks the graph at
+`loss.backward()`, and with DTensor weights the first graph returns
+several outputs that require grad of which only the loss gets a
+gradient, so AOTAutograd meets a plain zero tangent where it guessed a
+DTensor; dynamic shapes fail in `DTensor.__tensor_unflatten__`. A
+compiled forward has one differentiable output, whose tangent is the
+loss's DTensor gradient.
+
+A forward whose graph breaks where dynamo cannot resume (inside Keras's
+`name_scope`, or a Functional's loop over its layers, as keras_hub's
+attention does through `dot_product_attention`) is compiled frame by
+frame, the same Keras functions again for each layer, as dynamo guards
+on the layer: that is how a model reaches the recompile limit, and why
+the ranks must agree on it.
+
+`KERAS_DTENSOR_JIT=0` runs the model eagerly. The torch-level fixes a
+compiled forward over DTensors needs (the compile-cache key, views
 returned across a graph break) are in `ops.compile_fixes`.
-
-Where torch cannot run a compiled forward over DTensors, the model runs
-eagerly instead of failing `fit`, with a warning naming the error (rank 0),
-e.g. a sliced view returned across a graph break. The first call of each input
-signature is the trial: the model's non-trainable state (seeds, running
-statistics) is restored before the eager rerun, so the numbers are those
-of an eager step.
-
-A forward with a graph break that dynamo cannot resume (inside Keras's
-`name_scope`, or in a Functional's loop over its layers; e.g. Keras's
-`dot_product_attention` builds torch's `SDPAParams`, which keras_hub's
-attention calls) is compiled frame by frame: every layer's call runs
-through the same Keras functions (`Functional`'s per-layer `call`,
-`Layer.__call__`, `_setattr_hook`), compiled again for each layer as
-dynamo guards on the layer (its class, `_parent_path`, its arguments).
-keras_hub's Llama compiles many times in its first call, most of them
-functions already compiled for another layer.
-Once a function has been compiled `torch._dynamo.config.recompile_limit`
-times, dynamo runs it eagerly on its own, rank by rank; input shapes that
-keep changing (one compilation each) end there too. So once a function of
-the forward reaches that limit, the whole forward runs eagerly from the
-next call on, on every rank, with one warning: the ranks agree first (one
-all-gather of two ints after a signature's 1st, 2nd, 4th, 8th... call,
-the same calls on every rank), so no rank runs compiled while another runs
-eagerly. A rank whose compiled trial failed makes every rank eager the same
-way. The first call still pays for what it compiled.
 """
 
 import collections

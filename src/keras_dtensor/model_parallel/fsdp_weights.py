@@ -5,8 +5,8 @@ writes FSDP: the weight is split over the same processes that split the
 batch. Left to DTensor, every op that meets a batch-sharded activation and
 a batch-sharded weight picks its own redistribution, op by op, in forward
 and again in backward: activations all-reduced, weights gathered several
-times (BENCHMARKS.md: 29 all-gathers and 61 all-reduces per transformer
-step against FSDP2's 4 all-gathers and 2 reduce-scatters).
+times, many times FSDP2's collectives (the benchmark history has the
+counts).
 
 FSDP2 gathers a module's parameters before its forward and reduce-scatters
 their gradients in backward. The same here, at the Keras layer: during

@@ -15,10 +15,10 @@ rank's resident size counts once it has written into them.
 
 Each rank other than 0 has two pipes (FIFOs) with rank 0: on one, rank 0
 says which block a buffer is free for; on the other, the rank says its
-part of that block is in. A message through the process group cost about
-a millisecond of rank 0's time on a loaded machine (measured: 0.8 s of a
-1.5 GB `save_weights` for 288 of them); through a pipe, microseconds. A
-rank that stops answering is reported after the process group's timeout.
+part of that block is in. A pipe, not the process group, because every
+message through the group is a collective round trip on rank 0's time,
+and a save sends two per block. A rank that stops answering is reported
+after the process group's timeout.
 
 The files are removed as soon as every rank has opened them (nothing is
 left behind if a rank dies); the memory's space is reserved up front (a

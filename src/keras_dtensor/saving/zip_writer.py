@@ -15,11 +15,8 @@ The member's CRC-32 is not found by reading it back: each large write
 (a piece of a variable) is checksummed as it is written, and the bytes
 between those pieces (HDF5's own records, small) are read back; the
 parts are joined with `crc32.combine`. A piece that a later write
-overlaps is read back instead. Measured against reading the whole member
-back once it is finished (`benchmarks/bench_save.py`, and the writer
-alone), joining the pieces' checksums was as fast or faster: kept.
-(Checksumming on a second thread while the piece is written measured no
-faster on shared cores.)
+overlaps is read back instead. So the weights are read once, as they are
+written, never again for the checksum.
 
 All reads and writes go through a descriptor of its own, opened for
 reading and writing (h5py may read what it wrote), at explicit offsets,
