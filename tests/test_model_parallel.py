@@ -1066,22 +1066,45 @@ def _train_fit(keras, models, distribution, callbacks, fit_kwargs):
     return model, {"history": history.history, "weights": weights}
 
 
-def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
-    # One spawn for many cases (processes are the suite's cost); its
-    # hang guard leaves room for a slow machine (about 150 s alone).
-    for out in run_ranks(_features, 2, str(tmp_path), timeout=540):
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """One 2-process run of `_features` (processes are the suite's cost),
+    shared by the tests below, each of which checks one behaviour; its
+    hang guard leaves room for a slow machine (about 150 s alone)."""
+    tmp = tmp_path_factory.mktemp("features")
+    return run_ranks(_features, 2, str(tmp), timeout=540)
+
+
+def _assert_same_training(plain, dist):
+    np.testing.assert_allclose(dist["loss"], plain["loss"], atol=TOLERANCE)
+    for got, want in zip(dist["weights"], plain["weights"], strict=True):
+        np.testing.assert_allclose(got, want, atol=TOLERANCE)
+
+
+def test_relayout_and_uneven_shards_match_one_process(features):
+    for out in features:
         assert out["relayout"] <= TOLERANCE
+        assert out["uneven"] <= TOLERANCE
+        # 5 units over 2 ranks: 3 and 2.
+        width = (3, 2)[out["rank"]]
+        assert out["uneven_local"] == ((16, width), (width, 4))
+
+
+def test_jit_compile_matches_eager(features):
+    for out in features:
         assert out["jit"] <= TOLERANCE
         assert out["jit_off"] <= TOLERANCE
         assert not out["jit_off_compiled"]
         assert max(out["jit_warm_cache"]) <= TOLERANCE, out["jit_warm_cache"]
-        released = out["released_mib"]
-        assert released is None or released > 32, released
         attention = out["jit_attention"]
         assert attention["diff"] <= TOLERANCE, attention
         assert attention["compiled"] and not attention["warnings"], attention
         diff, messages = out["jit_reshape"]
         assert diff <= TOLERANCE and messages == [], out["jit_reshape"]
+
+
+def test_jit_falls_back_to_eager_with_one_warning(features):
+    for out in features:
         diff, messages = out["jit_fallback"]
         assert diff <= TOLERANCE, diff
         if out["rank"] == 0:
@@ -1089,7 +1112,16 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             assert "as_strided not supported with DTensor" in messages[0]
         else:
             assert messages == []  # warnings from rank 0 only
-        assert out["uneven"] <= TOLERANCE
+
+
+def test_release_free_memory_after_fit(features):
+    for out in features:
+        released = out["released_mib"]
+        assert released is None or released > 32, released
+
+
+def test_fsdp_step_makes_only_the_layer_collectives(features):
+    for out in features:
         # 3 kernels gathered by one all-gather, their gradients scattered
         # by one reduce-scatter; the loss and one bucket of bias gradients
         # all-reduced, nothing else (no activation all-reduced).
@@ -1099,6 +1131,10 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             "all_reduce": 1,
             "allreduce": 1,
         }, out["fsdp_comms"]
+
+
+def test_whole_and_fsdp_weights_run_locally(features):
+    for out in features:
         # Whole weights: the layers run on this rank's 4 rows as plain
         # tensors; a loss added in a call, or the setting off: DTensors.
         # A norm called on its own after tensor-parallel layers (keras_hub
@@ -1114,12 +1150,18 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         assert local["regularized"][1]["seen"][0] == "DTensor"
         assert local["running"][1]["seen"][0] == "DTensor"
         assert local["off"][1]["seen"][0] == "DTensor"
+        for plain, dist in local.values():
+            _assert_same_training(plain, dist)
         forward, backward, shapes = out["uneven_gather"]
         assert forward == 0.0 and backward <= 1e-6, out["uneven_gather"]
         assert (
             shapes
             == [[(3, 3), (1,), (2, 4)], [(2, 3), (0,), (2, 3)]][out["rank"]]
         ), shapes
+
+
+def test_fsdp_groups_free_and_gather_kernels_by_group(features):
+    for out in features:
         groups = out["fsdp_groups"]
         # One layer per group: each kernel freed after its layer's
         # forward (the third still in use), gathered again for backward
@@ -1140,38 +1182,28 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             assert "'reads_back" in groups["reads_back_warnings"][0]
         else:
             assert groups["reads_back_warnings"] == []
-        # Tensor-parallel: the layer between the column- and the row-split
-        # Dense gets this rank's half of the columns as a plain tensor;
-        # fit's and predict's signatures both run locally; the per-head
-        # norm runs as DTensors, and so does a layer whose outputs differ
-        # (the rest stays local), and one that raises locally; a reshape to
-        # the global head count runs locally; a mean over
-        # a split output makes the split layer hand its output on whole;
-        # a mean over the split columns in the model's own call makes the
-        # whole model run as DTensors (warned on rank 0); the setting off
-        # too.
+        for kind in ("layers", "whole", "reads_back"):
+            _assert_same_training(*groups[kind])
+
+
+def test_tensor_parallel_layers_run_on_local_shards(features):
+    for out in features:
+        # The layer between the column- and the row-split Dense gets this
+        # rank's half of the columns as a plain tensor; fit's and
+        # predict's signatures both run locally; the per-head norm runs
+        # as DTensors, and so does a layer whose outputs differ (the rest
+        # stays local), and one that raises locally; a reshape to the
+        # global head count runs locally; a mean over a split output makes
+        # the split layer hand its output on whole.
         tp = out["tp_local"]
         assert tp["plain"][1]["seen"] == ("Tensor", (8, 6, 16 // 2))
         assert tp["plain"][1]["local"] == [True, True]
-        assert tp["plain"][1]["boundary"] == [
-            "attention_output",
-            "down",
-            "key",
-            "query",
-            "up",
-            "value",
-        ]
+        split = ["attention_output", "down", "key", "query", "up", "value"]
+        assert tp["plain"][1]["boundary"] == split
         # The split Dense/EinsumDense layers of a local run run on their
         # shards; a row split with an activation (DTensor reduces before
         # it) and a norm given head-sharded inputs run as DTensors.
-        assert tp["plain"][1]["on_shards"] == [
-            "attention_output",
-            "down",
-            "key",
-            "query",
-            "up",
-            "value",
-        ]
+        assert tp["plain"][1]["on_shards"] == split
         assert "down" not in tp["row_activation"][1]["on_shards"]
         assert "up" in tp["row_activation"][1]["on_shards"]
         assert tp["row_activation"][1]["local"] == [True, True]
@@ -1191,12 +1223,22 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
         assert tp["residual"][1]["replicated"] == ["up"]
         assert tp["residual"][1]["seen"] == ("Tensor", (8, 6, 16))
         assert tp["plain"][1]["replicated"] == []
-        # The mean of the whole columns rounds otherwise than the DTensor
-        # run's sum of two halves: not bit for bit, so DTensors.
+        for kind in TP_KINDS:
+            _assert_same_training(*tp[kind])
+
+
+def test_tensor_parallel_model_own_call_runs_as_dtensors(features):
+    for out in features:
+        # A mean over the split columns in the model's own call makes the
+        # whole model run as DTensors (warned on rank 0); the setting off
+        # too. The mean of the whole columns rounds otherwise than the
+        # DTensor run's sum of two halves: not bit for bit, so DTensors.
+        tp = out["tp_local"]
         assert tp["own_call"][1]["seen"] == ("DTensor", (8, 6, 16))
         assert set(tp["own_call"][1]["local"]) == {False}
         assert tp["own_call"][1]["replicated"] == []
         assert tp["off"][1]["seen"] == ("DTensor", (8, 6, 16))
+        _assert_same_training(*tp["off"])
         if out["rank"] == 0:
             assert len(tp["warnings"]) == 1, tp["warnings"]
             assert (
@@ -1205,24 +1247,19 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             )
         else:
             assert tp["warnings"] == []
-        pairs = [groups["layers"], groups["whole"], groups["reads_back"]]
-        pairs += [tp[kind] for kind in TP_KINDS]
-        pairs.append(tp["off"])
-        for plain, dist in [*local.values(), *pairs]:
-            np.testing.assert_allclose(
-                dist["loss"], plain["loss"], atol=TOLERANCE
-            )
-            pairs = zip(dist["weights"], plain["weights"], strict=True)
-            for got, want in pairs:
-                np.testing.assert_allclose(got, want, atol=TOLERANCE)
+
+
+def test_unmatched_layout_key_said_once_on_rank_0(features):
+    for out in features:
         if out["rank"] == 0:
             assert len(out["unmatched"]) == 1
             assert "'mlp/up/kernel' matches none" in out["unmatched"][0]
         else:
             assert out["unmatched"] == []
-        # 5 units over 2 ranks: 3 and 2.
-        width = (3, 2)[out["rank"]]
-        assert out["uneven_local"] == ((16, width), (width, 4))
+
+
+def test_callbacks_and_validation_match_one_process(features):
+    for out in features:
         plain, dist = out["callbacks"]
         assert plain["history"].keys() == dist["history"].keys()
         assert (
@@ -1234,15 +1271,27 @@ def test_training_api_relayout_jit_uneven_callbacks(tmp_path):
             )
         for got, want in zip(dist["weights"], plain["weights"], strict=True):
             np.testing.assert_allclose(got, want, atol=TOLERANCE)
+
+
+def test_on_batch_methods_match_one_process(features):
+    for out in features:
         plain, dist = out["on_batch"]
         assert dist["eager_dtensor"] and not plain["eager_dtensor"]
         for key in ("eager", "train", "test", "predict", "torch_input"):
             np.testing.assert_allclose(dist[key], plain[key], atol=TOLERANCE)
+
+
+def test_random_draws_match_one_process(features):
+    for out in features:
         plain, dist = out["seed_generator"]
         np.testing.assert_array_equal(dist, plain)
         plain, dist = out["categorical"]
         np.testing.assert_array_equal(dist, plain)
         assert not np.array_equal(plain[0], plain[1])  # the state advanced
+
+
+def test_tensors_created_in_a_call_train_as_on_one_process(features):
+    for out in features:
         (plain_loss, plain_weights), *distributed = out["created"]
         for loss, weights in distributed:
             np.testing.assert_allclose(loss, plain_loss, atol=TOLERANCE)
