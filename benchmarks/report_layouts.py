@@ -65,7 +65,7 @@ def layouts(data):
         "Both maps generate the same greedy tokens for every family. "
         "keras_hub's Llama and Qwen3-MoE maps split q/k/v on the "
         "contracting (hidden) dim, so each projection's output is a "
-        "pending sum, and leave the untied output head whole; the derived "
+        "partial sum, and leave the untied output head whole; the derived "
         "map splits q/k/v by heads, the head by vocabulary and "
         "Qwen3-MoE's experts by expert (their weighted sum is one more "
         "all-reduce per layer, where keras_hub's map keeps the experts "

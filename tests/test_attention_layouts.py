@@ -44,7 +44,7 @@ def _cases():
         "batch, plain whole mask": (q_batch, "plain", (B, 1, T, T)),
         "batch, mask broadcast over batch": (q_batch, whole, (1, 1, T, T)),
         "sequence": (q_seq, None, None),
-        "pending sum": ([Partial()], None, None),
+        "partial sum": ([Partial()], None, None),
     }
 
 

@@ -307,7 +307,7 @@ def _one_key_value_head(keras, placed, layout):
     )
     out["mqa_einsum"] = layout(result), comm.get_total_counts(), diff
     # Two letters on one mesh axis, each operand the larger in turn: the
-    # contracted letter kept (output a pending sum, the other operand cut
+    # contracted letter kept (output a partial sum, the other operand cut
     # to it) or the free one (the other operand gathered).
     for name, (rows, cols) in {"keep_j": (16, 2), "keep_k": (2, 8)}.items():
         a, b = torch.randn(rows, 4), torch.randn(4, cols * 4)
@@ -366,7 +366,7 @@ def _check(mesh_shape, diff, greedy, local):
     # everywhere else.
     assert local["one_element"] == [0, 1], local["one_element"]
     # einsum on local shards: a column split's output stays sharded, a row
-    # split's is one pending sum, nothing is gathered in forward.
+    # split's is one partial sum, nothing is gathered in forward.
     assert local["diff"] <= 1e-5, local["diff"]
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Replicate

@@ -40,7 +40,7 @@ def wrap_call(original):
     like the batches of `fit`. Nested layer calls and symbolic (functional
     API) calls are left alone.
 
-    A layer's output that is a pending sum (`Partial`, e.g. after a
+    A layer's output that is a partial sum (`Partial`, e.g. after a
     row-parallel matmul) is reduced at the layer boundary, as torch's
     `RowwiseParallel` does: one all-reduce in forward, and backward then
     receives replicated gradients instead of reducing them again.

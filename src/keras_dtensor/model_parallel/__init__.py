@@ -14,9 +14,9 @@ through `call_layer` (`call`), the one entry:
   to a global shape in the model's own code takes its local shape from
   that run (`reshapes`);
 - everything else runs on DTensors, weights sharded over the batch axis
-  gathered by the layer that uses them (`fsdp_weights`), pending sums
+  gathered by the layer that uses them (`fsdp_weights`), partial sums
   reduced at each layer's boundary;
-- gradients that arrive as pending sums are reduced together before the
+- gradients that arrive as partial sums are reduced together before the
   optimizer (`pending_grads`).
 
 The variable hooks ask `in_local_run()` and `recording()` before an

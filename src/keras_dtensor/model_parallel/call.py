@@ -7,14 +7,14 @@
    plain tensors, or as a DTensor island (`islands`) when it is sharded;
 2. a nested call: the layer runs on DTensors, its weights gathered where a
    layout shards them over the batch axis (`fsdp_weights`), its outputs'
-   pending sums reduced at its boundary;
+   partial sums reduced at its boundary;
 3. the outermost call: the global batch becomes batch-sharded DTensors
    (`model(x)` outside `fit` gets numpy or plain tensors), then the model
    runs locally when its layouts allow it (`local_run.plan`), else on
    DTensors in the global-values scope.
 
 Gradients meet the same boundary in backward: a layer output's gradient
-that arrives as a pending sum is reduced to the output's own layout there
+that arrives as a partial sum is reduced to the output's own layout there
 (see `_reduce_partial_grad`).
 """
 
@@ -41,7 +41,7 @@ def _in_layer_call():
 
 
 def _grad_in_layout(placements, grad):
-    """A gradient hook: pending sums reduced to the forward `placements`."""
+    """A gradient hook: partial sums reduced to the forward `placements`."""
     if not isinstance(grad, DTensor) or len(grad.placements) != len(placements):
         return grad
     target = [
@@ -58,9 +58,9 @@ def _reduce_partial_grad(x):
 
     DTensor's implicit redistributions in forward (a sharded activation
     gathered for the next matmul) have no backward, so a matmul's input
-    gradient comes back as a pending sum and travels on through the ops
+    gradient comes back as a partial sum and travels on through the ops
     before it: an embedding's backward, a scatter into the whole table,
-    then makes a table-sized pending sum on every rank, reduced only when
+    then makes a table-sized partial sum on every rank, reduced only when
     the optimizer lays it out (model (a) of benchmarks/bench_memory.py
     held the full table twice per rank). torch's `ColwiseParallel` reduces it at
     the module's input; here it is reduced where it enters the layer that
@@ -77,7 +77,7 @@ def _reduce_partial_grad(x):
 
 
 def _reduced(outputs):
-    """A layer's outputs with pending sums reduced (and, under autograd,
+    """A layer's outputs with partial sums reduced (and, under autograd,
     their gradients laid out as the outputs when they arrive)."""
     if torch.is_grad_enabled():
         return structure.map_structure(
@@ -97,7 +97,7 @@ def call_layer(layer, original, args, kwargs, distribution):
         distribution: the active distribution (not `DataParallel`).
 
     Returns:
-        The layer's outputs: DTensors with no pending sums, or plain
+        The layer's outputs: DTensors with no partial sums, or plain
         tensors inside a local run.
     """
     if not torch.compiler.is_compiling() and local_run.active():

@@ -202,7 +202,7 @@ def plan(layer, distribution):
 
 def shards_enter(plan_, flat):
     """Whether a tensor-parallel call's inputs can enter its local run as
-    their shards: DTensors on the plan's mesh with no pending sums. Inputs
+    their shards: DTensors on the plan's mesh with no partial sums. Inputs
     sharded over a model axis (a KV cache sharded by heads) are handed in
     as this rank's shard; the check against the DTensor run
     (`exactness`) decides whether the call runs so."""

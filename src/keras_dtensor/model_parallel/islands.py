@@ -81,7 +81,7 @@ class Replay:
     # `(local tensor, its DTensor)` of the last input wrapped: one tensor
     # given to consecutive boundary layers (the query, key and value
     # projections) is wrapped once, so their gradients add up as one
-    # pending sum, reduced once (torch's `PrepareModuleInput` on an
+    # partial sum, reduced once (torch's `PrepareModuleInput` on an
     # attention block). One slot: earlier inputs are not kept alive.
     wrapped: tuple = (None, None)
     # The same for an input of layers run on their shards (`local_split`):
@@ -191,7 +191,7 @@ def _to_dtensor(x, spec, mesh, batch_dim):
 
 
 def reduce_partial(x):
-    """`x` with its pending sums (`Partial`) reduced to `Replicate`: what a
+    """`x` with its partial sums (`Partial`) reduced to `Replicate`: what a
     row-split layer's output gets at its boundary (one all-reduce)."""
     if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
         placements = [

@@ -15,7 +15,7 @@ same here, at the outermost layer call (the model in `fit`, `predict`,
   reads as its local, whole tensor while its layer runs;
 - the inputs enter as this rank's rows, the outputs leave as the batch-
   sharded DTensors the loss and metrics expect;
-- backward: a weight's local gradient is a pending sum over the batch axis
+- backward: a weight's local gradient is a partial sum over the batch axis
   (`ops.local_grads`, as `to_local(grad_placements=Partial)` would lay
   it out): the gather's backward reduce-scatters it to the shard, the
   replicated weights' sums are reduced in buckets (`pending_grads`).
@@ -150,7 +150,7 @@ def _local_weights(plan_, layout, kept):
     ones are gathered together (one all-gather per dtype), or group by
     group under a `fsdp_blocks.Layout` (yields its `Session`, else
     None); backward reduce-scatters their gradients to the shards, and
-    the replicated weights' gradients leave as pending sums over the
+    the replicated weights' gradients leave as partial sums over the
     batch axis."""
     whole = {}
     by_dtype = {}

@@ -8,13 +8,13 @@ column or row split `Dense`/`EinsumDense`, no LoRA, not quantized, Keras's
 own `call`), the same computation runs here on local tensors:
 
 - the weights read as their local shards (gradients laid out as the
-  weights, a pending sum over the batch axis where the batch is split);
+  weights, a partial sum over the batch axis where the batch is split);
 - an input replicated over a model axis its weights are split on passes
   through `local_shards.copy_in` (backward sums its gradient over that
   axis: torch's `ColwiseParallel` input), once for consecutive layers
   given the same tensor (query, key and value), as the DTensor run does;
 - the layer's contraction is placed by `local_shards` (a row split's
-  pending sum all-reduced at once), the rest of its call is elementwise.
+  partial sum all-reduced at once), the rest of its call is elementwise.
 
 The values are those of the DTensor run, op for op (the exactness check
 of the local run compares them); where this cannot place a call, the layer
@@ -60,7 +60,7 @@ class _Plan:
     `weights` `(variable, DTensor value, gradient placements)`; `inputs`
     per flat input None (passed as it is) or `(local shape, placements,
     global shape, mesh dims its gradient is summed over)`; `summed` the
-    mesh dims of the contraction's pending sum (`[]` or one)."""
+    mesh dims of the contraction's partial sum (`[]` or one)."""
 
     weights: tuple
     inputs: tuple
@@ -165,7 +165,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
         local = local_grads.local(value, grad)
         known.append((local, value.placements, tuple(value.shape)))
         if summed and variable is bias:
-            # DTensor adds a replicated bias to a pending sum as each
+            # DTensor adds a replicated bias to a partial sum as each
             # rank's share of it.
             local = local_shards.share(local, mesh.size(summed[0]))
         variable._value = local
@@ -184,7 +184,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
             variable._value = value
     if sorted(pending) != summed:
         raise RuntimeError(
-            f"keras-dtensor: {layer.name!r} on its shards left pending sums "
+            f"keras-dtensor: {layer.name!r} on its shards left partial sums "
             f"over mesh dims {sorted(pending)}, where {summed} were planned "
             f"(mesh {mesh})."
         )
@@ -197,7 +197,7 @@ def _summed(layer, inputs, mesh):
     """The mesh dims over which the layer's contraction leaves pending
     sums (`[]` or one dim), or None for a call this cannot place: one
     input, its product with the kernel placed without redistribution,
-    and no activation after a pending sum (DTensor would reduce first)."""
+    and no activation after a partial sum (DTensor would reduce first)."""
     from keras import activations
     from keras.layers import EinsumDense
 

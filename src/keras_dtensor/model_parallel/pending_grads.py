@@ -1,11 +1,11 @@
-"""Gradients that arrive as pending sums, reduced together.
+"""Gradients that arrive as partial sums, reduced together.
 
 Under a layout with the batch axis, the gradient of every weight that is
 replicated over that axis (biases, norms, anything the `LayoutMap` leaves
-out) comes back from backward as a pending sum (`Partial`) over it. Laid
+out) comes back from backward as a partial sum (`Partial`) over it. Laid
 out one by one, that is one all-reduce per variable (a 2-block transformer:
 20 per step). DDP and FSDP2 reduce such gradients in buckets; here the
-pending sums that resolve to a replicated placement are packed into flat
+partial sums that resolve to a replicated placement are packed into flat
 buffers of at most `KERAS_DTENSOR_BUCKET_MB` (grouped by mesh, reduced
 mesh axes and dtype) and reduced with one all-reduce per buffer and axis.
 A gradient at least the bucket's size is reduced alone, in place, with no
@@ -24,7 +24,7 @@ __all__ = ["reduce_pending"]
 
 
 def _key(grad, value):
-    """The bucket a gradient joins, or None when it is not a pending sum
+    """The bucket a gradient joins, or None when it is not a partial sum
     that reduces to `value`'s placements."""
     if not isinstance(grad, DTensor) or not isinstance(value, DTensor):
         return None
@@ -54,7 +54,7 @@ def _reduce(locals_, mesh, dims):
 
 
 def reduce_pending(grads, values):
-    """`grads` with every pending sum over replicated axes reduced.
+    """`grads` with every partial sum over replicated axes reduced.
 
     Args:
         grads: gradients, DTensors or None, in the optimizer's order (the

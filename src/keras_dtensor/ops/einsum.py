@@ -6,21 +6,21 @@ reshapes and a `bmm`. Where a reshape merges a sharded dim with another
 shapes, e.g. one token at a time in keras_hub's `generate`), the merged
 dim is `_StridedShard`, which `bmm` has no rule for: the kernel is
 gathered whole on every rank, or a column-split layer's output comes out
-as a pending sum to all-reduce. torch's tensor parallelism never does
+as a partial sum to all-reduce. torch's tensor parallelism never does
 either: a column split's output stays sharded, a row split's is one
-pending sum.
+partial sum.
 
 Here the layout follows from the subscripts, as for `mm`: on each mesh
 dim, one letter is sharded (the same letter in every operand that has
 it); an operand with that letter but replicated is cut to its
 shard (no communication); the output is sharded on the letter, or a
-pending sum when the letter is summed over. The einsum then runs once on
+partial sum when the letter is summed over. The einsum then runs once on
 the local shards, through Keras's own code (its dtype rules). Where two
 letters are sharded on one mesh dim (Gemma's query groups against a
 single key/value head cut unevenly), one stays (one that leaves no rank
 empty, then the one cutting the most elements) and the operands cut on
 another are gathered first.
-Anything else (an ellipsis, a repeated or broadcast letter, a pending sum
+Anything else (an ellipsis, a repeated or broadcast letter, a partial sum
 or any other placement as input, plain tensors among DTensors) is left to
 torch.
 """

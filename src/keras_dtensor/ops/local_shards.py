@@ -9,11 +9,11 @@ explicit collectives), only the contractions need to know the layout:
 inside `scope(...)`, the local tensors registered with their placements and
 global shapes (the layer's weights and inputs) meet in `einsum` or
 `matmul`, whose layout `einsum.shard_plan`'s rules give: the output is a
-local shard, or each rank's part of a pending sum, which the caller
+local shard, or each rank's part of a partial sum, which the caller
 reduces when the layer returns (`all_reduce`; backward: the gradient
 passes as it is, as DTensor's own does for a sum). What follows the
 contraction in the layer (a bias, an activation) is elementwise on
-matching shards; a replicated bias meeting a pending sum is each rank's
+matching shards; a replicated bias meeting a partial sum is each rank's
 share of it (`share`: DTensor adds `bias / N` on every rank).
 
 A contraction this cannot place (an operand it does not know, layouts that
@@ -55,7 +55,7 @@ class Unsupported(Exception):  # noqa: N818 (a signal, not an error)
 def scope(mesh, tensors):
     """Contractions of `tensors` (`[(local, placements, global shape)]`)
     inside run on local shards. Yields the set of mesh dims over which a
-    contraction left pending sums."""
+    contraction left partial sums."""
     known = {_key(t): (t, tuple(p), tuple(s)) for t, p, s in tensors}
     summed = set()
     token = _SCOPE.set((mesh, known, summed))

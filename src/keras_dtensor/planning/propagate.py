@@ -6,7 +6,7 @@ execution order, as DTensor's sharding propagation would carry a
 `Shard(dim)`, with rules for the ops a region holds (elementwise ops with
 broadcasting, views, permutes, reductions over other dims, attention,
 contractions). It ends at the consumers, whose contracted dim it must be
-(their kernel is then split by rows, and their output is a pending sum:
+(their kernel is then split by rows, and their output is a partial sum:
 one all-reduce). Anything else (a norm over the split dim, a gather, the
 model's output) is a conflict, and its reason says which op and why.
 
@@ -141,7 +141,7 @@ class _Run:
             act = sa if p.kernel_on_right else sb
             contracted = na - 1 if p.kernel_on_right else nb - 2
             atoms = p.contracted
-            if act[0] == contracted:  # a consumer: rows, a pending sum
+            if act[0] == contracted:  # a consumer: rows, a partial sum
                 j = matching_atom(atoms, act[1], act[2], self.parts)
                 if j is None:
                     fail(node, f"{p.var.path}: the split falls inside a dim")

@@ -331,7 +331,7 @@ def _send(local, blocks, ranges):
 
 
 def streamable(dtensor):
-    """Whether `write` takes it (a pending sum is left to Keras's writer,
+    """Whether `write` takes it (a partial sum is left to Keras's writer,
     which gathers it)."""
     return all(type(p) in (Shard, Replicate) for p in dtensor.placements)
 
