@@ -376,9 +376,16 @@ def test_tf_data_matches_one_process(world):
             assert diff <= TOLERANCE, case
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_input_kind_matches_one_process(world):
-    results = run_ranks(_input_kinds, world, KINDS, timeout=400)
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def input_kinds(request):
+    """One run of `_input_kinds` per world size, shared by the tests below
+    (each checks one behaviour): `(world, results by rank)`."""
+    world = request.param
+    return world, run_ranks(_input_kinds, world, KINDS, timeout=400)
+
+
+def test_every_input_kind_matches_one_process(input_kinds):
+    world, results = input_kinds
     for rank, out in enumerate(results):
         for kind in KINDS:
             assert out[kind]["diff"] <= TOLERANCE, (
@@ -388,18 +395,42 @@ def test_every_input_kind_matches_one_process(world):
                 out[kind],
             )
             assert out[kind]["history"] == results[0][kind]["history"]
+
+
+def test_loss_scale_optimizer_and_a_late_tracker_match_one_process(
+    input_kinds,
+):
+    # LossScaleOptimizer overrides apply(): gradients must be reduced
+    # before it runs; a tracker written again after backward must still
+    # log the one-process loss.
+    for out in input_kinds[1]:
         assert out["loss_scale"] <= TOLERANCE
         assert out["late_tracker"] <= TOLERANCE
-        # The loss tracker and the compiled metrics are summed in the
-        # gradient bucket's all-reduce: one collective per step, as DDP's.
+
+
+def test_one_collective_per_step_with_metrics_in_the_bucket(input_kinds):
+    # The loss tracker and the compiled metrics are summed in the
+    # gradient bucket's all-reduce: one collective per step, as DDP's.
+    for out in input_kinds[1]:
         (plain, _), (metrics, logs) = out["collectives"].values()
         assert plain == metrics, out["collectives"]
         assert plain == {"c10d.allreduce_": 1}, plain
         assert logs == ["loss", "mae", "mse"], logs
-        # A bfloat16 gradient bucket cannot carry the float32 loss sum.
+
+
+def test_a_bfloat16_bucket_does_not_round_the_loss_sum(input_kinds):
+    for out in input_kinds[1]:
         assert out["bfloat16"] <= 1e-6, out["bfloat16"]
-        # Even the first train_on_batch computes only this rank's rows.
+
+
+def test_the_first_train_on_batch_computes_only_this_ranks_rows(input_kinds):
+    world, results = input_kinds
+    for out in results:
         assert out["rows_computed"] == [32 // world] * 2, out["rows_computed"]
+
+
+def test_progress_bars_print_on_rank_0_only(input_kinds):
+    for rank, out in enumerate(input_kinds[1]):
         if rank == 0:
             assert "loss" in out["stdout"] and "Epoch 2/2" in out["stdout"]
         else:
