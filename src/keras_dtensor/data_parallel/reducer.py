@@ -82,6 +82,19 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.sort(key=lambda p: owner_of.get(id(p), 0))
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        # The widest state every bucket's dtype sums without rounding (0:
+        # a bucket that is not float32/float64 carries no other sums).
+        self.tail_width = min(
+            (
+                (
+                    bucket[0].element_size()
+                    if bucket[0].dtype in (torch.float32, torch.float64)
+                    else 0
+                )
+                for bucket in self.buckets
+            ),
+            default=0,
+        )
         # Room after each bucket's gradients for the step's other sums.
         self.tail_room = 0
         self._allocate(_TAIL_ROOM)
@@ -226,12 +239,10 @@ class GradientReducer:
             parts.append(torch.tensor([float(self.rows)], dtype=torch.float64))
         if not parts:
             return
-        tail = torch.cat(parts)
+        tail = parts[0] if len(parts) == 1 else torch.cat(parts)
         width = max(s.element_size() for s in states) if states else 4
-        exact = all(s.is_floating_point() for s in states) and all(
-            b.dtype in (torch.float32, torch.float64)
-            and b.element_size() >= width
-            for b in self.buffers
+        exact = self.tail_width >= width and all(
+            s.is_floating_point() for s in states
         )
         if self.to_owners or not exact:
             if self.early is not None:

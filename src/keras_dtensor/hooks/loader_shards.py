@@ -39,12 +39,13 @@ from keras_dtensor import config
 from keras_dtensor import data_parallel
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend import structure
 from keras_dtensor.backend.batch_layout import data_placements
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import world
 from keras_dtensor.backend.layout import local_slices
 
-__all__ = ["shard_rule", "shards", "sharded_loader"]
+__all__ = ["rows_of", "shard_rule", "shards", "sharded_loader"]
 
 _DERIVED = "_keras_dtensor_sharded_loader"
 
@@ -105,7 +106,7 @@ def shards(iterator):
     place."""
     for batch, (start, total, digest, empty) in iterator:
         if empty:  # zero rows of the sample that stood in
-            batch = _first_rows(batch, 0)
+            batch = rows_of(batch, 0, 0)
         yield tag_shard(batch, start, total, digest)
 
 
@@ -125,11 +126,13 @@ def shard_rule(distribution):
         return None
     if not any(p.is_shard() for p in placements):
         return None  # a replicated batch: every rank loads it whole
-    ranks = mesh.mesh
+    # Every rank's mesh coordinate, found once.
+    coordinates = {
+        int(mesh.mesh[c]): list(c) for c in np.ndindex(*mesh.mesh.shape)
+    }
 
     def shard_of(total, rank):
-        coordinate = (ranks == rank).nonzero()[0].tolist()
-        return local_slices((total,), mesh, placements, coordinate)[0]
+        return local_slices((total,), mesh, placements, coordinates[rank])[0]
 
     return shard_of
 
@@ -214,12 +217,13 @@ class _Collate:
         return self.collate_fn([item for item, _ in items]), items[0][1]
 
 
-def _first_rows(batch, n):
-    from keras.src import tree
+def rows_of(batch, start, length):
+    """Rows `[start, start + length)` of every array of a batch (other
+    leaves as they are)."""
 
     def cut(x):
         if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim:
-            return x[:n]
+            return x[start : start + length]
         return x
 
-    return tree.map_structure(cut, batch)
+    return structure.map_structure(cut, batch)

@@ -40,6 +40,7 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import broadcast_bytes
 from keras_dtensor.backend.launch import world
+from keras_dtensor.hooks.loader_shards import rows_of
 from keras_dtensor.hooks.loader_shards import shard_rule
 
 __all__ = ["sharded_batches", "take_over_workers"]
@@ -123,7 +124,7 @@ def _shards(adapter, rule):
             batch = _build(adapter, index)
             total = _leading_rows(batch)
             start, length = rule(total, rank)
-            batch = _rows(batch, start, length)
+            batch = rows_of(batch, start, length)
         else:
             batch, start, total = batch
         yield tag_shard(batch, start, total, zlib.crc32(str(index).encode()))
@@ -215,16 +216,6 @@ def _rebuild(spec, leaves):
     return next(leaves)
 
 
-def _first_shape(spec):
-    if spec is None:
-        return None
-    if "items" in spec:
-        return next(
-            (s for s in map(_first_shape, spec["items"]) if s is not None), None
-        )
-    return spec["shape"]
-
-
 def _receive(batch, owner, rule):
     """This rank's rows of the owner's `batch`: `(shard, start, total)`, or
     `None` when the batch cannot be scattered."""
@@ -238,13 +229,14 @@ def _receive(batch, owner, rule):
     spec = json.loads(broadcast_bytes(text and text.encode(), src=owner))
     if spec is None:
         return None
-    total = _first_shape(spec)[0]
+    leaf_specs = _leaf_specs(spec, [])
+    total = leaf_specs[0]["shape"][0]
     shards = [rule(total, r) for r in range(size)]
     widest = max(length for _, length in shards)
     start, length = shards[rank]
     leaves = _leaves(batch, []) if rank == owner else None
     received = []
-    for i, leaf_spec in enumerate(_leaf_specs(spec, [])):
+    for i, leaf_spec in enumerate(leaf_specs):
         dtype = torch.from_numpy(
             np.empty(0, np.dtype(leaf_spec["dtype"]))
         ).dtype
@@ -281,14 +273,3 @@ def _leading_rows(batch):
         )
     array = np.asarray(batch) if batch is not None else None
     return int(array.shape[0]) if array is not None and array.ndim else None
-
-
-def _rows(batch, start, length):
-    if batch is None:
-        return None
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_rows(v, start, length) for v in batch)
-    if isinstance(batch, dict):
-        return {k: _rows(v, start, length) for k, v in batch.items()}
-    array = np.asarray(batch)
-    return array[start : start + length] if array.ndim else array
