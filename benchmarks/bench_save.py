@@ -12,7 +12,7 @@ picks among them):
 - `save_weights` and `model.save` as shipped: sharded variables streamed
   to rank 0 in pieces (`saving/h5_stream.py`), `model.save`'s zip written
   with the weights in place (`saving/zip_writer.py`);
-- "old": the same with those three rows of the table off, which is the
+- "old": the same with those three entries of the table off, which is the
   save before streaming (every rank gathers every variable);
 - `torch.distributed.checkpoint.save` of the same variables (model and
   optimizer, as DTensors): every rank writes its own shards.
@@ -89,7 +89,7 @@ def _build():
 
 
 class _Gathering:
-    """The save before streaming: its three rows of the table off."""
+    """The save before streaming: its three entries of the table off."""
 
     _ROWS = (
         ("keras.src.saving.saving_lib", "H5IOStore", "__setitem__"),

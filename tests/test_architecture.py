@@ -207,7 +207,7 @@ def test_function_level_imports_guard_a_cycle():
 def test_per_object_state_goes_through_object_state():
     owners = {
         "keras_dtensor.backend.object_state",
-        "keras_dtensor.patches.rows",
+        "keras_dtensor.patches.patch_kinds",
     }
     for name, path in _modules().items():
         if name in owners:

@@ -149,7 +149,7 @@ def _run(family, distribution, lora=False, lora_file=None):
             if "embeddings" in v.path or "lora" in v.path or "query" in v.path
         }
         # Which of the task model's call signatures ran on local tensors
-        # between its tensor-parallel layers (`islands`).
+        # between its tensor-parallel layers (`boundary_layers`).
         records = lm.__dict__.get("_keras_dtensor_sharded_records")
         local["signatures"] = (
             None
@@ -314,7 +314,7 @@ def test_keras_hub_families_on_2_processes():
 
 def test_keras_hub_under_data_parallel_on_2_processes():
     # Dense models, and MoE models whose auxiliary load-balancing loss
-    # depends on the whole batch's routing (`batch_terms`).
+    # depends on the whole batch's routing (`global_batch_losses`).
     cases = [("gemma", True), ("llama", False), ("qwen_moe", False)]
     cases.append(("qwen3_moe", False))
     _check(

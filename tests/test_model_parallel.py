@@ -520,7 +520,7 @@ TP_KINDS = (
 
 def _tp_local(keras, world):
     """Tensor-parallel layouts with the ops between the sharded layers on
-    local tensors (`islands`), against plain Keras: what a layer
+    local tensors (`boundary_layers`), against plain Keras: what a layer
     between a column- and a row-split Dense sees, which signatures run
     locally, a norm given head-sharded inputs (it runs as DTensors: its
     gamma's gradient is a sum over the heads' shards), a layer reshaping
@@ -537,7 +537,7 @@ def _tp_local(keras, world):
 
     import models
 
-    from keras_dtensor.model_parallel import exactness
+    from keras_dtensor.model_parallel import local_run_check
     from keras_dtensor.model_parallel import local_split
 
     class Probe(keras.layers.Layer):
@@ -646,7 +646,7 @@ def _tp_local(keras, world):
             history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
             seen = probe.seen
             predicted = model.predict(x, batch_size=8, verbose=0)
-            records = model.__dict__.get(exactness._RECORDS)
+            records = model.__dict__.get(local_run_check._RECORDS)
             return {
                 "seen": seen,
                 "loss": history.history["loss"],
@@ -1319,16 +1319,16 @@ def _fragmented_garbage():
 
 
 def test_release_free_memory_gives_freed_blocks_back():
-    """`allocator.release_free_memory` (which `fit` calls under a
+    """`malloc_trim.release_free_memory` (which `fit` calls under a
     distribution on several processes, see `_fit_releases_free_memory`)."""
-    from keras_dtensor.hooks import allocator
+    from keras_dtensor.hooks import malloc_trim
 
-    if not allocator.available():
+    if not malloc_trim.available():
         pytest.skip("not glibc")
-    allocator.release_free_memory()
+    malloc_trim.release_free_memory()
     kept = _fragmented_garbage()
     before = _rss_mib()
-    assert allocator.release_free_memory()
+    assert malloc_trim.release_free_memory()
     assert before - _rss_mib() > 32, (before, _rss_mib())
     del kept
 
@@ -1338,9 +1338,9 @@ def _fit_releases_free_memory(keras, distribution):
     about 85 MiB freed but kept by glibc just before it."""
     import models
 
-    from keras_dtensor.hooks import allocator
+    from keras_dtensor.hooks import malloc_trim
 
-    if not allocator.available():
+    if not malloc_trim.available():
         return None
     x, y = models.data("mlp")
     seen = {}

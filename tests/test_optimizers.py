@@ -247,7 +247,7 @@ def _storage_cases():
     import torch
     import torch.distributed as dist
 
-    from keras_dtensor.data_parallel.update_split import broadcast_from_rank0
+    from keras_dtensor.data_parallel.zero_update import broadcast_from_rank0
 
     variable = keras.Variable(np.zeros((2, 3), "float32"))
     variable.value.data = torch.full((3, 2), dist.get_rank() + 1.0).T

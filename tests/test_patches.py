@@ -13,18 +13,18 @@ import keras_dtensor
 from keras_dtensor import compat
 from keras_dtensor import patches
 from keras_dtensor.backend import distribution_lib
-from keras_dtensor.patches import rows
+from keras_dtensor.patches import patch_kinds
 
-# The attribute rows that apply to the installed Keras and torch.
+# The attribute entries that apply to the installed Keras and torch.
 ATTRIBUTES = [
     p
     for p in patches.PATCHES
-    if isinstance(p, rows.Patch) and rows.applies(p)[0]
+    if isinstance(p, patch_kinds.Patch) and patch_kinds.applies(p)[0]
 ]
 
 
 def _current(patch):
-    return patch.owner().__dict__.get(patch.name, rows.MISSING)
+    return patch.owner().__dict__.get(patch.name, patch_kinds.MISSING)
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def _keras_own_distribution_lib():
 
 
 def _states():
-    """{state} of the rows that apply to the installed versions."""
+    """{state} of the entries that apply to the installed versions."""
     return {
         state
         for _, state, _ in patches.status()
@@ -66,7 +66,7 @@ def test_import_installs_every_row():
 
 
 def test_every_row_declares_the_versions_it_applies_to():
-    # Each row's ranges lie inside the supported ones; a row applies
+    # Each entry's ranges lie inside the supported ones; an entry applies
     # exactly when both installed versions are in its ranges, and info
     # names the reason of every skipped one.
     installed = {
@@ -74,10 +74,10 @@ def test_every_row_declares_the_versions_it_applies_to():
         "torch": compat.torch_version(),
     }
     states = dict((t, s) for t, s, _ in patches.status())
-    for row in patches.PATCHES:
-        assert row.why, row.target
+    for entry in patches.PATCHES:
+        assert entry.why, entry.target
         inside = all(
-            compat.contains(getattr(row, p), v) for p, v in installed.items()
+            compat.contains(getattr(entry, p), v) for p, v in installed.items()
         )
         for package, supported, probes in (
             ("keras", compat.SUPPORTED_KERAS, ("3.14.9", "3.17.0")),
@@ -85,18 +85,18 @@ def test_every_row_declares_the_versions_it_applies_to():
         ):
             for outside in probes:
                 assert not compat.contains(supported, outside)
-                assert not compat.contains(getattr(row, package), outside), (
-                    row.target
+                assert not compat.contains(getattr(entry, package), outside), (
+                    entry.target
                 )
         if inside:
-            assert states[row.target] == "applied", row.target
+            assert states[entry.target] == "applied", entry.target
         else:
-            assert states[row.target].startswith("skipped: applies to")
+            assert states[entry.target].startswith("skipped: applies to")
     for patch in ATTRIBUTES:
         # Wrapped functions keep the original they replaced.
         current = _current(patch)
         if callable(current) and hasattr(current, "__wrapped__"):
-            assert getattr(current, rows.TAG) == patch.target
+            assert getattr(current, patch_kinds.TAG) == patch.target
 
 
 def test_uninstall_restores_originals_exactly(reinstall):
@@ -108,7 +108,7 @@ def test_uninstall_restores_originals_exactly(reinstall):
         if own:
             assert _current(patch) is original, patch.target
         else:
-            assert _current(patch) is rows.MISSING, patch.target
+            assert _current(patch) is patch_kinds.MISSING, patch.target
     assert (
         importlib.import_module("keras.src.backend").distribution_lib
         is _keras_own_distribution_lib()
@@ -177,30 +177,30 @@ _HARMLESS = types.SimpleNamespace(value="original")
 
 
 def test_install_is_all_or_nothing():
-    # A target missing on this install: refused before any row applies.
-    good = rows.Patch(
+    # A target missing on this install: refused before any entry applies.
+    good = patch_kinds.Patch(
         __name__, "_HARMLESS.value", "test", lambda original: "ours"
     )
-    missing = rows.Patch(
+    missing = patch_kinds.Patch(
         "keras.src.no_such_module", "thing", "test", lambda o: o
     )
     saved = {}
     with pytest.raises(RuntimeError, match="has no target"):
-        rows.apply_rows([good, missing], saved)
+        patch_kinds.apply_all([good, missing], saved)
     assert _HARMLESS.value == "original" and not saved
 
-    # A row that fails while applying: the rows before it are put back.
+    # An entry that fails while applying: the entries before it are put back.
     def fails(original):
         raise ValueError("factory failed")
 
-    broken = rows.Patch(__name__, "_HARMLESS.other", "test", fails)
+    broken = patch_kinds.Patch(__name__, "_HARMLESS.other", "test", fails)
     with pytest.raises(ValueError, match="factory failed"):
-        rows.apply_rows([good, broken], saved)
+        patch_kinds.apply_all([good, broken], saved)
     assert _HARMLESS.value == "original" and not saved
 
 
 def test_a_row_outside_its_versions_is_skipped_not_applied():
-    row = rows.Patch(
+    entry = patch_kinds.Patch(
         __name__,
         "_HARMLESS.value",
         "test",
@@ -208,9 +208,9 @@ def test_a_row_outside_its_versions_is_skipped_not_applied():
         keras="<3.0",
     )
     saved = {}
-    rows.apply_rows([row], saved)
+    patch_kinds.apply_all([entry], saved)
     assert _HARMLESS.value == "original" and not saved
-    ((_, state, _),) = rows.row_status([row], saved)
+    ((_, state, _),) = patch_kinds.status_of([entry], saved)
     assert state.startswith("skipped: applies to keras<3.0; installed ")
 
 
@@ -340,7 +340,7 @@ def test_a_bad_environment_variable_is_a_clear_error_at_import():
 def test_config_parses_every_variable(monkeypatch):
     from keras_dtensor import config
 
-    for variable in config.VARIABLES:
+    for variable in config.SETTINGS:
         monkeypatch.delenv(variable.env, raising=False)
         assert config.get(variable.name) == variable.default
     monkeypatch.setenv("KERAS_DTENSOR_LOG_ALL_RANKS", "yes")

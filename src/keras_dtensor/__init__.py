@@ -90,7 +90,7 @@ def install() -> None:
 def uninstall() -> None:
     """Restores everything keras_dtensor replaced in Keras and torch.
 
-    Every row of the `PATCHES` table (attributes and sharding strategies)
+    Every entry of the `PATCHES` table (attributes and sharding strategies)
     and every attribute a hook set on a model, optimizer or distribution.
 
     Example:

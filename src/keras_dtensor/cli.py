@@ -51,7 +51,7 @@ def _info(args):
     print(
         "keras's own   torch distribution: "
         + (
-            "shipped (keras.src.backend.torch.distribution_lib); the rows "
+            "shipped (keras.src.backend.torch.distribution_lib); the entries "
             "below marked keras>=3.16 stand it down"
             if compat.keras_ships_torch_distribution()
             else "none (Keras 3.15 has no torch distribution)"
@@ -62,7 +62,7 @@ def _info(args):
     skipped = sum(state.startswith("skipped") for _, state, _ in status)
     print(
         f"\nhooks into Keras and torch (keras_dtensor.patches): {applied} "
-        f"applied, {skipped} skipped on these versions, {len(status)} rows"
+        f"applied, {skipped} skipped on these versions, {len(status)} entries"
     )
     for target, state, why in status:
         print(f"  [{state}] {target}\n      {why}")
@@ -72,7 +72,7 @@ def _info(args):
         + (", ".join(f"{t}.{n}" for t, n in attached) or "none")
     )
     print("\nenvironment (src/keras_dtensor/config.py):")
-    for env, raw, default, what in config.rows():
+    for env, raw, default, what in config.settings()():
         value = "unset" if raw is None else repr(raw)
         print(f"  {env}={value} (default {default!r})\n      {what}")
     return 0

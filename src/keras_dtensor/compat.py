@@ -18,7 +18,7 @@ answered here, so nothing else tests a version:
 
 Keras 3.16 also ships a torch distribution of its own
 (`keras.src.backend.torch.distribution_lib`); `keras_ships_torch_distribution()`
-tells, and the table's rows that take its place declare `keras>=3.16`.
+tells, and the table's entries that take its place declare `keras>=3.16`.
 """
 
 import functools
@@ -56,7 +56,7 @@ SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.17")
 SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.16")
 
 # The first Keras whose torch backend has the 3.16 layout, and the ranges of
-# rows that apply to one release line only.
+# entries that apply to one release line only.
 _KERAS_3_16 = Version("3.16.0.dev0")
 KERAS_3_15 = ">=3.15,<3.16.0.dev0"
 KERAS_3_16 = ">=3.16.0.dev0,<3.17"

@@ -1,6 +1,6 @@
 """Every `KERAS_DTENSOR_*` environment variable, parsed in one place.
 
-Each variable has one row in `VARIABLES`: its parser, default and what it
+Each variable has one entry in `SETTINGS`: its parser, default and what it
 does. `get(name)` reads the environment and parses it (the process that
 reads a setting is the one that runs, so a value set before a call
 counts); `check()` parses every variable once at `install()`, so a bad
@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["VARIABLES", "Variable", "check", "get", "rows"]
+__all__ = ["SETTINGS", "Setting", "check", "get", "settings"]
 
 _PREFIX = "KERAS_DTENSOR_"
 
@@ -65,7 +65,7 @@ def _url(raw):
 
 
 @dataclasses.dataclass(frozen=True)
-class Variable:
+class Setting:
     """One environment variable.
 
     Attributes:
@@ -87,15 +87,15 @@ class Variable:
         return _PREFIX + self.name
 
 
-VARIABLES = (
-    Variable(
+SETTINGS = (
+    Setting(
         "TIMEOUT",
         _positive_float,
         300.0,
         "seconds > 0",
         "timeout of the process group's collectives",
     ),
-    Variable(
+    Setting(
         "BACKEND",
         _backend,
         None,
@@ -103,21 +103,21 @@ VARIABLES = (
         "process group backend (default: gloo on CPU, "
         "'cpu:gloo,cuda:nccl' on GPUs)",
     ),
-    Variable(
+    Setting(
         "INIT_METHOD",
         _url,
         None,
         "a 'file://', 'tcp://' or 'env://' URL",
         "rendezvous URL instead of torchrun's MASTER_ADDR/MASTER_PORT",
     ),
-    Variable(
+    Setting(
         "SAVE_TIMEOUT",
         _positive_float,
         60.0,
         "seconds > 0",
         "how long a save waits for every rank to join it",
     ),
-    Variable(
+    Setting(
         "PREEMPTION_CHECK_S",
         _non_negative_float,
         0.1,
@@ -125,7 +125,7 @@ VARIABLES = (
         "how often the ranks agree whether one got a termination signal "
         "(ShardedCheckpoint; 0: at every step)",
     ),
-    Variable(
+    Setting(
         "SAVE_PIECE_MB",
         _positive_float,
         16.0,
@@ -133,14 +133,14 @@ VARIABLES = (
         "a saved sharded variable goes to rank 0 and into the file in "
         "pieces of at most this size (rank 0 holds about 4 at a time)",
     ),
-    Variable(
+    Setting(
         "LOG_ALL_RANKS",
         _flag,
         False,
         "1/0, true/false, yes/no, on/off",
         "print Keras's progress and messages on every rank, not only 0",
     ),
-    Variable(
+    Setting(
         "BUCKET_MB",
         _positive_float,
         25.0,
@@ -148,7 +148,7 @@ VARIABLES = (
         "gradient bucket size (DDP's bucket_cap_mb): DataParallel's "
         "all-reduce, and ModelParallel's replicated weights' gradients",
     ),
-    Variable(
+    Setting(
         "CHECK_EVERY",
         _non_negative_int,
         10,
@@ -156,7 +156,7 @@ VARIABLES = (
         "compare a checksum of the global batch across ranks every N "
         "batches (auto_shard_dataset=True)",
     ),
-    Variable(
+    Setting(
         "SHARDED_LOADING",
         _flag,
         True,
@@ -167,7 +167,7 @@ VARIABLES = (
         "scattered (auto_shard_dataset=True); 0: every process loads the "
         "whole global batch",
     ),
-    Variable(
+    Setting(
         "LOCAL_BATCH",
         _flag,
         True,
@@ -177,7 +177,7 @@ VARIABLES = (
         "plain tensors, its weights gathered for the call (block by "
         "block, GATHER_MB)",
     ),
-    Variable(
+    Setting(
         "LOCAL_MODEL",
         _flag,
         True,
@@ -187,7 +187,7 @@ VARIABLES = (
         "tensors (torch's tensor parallelism), once a first call per input "
         "signature has matched the DTensor run (needs LOCAL_BATCH)",
     ),
-    Variable(
+    Setting(
         "GATHER_MB",
         _positive_float,
         25.0,
@@ -196,7 +196,7 @@ VARIABLES = (
         "of consecutive layers of at least this size, each freed after its "
         "forward and gathered again for its backward (FSDP2's blocks)",
     ),
-    Variable(
+    Setting(
         "JIT",
         _flag,
         True,
@@ -204,7 +204,7 @@ VARIABLES = (
         "ModelParallel: jit_compile=True compiles the model's forward; "
         "off, the model runs eagerly",
     ),
-    Variable(
+    Setting(
         "SYNC_BATCH_NORM",
         _flag,
         True,
@@ -214,14 +214,14 @@ VARIABLES = (
         "JAX); off, with each process's own unless synchronized=True (as "
         "DDP); rank 0's moving statistics are kept on every rank either way",
     ),
-    Variable(
+    Setting(
         "SPLIT_UPDATE",
         _flag,
         True,
         "1/0, true/false, yes/no, on/off",
         "DataParallel: split the optimizer update by variable inside fit",
     ),
-    Variable(
+    Setting(
         "SPLIT_UPDATE_MB",
         _non_negative_float,
         4.0,
@@ -233,7 +233,7 @@ VARIABLES = (
     ),
 )
 
-_BY_NAME = {v.name: v for v in VARIABLES}
+_BY_NAME = {v.name: v for v in SETTINGS}
 
 
 def _parse(variable):
@@ -263,12 +263,10 @@ def get(name):
 
 def check():
     """Parses every variable; raises on the first bad value."""
-    for variable in VARIABLES:
+    for variable in SETTINGS:
         _parse(variable)
 
 
-def rows():
+def settings():
     """`(env name, current value, default, what)` for every variable."""
-    return [
-        (v.env, os.environ.get(v.env), v.default, v.what) for v in VARIABLES
-    ]
+    return [(v.env, os.environ.get(v.env), v.default, v.what) for v in SETTINGS]

@@ -8,12 +8,12 @@ what every other part asks.
 - `batch_layout`: arrays of a batch to batch-sharded DTensors; `shards`:
   a rank's shard of a global value, as a DTensor;
 - `launch`: the process group's lifecycle, world and rank, collectives of
-  small values; `agreement`: one rank's failure raised on every rank;
+  small values; `consensus`: one rank's failure raised on every rank;
 - `context`: the current distribution and its scopes; `console`: which
   rank prints; `errors`: messages naming the path, the axes and the mesh;
 - `files`: staged saves moved into place; `placement_order`: sharding
   choices equal on every rank; `object_state`: attributes set on single
-  Keras objects, taken off by `uninstall()`; `structure`: Keras's tree
+  Keras objects, taken off by `uninstall()`; `fast_tree`: Keras's tree
   functions, fast for a layer call's usual arguments; `resume`: the next
   epoch started at a given batch.
 

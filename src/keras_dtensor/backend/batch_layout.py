@@ -14,8 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend import structure
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import distribute_data_input
 from keras_dtensor.backend.layout import contiguous_strides
@@ -45,7 +45,7 @@ class BatchShard:
 
 
 def _first_leaf(batch):
-    return next((x for x in structure.flatten(batch) if x is not None), None)
+    return next((x for x in fast_tree.flatten(batch) if x is not None), None)
 
 
 def tag_shard(batch, start, total, digest):
@@ -60,7 +60,7 @@ def tag_shard(batch, start, total, digest):
     def as_tensor(x):
         return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
-    batch = structure.map_structure(as_tensor, batch)
+    batch = fast_tree.map_structure(as_tensor, batch)
     first = _first_leaf(batch)
     if isinstance(first, torch.Tensor):
         setattr(first, _SHARD, BatchShard(start, total, digest))
@@ -134,6 +134,6 @@ def distribute_batch(batch, distribution, per_process=False):
     """
     shard = batch_shard(batch)
     total = None if shard is None else shard.total
-    return structure.map_structure(
+    return fast_tree.map_structure(
         lambda x: _distribute_leaf(x, distribution, per_process, total), batch
     )

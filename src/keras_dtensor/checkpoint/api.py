@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from keras.src.backend.common import global_state
 
 from keras_dtensor import data_parallel
-from keras_dtensor.backend import agreement
+from keras_dtensor.backend import consensus
 from keras_dtensor.backend import files
 from keras_dtensor.backend import launch
 from keras_dtensor.checkpoint import manifest
@@ -152,7 +152,7 @@ def _commit(names, state, world, extra, digests):
             files.move_into_place(names.staging, names.final)
         except OSError as e:
             problem = e
-    problem = agreement.first_failure(problem)
+    problem = consensus.first_failure(problem)
     if problem:
         raise RuntimeError(
             f"Checkpoint {names.final!r} was not committed: {problem}"
@@ -180,7 +180,7 @@ def _written(names, write):
         write()
     except (Exception, dcp.CheckpointException) as e:
         problem = _short(e)
-    problem = agreement.first_failure(problem)
+    problem = consensus.first_failure(problem)
     if problem:
         if launch.world()[1] == 0:
             shutil.rmtree(names.staging, ignore_errors=True)
@@ -263,7 +263,7 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
             os.makedirs(names.staging)
         except OSError as e:
             problem = e
-    problem = agreement.first_failure(problem)
+    problem = consensus.first_failure(problem)
     if problem:
         raise RuntimeError(f"Cannot save checkpoint {names.final!r}: {problem}")
     state = _state_dict(model)

@@ -21,7 +21,7 @@ import pickle
 
 import torch
 
-from keras_dtensor.backend import agreement
+from keras_dtensor.backend import consensus
 from keras_dtensor.backend import launch
 from keras_dtensor.checkpoint import digest
 
@@ -184,7 +184,7 @@ def verify(directory, manifest):
             problem = f"{name} has no usable entry in the manifest ({e!r})"
         if problem:
             break
-    problem = agreement.first_failure(problem)
+    problem = consensus.first_failure(problem)
     if problem is None:
         return
     name = problem.split(" ", 1)[0]

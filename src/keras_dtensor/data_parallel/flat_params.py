@@ -1,7 +1,7 @@
 """The trainable parameters of a DataParallel model, stored by owner.
 
 After a split optimizer update every owner broadcasts the variables it
-updated (`update_split`). With those parameters laid out as views of one
+updated (`zero_update`). With those parameters laid out as views of one
 flat buffer per (owner, dtype), the broadcast goes straight into them: no
 concatenation on the owner, no copy back out on the other ranks (FSDP's
 flat parameters; DDP's `gradient_as_bucket_view`, for the parameters).
@@ -22,7 +22,7 @@ class OwnerBuffers:
 
     Args:
         params: the trainable torch Parameters.
-        owners: the rank that updates each of `params` (`update_split`).
+        owners: the rank that updates each of `params` (`zero_update`).
     """
 
     def __init__(self, params, owners):

@@ -9,7 +9,7 @@ Keras that returns one value for the whole batch (probed on the meta
 tensors of Keras's symbolic build: its unreduced value has no batch
 dimension), is not a share-weighted mean of
 the ranks' values: one process gets another number. For those,
-inside a DataParallel step on split rows (`batch_terms.step_scope`), the
+inside a DataParallel step on split rows (`global_batch_losses.step_scope`), the
 compiled loss runs on the gathered global batch on every rank (`y_true`,
 `sample_weight` and masks gathered, `y_pred` gathered with autograd:
 each rank's rows get their gradient, divided by the rank's share, which
@@ -20,8 +20,8 @@ those losses only.
 
 from keras_dtensor import compat
 from keras_dtensor.backend import object_state
-from keras_dtensor.data_parallel import batch_terms
-from keras_dtensor.data_parallel.rows import gather_rows
+from keras_dtensor.data_parallel import global_batch_losses
+from keras_dtensor.data_parallel.batch_split import gather_rows
 
 __all__ = ["needs_global", "over_global_batch"]
 
@@ -77,7 +77,7 @@ def _flat_losses(model):
 
 def over_global_batch(compiled, step):
     """`compiled(y_true, y_pred, sample_weight)` on the global batch of
-    `step` (a `batch_terms` step), the same value on every rank."""
+    `step` (a `global_batch_losses` step), the same value on every rank."""
     import torch
     from keras.src import tree
     from keras.src.backend.common.masking import get_keras_mask
@@ -96,7 +96,7 @@ def over_global_batch(compiled, step):
                 return x
             mask = get_keras_mask(x)
             if with_grad and x.requires_grad:
-                out = batch_terms.gather_with_grad(x, counts, share)
+                out = global_batch_losses.gather_with_grad(x, counts, share)
             else:
                 out = gather_rows(x.detach(), counts)
             if mask is not None:

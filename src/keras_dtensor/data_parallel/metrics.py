@@ -31,7 +31,7 @@ from keras_dtensor import compat
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
-from keras_dtensor.data_parallel import batch_terms
+from keras_dtensor.data_parallel import global_batch_losses
 from keras_dtensor.data_parallel import global_loss
 from keras_dtensor.data_parallel.state import state_of
 
@@ -332,7 +332,7 @@ def wrap_compute_loss_without_rows(original):
         distribution = context.active()
         if distribution is None or not context.is_data_parallel(distribution):
             return original(self, *args, **kwargs)
-        step = batch_terms.current_step()
+        step = global_batch_losses.current_step()
         if step is None:
             # compute_loss(x, y, y_pred, ...): Keras passes them by position.
             given = dict(zip(("x", "y", "y_pred"), args, strict=False))

@@ -46,7 +46,7 @@ class GradientReducer:
     back.
 
     With `owners` (the rank that updates each parameter, see
-    `update_split`), each bucket is laid out by owner, and a step armed
+    `zero_update`), each bucket is laid out by owner, and a step armed
     with `to_owners=True` sends each owner its segment instead of
     all-reducing the bucket (ZeRO stage 2's reduce-scatter, by point to
     point: half the bytes of an all-reduce); when `finish()` returns,

@@ -22,7 +22,7 @@ class ModelState:
         statistics: the moving statistics of its BatchNormalization
             layers, kept equal to rank 0's after every train step.
         probed: whether the layers adding losses were looked for, for
-            this train function (`batch_terms.find_loss_layers`).
+            this train function (`global_batch_losses.find_loss_layers`).
         frozen: during a step of a rank with no rows, its metric states
             as they were before the step (`metrics.without_rows`).
         local_logs_warned: the step kinds (`"train"`, `"test"`) whose

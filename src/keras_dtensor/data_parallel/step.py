@@ -3,7 +3,7 @@
 `run_step` is called by the step functions (`keras_dtensor.hooks.data`) for
 every train, test and predict step under `DataParallel`, in this order:
 
-1. take this process's rows of the batch (`rows.local_rows`);
+1. take this process's rows of the batch (`batch_split.local_rows`);
 2. train: on a new train function, bring stale optimizer slots back,
    broadcast rank 0's weights (as DDP does at construction) and build the
    gradient reducer and the update split (`_prepare`);
@@ -23,24 +23,24 @@ from keras_dtensor import config
 from keras_dtensor.backend import context
 from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import world
-from keras_dtensor.data_parallel.batch_terms import find_loss_layers
-from keras_dtensor.data_parallel.batch_terms import step_scope
+from keras_dtensor.data_parallel.batch_split import gather_rows
+from keras_dtensor.data_parallel.batch_split import leading_rows
+from keras_dtensor.data_parallel.batch_split import local_rows
+from keras_dtensor.data_parallel.batch_split import row_counts
+from keras_dtensor.data_parallel.batch_split import row_range
 from keras_dtensor.data_parallel.flat_params import OwnerBuffers
+from keras_dtensor.data_parallel.global_batch_losses import find_loss_layers
+from keras_dtensor.data_parallel.global_batch_losses import step_scope
 from keras_dtensor.data_parallel.metrics import global_logs
 from keras_dtensor.data_parallel.metrics import is_keras_train_step
 from keras_dtensor.data_parallel.metrics import without_rows
 from keras_dtensor.data_parallel.random_rows import split_rows
 from keras_dtensor.data_parallel.reducer import GradientReducer
-from keras_dtensor.data_parallel.rows import gather_rows
-from keras_dtensor.data_parallel.rows import leading_rows
-from keras_dtensor.data_parallel.rows import local_rows
-from keras_dtensor.data_parallel.rows import row_counts
-from keras_dtensor.data_parallel.rows import row_range
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.data_parallel.update_split import UpdateSplit
-from keras_dtensor.data_parallel.update_split import broadcast_from_rank0
-from keras_dtensor.data_parallel.update_split import splitting_updates
-from keras_dtensor.data_parallel.update_split import sync_optimizer_state
+from keras_dtensor.data_parallel.zero_update import UpdateSplit
+from keras_dtensor.data_parallel.zero_update import broadcast_from_rank0
+from keras_dtensor.data_parallel.zero_update import splitting_updates
+from keras_dtensor.data_parallel.zero_update import sync_optimizer_state
 
 __all__ = [
     "run_step",
@@ -161,7 +161,7 @@ def run_step(model, step, kind, data, distribution):
 def wrap_fit(original):
     """Wraps `TorchTrainer.fit`: optimizer updates split only inside `fit`,
     and the optimizer state is whole on every rank when it returns (see
-    `update_split`)."""
+    `zero_update`)."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
@@ -181,7 +181,7 @@ def wrap_fit(original):
 
 def update_is_split(model):
     """Whether `model`'s DataParallel training splits its optimizer update
-    by variable (see `update_split`).
+    by variable (see `zero_update`).
 
     Returns:
         `True`/`False` once the model trained under `DataParallel` on

@@ -1,4 +1,9 @@
-"""Keras-side wrappers: the bodies of the `PATCHES` table's Keras rows.
+"""Keras-side wrappers that sit above the strategies (`PATCHES` names them).
+
+A wrapper that belongs to one mechanism lives with it (the DataParallel
+step in `data_parallel`, the stores in `saving`); here are the ones that
+serve every strategy:
+
 
 - `variables`, `sharded_init`: variables are DTensors laid out by the
   distribution, initialized shard by shard;
@@ -9,10 +14,10 @@
   process's mask on split activations; `layer_call`: each layer call
   handed to its strategy (`data_parallel` or `model_parallel`);
   `slice_update`: a KV cache updated on shards;
-- `fit`, `replicas`, `allocator`: around `fit`/`evaluate`/`predict`;
-- `attention`: `dot_product_attention` on DTensor inputs; `reshape`: a
-  global shape in a local run made local; `layout_lookups`: output
-  layout lookups by path, remembered per distribution;
+- `fit_guard`, `replicate_check`, `malloc_trim`: around
+  `fit`/`evaluate`/`predict`;
+- `attention`: `dot_product_attention` on DTensor inputs;
+  `output_layouts`: output layout lookups by path, remembered per distribution;
 - `keras_torch_distribution`: Keras 3.16's own torch distribution, stood
   down where keras-dtensor acts;
 - `callbacks`, `shared_files`: callbacks and their file operations on N

@@ -38,8 +38,8 @@ from torch.utils import data as torch_data
 from keras_dtensor import config
 from keras_dtensor import data_parallel
 from keras_dtensor.backend import context
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend import structure
 from keras_dtensor.backend.batch_layout import data_placements
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import world
@@ -226,4 +226,4 @@ def rows_of(batch, start, length):
             return x[start : start + length]
         return x
 
-    return structure.map_structure(cut, batch)
+    return fast_tree.map_structure(cut, batch)

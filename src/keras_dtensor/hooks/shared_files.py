@@ -16,7 +16,7 @@ Inside `fit`/`evaluate`/`predict` with several processes, Keras's
 - `File` opened for writing is rank 0's file, a sink (`os.devnull`)
   elsewhere; for reading, every rank opens the file itself.
 
-Each call ends with rank 0's outcome on every rank (`agreement.on_rank_0`):
+Each call ends with rank 0's outcome on every rank (`consensus.on_rank_0`):
 if rank 0's operation failed, every rank raises the same error, and nobody
 goes on before the change is on disk. `model.save*` inside a callback is
 not affected: every rank runs it (`saving/collective.py`). TensorBoard
@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 
-from keras_dtensor.backend import agreement
+from keras_dtensor.backend import consensus
 from keras_dtensor.backend import launch
 from keras_dtensor.backend import object_state
 
@@ -60,17 +60,17 @@ FILE_OPERATIONS = (
 
 def suspended():
     """A scope where `file_utils` calls are each rank's own again."""
-    return agreement.files_shared(False)
+    return consensus.files_shared(False)
 
 
 def shared():
-    """The scope where `file_utils` calls are shared (`hooks/fit.py`)."""
-    return agreement.files_shared(True)
+    """The scope where `file_utils` calls are shared (`hooks/fit_guard.py`)."""
+    return consensus.files_shared(True)
 
 
 def active() -> bool:
     """Whether this thread is inside `shared()`."""
-    return agreement.files_are_shared()
+    return consensus.files_are_shared()
 
 
 def _writes(mode):
@@ -86,14 +86,14 @@ def wrap_file_operation(original, name):
 
     @functools.wraps(original)
     def operation(*args, **kwargs):
-        if not agreement.files_are_shared():
+        if not consensus.files_are_shared():
             return original(*args, **kwargs)
         if name == "File":
             mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
             if not _writes(mode):
                 return original(*args, **kwargs)
             opened = []  # rank 0's file; its failure is raised everywhere
-            agreement.on_rank_0(
+            consensus.on_rank_0(
                 lambda: opened.append(original(*args, **kwargs)),
                 f"file_utils.{name}",
             )
@@ -103,7 +103,7 @@ def wrap_file_operation(original, name):
             result = original(*args, **kwargs)
             return result if name in ("exists", "isdir", "listdir") else None
 
-        return agreement.on_rank_0(run, f"file_utils.{name}")
+        return consensus.on_rank_0(run, f"file_utils.{name}")
 
     return operation
 

@@ -258,7 +258,7 @@ def wrap_filter_empty_gradients(original):
         distribution = context.active()
         if distribution is None or context.is_data_parallel(distribution):
             return grads, variables  # plain variables: nothing laid out
-        grads = model_parallel.reduce_pending(
+        grads = model_parallel.reduce_partial_grads(
             grads, [getattr(v, "value", None) for v in variables]
         )
         grads = [

@@ -4,7 +4,7 @@
 `DataParallel`, in this order:
 
 1. inside a local run (`local_run`): the layer runs on this rank's rows as
-   plain tensors, or as a DTensor island (`islands`) when it is sharded;
+   plain tensors, or as a DTensor island (`boundary_layers`) when it is sharded;
 2. a nested call: the layer runs on DTensors, its weights gathered where a
    layout shards them over the batch axis (`fsdp_weights`), its outputs'
    partial sums reduced at its boundary;
@@ -24,12 +24,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import context
-from keras_dtensor.backend import structure
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.batch_layout import distribute_batch
 from keras_dtensor.model_parallel import local_run
+from keras_dtensor.model_parallel.boundary_layers import reduce_partial
 from keras_dtensor.model_parallel.fsdp_weights import gathered_weights
-from keras_dtensor.model_parallel.islands import reduce_partial
-from keras_dtensor.model_parallel.record import recorder
+from keras_dtensor.model_parallel.reference_run import recorder
 
 __all__ = ["call_layer"]
 
@@ -80,10 +80,10 @@ def _reduced(outputs):
     """A layer's outputs with partial sums reduced (and, under autograd,
     their gradients laid out as the outputs when they arrive)."""
     if torch.is_grad_enabled():
-        return structure.map_structure(
+        return fast_tree.map_structure(
             lambda x: _reduce_partial_grad(reduce_partial(x)), outputs
         )
-    return structure.map_structure(reduce_partial, outputs)
+    return fast_tree.map_structure(reduce_partial, outputs)
 
 
 def call_layer(layer, original, args, kwargs, distribution):
@@ -121,7 +121,7 @@ def call_layer(layer, original, args, kwargs, distribution):
         with context.global_values(), gathered_weights(layer, distribution):
             return _reduced(original(layer, *args, **kwargs))
 
-    local = local_run.plan(layer, distribution)
+    local = local_run.spec_for(layer, distribution)
     if local is not None:
         done, outputs = local_run.call(
             layer, original, local, args, kwargs, as_dtensors

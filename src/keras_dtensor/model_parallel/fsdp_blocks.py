@@ -41,8 +41,8 @@ import functools
 import torch
 
 from keras_dtensor import config
+from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import packed_gather
-from keras_dtensor.ops import local_grads
 
 __all__ = ["Layout", "Session", "build"]
 
@@ -92,12 +92,12 @@ def _units(model):
     return owners, units
 
 
-def build(model, plan_, order):
+def build(model, run_spec, order):
     """The model's `Layout`, or None when grouping frees nothing.
 
     Args:
         model: the outermost layer the plan runs.
-        plan_: its `local_run.Plan`.
+        run_spec: its `LocalRunSpec`.
         order: ids of the units a call reached, in call order; None
             before the first call (the layers' own order).
     """
@@ -105,8 +105,8 @@ def build(model, plan_, order):
     by_unit = collections.defaultdict(list)
     root = []
     calls = collections.Counter(order or ())
-    for i in plan_.gathered:
-        found = set(owners.get(id(plan_.weights[i][0]), ()))
+    for i in run_spec.gathered:
+        found = set(owners.get(id(run_spec.weights[i][0]), ()))
         unit = found.pop() if len(found) == 1 else None
         if unit is None or calls[unit] > 1:
             root.append(i)  # shared, or called again (a tied projection)
@@ -127,7 +127,7 @@ def build(model, plan_, order):
             current, size = [], 0
         unit_group[layer_id] = len(groups)
         for i in by_unit[layer_id]:
-            value = plan_.weights[i][0]._value
+            value = run_spec.weights[i][0]._value
             current.append(i)
             size += value.numel() * value.element_size()
     if current:
@@ -146,14 +146,14 @@ class Session:
     """The gathers of one grouped call, and of its backward.
 
     Args:
-        plan_: the model's `local_run.Plan`.
+        run_spec: the model's `LocalRunSpec`.
         layout: its `Layout`.
         values: the weights' DTensor values, in the plan's order.
         group: the process group of the batch axis.
     """
 
-    def __init__(self, plan_, layout, values, group):
-        self.plan, self.layout, self.values = plan_, layout, values
+    def __init__(self, run_spec, layout, values, group):
+        self.run_spec, self.layout, self.values = run_spec, layout, values
         self.group = group
         self.last = len(layout.groups) - 1
         self.current = None
@@ -170,7 +170,7 @@ class Session:
     # ----------------------------------------------------------- forward
 
     def _specs(self, indices):
-        dim = self.plan.dim
+        dim = self.run_spec.dim
         return [
             (self.values[i].placements[dim].dim, tuple(self.values[i].shape))
             for i in indices
@@ -208,7 +208,7 @@ class Session:
         pending, shards = self.pending.pop(g, None) or self._start(indices)
         fulls = packed_gather.finish(pending, shards)
         for i, full in zip(indices, fulls, strict=True):
-            self.plan.weights[i][0]._value = full
+            self.run_spec.weights[i][0]._value = full
         if g != self.last:  # each full tensor has a storage of its own
             for k, full in enumerate(fulls):
                 ptr = full.untyped_storage().data_ptr()
@@ -226,7 +226,7 @@ class Session:
         if g == self.last:
             return
         for i in self.layout.groups[g]:
-            self.plan.weights[i][0]._value = self.values[i]
+            self.run_spec.weights[i][0]._value = self.values[i]
         for full in self.forward.pop(g):
             self.ptrs.pop(full.untyped_storage().data_ptr(), None)
 

@@ -16,9 +16,9 @@ same here, at the outermost layer call (the model in `fit`, `predict`,
 - the inputs enter as this rank's rows, the outputs leave as the batch-
   sharded DTensors the loss and metrics expect;
 - backward: a weight's local gradient is a partial sum over the batch axis
-  (`ops.local_grads`, as `to_local(grad_placements=Partial)` would lay
+  (`local_grads`, as `to_local(grad_placements=Partial)` would lay
   it out): the gather's backward reduce-scatters it to the shard, the
-  replicated weights' sums are reduced in buckets (`pending_grads`).
+  replicated weights' sums are reduced in buckets (`partial_grads`).
 
 What makes a model take this path, checked once per model (and again after
 any variable is created): every weight a DTensor on one mesh, replicated but
@@ -37,9 +37,9 @@ rows of a batch independently (BatchNormalization aside). Turned off with
 `KERAS_DTENSOR_LOCAL_BATCH=0`.
 
 A weight sharded over another axis (tensor-parallel) leaves its layer to
-run as DTensors, an island in the local call (`islands`); such a
+run as DTensors, an island in the local call (`boundary_layers`); such a
 model's local call is checked against its DTensor call once per input
-signature (`exactness`). Turned off with `KERAS_DTENSOR_LOCAL_MODEL=0`.
+signature (`local_run_check`). Turned off with `KERAS_DTENSOR_LOCAL_MODEL=0`.
 """
 
 import contextlib
@@ -54,27 +54,27 @@ from torch.distributed.tensor import Shard
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend import structure
 from keras_dtensor.backend.layout import contiguous_strides
-from keras_dtensor.model_parallel import exactness
+from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import fsdp_blocks
 from keras_dtensor.model_parallel import fsdp_weights
-from keras_dtensor.model_parallel import islands
+from keras_dtensor.model_parallel import local_grads
+from keras_dtensor.model_parallel import local_run_check
 from keras_dtensor.model_parallel import packed_gather
-from keras_dtensor.model_parallel.eligibility import forget
-from keras_dtensor.model_parallel.eligibility import plan
-from keras_dtensor.model_parallel.eligibility import shards_enter
-from keras_dtensor.model_parallel.eligibility import variables_changed
-from keras_dtensor.model_parallel.eligibility import whole_along
-from keras_dtensor.ops import local_grads
+from keras_dtensor.model_parallel.local_run_spec import forget
+from keras_dtensor.model_parallel.local_run_spec import shards_enter
+from keras_dtensor.model_parallel.local_run_spec import spec_for
+from keras_dtensor.model_parallel.local_run_spec import variables_changed
+from keras_dtensor.model_parallel.local_run_spec import whole_along
 
 __all__ = [
     "AssignedInCall",
     "active",
     "call",
     "inner_call",
-    "plan",
+    "spec_for",
     "variables_changed",
 ]
 
@@ -92,32 +92,32 @@ def active():
     return _ACTIVE.get()
 
 
-def _input_rows(plan_, flat):
+def _input_rows(run_spec, flat):
     """`(global rows, local rows)` of the batch-sharded inputs; None when
     an input is laid out otherwise. `()` on a mesh without the batch axis
     when every input is replicated."""
-    rows = None if plan_.dim is not None else ()
+    rows = None if run_spec.dim is not None else ()
     for x in flat:
         if not isinstance(x, DTensor):
             continue
-        if x.device_mesh != plan_.mesh:
+        if x.device_mesh != run_spec.mesh:
             return None
         for i, placement in enumerate(x.placements):
-            if i == plan_.dim and placement == Shard(0):
+            if i == run_spec.dim and placement == Shard(0):
                 shape = (x.shape[0], x.to_local().shape[0])
                 if rows not in (None, shape):
                     return None
                 rows = shape
-            elif not whole_along(plan_.mesh, i, placement):
+            elif not whole_along(run_spec.mesh, i, placement):
                 return None
     return rows
 
 
-def _to_global(plan_, rows, x, layer):
+def _to_global(run_spec, rows, x, layer):
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return x
-    placements = [Replicate()] * plan_.mesh.ndim
-    if plan_.dim is None:  # no batch axis: the whole batch on every rank
+    placements = [Replicate()] * run_spec.mesh.ndim
+    if run_spec.dim is None:  # no batch axis: the whole batch on every rank
         shape = tuple(x.shape)
     elif x.ndim == 0 or x.shape[0] != rows[1]:
         raise errors.local_output_error(
@@ -125,14 +125,14 @@ def _to_global(plan_, rows, x, layer):
             shape=x.shape,
             rows=rows[1],
             rank=torch.distributed.get_rank(),
-            mesh=plan_.mesh,
+            mesh=run_spec.mesh,
         )
     else:
-        placements[plan_.dim] = Shard(0)
+        placements[run_spec.dim] = Shard(0)
         shape = (rows[0], *x.shape[1:])
     out = DTensor.from_local(
         x,
-        plan_.mesh,
+        run_spec.mesh,
         placements,
         run_check=False,
         shape=torch.Size(shape),
@@ -140,12 +140,12 @@ def _to_global(plan_, rows, x, layer):
     )
     mask = getattr(x, "_keras_mask", None)
     if mask is not None:
-        out._keras_mask = _to_global(plan_, rows, mask, layer)
+        out._keras_mask = _to_global(run_spec, rows, mask, layer)
     return out
 
 
 @contextlib.contextmanager
-def _local_weights(plan_, layout, kept):
+def _local_weights(run_spec, layout, kept):
     """Every weight reads as its whole local tensor. The batch-sharded
     ones are gathered together (one all-gather per dtype), or group by
     group under a `fsdp_blocks.Layout` (yields its `Session`, else
@@ -154,17 +154,17 @@ def _local_weights(plan_, layout, kept):
     batch axis."""
     whole = {}
     by_dtype = {}
-    values = [variable._value for variable, _, _ in plan_.weights]
+    values = [variable._value for variable, _, _ in run_spec.weights]
     session = None
-    if plan_.gathered:
-        group = plan_.mesh.get_group(plan_.dim)
+    if run_spec.gathered:
+        group = run_spec.mesh.get_group(run_spec.dim)
     if layout is not None:
-        session = fsdp_blocks.Session(plan_, layout, values, group)
+        session = fsdp_blocks.Session(run_spec, layout, values, group)
         for i, full in session.gather_root().items():
-            whole[id(plan_.weights[i][0])] = full
+            whole[id(run_spec.weights[i][0])] = full
     grouped = () if layout is None else layout.grouped
     read = []  # (variable, value, gradient placements): read locally
-    for i, (variable, gather, grad) in enumerate(plan_.weights):
+    for i, (variable, gather, grad) in enumerate(run_spec.weights):
         value = values[i]
         if i in kept:  # a tensor-parallel layer's: stays a DTensor
             whole[id(variable)] = value
@@ -185,14 +185,14 @@ def _local_weights(plan_, layout, kept):
     for items in by_dtype.values():
         shards = [whole[id(variable)] for variable, _ in items]
         specs = [
-            (value.placements[plan_.dim].dim, tuple(value.shape))
+            (value.placements[run_spec.dim].dim, tuple(value.shape))
             for _, value in items
         ]
         fulls = packed_gather.gather_shards(shards, specs, group)
         for (variable, _), full in zip(items, fulls, strict=True):
             whole[id(variable)] = full
     try:
-        for variable, _, _ in plan_.weights:
+        for variable, _, _ in run_spec.weights:
             variable._value = whole[id(variable)]
         if session is None:
             yield None
@@ -207,26 +207,28 @@ def _local_weights(plan_, layout, kept):
                     _SESSION.reset(token)
                     session.close()
     finally:
-        for (variable, _, _), value in zip(plan_.weights, values, strict=True):
+        for (variable, _, _), value in zip(
+            run_spec.weights, values, strict=True
+        ):
             variable._value = value
 
 
 def inner_call(layer, original, args, kwargs):
     """A layer called inside a local call: its weights' group gathered,
     or, for a tensor-parallel layer, run as DTensors."""
-    replay = islands.current_replay()
+    replay = boundary_layers.current_replay()
     if replay is not None:
         try:
             if id(layer) in replay.record.boundary:
-                return islands.boundary_call(
+                return boundary_layers.boundary_call(
                     replay, layer, original, args, kwargs, _dtensor_scope
                 )
             if replay.record.fingerprints is not None:
-                return islands.checked_call(
+                return boundary_layers.checked_call(
                     replay, layer, original, args, kwargs
                 )
         except Exception:
-            islands.failed_in(layer)
+            boundary_layers.failed_in(layer)
             raise
     hook = _SESSION.get()
     if hook is not None:
@@ -234,7 +236,7 @@ def inner_call(layer, original, args, kwargs):
     try:
         return original(layer, *args, **kwargs)
     except Exception:
-        islands.failed_in(layer)  # a local run being checked
+        boundary_layers.failed_in(layer)  # a local run being checked
         raise
 
 
@@ -269,10 +271,10 @@ def _plain_only():
         dispatcher._allow_implicit_replication = before
 
 
-def _added_losses(plan_):
+def _added_losses(run_spec):
     return [
         sub
-        for sub in plan_.layers
+        for sub in run_spec.layers
         if sub._losses
         and any(
             isinstance(loss, torch.Tensor) and not isinstance(loss, DTensor)
@@ -281,35 +283,35 @@ def _added_losses(plan_):
     ]
 
 
-def _layout(layer, plan_):
+def _layout(layer, run_spec):
     """The model's `fsdp_blocks.Layout` for this call, or None (all
     weights gathered at once). Before the first call it is built from the
     layers' order; after it, again from the order the call reached them."""
-    if not plan_.gathered:
+    if not run_spec.gathered:
         return None
     cached = object_state.get_on(layer, _GROUPS)
-    if cached is None or cached[0] is not plan_:
-        layout = fsdp_blocks.build(layer, plan_, order=None)
-        cached = object_state.set_on(layer, _GROUPS, (plan_, layout))
+    if cached is None or cached[0] is not run_spec:
+        layout = fsdp_blocks.build(layer, run_spec, order=None)
+        cached = object_state.set_on(layer, _GROUPS, (run_spec, layout))
     layout = cached[1]
     return None if layout is None or layout.failed else layout
 
 
-def _run(layer, original, plan_, layout, args, kwargs, replay=None):
-    replaying, kept = contextlib.nullcontext(), plan_.kept
+def _run(layer, original, run_spec, layout, args, kwargs, replay=None):
+    replaying, kept = contextlib.nullcontext(), run_spec.kept
     if replay is not None:
-        replaying = islands.replaying(replay)
+        replaying = boundary_layers.replaying(replay)
         kept = replay.record.kept()
     with (
-        _local_weights(plan_, layout, kept) as session,
+        _local_weights(run_spec, layout, kept) as session,
         _plain_only(),
         replaying,
     ):
         outputs = original(layer, *args, **kwargs)
     if layout is not None and layout.order is None:
         # The groups again, in the order this call reached the layers.
-        rebuilt = fsdp_blocks.build(layer, plan_, order=session.order)
-        object_state.set_on(layer, _GROUPS, (plan_, rebuilt))
+        rebuilt = fsdp_blocks.build(layer, run_spec, order=session.order)
+        object_state.set_on(layer, _GROUPS, (run_spec, rebuilt))
     return outputs
 
 
@@ -321,7 +323,7 @@ def _to_local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-def call(layer, original, plan_, args, kwargs, reference):
+def call(layer, original, run_spec, args, kwargs, reference):
     """Runs `original(layer, *args, **kwargs)` on local rows.
 
     Returns `(True, outputs)`, or `(False, None)` when the call must run as
@@ -329,23 +331,25 @@ def call(layer, original, plan_, args, kwargs, reference):
     `reference()` runs the call as DTensors (a tensor-parallel layout's
     first call of a signature runs both and compares).
     """
-    flat = structure.flatten((args, kwargs))
-    if plan_.boundary:
-        if not shards_enter(plan_, flat):
+    flat = fast_tree.flatten((args, kwargs))
+    if run_spec.boundary:
+        if not shards_enter(run_spec, flat):
             return False, None
         return _call_tensor_parallel(
-            layer, original, plan_, args, kwargs, flat, reference
+            layer, original, run_spec, args, kwargs, flat, reference
         )
-    rows = _input_rows(plan_, flat)
+    rows = _input_rows(run_spec, flat)
     if rows is None:
         return False, None
-    local_args, local_kwargs = structure.map_structure(
+    local_args, local_kwargs = fast_tree.map_structure(
         _to_local, (args, kwargs)
     )
-    layout = _layout(layer, plan_)
+    layout = _layout(layer, run_spec)
     assigned = False
     try:
-        outputs = _run(layer, original, plan_, layout, local_args, local_kwargs)
+        outputs = _run(
+            layer, original, run_spec, layout, local_args, local_kwargs
+        )
     except AssignedInCall:
         assigned = True  # caught before the write: nothing changed
     except RuntimeError as error:
@@ -359,42 +363,42 @@ def call(layer, original, plan_, args, kwargs, reference):
                 f"keras-dtensor: {layer.name!r} reads a weight outside the "
                 "layer that owns it; its batch-sharded weights are gathered "
                 "for the whole call from now on (no freeing after each "
-                f"layer's forward). Mesh {plan_.mesh}.",
+                f"layer's forward). Mesh {run_spec.mesh}.",
                 stacklevel=2,
             )
         try:
             outputs = _run(
-                layer, original, plan_, None, local_args, local_kwargs
+                layer, original, run_spec, None, local_args, local_kwargs
             )
         except AssignedInCall:
             assigned = True
-    added = _added_losses(plan_)
+    added = _added_losses(run_spec)
     if added or assigned:
         for sub in added:
             sub._losses.clear()
         forget(layer)
         return False, None
-    return True, structure.map_structure(
-        lambda x: _to_global(plan_, rows, x, layer), outputs
+    return True, fast_tree.map_structure(
+        lambda x: _to_global(run_spec, rows, x, layer), outputs
     )
 
 
 def _call_tensor_parallel(
-    layer, original, plan_, args, kwargs, flat, reference
+    layer, original, run_spec, args, kwargs, flat, reference
 ):
-    """A tensor-parallel layout's local call (`exactness.call`); a
+    """A tensor-parallel layout's local call (`local_run_check.call`); a
     model with a compiled forward (`jit_compile=True`) runs it over
     DTensors instead: a traced call cannot hold the DTensor islands."""
     if object_state.get_on(layer, "call") is not None:
         return False, None
 
-    local_args, local_kwargs = structure.map_structure(
+    local_args, local_kwargs = fast_tree.map_structure(
         _to_local, (args, kwargs)
     )
 
     def run(replay):
         return _run(
-            layer, original, plan_, None, local_args, local_kwargs, replay
+            layer, original, run_spec, None, local_args, local_kwargs, replay
         )
 
-    return exactness.call(layer, plan_, flat, reference, run)
+    return local_run_check.call(layer, run_spec, flat, reference, run)

@@ -1,6 +1,6 @@
 """A tensor-parallel `Dense` or `EinsumDense` in a local run, on its shards.
 
-In a local run (`local_run`), a boundary layer (`islands`) runs as
+In a local run (`local_run`), a boundary layer (`boundary_layers`) runs as
 DTensors: its inputs wrapped, every op of its call dispatched by DTensor,
 forward and backward, its outputs reduced and unwrapped. For the two
 layers that carry tensor parallelism in Keras and keras_hub models (a
@@ -28,11 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend import structure
 from keras_dtensor.backend.layout import placed_shape
-from keras_dtensor.ops import local_grads
-from keras_dtensor.ops import local_shards
+from keras_dtensor.model_parallel import local_grads
+from keras_dtensor.model_parallel import local_shards
 from keras_dtensor.ops.einsum_plan import matmul_subscripts
 from keras_dtensor.ops.einsum_plan import plan_for
 
@@ -55,7 +55,7 @@ def _eligible(layer):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _SplitLayout:
     """How one layer runs on its shards for one layout of its inputs:
     `weights` `(variable, DTensor value, gradient placements)`; `inputs`
     per flat input None (passed as it is) or `(local shape, placements,
@@ -71,9 +71,9 @@ class _Plan:
 
 
 def _plan(replay, layer, flat, recorded):
-    """A `_Plan`, `_NEVER` (the layer cannot run on shards) or None (not
+    """A `_SplitLayout`, `_NEVER` (the layer cannot run on shards) or None (not
     for these inputs)."""
-    mesh, batch_dim = replay.mesh, replay.record.plan.dim
+    mesh, batch_dim = replay.mesh, replay.record.run_spec.dim
     weights, split_axes = [], set()
     for variable in layer.weights:
         value = variable._value
@@ -113,7 +113,7 @@ def _plan(replay, layer, flat, recorded):
     summed = _summed(layer, known, mesh)
     if summed is None:
         return _NEVER
-    return _Plan(tuple(weights), tuple(inputs), summed)
+    return _SplitLayout(tuple(weights), tuple(inputs), summed)
 
 
 def call(replay, layer, original, args, kwargs, flat, recorded):
@@ -159,7 +159,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
         known.append((x, placements, shape))
         inputs.append(x)
     if changed:
-        args, kwargs = structure.pack_sequence_as((args, kwargs), inputs)
+        args, kwargs = fast_tree.pack_sequence_as((args, kwargs), inputs)
     bias = getattr(layer, "bias", None)
     for variable, value, grad in plan.weights:
         local = local_grads.local(value, grad)

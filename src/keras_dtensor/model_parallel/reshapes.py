@@ -4,13 +4,19 @@ KV cache cut to this rank's heads.
 A model's own code often reshapes to a shape computed from its config:
 keras_hub's Gemma attention splits its query heads into key/value groups
 by its global head counts, and merges them back the same way. In a local
-run (`islands`) those heads are this rank's share, and the shape does not
-fit. The DTensor run the local run is checked against notes the layout of
-each reshape's result outside the boundary layers, in call order
+run (`boundary_layers`) those heads are this rank's share, and the
+shape does not fit. The DTensor run the local run is checked against
+notes the layout of each reshape's result outside the boundary layers,
+in call order
 (`Record.note_reshape`); the local run's reshape of the same rank takes
 that result's local shape. A reshape that did not come out as recorded
-fails the exactness check like any other op.
+fails the local run's check like any other op.
+
+`wrap_reshape` wraps Keras's torch `reshape` for both; everywhere else it
+returns at once.
 """
+
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -18,11 +24,12 @@ from torch.distributed.tensor import DTensor
 from keras_dtensor.backend.layout import even_shards
 from keras_dtensor.backend.layout import local_slices
 from keras_dtensor.backend.layout import placed_shape
-from keras_dtensor.model_parallel import islands
+from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import local_run
-from keras_dtensor.ops import local_shards
+from keras_dtensor.model_parallel import local_shards
+from keras_dtensor.model_parallel.reference_run import recorder
 
-__all__ = ["local_cache", "local_reshape"]
+__all__ = ["local_cache", "local_reshape", "wrap_reshape"]
 
 _UNSEEN = object()
 
@@ -59,6 +66,25 @@ def local_reshape(x, newshape):
     return local
 
 
+def wrap_reshape(original):
+    """Wraps Keras's torch `reshape(x, newshape)`."""
+
+    @functools.wraps(original)
+    def reshape(x, newshape):
+        # (Checked first: a traced call must not read the context.)
+        if torch.compiler.is_compiling():
+            return original(x, newshape)
+        record = recorder()
+        if record is not None:
+            out = original(x, newshape)
+            record.note_reshape(x, out)
+            return out
+        shape = local_reshape(x, newshape)
+        return original(x, newshape if shape is None else shape)
+
+    return reshape
+
+
 def local_cache(inputs, updates):
     """`inputs` of a `slice_update` in a local run, cut to this rank's
     shard where the DTensor run's result was split and its `inputs`
@@ -80,7 +106,7 @@ def local_cache(inputs, updates):
         return None
     if inputs.shape != placed_shape(whole, replay.mesh, before):
         return None
-    batch_dim = replay.record.plan.dim
+    batch_dim = replay.record.run_spec.dim
     cut = list(before)
     for m, (was, now) in enumerate(zip(before, after[0], strict=True)):
         if m != batch_dim and was.is_replicate() and now.is_shard():
@@ -96,7 +122,7 @@ def local_cache(inputs, updates):
 
 def _replay_for(x):
     """The replay of the checked local run `x` is a plain tensor of."""
-    replay = islands.current_replay()
+    replay = boundary_layers.current_replay()
     if (
         replay is None
         or not local_run.active()

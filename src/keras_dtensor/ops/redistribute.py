@@ -1,6 +1,6 @@
 """Redistributions torch 2.13 gets wrong between partial placements.
 
-Both functions wrap DTensor internals and are installed by the torch rows of
+Both functions wrap DTensor internals and are installed by the torch entries of
 the `PATCHES` table: a masked partial meeting a plain partial gradient in
 backward, and indices both gathered and masked in one redistribution.
 """

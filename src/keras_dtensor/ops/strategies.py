@@ -1,7 +1,7 @@
 """Sharding strategies for ops DTensor lacks in torch 2.13.
 
 They are registered through the public experimental `register_sharding` by
-the torch rows of the `PATCHES` table, and only affect ops whose inputs are
+the torch entries of the `PATCHES` table, and only affect ops whose inputs are
 DTensors.
 
 CPU flash attention (`torch.nn.functional.scaled_dot_product_attention` on

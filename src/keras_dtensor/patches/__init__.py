@@ -1,6 +1,6 @@
 """The only code that touches Keras or torch internals: the `PATCHES` table.
 
-Two kinds of rows (`rows`):
+Two kinds of entries (`patch_kinds`):
 
 - `Patch`: one attribute of Keras or torch (`module`, dotted
   `attribute`), why it is replaced, the Keras and torch versions it
@@ -10,11 +10,12 @@ Two kinds of rows (`rows`):
   (through the public `register_sharding`), with the rule it replaces
   saved.
 
-Tables: `keras_rows` and `saving_rows` (Keras), `keras_3_16_rows` (Keras
-3.16's own torch distribution stood down), `torch_rows` (torch).
+Tables: `keras_patches` and `saving_patches` (Keras),
+`keras_3_16_patches` (Keras 3.16's own torch distribution stood down),
+`torch_patches` (torch).
 
-`apply()` skips the rows outside the installed versions, resolves every
-other row's target before touching anything, applies all or none, is
+`apply()` skips the entries outside the installed versions, resolves every
+other entry's target before touching anything, applies all or none, is
 idempotent, and tags every replacement; `restore()` puts back only what
 still holds our replacement (someone else's later wrapper is left alone,
 with a warning), then takes off the attributes hooks set on single
@@ -23,14 +24,14 @@ and torch as they were.
 """
 
 from keras_dtensor.backend import object_state
-from keras_dtensor.patches import rows
-from keras_dtensor.patches.keras_3_16_rows import KERAS_3_16_ROWS
-from keras_dtensor.patches.keras_rows import KERAS_ROWS
-from keras_dtensor.patches.rows import CacheKey
-from keras_dtensor.patches.rows import Patch
-from keras_dtensor.patches.rows import Registration
-from keras_dtensor.patches.saving_rows import SAVING_ROWS
-from keras_dtensor.patches.torch_rows import TORCH_ROWS
+from keras_dtensor.patches import patch_kinds
+from keras_dtensor.patches.keras_3_16_patches import KERAS_3_16_PATCHES
+from keras_dtensor.patches.keras_patches import KERAS_PATCHES
+from keras_dtensor.patches.patch_kinds import CacheKey
+from keras_dtensor.patches.patch_kinds import Patch
+from keras_dtensor.patches.patch_kinds import Registration
+from keras_dtensor.patches.saving_patches import SAVING_PATCHES
+from keras_dtensor.patches.torch_patches import TORCH_PATCHES
 
 __all__ = [
     "PATCHES",
@@ -43,9 +44,9 @@ __all__ = [
     "status",
 ]
 
-PATCHES = KERAS_ROWS + KERAS_3_16_ROWS + SAVING_ROWS + TORCH_ROWS
+PATCHES = KERAS_PATCHES + KERAS_3_16_PATCHES + SAVING_PATCHES + TORCH_PATCHES
 
-# Saved originals: {target: what the row's apply() returned}.
+# Saved originals: {target: what the entry's apply() returned}.
 _ORIGINALS = {}
 
 
@@ -55,24 +56,24 @@ def is_applied() -> bool:
 
 
 def apply():
-    """Applies every row of `PATCHES`, once.
+    """Applies every entry of `PATCHES`, once.
 
     Raises:
-        RuntimeError: the installed Keras or torch is outside a row's
-            range (checked for all rows before anything is replaced).
+        RuntimeError: the installed Keras or torch is outside an entry's
+            range (checked for all entries before anything is replaced).
     """
     if not is_applied():
-        rows.apply_rows(PATCHES, _ORIGINALS)
+        patch_kinds.apply_all(PATCHES, _ORIGINALS)
 
 
 def restore():
-    """Restores the originals of every row we still own, and the attributes
+    """Restores the originals of every entry we still own, and the attributes
     set on single objects."""
-    rows.restore_rows(PATCHES, _ORIGINALS)
+    patch_kinds.restore_all(PATCHES, _ORIGINALS)
     object_state.restore()
 
 
 def status():
-    """One row per patch: `(target, state, why)`; state is `"applied"`,
+    """One entry per patch: `(target, state, why)`; state is `"applied"`,
     `"original"` or `"replaced by another library"`."""
-    return rows.row_status(PATCHES, _ORIGINALS)
+    return patch_kinds.status_of(PATCHES, _ORIGINALS)

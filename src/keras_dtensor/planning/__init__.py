@@ -17,13 +17,13 @@ from keras_dtensor.planning.auto_layout import auto_layout_map
 from keras_dtensor.planning.layout_report import AutoLayout
 from keras_dtensor.planning.lint import warn_unmatched_layout_keys
 from keras_dtensor.planning.lora import lora_layout
-from keras_dtensor.planning.memory import Plan
+from keras_dtensor.planning.memory import MemoryPlan
 from keras_dtensor.planning.memory import VariablePlan
 from keras_dtensor.planning.memory import plan
 
 __all__ = [
     "AutoLayout",
-    "Plan",
+    "MemoryPlan",
     "VariablePlan",
     "auto_layout",
     "auto_layout_map",

@@ -29,7 +29,7 @@ from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import lora
 
-__all__ = ["Plan", "VariablePlan", "plan"]
+__all__ = ["MemoryPlan", "VariablePlan", "plan"]
 
 _MIB = 2**20
 
@@ -49,7 +49,7 @@ class VariablePlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     """Weights, optimizer slots and totals per rank, and lint warnings."""
 
     variables: tuple
@@ -145,7 +145,7 @@ def plan(
         large_replicated_mib: warn about replicated weights above this size.
 
     Returns:
-        A `Plan`; `print(plan)` shows the table.
+        A `MemoryPlan`; `print(plan)` shows the table.
     """
     model, slots = _build_on_meta(model_or_build_fn, optimizer)
     mesh = distribution.device_mesh
@@ -207,7 +207,7 @@ def plan(
                 continue
             if not any(re.fullmatch(key, p) or key == p for p in paths):
                 warnings.append(f"LayoutMap key {key!r} matches no weight")
-    return Plan(
+    return MemoryPlan(
         variables=tuple(rows),
         mesh_shape=tuple(mesh.shape),
         axis_names=tuple(mesh.axis_names),

@@ -10,12 +10,12 @@ Keras's own writers and readers run on every rank, through the hooks the
   zip written in one pass, the weights member filled in place;
 - the store hooks (`stores`): each sharded variable written in pieces by
   the ranks holding its shards (`h5_stream`; on one host, assembled in
-  shared memory: `shared_blocks`), never gathered; a store opened for
+  shared memory: `shm_blocks`), never gathered; a store opened for
   writing outside those functions (keras_hub's `save_lora_weights`)
   written as they write;
 - the load hooks (`sliced_load`): each rank reads only its slices of a
   sharded variable;
-- the `.keras` zip's records (`zip_records`) and the CRC-32 of a member
+- the `.keras` zip's records (`zip_format`) and the CRC-32 of a member
   written in pieces (`crc32`).
 
 Files are ordinary Keras files: plain single-process Keras loads them.

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import data_parallel
-from keras_dtensor.backend import agreement
+from keras_dtensor.backend import consensus
 from keras_dtensor.backend import context
 from keras_dtensor.backend import files
 from keras_dtensor.backend import launch
@@ -63,7 +63,7 @@ def _move_contents(staging, name, directory):
 def _share_failure(problem):
     """Every rank's failure (or `None`), as `[(rank, message), ...]`."""
     mine = None if problem is None else f"{type(problem).__name__}: {problem}"
-    return agreement.failures(mine)
+    return consensus.failures(mine)
 
 
 class _PeerFailed(Exception):  # noqa: N818 (a signal, not an error)
@@ -232,7 +232,7 @@ def wrap_save(original, what):
             return _write_alone(original, model, filepath, *args, **kwargs)
         # Every rank runs Keras's writer on its own target: not the shared
         # file operations of callbacks.
-        with agreement.files_shared(False):
+        with consensus.files_shared(False):
             return _write_on_rank_0(
                 original, what, model, filepath, *args, **kwargs
             )

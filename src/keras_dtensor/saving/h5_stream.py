@@ -17,7 +17,7 @@ value as follows, in the same order (Keras walks the same model):
 
 On one host (CPU values, every rank with a part able to open rank 0's
 files in `/dev/shm`), the blocks are assembled in shared memory instead
-(`shared_blocks.py`): each rank copies its part straight into the block,
+(`shm_blocks.py`): each rank copies its part straight into the block,
 rank 0 writes it out; no bytes through sockets, no copy on rank 0 of
 the others' parts.
 
@@ -45,7 +45,7 @@ from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
 from keras_dtensor.backend import layout
-from keras_dtensor.saving import shared_blocks
+from keras_dtensor.saving import shm_blocks
 
 __all__ = [
     "active",
@@ -79,7 +79,7 @@ class _Save:
     piece_bytes: int
     error: BaseException | None = None
     buffers: dict = dataclasses.field(default_factory=dict)
-    shared: object = None  # `shared_blocks.Shared` of this save, if any
+    shared: object = None  # `shm_blocks.Shared` of this save, if any
     shared_ranks: frozenset | None = None  # None: not tried yet
 
     @property
@@ -362,11 +362,9 @@ def write(store, key, value, state):
         except Exception as e:
             state.error = e
     if value.device_mesh.device_type == "cpu" and state.shared_ranks is None:
-        state.shared, state.shared_ranks = shared_blocks.attach(
-            state.slot_bytes
-        )
-    if shared_blocks.usable(state.shared_ranks or (), local, owners):
-        shared_blocks.fill(
+        state.shared, state.shared_ranks = shm_blocks.attach(state.slot_bytes)
+    if shm_blocks.usable(state.shared_ranks or (), local, owners):
+        shm_blocks.fill(
             state.shared,
             local,
             blocks,

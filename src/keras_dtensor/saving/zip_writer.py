@@ -37,7 +37,7 @@ import time
 import zlib
 
 from keras_dtensor.saving import crc32
-from keras_dtensor.saving import zip_records
+from keras_dtensor.saving import zip_format
 
 __all__ = ["StoredZip"]
 
@@ -104,7 +104,7 @@ class StoredZip:
                 "written. "
                 f"Received: a new member {name!r}"
             )
-        entry = zip_records.Entry(name, self._end, attributes, seconds)
+        entry = zip_format.Entry(name, self._end, attributes, seconds)
         entry.size = size
         header = entry.local_header(zip64)
         self._write_at(self._end, header)
@@ -123,7 +123,7 @@ class StoredZip:
             0o600 << 16,
             time.time(),
             len(data),
-            zip_records.needs_zip64(len(data)),
+            zip_format.needs_zip64(len(data)),
         )
         self._set_crc(entry, zlib.crc32(data))
         self._write_at(self._end, data)
@@ -140,7 +140,7 @@ class StoredZip:
             return
         size = info.st_size
         entry = self._start(
-            name, attributes, info.st_mtime, size, zip_records.needs_zip64(size)
+            name, attributes, info.st_mtime, size, zip_format.needs_zip64(size)
         )
         crc, copied = 0, 0
         with open(path, "rb") as source:
@@ -177,9 +177,7 @@ class StoredZip:
             )
         start = self._end
         directory = b"".join(e.central_header() for e in self._entries)
-        tail = zip_records.end_records(
-            len(self._entries), start, len(directory)
-        )
+        tail = zip_format.end_records(len(self._entries), start, len(directory))
         self._write_at(start, directory + tail)
         self._end = start + len(directory) + len(tail)
         os.ftruncate(self._fd, self._end)

@@ -23,7 +23,7 @@ Example:
 ...     os.makedirs(path)
 ... except OSError as e:
 ...     problem = e
->>> problem = agreement.first_failure(problem)  # the same on every rank
+>>> problem = consensus.first_failure(problem)  # the same on every rank
 """
 
 import contextlib

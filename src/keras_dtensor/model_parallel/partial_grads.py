@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import config
-from keras_dtensor.ops import local_grads
+from keras_dtensor.model_parallel import local_grads
 
-__all__ = ["reduce_pending"]
+__all__ = ["reduce_partial_grads"]
 
 
 def _key(grad, value):
@@ -53,7 +53,7 @@ def _reduce(locals_, mesh, dims):
             dist.all_reduce(tensor, group=group)
 
 
-def reduce_pending(grads, values):
+def reduce_partial_grads(grads, values):
     """`grads` with every partial sum over replicated axes reduced.
 
     Args:

@@ -1,20 +1,20 @@
-"""The rows that stand down Keras 3.16's own torch distribution.
+"""The entries that stand down Keras 3.16's own torch distribution.
 
 Keras 3.16 ships a torch distribution of its own; where keras-dtensor does
 the same job, the upstream piece steps aside while installed, so nothing is
 done twice (`hooks/keras_torch_distribution.py` says why for each). Every
-row here declares `keras>=3.16`: on Keras 3.15 they are skipped.
+entry here declares `keras>=3.16`: on Keras 3.15 they are skipped.
 """
 
 from keras_dtensor.compat import KERAS
 from keras_dtensor.compat import KERAS_3_16
 from keras_dtensor.hooks import keras_torch_distribution as upstream
-from keras_dtensor.patches.rows import Patch
+from keras_dtensor.patches.patch_kinds import Patch
 
-__all__ = ["KERAS_3_16_ROWS"]
+__all__ = ["KERAS_3_16_PATCHES"]
 
 _TRAINER = "keras.src.backend.torch.trainer"
-KERAS_3_16_ROWS = (
+KERAS_3_16_PATCHES = (
     Patch(
         _TRAINER,
         "Trainer._initialize_ddp",
@@ -44,7 +44,7 @@ KERAS_3_16_ROWS = (
     Patch(
         _TRAINER,
         "_gather_non_batch_axes",
-        "Keras 3.16's predict keeps each process's rows of a DTensor "
+        "Keras 3.16's predict keeps each process's entries of a DTensor "
         "output; predictions are global values on every process.",
         upstream.wrap_gather_non_batch_axes,
         keras=KERAS_3_16,

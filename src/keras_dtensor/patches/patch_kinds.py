@@ -1,6 +1,6 @@
-"""The two kinds of rows of the `PATCHES` table (see `keras_dtensor.patches`).
+"""The two kinds of entries of the `PATCHES` table (`keras_dtensor.patches`).
 
-Each row knows how to apply itself (returning what it saved), restore
+Each entry knows how to apply itself (returning what it saved), restore
 what it saved, and tell whether its replacement is still in place.
 """
 
@@ -21,12 +21,12 @@ __all__ = [
     "Patch",
     "Registration",
     "applies",
-    "apply_rows",
-    "restore_rows",
-    "row_status",
+    "apply_all",
+    "restore_all",
+    "status_of",
 ]
 
-# A row's versions unless it names its own: the whole supported range.
+# An entry's versions unless it names its own: the whole supported range.
 _ANY_KERAS = str(compat.SUPPORTED_KERAS)
 _ANY_TORCH = str(compat.SUPPORTED_TORCH)
 
@@ -43,8 +43,8 @@ class Patch:
         attribute: attribute name; `Class.method` for a class attribute.
         why: what breaks without it.
         factory: `original -> replacement`; `None` original when absent.
-        keras: the Keras versions the row applies to.
-        torch: the torch versions the row applies to.
+        keras: the Keras versions the entry applies to.
+        torch: the torch versions the entry applies to.
     """
 
     module: str
@@ -131,8 +131,8 @@ class Registration:
         why: what breaks without it.
         refine: `(OpStrategy, OpSchema) -> OpStrategy`, applied to what
             the strategy expands to (e.g. to drop invalid combinations).
-        keras: the Keras versions the row applies to.
-        torch: the torch versions the row applies to.
+        keras: the Keras versions the entry applies to.
+        torch: the torch versions the entry applies to.
     """
 
     name: str
@@ -218,8 +218,8 @@ class CacheKey:
         op: `() -> OpOverload`.
         static_argnum: the first argument that must be part of the key.
         why: what breaks without it.
-        keras: the Keras versions the row applies to.
-        torch: the torch versions the row applies to.
+        keras: the Keras versions the entry applies to.
+        torch: the torch versions the entry applies to.
     """
 
     op: Callable[[], Any]
@@ -277,60 +277,60 @@ class CacheKey:
         return table is not None and table.get(op) is ours
 
 
-def applies(row):
-    """`(True, "")` where `row` applies to the installed Keras and torch,
+def applies(entry):
+    """`(True, "")` where `entry` applies to the installed Keras and torch,
     else `(False, why not)`."""
     for package, installed in (
         ("keras", compat.keras_version()),
         ("torch", compat.torch_version()),
     ):
-        spec = getattr(row, package)
+        spec = getattr(entry, package)
         if not compat.contains(spec, installed):
             return False, f"applies to {package}{spec}; installed {installed}"
     return True, ""
 
 
-def apply_rows(rows, saved):
-    """Applies the rows that apply here, recording each original in
-    `saved[row.target]`; all or nothing.
+def apply_all(entries, saved):
+    """Applies the entries that apply here, recording each original in
+    `saved[entry.target]`; all or nothing.
 
-    Every target is resolved before the first replacement; if a row still
-    fails, the rows applied before it are restored and the error raised.
+    Every target is resolved before the first replacement; if an entry still
+    fails, the entries applied before it are restored and the error raised.
     """
-    rows = [row for row in rows if applies(row)[0]]
-    for row in rows:
-        row.check()
+    entries = [entry for entry in entries if applies(entry)[0]]
+    for entry in entries:
+        entry.check()
     try:
-        for row in rows:
-            saved[row.target] = row.apply()
+        for entry in entries:
+            saved[entry.target] = entry.apply()
     except BaseException:
-        restore_rows(rows, saved)
+        restore_all(entries, saved)
         raise
 
 
-def restore_rows(rows, saved):
-    """Restores, in reverse order, every row whose original is in `saved`."""
-    for row in reversed(rows):
-        original = saved.pop(row.target, None)
+def restore_all(entries, saved):
+    """Restores, in reverse order, every entry whose original is in `saved`."""
+    for entry in reversed(entries):
+        original = saved.pop(entry.target, None)
         if original is not None:
-            row.restore(original)
+            entry.restore(original)
 
 
-def row_status(rows, saved):
+def status_of(entries, saved):
     """`[(target, state, why)]`: state `applied`, `original`, `replaced by
-    another library`, or `skipped: <reason>` for a row that does not apply
+    another library`, or `skipped: <reason>` for an entry that does not apply
     to the installed versions."""
     result = []
-    for row in rows:
-        original = saved.get(row.target)
-        ok, reason = applies(row)
+    for entry in entries:
+        original = saved.get(entry.target)
+        ok, reason = applies(entry)
         if not ok:
             state = f"skipped: {reason}"
         elif original is None:
             state = "original"
-        elif row.is_current(original):
+        elif entry.is_current(original):
             state = "applied"
         else:
             state = "replaced by another library"
-        result.append((row.target, state, row.why))
+        result.append((entry.target, state, entry.why))
     return result

@@ -31,8 +31,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
-from keras_dtensor.ops import local_grads
-from keras_dtensor.ops import local_shards
+from keras_dtensor.model_parallel import local_grads
+from keras_dtensor.model_parallel import local_shards
 from keras_dtensor.ops.einsum_plan import matmul_subscripts
 from keras_dtensor.ops.einsum_plan import plan_for
 

@@ -23,7 +23,7 @@ other than the batch axis:
   the shards it had in the DTensor run.
 
 Which layers are the boundary, and whether a model's local run gives
-the DTensor run's numbers, is decided by `exactness`.
+the DTensor run's numbers, is decided by `local_run_check`.
 """
 
 import contextlib
@@ -34,9 +34,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
-from keras_dtensor.backend import structure
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.model_parallel import local_split
-from keras_dtensor.model_parallel.record import fingerprint
+from keras_dtensor.model_parallel.reference_run import fingerprint
 
 __all__ = [
     "Mismatch",
@@ -98,7 +98,7 @@ class Replay:
         last, out = self.wrapped
         if last is x and out.placements == recorded[0]:
             return out
-        out = _to_dtensor(x, recorded, self.mesh, self.record.plan.dim)
+        out = _to_dtensor(x, recorded, self.mesh, self.record.run_spec.dim)
         self.wrapped = (x, out)
         return out
 
@@ -121,7 +121,7 @@ def checked_call(replay, layer, original, args, kwargs):
     replay.counts[id(layer)] = key[1] + 1
     outputs = original(layer, *args, **kwargs)
     expected, specs = replay.record.fingerprints.get(key, (None, ()))
-    flat = structure.flatten(outputs)
+    flat = fast_tree.flatten(outputs)
     if len(specs) == len(flat):
         # An output handed on whole (`Record.replicated`) is compared by
         # the shard the DTensor run had.
@@ -136,7 +136,7 @@ def checked_call(replay, layer, original, args, kwargs):
             raise Mismatch(f"{layer.name!r}: its outputs differ")
         # Values only, and maybe on this rank only: raising here would
         # leave the other ranks in the run's next collective. The run goes
-        # on; the verdict is agreed once it ends (`exactness`).
+        # on; the verdict is agreed once it ends (`local_run_check`).
         replay.values_differ = True
     return outputs
 
@@ -147,7 +147,7 @@ def _as_shard(x, recorded, replay):
     if isinstance(x, DTensor):
         return x
     try:
-        out = _to_dtensor(x, recorded, replay.mesh, replay.record.plan.dim)
+        out = _to_dtensor(x, recorded, replay.mesh, replay.record.run_spec.dim)
     except Mismatch:
         return x
     return out.to_local()
@@ -208,7 +208,7 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
     key = (id(layer), replay.counts.get(id(layer), 0))
     replay.counts[id(layer)] = key[1] + 1
     recorded = replay.record.calls.get(key)
-    flat = structure.flatten((args, kwargs))
+    flat = fast_tree.flatten((args, kwargs))
     if recorded is None or len(recorded) != len(flat):
         raise Mismatch(f"{layer.name!r}: a call the DTensor run did not make")
     done, outputs = local_split.call(
@@ -223,7 +223,7 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
         ]
     except Mismatch as error:
         raise Mismatch(f"{layer.name!r}: {error}") from None
-    args, kwargs = structure.pack_sequence_as((args, kwargs), flat)
+    args, kwargs = fast_tree.pack_sequence_as((args, kwargs), flat)
     with dtensor_scope(layer):
         outputs = original(layer, *args, **kwargs)
     replicated = id(layer) in replay.record.replicated
@@ -233,20 +233,20 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
         if not isinstance(x, DTensor):
             return x
         if replicated:
-            whole = _whole(x.placements, replay.record.plan.dim)
+            whole = _whole(x.placements, replay.record.run_spec.dim)
             x = x.redistribute(x.device_mesh, whole)  # an all-gather
         return x.to_local(grad_placements=tuple(x.placements))
 
-    return structure.map_structure(to_local, outputs)
+    return fast_tree.map_structure(to_local, outputs)
 
 
 def outputs_global(record, mesh, outputs):
     """The local run's outputs as the DTensors the DTensor run returned."""
-    flat = structure.flatten(outputs)
+    flat = fast_tree.flatten(outputs)
     if len(flat) != len(record.outputs):
         raise Mismatch("the outputs differ in structure")
     flat = [
-        _to_dtensor(x, spec, mesh, record.plan.dim)
+        _to_dtensor(x, spec, mesh, record.run_spec.dim)
         for x, spec in zip(flat, record.outputs, strict=True)
     ]
-    return structure.pack_sequence_as(outputs, flat)
+    return fast_tree.pack_sequence_as(outputs, flat)

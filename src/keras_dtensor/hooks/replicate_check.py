@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from keras_dtensor.backend import context
 from keras_dtensor.backend import launch
 from keras_dtensor.backend.placement_order import stable_hash
-from keras_dtensor.hooks import allocator
+from keras_dtensor.hooks import malloc_trim
 
 __all__ = ["check_replicas", "check_same_model", "wrap_fit"]
 
@@ -168,7 +168,7 @@ def check_same_model(model):
 
 def wrap_fit(original):
     """Wraps `TorchTrainer.fit`: `check_same_model` and the allocator's
-    free memory given back (`allocator.release_free_memory`) before,
+    free memory given back (`malloc_trim.release_free_memory`) before,
     `check_replicas` when it returns."""
 
     @functools.wraps(original)
@@ -177,7 +177,7 @@ def wrap_fit(original):
         checked = context.current() is not None and launch.multi_process()
         if checked:
             check_same_model(self)
-            allocator.release_free_memory()
+            malloc_trim.release_free_memory()
         history = original(self, *args, **kwargs)
         if checked:
             check_replicas(self)

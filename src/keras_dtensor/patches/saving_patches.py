@@ -1,6 +1,6 @@
-"""The Keras rows of the `PATCHES` table that save and load weights.
+"""The Keras entries of the `PATCHES` table that save and load weights.
 
-Each row names its target, why it is replaced and the Keras versions it was
+Each entry names its target, why it is replaced and the Keras versions it was
 checked against; `keras_dtensor.patches` applies and restores them.
 """
 
@@ -8,13 +8,13 @@ import functools
 
 from keras_dtensor import saving
 from keras_dtensor.compat import KERAS
-from keras_dtensor.patches.rows import Patch
+from keras_dtensor.patches.patch_kinds import Patch
 
-__all__ = ["SAVING_ROWS"]
+__all__ = ["SAVING_PATCHES"]
 
 
 _TORCH_CORE = KERAS.torch_core
-SAVING_ROWS = (
+SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.__getitem__",

@@ -1,12 +1,13 @@
-"""The Keras rows of the `PATCHES` table: attributes of Keras replaced.
+"""The Keras entries of the `PATCHES` table: attributes of Keras replaced.
 
-Each row names its target, why it is replaced and the Keras versions it was
+Each entry names its target, why it is replaced and the Keras versions it was
 checked against; `keras_dtensor.patches` applies and restores them.
 """
 
 import functools
 
 from keras_dtensor import data_parallel
+from keras_dtensor import model_parallel
 from keras_dtensor.backend import context
 from keras_dtensor.backend import distribution_lib
 from keras_dtensor.compat import KERAS
@@ -15,20 +16,18 @@ from keras_dtensor.hooks import attention
 from keras_dtensor.hooks import callbacks
 from keras_dtensor.hooks import data
 from keras_dtensor.hooks import dropout
-from keras_dtensor.hooks import fit
+from keras_dtensor.hooks import fit_guard
 from keras_dtensor.hooks import jit
 from keras_dtensor.hooks import layer_call
-from keras_dtensor.hooks import layout_lookups
-from keras_dtensor.hooks import replicas
-from keras_dtensor.hooks import reshape
+from keras_dtensor.hooks import output_layouts
+from keras_dtensor.hooks import replicate_check
 from keras_dtensor.hooks import shared_files
 from keras_dtensor.hooks import slice_update
 from keras_dtensor.hooks import variables
-from keras_dtensor.ops import einsum
 from keras_dtensor.ops import sharded_adam
-from keras_dtensor.patches.rows import Patch
+from keras_dtensor.patches.patch_kinds import Patch
 
-__all__ = ["KERAS_ROWS"]
+__all__ = ["KERAS_PATCHES"]
 
 
 def _backend_module(original):
@@ -37,7 +36,7 @@ def _backend_module(original):
 
 _BACKEND = "keras.src.backend"
 _TRAINER = "keras.src.backend.torch.trainer"
-KERAS_ROWS = (
+KERAS_PATCHES = (
     Patch(
         _BACKEND,
         "distribution_lib",
@@ -55,7 +54,7 @@ KERAS_ROWS = (
         "ModelParallel.get_tensor_layout",
         "Layer.__call__ looks up its output's layout on every call: every "
         "key tried as a regex, per layer, per step (once per trace on JAX).",
-        layout_lookups.wrap_get_tensor_layout,
+        output_layouts.wrap_get_tensor_layout,
     ),
     Patch(
         KERAS.torch_core,
@@ -129,7 +128,7 @@ KERAS_ROWS = (
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}.get_metrics_result",
-        "DataParallel: each rank's metric states cover its rows; logged "
+        "DataParallel: each rank's metric states cover its entries; logged "
         "values must be the global ones.",
         data_parallel.wrap_get_metrics_result,
     ),
@@ -144,8 +143,8 @@ KERAS_ROWS = (
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}.compute_loss",
-        "DataParallel: a batch with fewer rows than processes leaves some "
-        "ranks none; Keras's loss over no rows is an empty tensor, whose "
+        "DataParallel: a batch with fewer entries than processes leaves some "
+        "ranks none; Keras's loss over no entries is an empty tensor, whose "
         "backward raises. There it is a zero that contributes nothing.",
         data_parallel.wrap_compute_loss_without_rows,
     ),
@@ -201,7 +200,7 @@ KERAS_ROWS = (
         "keras.src.backend.torch.random",
         "dropout",
         "Under DataParallel a seeded Dropout drew its mask for this rank's "
-        "rows only: every rank got the first rows of one process's mask; "
+        "entries only: every rank got the first entries of one process's mask; "
         "on an activation split over the model axis (a DTensor), each rank "
         "drew a mask for its own shard. It draws one process's mask for "
         "the global shape and keeps this rank's part.",
@@ -213,7 +212,7 @@ KERAS_ROWS = (
             name,
             "Seeded draws shaped like the batch (GaussianNoise, "
             "augmentation layers, keras.random in call) under DataParallel: "
-            "this rank's rows of the global draw, as for dropout.",
+            "this rank's entries of the global draw, as for dropout.",
             data_parallel.wrap_shaped_draw,
         )
         for name in data_parallel.SHAPED_DRAWS
@@ -249,8 +248,8 @@ KERAS_ROWS = (
         "end must bring the slots stale off their owner back; callbacks' "
         "file operations are shared (as evaluate/predict below); replicas "
         "of the weights are compared when it returns (silent divergence).",
-        lambda original: fit.wrap_trainer_call(
-            replicas.wrap_fit(data_parallel.wrap_fit(original))
+        lambda original: fit_guard.wrap_trainer_call(
+            replicate_check.wrap_fit(data_parallel.wrap_fit(original))
         ),
     ),
     *(
@@ -259,8 +258,8 @@ KERAS_ROWS = (
             f"{KERAS.torch_trainer}.{method}",
             "Callbacks' file operations on N processes: rank 0 performs "
             "each, every rank gets its outcome (shared_files.py); a failed "
-            "collective says a peer died or stalled (fit.py).",
-            fit.wrap_trainer_call,
+            "collective says a peer died or stalled (fit_guard.py).",
+            fit_guard.wrap_trainer_call,
         )
         for method in ("evaluate", "predict")
     ),
@@ -338,7 +337,7 @@ KERAS_ROWS = (
         "one for some shapes (one token at a time in generate) and then "
         "gathers the kernel or all-reduces a column split's output; the "
         "subscripts say the layout, as for mm.",
-        einsum.wrap_einsum,
+        model_parallel.wrap_einsum,
     ),
     Patch(
         KERAS.torch_numpy,
@@ -347,7 +346,7 @@ KERAS_ROWS = (
         "per-op dispatch is most of a small layer's step on a GPU); its "
         "kernel's product is placed there by the einsum rules. Returns at "
         "once outside such a call.",
-        einsum.wrap_matmul,
+        model_parallel.wrap_matmul,
     ),
     Patch(
         KERAS.torch_numpy,
@@ -356,7 +355,7 @@ KERAS_ROWS = (
         "to a shape from its config (keras_hub's attention, by its global "
         "head count) takes the local shape of the DTensor run it is "
         "checked against. Returns at once outside such a run.",
-        reshape.wrap_reshape,
+        model_parallel.wrap_reshape,
     ),
     Patch(
         KERAS.torch_core,

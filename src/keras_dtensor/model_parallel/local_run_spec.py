@@ -1,9 +1,10 @@
 """Which models run on local tensors (`local_run`), decided once.
 
-A model's `Plan`, cached on it until a variable is created anywhere (LoRA
-adds weights after build): its mesh, the batch axis's mesh dim, each
-weight and whether it is gathered, and, under a tensor-parallel layout,
-the weights kept as DTensors and the layers owning them.
+A model's `LocalRunSpec`, cached on it until a variable is created
+anywhere (LoRA adds weights after build): its mesh, the batch axis's
+mesh dim, each weight and whether it is gathered, and, under a
+tensor-parallel layout, the weights kept as DTensors and the layers
+owning them.
 """
 
 import dataclasses
@@ -18,9 +19,9 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.model_parallel import fsdp_weights
 
 __all__ = [
-    "Plan",
+    "LocalRunSpec",
     "forget",
-    "plan",
+    "spec_for",
     "shards_enter",
     "variables_changed",
     "whole_along",
@@ -28,20 +29,20 @@ __all__ = [
 
 _PLAN = "_keras_dtensor_local_batch"
 # Counts variables created, in Keras's global state (a new count after
-# `clear_session`); a model's cached plan is rebuilt when it moves (LoRA
+# `clear_session`); a model's cached spec is rebuilt when it moves (LoRA
 # adds weights after build). Walking `layer.weights` on every step instead
 # costs a traversal of every sublayer.
 _CREATED = "keras_dtensor_variables_created"
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class LocalRunSpec:
     """How one model runs locally: its mesh, the batch axis's mesh dim,
     `(variable, gather, grad placements)` for each weight, its layers,
     the indices of the weights to gather; under a tensor-parallel layout,
     the indices of the weights sharded over another axis (`kept`, left
     as DTensors) and the ids of the layers owning them (`boundary`, run
-    as DTensors: `islands`)."""
+    as DTensors: `boundary_layers`)."""
 
     mesh: object
     dim: int
@@ -133,12 +134,12 @@ def _build(layer, batch_axis):
         # dim None: the batch axis had one process and is left out of the
         # mesh, every weight is whole: the layer runs on the whole batch,
         # alike on every rank (keras_hub's final norm in `generate`).
-        return Plan(mesh, dim, tuple(items), layers, gathered)
+        return LocalRunSpec(mesh, dim, tuple(items), layers, gathered)
     return _tensor_parallel(layer, mesh, dim, items, layers, kept)
 
 
 def _tensor_parallel(layer, mesh, dim, items, layers, kept):
-    """The plan of a model with weights sharded over a non-batch axis:
+    """The spec of a model with weights sharded over a non-batch axis:
     the layers owning them are the boundary; all their weights are kept
     as DTensors. None when a boundary layer has weighted sublayers (the
     boundary would cut through a layer) or is the model itself."""
@@ -160,7 +161,7 @@ def _tensor_parallel(layer, mesh, dim, items, layers, kept):
     gathered = tuple(
         i for i, (_, gather, _) in enumerate(items) if gather and i not in kept
     )
-    return Plan(
+    return LocalRunSpec(
         mesh,
         dim,
         tuple(items),
@@ -186,8 +187,8 @@ def forget(layer):
         object_state.set_on(layer, _PLAN, (*cached[:2], None))
 
 
-def plan(layer, distribution):
-    """The layer's `Plan`, or None when it must run as DTensors."""
+def spec_for(layer, distribution):
+    """The layer's `LocalRunSpec`, or None when it must run as DTensors."""
     if not layer.built or torch.compiler.is_compiling():
         return None
     count = _created()
@@ -200,16 +201,16 @@ def plan(layer, distribution):
     return cached[2]
 
 
-def shards_enter(plan_, flat):
+def shards_enter(run_spec, flat):
     """Whether a tensor-parallel call's inputs can enter its local run as
-    their shards: DTensors on the plan's mesh with no partial sums. Inputs
+    their shards: DTensors on the spec's mesh with no partial sums. Inputs
     sharded over a model axis (a KV cache sharded by heads) are handed in
     as this rank's shard; the check against the DTensor run
-    (`exactness`) decides whether the call runs so."""
+    (`local_run_check`) decides whether the call runs so."""
     return all(
         not isinstance(x, DTensor)
         or (
-            x.device_mesh == plan_.mesh
+            x.device_mesh == run_spec.mesh
             and not any(p.is_partial() for p in x.placements)
         )
         for x in flat

@@ -1,8 +1,8 @@
 """The DTensor run a local run is checked against, as it ran.
 
-`exactness` runs a model's call once as DTensors, recording (`recording`)
+`local_run_check` runs a model's call once as DTensors, recording (`recording`)
 each nested layer call with weights: its inputs' layouts, whether it joins
-the boundary (`islands`), its outputs' layouts; and the layouts of the
+the boundary (`boundary_layers`), its outputs' layouts; and the layouts of the
 reshapes in the model's own code (`reshapes`). The local run then follows
 the `Record`.
 """
@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_dtensor.backend import structure
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.layout import even_shards
 
 __all__ = ["Record", "fingerprint", "recorder", "recording", "spec"]
@@ -37,7 +37,7 @@ class Record:
     `boundary` the ids of the layers that run as DTensors."""
 
     boundary: set
-    plan: object
+    run_spec: object
     calls: dict = dataclasses.field(default_factory=dict)
     outputs: tuple = ()
     counts: dict = dataclasses.field(default_factory=dict)
@@ -94,9 +94,9 @@ class Record:
         ):
             self.between += 1
             return key
-        inputs = tuple(spec(x) for x in structure.flatten((args, kwargs)))
+        inputs = tuple(spec(x) for x in fast_tree.flatten((args, kwargs)))
         if id(layer) not in self.boundary and not all(
-            spec is None or self.plan.whole(spec[0]) for spec in inputs
+            spec is None or self.run_spec.whole(spec[0]) for spec in inputs
         ):
             self.boundary.add(id(layer))
         self.inside += id(layer) in self.boundary
@@ -106,7 +106,7 @@ class Record:
         return key
 
     def kept(self):
-        """Indices into the plan's weights of the boundary layers' weights,
+        """Indices into the spec's weights of the boundary layers' weights,
         which the local run leaves as DTensors (computed once)."""
         if self._kept is None:
             ids = {
@@ -114,22 +114,22 @@ class Record:
                 for layer_id in self.boundary
                 for variable in self.weights.get(layer_id, ())
             }
-            self._kept = self.plan.kept | frozenset(
+            self._kept = self.run_spec.kept | frozenset(
                 i
-                for i, (variable, _, _) in enumerate(self.plan.weights)
+                for i, (variable, _, _) in enumerate(self.run_spec.weights)
                 if id(variable) in ids
             )
         return self._kept
 
     def leave(self, key, outputs):
         if self.fingerprints is not None:
-            specs = tuple(spec(x) for x in structure.flatten(outputs))
+            specs = tuple(spec(x) for x in fast_tree.flatten(outputs))
             self.fingerprints[key] = (fingerprint(outputs), specs)
         layer_id = key[0]
         self.stack.pop()
         self.inside -= layer_id in self.boundary
         if layer_id in self.boundary and not self.inside:
-            specs = [spec(x) for x in structure.flatten(outputs)]
+            specs = [spec(x) for x in fast_tree.flatten(outputs)]
             if any(self._uneven(s) for s in specs):
                 self.uneven.add(self.stack[-1] if self.stack else None)
         if (
@@ -137,8 +137,8 @@ class Record:
             and layer_id in self.children
             and layer_id not in self.sharded_outputs
         ):
-            specs = [spec(x) for x in structure.flatten(outputs)]
-            if not all(s is None or self.plan.whole(s[0]) for s in specs):
+            specs = [spec(x) for x in fast_tree.flatten(outputs)]
+            if not all(s is None or self.run_spec.whole(s[0]) for s in specs):
                 self.sharded_outputs.append(layer_id)
 
     def _uneven(self, recorded):
@@ -147,7 +147,7 @@ class Record:
             return False
         placements, shape = recorded
         return not even_shards(
-            shape, self.plan.mesh, placements, skip=self.plan.dim
+            shape, self.run_spec.mesh, placements, skip=self.run_spec.dim
         )
 
     def note_reshape(self, x, out):
@@ -161,7 +161,7 @@ class Record:
             self.slice_updates.append((spec(inputs), spec(out)))
 
     def set_outputs(self, outputs):
-        self.outputs = tuple(spec(x) for x in structure.flatten(outputs))
+        self.outputs = tuple(spec(x) for x in fast_tree.flatten(outputs))
 
 
 @contextlib.contextmanager
@@ -183,7 +183,7 @@ def fingerprint(outputs):
     """This rank's share of each output tensor, summed two ways: equal
     for equal tensors (enough to find the layer where runs part)."""
     out = []
-    for x in structure.flatten(outputs):
+    for x in fast_tree.flatten(outputs):
         if isinstance(x, torch.Tensor):
             local = x.to_local() if isinstance(x, DTensor) else x
             local = local.detach().double()

@@ -44,19 +44,19 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend import structure
 from keras_dtensor.backend.errors import AssignedInCall
-from keras_dtensor.model_parallel import eligibility
-from keras_dtensor.model_parallel.islands import Replay
-from keras_dtensor.model_parallel.islands import outputs_global
-from keras_dtensor.model_parallel.record import Record
-from keras_dtensor.model_parallel.record import recording
-from keras_dtensor.model_parallel.record import spec
+from keras_dtensor.model_parallel import local_run_spec
+from keras_dtensor.model_parallel.boundary_layers import Replay
+from keras_dtensor.model_parallel.boundary_layers import outputs_global
+from keras_dtensor.model_parallel.reference_run import Record
+from keras_dtensor.model_parallel.reference_run import recording
+from keras_dtensor.model_parallel.reference_run import spec
 
 __all__ = ["State", "agree", "call", "matches", "reason", "signature"]
 
-# On a model: `(plan, {signature: Record or None}, State)`.
+# On a model: `(run_spec, {signature: Record or None}, State)`.
 _RECORDS = "_keras_dtensor_sharded_records"
 _MISSING = object()
 _SAID = "_keras_dtensor_said_runs_as_dtensors"
@@ -83,9 +83,9 @@ def matches(reference, local, final=None):
     DTensor run's, bit for bit; `(ok, reason)`. `final`: the local
     outputs as the DTensors the call returns (`outputs_global`), if they
     were made: their shards are the ones compared."""
-    flat_ref = structure.flatten(reference)
-    flat_local = structure.flatten(local)
-    flat_final = flat_local if final is None else structure.flatten(final)
+    flat_ref = fast_tree.flatten(reference)
+    flat_local = fast_tree.flatten(local)
+    flat_final = flat_local if final is None else fast_tree.flatten(final)
     if not len(flat_ref) == len(flat_local) == len(flat_final):
         return False, "the outputs differ in structure"
     for ref, out, made in zip(flat_ref, flat_local, flat_final, strict=True):
@@ -165,15 +165,15 @@ def layouts(flat):
     )
 
 
-def _records(layer, plan_):
+def _records(layer, run_spec):
     """`(records by signature, States by input layout)`."""
     cached = object_state.get_on(layer, _RECORDS)
-    if cached is None or cached[0] is not plan_:
-        cached = object_state.set_on(layer, _RECORDS, (plan_, {}, {}))
+    if cached is None or cached[0] is not run_spec:
+        cached = object_state.set_on(layer, _RECORDS, (run_spec, {}, {}))
     return cached[1], cached[2]
 
 
-def call(layer, plan_, flat, reference, run):
+def call(layer, run_spec, flat, reference, run):
     """A model's call with its tensor-parallel layers as DTensor islands.
 
     `flat`: the call's inputs, flattened; `reference()` runs the call as
@@ -188,16 +188,16 @@ def call(layer, plan_, flat, reference, run):
     """
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
         return False, None  # Keras's shape inference: nothing to compare
-    records, states = _records(layer, plan_)
+    records, states = _records(layer, run_spec)
     key = signature(flat)
     record = records.get(key, _MISSING)
     if record is None:  # checked: this signature runs as DTensors
         return False, None
     if record is not _MISSING:
-        outputs = run(_replay(record, plan_))
-        return True, outputs_global(record, plan_.mesh, outputs)
+        outputs = run(_replay(record, run_spec))
+        return True, outputs_global(record, run_spec.mesh, outputs)
     state = states.setdefault(layouts(flat), State())
-    order = {id(sub): i for i, sub in enumerate(plan_.layers)}
+    order = {id(sub): i for i, sub in enumerate(run_spec.layers)}
     ok, trace = len(order), len(order) + 1
     tracing = False
     children = frozenset(
@@ -211,8 +211,8 @@ def call(layer, plan_, flat, reference, run):
         # The DTensor run to compare with: no autograd (no second graph
         # of activations), stopped before any variable is written.
         record = Record(
-            set(plan_.boundary) | state.promoted,
-            plan_,
+            set(run_spec.boundary) | state.promoted,
+            run_spec,
             children=children,
             replicated=frozenset(state.replicated),
         )
@@ -230,7 +230,7 @@ def call(layer, plan_, flat, reference, run):
             # any signature; the model stops asking (until LoRA or another
             # new weight changes it).
             records[key] = None
-            eligibility.forget(layer)
+            local_run_spec.forget(layer)
             return False, None
         if record.uneven:
             # Decided from the DTensor run alone (the same on every rank):
@@ -243,10 +243,10 @@ def call(layer, plan_, flat, reference, run):
                 state.promoted |= more
                 continue
         code, outputs, why = -1, None, None
-        replay = _replay(record, plan_)
+        replay = _replay(record, run_spec)
         try:
             outputs = run(replay)
-            final = outputs_global(record, plan_.mesh, outputs)
+            final = outputs_global(record, run_spec.mesh, outputs)
             same, why = matches(expected, outputs, final)
             code = ok if same else (-1 if tracing else trace)
             if replay.values_differ:  # traced to a layer on this rank
@@ -255,7 +255,7 @@ def call(layer, plan_, flat, reference, run):
                     f"{replay.culprit.name!r}: its outputs differ",
                 )
                 code = _culprit_code(replay, order, layer, record, state, -1)
-            adding = _adds_local_loss(plan_.layers)
+            adding = _adds_local_loss(run_spec.layers)
             if same and adding is not None:
                 # A loss must be a global value (an MoE's auxiliary loss):
                 # the layer adding it runs as DTensors, as it did here.
@@ -272,7 +272,7 @@ def call(layer, plan_, flat, reference, run):
             # the DTensor run): the cause is upstream.
             default = -1 if tracing else trace
             code = _culprit_code(replay, order, layer, record, state, default)
-        low, high = agree(code, plan_.mesh)
+        low, high = agree(code, run_spec.mesh)
         if low == high == ok:
             record.fingerprints = None  # later calls are not traced
             records[key] = record
@@ -297,7 +297,7 @@ def call(layer, plan_, flat, reference, run):
                 continue
         if low != high or low < 0 or low >= ok:
             break
-        state.promoted.add(id(plan_.layers[low]))
+        state.promoted.add(id(run_spec.layers[low]))
     records[key] = None
     if tried:  # no help: said with the first reason
         state.replicated.difference_update(tried)
@@ -314,7 +314,7 @@ def call(layer, plan_, flat, reference, run):
             "tensor-parallel layers, not on local tensors: its local run "
             "did not give the DTensor run's outputs on every rank"
             + (f" (rank 0: {why})" if why else "")
-            + f". Mesh {plan_.mesh}.",
+            + f". Mesh {run_spec.mesh}.",
             stacklevel=4,
         )
     if distribution is not None:
@@ -332,5 +332,5 @@ def _adds_local_loss(layers):
     return None
 
 
-def _replay(record, plan_):
-    return Replay(record, plan_.mesh)
+def _replay(record, run_spec):
+    return Replay(record, run_spec.mesh)

@@ -47,8 +47,8 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
-from keras_dtensor.data_parallel.rows import gather_rows
-from keras_dtensor.data_parallel.rows import split_counts
+from keras_dtensor.data_parallel.batch_split import gather_rows
+from keras_dtensor.data_parallel.batch_split import split_counts
 
 __all__ = [
     "call_layer",

@@ -1,7 +1,7 @@
-"""The torch rows of the `PATCHES` table: torch attributes replaced, DTensor
+"""The torch entries of the `PATCHES` table: torch attributes replaced, DTensor
 sharding strategies registered and sharding-cache keys fixed.
 
-Each row declares the Keras and torch versions it applies to (by default
+Each entry declares the Keras and torch versions it applies to (by default
 the whole supported range, `compat.SUPPORTED_*`); a torch outside that
 range is refused at import.
 """
@@ -13,13 +13,13 @@ from keras_dtensor.ops import compile_fixes
 from keras_dtensor.ops import embedding_grad
 from keras_dtensor.ops import redistribute
 from keras_dtensor.ops import strategies
-from keras_dtensor.patches.rows import CacheKey
-from keras_dtensor.patches.rows import Patch
-from keras_dtensor.patches.rows import Registration
+from keras_dtensor.patches.patch_kinds import CacheKey
+from keras_dtensor.patches.patch_kinds import Patch
+from keras_dtensor.patches.patch_kinds import Registration
 
-__all__ = ["TORCH_ROWS"]
+__all__ = ["TORCH_PATCHES"]
 
-TORCH_ROWS = (
+TORCH_PATCHES = (
     Patch(
         "torch.distributed.tensor.placement_types",
         "Partial.__hash__",
@@ -90,10 +90,10 @@ TORCH_ROWS = (
     Patch(
         "torch.nn.functional",
         "embedding",
-        "A table sharded on its rows (vocabulary-parallel) gets its "
+        "A table sharded on its entries (vocabulary-parallel) gets its "
         "gradient from DTensor's embedding_dense_backward replicated: the "
         "whole table's gradient on every rank. Its lookup goes through an "
-        "autograd function whose backward computes this rank's rows only.",
+        "autograd function whose backward computes this rank's entries only.",
         embedding_grad.wrap_embedding,
     ),
     CacheKey(
@@ -122,7 +122,7 @@ TORCH_ROWS = (
         "aten.multinomial, replicated",
         strategies.sample_ops,
         strategies.replicated_sample,
-        "torch samples each rank's rows of a batch-sharded DTensor from the "
+        "torch samples each rank's entries of a batch-sharded DTensor from the "
         "start of the same generator stream: keras.random.categorical and "
         "keras_hub's samplers would draw other tokens than one process.",
     ),
