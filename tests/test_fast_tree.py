@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from keras.src import tree  # noqa: E402
 
-from keras_dtensor.backend import structure  # noqa: E402
+from keras_dtensor.backend import fast_tree  # noqa: E402
 
 T, U = torch.ones(1), torch.zeros(2)
 CASES = [
@@ -36,17 +36,17 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_same_as_keras_tree(case):
     flat = tree.flatten(case)
-    got = structure.flatten(case)
+    got = fast_tree.flatten(case)
     assert len(got) == len(flat)
     assert all(a is b for a, b in zip(got, flat, strict=True))
     numbers = list(range(len(flat)))
-    assert repr(structure.pack_sequence_as(case, numbers)) == repr(
+    assert repr(fast_tree.pack_sequence_as(case, numbers)) == repr(
         tree.pack_sequence_as(case, numbers)
     )
-    assert repr(structure.map_structure(id, case)) == repr(
+    assert repr(fast_tree.map_structure(id, case)) == repr(
         tree.map_structure(id, case)
     )
     seen_here, seen_keras = [], []
-    structure.map_structure(lambda x: seen_here.append(id(x)), case)
+    fast_tree.map_structure(lambda x: seen_here.append(id(x)), case)
     tree.map_structure(lambda x: seen_keras.append(id(x)), case)
     assert seen_here == seen_keras
