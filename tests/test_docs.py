@@ -237,8 +237,8 @@ def test_no_run_block(block):
 
 def test_configuration_lists_every_variable():
     source = (ROOT / "src" / "keras_dtensor" / "config.py").read_text()
-    names = re.findall(r'Variable\(\s*"(\w+)"', source)
-    assert names, "no Variable rows found in config.py"
+    names = re.findall(r'Setting\(\s*"(\w+)"', source)
+    assert names, "no Setting entries found in config.py"
     table = (ROOT / "docs" / "guides" / "configuration.md").read_text()
     missing = [n for n in names if f"`KERAS_DTENSOR_{n}`" not in table]
     assert not missing, f"docs/guides/configuration.md lacks {missing}"

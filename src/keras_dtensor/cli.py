@@ -72,7 +72,7 @@ def _info(args):
         + (", ".join(f"{t}.{n}" for t, n in attached) or "none")
     )
     print("\nenvironment (src/keras_dtensor/config.py):")
-    for env, raw, default, what in config.settings()():
+    for env, raw, default, what in config.settings():
         value = "unset" if raw is None else repr(raw)
         print(f"  {env}={value} (default {default!r})\n      {what}")
     return 0
