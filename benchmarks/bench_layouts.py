@@ -1,33 +1,25 @@
 """Derived layouts against the maps keras_hub ships, side by side.
 
-For Gemma, Llama and Qwen3-MoE (keras_hub ships a `get_layout_map` for
-each), the causal LM is trained under ModelParallel on a (1, N) mesh once
-with keras_hub's map and once with `keras_dtensor.auto_layout_map`, in
-the same run, each in fresh processes (`torch.distributed.run`, one
-thread each):
-
     python benchmarks/bench_layouts.py --nproc 2 \\
         --out benchmarks/results-layouts.json
 
-First, `auto_layout`'s own count for every family it is tested on
-(`plans`). Then, per family and map: the collectives of one training
-step and of one generated token (counted at dispatch, by kind), the
-parameter and optimizer bytes per rank (the local shards), and the median
-step time (CPU: information only). Goal: the derived map needs no more
-collectives than the shipped one, and no more bytes.
+First `auto_layout`'s own count for every family it is tested on
+(`plans`, one process, nothing allocated). Then Gemma, Llama and
+Qwen3-MoE (keras_hub ships a `get_layout_map` for each) train under
+ModelParallel on a (1, N) mesh with keras_hub's map and with
+`keras_dtensor.auto_layout_map`, each in fresh processes (`harness`):
+collectives of one training step and of one generated token (counted at
+dispatch), parameter and optimizer bytes per rank, and the median step
+time (information only on a CPU). Goal: the derived map needs no more
+collectives and no more bytes than the shipped one.
 """
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("KERAS_BACKEND", "torch")
+import harness
 
 FAMILIES = {
     # name: (backbone, causal LM, config); small but not tiny: the
@@ -142,19 +134,15 @@ def _build(family):
 
 
 def _counter():
-    """A dispatch mode counting collectives by kind (torch's
-    `CommDebugMode` also tracks modules, which Keras's nested layer calls
-    trip up)."""
+    """A dispatch mode counting collectives by kind (torch's CommDebugMode
+    also tracks modules, which Keras's nested layer calls trip up)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = {}
+        counts = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            namespace = getattr(func, "namespace", "")
-            if "c10d" in namespace:
+            if "c10d" in getattr(func, "namespace", ""):
                 name = func.overloadpacket.__name__.strip("_")
                 if name not in ("wait_tensor", "wait", "wrap_tensor_autograd"):
                     self.counts[name] = self.counts.get(name, 0) + 1
@@ -223,7 +211,6 @@ def worker(args):
         return total
 
     result = {
-        "rank": dist.get_rank(),
         "step": step,
         "generate_per_token": {k: n / NEW_TOKENS for k, n in generate.items()},
         "param_bytes": local_bytes(lm.weights),
@@ -231,78 +218,39 @@ def worker(args):
         "step_ms": statistics.median(times),
         "tokens": np.asarray(tokens).tolist(),
     }
-    path = os.path.join(args.result_dir, f"rank{dist.get_rank()}.json")
-    with open(path, "w") as f:
-        json.dump(result, f)
-    return 0
+    harness.write_result(args.result_dir, result)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "mode", nargs="?", default="bench", choices=["bench", "worker"]
-    )
+    parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--family", choices=sorted(FAMILIES))
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--map", choices=["shipped", "auto"])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="write the results JSON here")
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    from bench_step import run_workers
-
-    runs = {}
-    planned = plans(args.nproc)
+    command = "OMP_NUM_THREADS=1 python benchmarks/bench_layouts.py "
+    command += f"--nproc {args.nproc} --out {args.out}"
+    result = harness.record(command, nproc=args.nproc, runs={})
+    result["plans"] = plans(args.nproc)
     for family in args.families.split(","):
         for layout in ("shipped", "auto"):
-            ranks = run_workers(
-                __file__,
-                args.nproc,
-                [f"--family={family}", f"--map={layout}"],
-                {"CUDA_VISIBLE_DEVICES": ""},
-                f"{family} {layout}",
-            )
-            runs.setdefault(family, {})[layout] = {
-                "step": ranks[0]["step"],
-                "generate_per_token": ranks[0]["generate_per_token"],
-                "param_bytes": max(r["param_bytes"] for r in ranks),
-                "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
-                "step_ms": max(r["step_ms"] for r in ranks),
-                "tokens": ranks[0]["tokens"],
+            flags = [f"--family={family}", f"--map={layout}"]
+            ranks = harness.launch(__file__, args.nproc, flags)
+            run = {
+                k: ranks[0][k] for k in ("step", "generate_per_token", "tokens")
             }
-    print(
-        "| family | map | step collectives | per token "
-        "| params+opt MiB/rank | step ms |"
-    )
-    print("|---|---|---|---|---|---|")
-    for family, maps in runs.items():
-        for layout, r in maps.items():
+            for key in ("param_bytes", "optimizer_bytes", "step_ms"):
+                run[key] = max(r[key] for r in ranks)
+            result["runs"].setdefault(family, {})[layout] = run
             print(
-                f"| {family} | {layout} | {r['step']} | "
-                f"{r['generate_per_token']} | "
-                f"{(r['param_bytes'] + r['optimizer_bytes']) / 2**20:.2f} | "
-                f"{r['step_ms']:.1f} |"
+                family, layout, {k: v for k, v in run.items() if k != "tokens"}
             )
-    if args.out:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "date": datetime.date.today().isoformat(),
-                    "commit": commit,
-                    "nproc": args.nproc,
-                    "runs": runs,
-                    "plans": planned,
-                },
-                f,
-                indent=1,
-            )
+    harness.write_json(args.out, result)
     return 0
 
 
