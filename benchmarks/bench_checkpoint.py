@@ -2,7 +2,7 @@
 
     python benchmarks/bench_checkpoint.py --nproc 4 --rounds 3
 
-`--nproc` fresh processes (`harness`): an `Embedding(--vocab, 128)` laid
+`--nproc` fresh processes (`bench_harness`): an `Embedding(--vocab, 128)` laid
 out `(None, "model")`, a mean over 4 tokens, `Dense(256)` kernel
 `(None, "model")`, Adam, one step (so the slots exist). Then, alternating
 in each round: `kd` (`keras_dtensor.save_checkpoint` / `load_checkpoint`:
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-import harness
+import bench_harness as harness
 
 
 def _phase(fn):

@@ -8,7 +8,7 @@ keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's layout map on a
 and down by rows, the tied embedding by vocabulary rows as keras_hub's map
 splits it), each with a KV cache; and each in one process
 (`torch_tp_whole_embedding`: the embedding left whole, for information).
-Variants alternate round by round in fresh processes (`harness`).
+Variants alternate round by round in fresh processes (`bench_harness`).
 
 Per variant: one `generate` call (batch 2, an 8-token prompt, 24 new
 tokens; the best of `--calls` after a warm one, the slowest rank), peak
@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-import harness
+import bench_harness as harness
 
 VARIANTS = {
     "torch_single": 1,

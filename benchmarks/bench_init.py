@@ -13,7 +13,7 @@ import gc
 import os
 import sys
 
-import harness
+import bench_harness as harness
 
 VOCAB, WIDTH = 400_000, 128
 
@@ -26,7 +26,7 @@ def _rss_mb():
 
 def main():
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
-    sys.modules.setdefault("tensorflow", None)  # see harness.start_worker
+    sys.modules.setdefault("tensorflow", None)  # see bench_harness.start_worker
     import keras  # noqa: I001
     import torch.distributed as dist
 

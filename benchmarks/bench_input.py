@@ -7,7 +7,7 @@
 Each sample costs `--sample-ms` of CPU to load, so the epoch is bound by
 the loader, as on a GPU: one shuffled epoch of 512 samples at a global
 batch of 32, a small MLP, each variant in fresh processes, alternating
-(`harness`): `ddp_sampler` (torch DDP, `DistributedSampler`),
+(`bench_harness`): `ddp_sampler` (torch DDP, `DistributedSampler`),
 `kd_sharded` (Keras `fit` under DataParallel on a `DataLoader`: each rank
 loads its shard), `kd_whole` (the same with
 `KERAS_DTENSOR_SHARDED_LOADING=0`: every rank loads the global batch) and
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-import harness
+import bench_harness as harness
 
 VARIANTS = ("ddp_sampler", "kd_sharded", "kd_whole", "kd_pydataset")
 SAMPLES, BATCH, WIDTH = 512, 32, 64

@@ -3,7 +3,7 @@ program with `import keras_dtensor` first, compile time included.
 
     python benchmarks/bench_jit_no_dist.py --rounds 2 [--save]
 
-Each run is a fresh process (`harness`): a 3 x Dense(64) MLP,
+Each run is a fresh process (`bench_harness`): a 3 x Dense(64) MLP,
 `compile(jit_compile=True)`, `fit` 2 epochs on 256 rows with
 `validation_split=0.25`, `evaluate` and `predict`, timed from `compile` to
 the end (tracing and Inductor's code generation included). Each variant
@@ -19,7 +19,7 @@ import os
 import statistics
 import tempfile
 
-import harness
+import bench_harness as harness
 
 VARIANTS = ("plain", "kd")
 RECORD_ID = "jit-no-dist"

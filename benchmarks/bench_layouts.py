@@ -7,7 +7,7 @@ First `auto_layout`'s own count for every family it is tested on
 (`plans`, one process, nothing allocated). Then Gemma, Llama and
 Qwen3-MoE (keras_hub ships a `get_layout_map` for each) train under
 ModelParallel on a (1, N) mesh with keras_hub's map and with
-`keras_dtensor.auto_layout_map`, each in fresh processes (`harness`):
+`keras_dtensor.auto_layout_map`, each in fresh processes (`bench_harness`):
 collectives of one training step and of one generated token (counted at
 dispatch), parameter and optimizer bytes per rank, and the median step
 time (information only on a CPU). Goal: the derived map needs no more
@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-import harness
+import bench_harness as harness
 
 FAMILIES = {
     # name: (backbone, causal LM, config); small but not tiny: the

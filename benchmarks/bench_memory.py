@@ -5,7 +5,7 @@
     python benchmarks/bench_memory.py --models c --reference  # + one process
 
 Each side of each model runs in its own fresh processes
-(`harness.launch`), so neither side's allocations or malloc arenas reach
+(`bench_harness.launch`), so neither side's allocations or malloc arenas reach
 the other's figures. Models (fp32, Adam, MSE on random targets):
 
 - a: Embedding(1_000_000, 128) laid out (None, "model"), a mean over 4
@@ -38,8 +38,8 @@ import sys
 import tempfile
 import time
 
+import bench_harness as harness
 import bench_step
-import harness
 
 _MIB = 2**20
 MODELS = {

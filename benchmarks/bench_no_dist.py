@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-import harness
+import bench_harness as harness
 from bench_step import _keras_layouts
 from bench_step import _keras_model
 

@@ -24,8 +24,8 @@ import sys
 import tempfile
 import time
 
+import bench_harness as harness
 import bench_step
-import harness
 
 CASES = {
     "transformer": dict(nproc=2),

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-import harness
+import bench_harness as harness
 import numpy as np
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp

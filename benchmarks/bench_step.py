@@ -3,7 +3,7 @@
     python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
 Every variant runs interleaved round by round, in fresh processes
-(`harness.launch`): torch single, DDP, TP (`parallelize_module`), FSDP2
+(`bench_harness.launch`): torch single, DDP, TP (`parallelize_module`), FSDP2
 (`fully_shard`); Keras single (`_local`: one process's share of the
 batch; `_pair`: that share in 2 independent processes side by side);
 keras-dtensor DataParallel, ModelParallel (the TP split), FSDP-style
@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-import harness
+import bench_harness as harness
 
 # Ordered so that each target's two variants run back to back; the
 # value 1: one process.
@@ -74,8 +74,12 @@ RATIOS = (
     ("kd_mp_over_tp" + OFF, "kd_mp" + OFF, "torch_tp" + OFF),
     ("kd_fsdp_over_fsdp2" + OFF, "kd_fsdp" + OFF, "torch_fsdp2" + OFF),
 )
-# The ratios held against Keras's own overhead.
+# The ratios held against Keras's own overhead, and its references.
 _DISTRIBUTED = ("kd_dp_over_ddp", "kd_mp_over_tp", "kd_fsdp_over_fsdp2")
+REFERENCES = {"": "keras_over_torch_single"}
+REFERENCES["_vs_local"] = "keras_over_torch_local"
+REFERENCES["_vs_pair"] = "keras_over_torch_pair"
+LABELS = ("per_round", "holds_in_rounds"), ("extra_ms_per_round", "extra_holds")
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
     "transformer": dict(
@@ -572,58 +576,36 @@ def _row(runs, variant, args):
 
 
 def _targets(rows, args):
-    """Step-time ratios, per round and overall, and the memory ratio.
-
-    The machine's speed drifts between rounds by more than the margins
-    being checked, so each ratio is also taken within every round (its two
-    variants ran back to back) and summarized by the median over rounds;
-    `*_holds_in_rounds` counts the rounds in which a target held.
-    """
+    """Each ratio within every round and its median over rounds, in ms too;
+    `holds_in_rounds`/`extra_holds` count the rounds in which a distributed
+    variant's ratio/extra ms stayed within Keras's own over torch (at the
+    global batch; `_vs_local`, `_vs_pair`: at one process's share)."""
     targets = {}
     for name, a, b in RATIOS:
         if {a, b} <= rows.keys():
-            pairs = list(
-                zip(
-                    rows[a]["round_median_ms"],
-                    rows[b]["round_median_ms"],
-                    strict=True,
-                )
-            )
-            per_round = [x / y for x, y in pairs]
-            extra_ms = [x - y for x, y in pairs]
+            ms = rows[a]["round_median_ms"], rows[b]["round_median_ms"]
+            per_round, median = harness.per_round(*ms)
+            extra, extra_median = harness.per_round(*ms, lambda x, y: x - y)
             targets[name] = {
                 "pooled": rows[a]["median_ms"] / rows[b]["median_ms"],
-                "median_of_rounds": statistics.median(per_round),
+                "median_of_rounds": median,
                 "per_round": per_round,
-                "extra_ms_median_of_rounds": statistics.median(extra_ms),
-                "extra_ms_per_round": extra_ms,
+                "extra_ms_median_of_rounds": extra_median,
+                "extra_ms_per_round": extra,
             }
-    # Each distributed variant against Keras's own overhead at the global
-    # batch and at the per-process batch.
-    for allowed_name, suffix in (
-        ("keras_over_torch_single", ""),
-        ("keras_over_torch_local", "_vs_local"),
-        ("keras_over_torch_pair", "_vs_pair"),
-    ):
-        allowed = targets.get(allowed_name)
-        for name in _DISTRIBUTED + tuple(n + OFF for n in _DISTRIBUTED):
-            if not allowed or name not in targets:
-                continue
-            for key, label in (
-                ("per_round", "holds_in_rounds"),
-                ("extra_ms_per_round", "extra_holds"),
-            ):
-                held = [
-                    x <= limit
-                    for x, limit in zip(
-                        targets[name][key], allowed[key], strict=True
-                    )
-                ]
-                targets[name][label + suffix] = f"{sum(held)}/{len(held)}"
+    checked = (*_DISTRIBUTED, *(n + OFF for n in _DISTRIBUTED))
+    for suffix in ("", "_vs_local", "_vs_pair"):
+        allowed = targets.get(REFERENCES[suffix])
+        for name in checked if allowed else ():
+            for key, label in LABELS:
+                if name in targets:
+                    pairs = zip(targets[name][key], allowed[key], strict=True)
+                    held = [x <= limit for x, limit in pairs]
+                    targets[name][label + suffix] = f"{sum(held)}/{len(held)}"
     if {"kd_fsdp", "keras_single"} <= rows.keys():
-        targets["kd_fsdp_bytes_over_full_div_n"] = rows["kd_fsdp"][
-            "bytes_per_rank"
-        ] / (rows["keras_single"]["bytes_per_rank"] / args.nproc)
+        full = rows["keras_single"]["bytes_per_rank"] / args.nproc
+        kd = rows["kd_fsdp"]["bytes_per_rank"]
+        targets["kd_fsdp_bytes_over_full_div_n"] = kd / full
     return targets
 
 
