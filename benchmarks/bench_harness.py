@@ -20,22 +20,6 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = (
-    "launch",
-    "start_worker",
-    "write_result",
-    "rounds",
-    "per_round",
-    "cuda",
-    "sync",
-    "status",
-    "reset_peak",
-    "peak_rss_mb",
-    "record",
-    "head_commit",
-    "write_json",
-)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {
     "OMP_NUM_THREADS": "1",
@@ -164,5 +148,5 @@ def record(command, **fields):
 def write_json(path, data):
     if path:
         with open(path, "w") as f:
-            json.dump(data, f, indent=1)
+            json.dump(data, f, indent=1, ensure_ascii=False)
             f.write("\n")

@@ -96,34 +96,18 @@ def main(argv=None):
 
 
 def _save(rows, rounds):
-    """Puts the record last in `results-history.json`'s `zero_cost` list
-    (its last area), replacing an earlier one; the rest of the file is
-    left as it is written."""
+    """Puts the record in `results-history.json`'s `zero_cost` area, in
+    place of an earlier one."""
     path = os.path.join(harness.HERE, "results-history.json")
     with open(path) as f:
-        text = f.read()
+        history = json.load(f)
     command = f"python benchmarks/bench_jit_no_dist.py --rounds {rounds}"
     record = {"id": RECORD_ID, "source": "benchmarks/bench_jit_no_dist.py"}
     record.update(harness.record(command), machine="cpu2", rounds=rounds)
     record.update(what=WHAT, rows=rows)
-    marker = '\n  {\n   "id": "' + RECORD_ID + '"'
-    if marker in text:
-        text = text[: text.index(marker)].rstrip(",") + "\n ]\n}\n"
-    head = text.rstrip()
-    if not head.endswith("]\n}"):
-        raise ValueError("zero_cost is no longer the last area")
-    head = head[: -len("]\n}")].rstrip()
-    lines = ",\n".join(
-        f"   {json.dumps(k)}: "
-        + (
-            "[\n" + ",\n".join(f"    {json.dumps(r)}" for r in v) + "\n   ]"
-            if k == "rows"
-            else json.dumps(v)
-        )
-        for k, v in record.items()
-    )
-    with open(path, "w") as f:
-        f.write(head + ",\n  {\n" + lines + "\n  }\n ]\n}\n")
+    area = [r for r in history["zero_cost"] if r["id"] != RECORD_ID]
+    history["zero_cost"] = [*area, record]
+    harness.write_json(path, history)
 
 
 if __name__ == "__main__":

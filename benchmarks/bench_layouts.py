@@ -21,78 +21,36 @@ import time
 
 import bench_harness as harness
 
-FAMILIES = {
-    # name: (backbone, causal LM, config); small but not tiny: the
-    # embedding is split by vocabulary under both maps
-    "gemma": (
-        "GemmaBackbone",
-        "GemmaCausalLM",
-        dict(head_dim=32, num_key_value_heads=4),
-    ),
-    "llama": ("LlamaBackbone", "LlamaCausalLM", dict(num_key_value_heads=2)),
-    "qwen3_moe": (
-        "Qwen3MoeBackbone",
-        "Qwen3MoeCausalLM",
-        dict(
-            head_dim=32,
-            num_key_value_heads=2,
-            moe_intermediate_dim=64,
-            num_experts=4,
-            top_k=2,
-        ),
-    ),
-}
-COMMON = dict(
-    vocabulary_size=4096,
-    num_layers=2,
-    num_query_heads=4,
-    hidden_dim=128,
-    intermediate_dim=256,
-)
-BATCH, SEQ, STEPS, NEW_TOKENS = 4, 16, 6, 4
-# Every family auto_layout is tested on, for the per-family plan table
-# (derived in one process, nothing allocated): name -> (task, backbone,
-# config).
+MOE = dict(moe_intermediate_dim=64, num_experts=4, top_k=2)
+# name: (keras_hub class prefix, config beyond COMMON) of every family
+# auto_layout is tested on, for `plans`.
 PLANNED = {
-    "gemma": ("GemmaCausalLM", "GemmaBackbone", dict(head_dim=32)),
-    "gemma3": (
-        "Gemma3CausalLM",
-        "Gemma3Backbone",
-        dict(head_dim=32, image_size=None),
-    ),
-    "llama": ("LlamaCausalLM", "LlamaBackbone", {}),
-    "mistral": ("MistralCausalLM", "MistralBackbone", {}),
-    "mixtral": (
-        "MixtralCausalLM",
-        "MixtralBackbone",
-        dict(num_experts=4, top_k=2),
-    ),
-    "phi3": ("Phi3CausalLM", "Phi3Backbone", {}),
-    "qwen": ("QwenCausalLM", "QwenBackbone", {}),
-    "qwen3": ("Qwen3CausalLM", "Qwen3Backbone", dict(head_dim=32)),
-    "qwen_moe": (
-        "QwenMoeCausalLM",
-        "QwenMoeBackbone",
-        dict(
-            moe_intermediate_dim=64,
-            num_experts=4,
-            top_k=2,
-            shared_expert_intermediate_dim=128,
-        ),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeCausalLM",
-        "Qwen3MoeBackbone",
-        dict(head_dim=32, moe_intermediate_dim=64, num_experts=4, top_k=2),
-    ),
+    "gemma": ("Gemma", dict(head_dim=32)),
+    "gemma3": ("Gemma3", dict(head_dim=32, image_size=None)),
+    "llama": ("Llama", {}),
+    "mistral": ("Mistral", {}),
+    "mixtral": ("Mixtral", dict(num_experts=4, top_k=2)),
+    "phi3": ("Phi3", {}),
+    "qwen": ("Qwen", {}),
+    "qwen3": ("Qwen3", dict(head_dim=32)),
+    "qwen_moe": ("QwenMoe", dict(MOE, shared_expert_intermediate_dim=128)),
+    "qwen3_moe": ("Qwen3Moe", dict(MOE, head_dim=32)),
 }
+# The families trained with both maps (keras_hub ships a map for each).
+FAMILIES = {
+    "gemma": ("Gemma", dict(head_dim=32, num_key_value_heads=4)),
+    "llama": ("Llama", dict(num_key_value_heads=2)),
+    "qwen3_moe": ("Qwen3Moe", dict(MOE, head_dim=32, num_key_value_heads=2)),
+}
+COMMON = dict(vocabulary_size=4096, num_layers=2, num_query_heads=4)
+COMMON.update(hidden_dim=128, intermediate_dim=256)
+BATCH, SEQ, STEPS, NEW_TOKENS = 4, 16, 6, 4
 
 
 def plans(nproc):
     """auto_layout's own count per family: all-reduces forward and
     backward, all-gathers, and the fraction of the weights per rank."""
     import keras
-    import keras_hub
 
     import keras_dtensor
 
@@ -100,15 +58,9 @@ def plans(nproc):
         (1, nproc), ["batch", "model"], [f"cpu:{i}" for i in range(nproc)]
     )
     out = {}
-    for family, (task, backbone, extra) in PLANNED.items():
-
-        def build(task=task, backbone=backbone, extra=extra):
-            config = {**COMMON, "num_key_value_heads": 2, **extra}
-            model = getattr(keras_hub.models, backbone)(**config)
-            return getattr(keras_hub.models, task)(
-                backbone=model, preprocessor=None
-            )
-
+    for family, (prefix, extra) in PLANNED.items():
+        config = {"num_key_value_heads": 2, **extra}
+        build = lambda p=prefix, c=config: _build(p, c)  # noqa: E731
         layout = keras_dtensor.auto_layout(build, mesh)
         out[family] = {
             "layers": COMMON["num_layers"],
@@ -123,14 +75,13 @@ def plans(nproc):
     return out
 
 
-def _build(family):
-    import keras_hub
+def _build(prefix, config):
+    """keras_hub's causal LM of the family `prefix` at `config`'s sizes."""
+    from keras_hub import models
 
-    backbone_cls, lm_cls, extra = FAMILIES[family]
-    backbone = getattr(keras_hub.models, backbone_cls)(**COMMON, **extra)
-    return getattr(keras_hub.models, lm_cls)(
-        backbone=backbone, preprocessor=None
-    )
+    backbone = getattr(models, prefix + "Backbone")(**COMMON, **config)
+    task = getattr(models, prefix + "CausalLM")
+    return task(backbone=backbone, preprocessor=None)
 
 
 def _counter():
@@ -161,15 +112,13 @@ def worker(args):
     keras.distribution.initialize()
     world = dist.get_world_size()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
-    backbone_cls = getattr(
-        __import__("keras_hub").models, FAMILIES[args.family][0]
-    )
+    prefix, config = FAMILIES[args.family]
     if args.map == "shipped":
-        layout_map = backbone_cls.get_layout_map(mesh)
+        backbone = getattr(__import__("keras_hub").models, prefix + "Backbone")
+        layout_map = backbone.get_layout_map(mesh)
     else:
-        layout_map = keras_dtensor.auto_layout_map(
-            lambda: _build(args.family), mesh
-        )
+        build = lambda: _build(prefix, config)  # noqa: E731
+        layout_map = keras_dtensor.auto_layout_map(build, mesh)
     distribution = keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
     )
@@ -179,7 +128,7 @@ def worker(args):
     y = rng.integers(1, COMMON["vocabulary_size"], (BATCH, SEQ))
     keras.utils.set_random_seed(0)
     with distribution.scope():
-        lm = _build(args.family)
+        lm = _build(prefix, config)
         lm.compile(
             optimizer=keras.optimizers.AdamW(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
