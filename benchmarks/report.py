@@ -304,6 +304,7 @@ def step(data):
     files = data["results-history.json"]["files"]
     rows = [
         (model, name, num(r["median_of_rounds"]))
+        + (num(r["extra_ms_median_of_rounds"], 1),)
         for model, ratios in data["results-targets.json"]["targets"].items()
         for name, r in ratios.items()
         if name.startswith("keras_over_torch")
@@ -319,7 +320,7 @@ def step(data):
         "(`_local`) and two side by side (`_pair`), `results-targets.json` "
         f"({when(files['results-targets.json'])}):",
         "",
-        *table(("model", "reference", "median of rounds"), rows),
+        *table(("model", "reference", "median of rounds", "extra ms"), rows),
         "",
         f"FSDP-style collectives per step ({when(fsdp)}): {counts}; "
         "param+opt bytes per rank "
