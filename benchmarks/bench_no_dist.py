@@ -282,21 +282,21 @@ def main(argv=None):
     env = _MALLOC_ENV if args.fixed_malloc else {}
     flags = [f"--steps={args.steps}", f"--warmup={args.warmup}"]
     flags += [f"--methods={args.methods}", f"--mlp-width={args.mlp_width}"]
-    table = {}
-    for model in args.models.split(","):
+    models = args.models.split(",")
 
-        def run(variant, model=model):
-            flag = [f"--variant={variant}", f"--model={model}", *flags]
-            return harness.launch(__file__, 0, flag, env)[0]
+    def run(pair):
+        flag = [f"--variant={pair[1]}", f"--model={pair[0]}", *flags]
+        return harness.launch(__file__, 0, flag, env)[0]
 
-        def show(index, variant, r, model=model):
-            ms = " ".join(
-                f"{m} {r[m][0]:.2f} ({r[m][1]:.2f} CPU)" for m in methods
-            )
-            return f"round {index} {model} {variant}: {ms} ms"
+    def show(index, pair, r):
+        ms = " ".join(f"{m} {r[m][0]:.2f} ({r[m][1]:.2f} CPU)" for m in methods)
+        return f"round {index} {pair[0]} {pair[1]}: {ms} ms"
 
-        runs = harness.rounds(args.rounds, variants, run, show)
-        table[model] = _summary(runs, methods)
+    pairs = [(model, variant) for model in models for variant in variants]
+    runs = harness.rounds(args.rounds, pairs, run, show)
+    table = {
+        m: _summary({v: runs[m, v] for v in variants}, methods) for m in models
+    }
     names, imports = list(IMPORTS), None
     if args.import_rounds:
         imports = harness.rounds(

@@ -513,18 +513,17 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
-    started, table = time.time(), {}
-    for model in args.models.split(","):
+    started, models = time.time(), args.models.split(",")
 
-        def show(index, variant, ranks, model=model):
-            ms = 1000 * statistics.median(ranks[0]["times"])
-            return f"round {index} {model:11} {variant:13} {ms:8.1f} ms"
+    def show(index, pair, ranks):
+        ms = 1000 * statistics.median(ranks[0]["times"])
+        return f"round {index} {pair[0]:11} {pair[1]:13} {ms:8.1f} ms"
 
-        def run(variant, model=model):
-            return _launch(variant, model, args)
-
-        raw = harness.rounds(args.rounds, variants, run, show)
-        table[model] = {v: _row(runs, v, args) for v, runs in raw.items()}
+    pairs = [(model, variant) for model in models for variant in variants]
+    raw = harness.rounds(
+        args.rounds, pairs, lambda p: _launch(p[1], p[0], args), show
+    )
+    table = {m: {v: _row(raw[m, v], v, args) for v in variants} for m in models}
     # The diagnostics must have run without any collective once warm.
     ran = {
         f"{model}/{variant}": row["comms_per_step"]
