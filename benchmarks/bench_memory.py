@@ -420,7 +420,7 @@ def main(argv=None):
                 summary[key].setdefault(model, {})[side] = ranks
                 for figure in ranks[0]:  # the worst rank of each figure
                     values = [r[figure] for r in ranks]
-                    if None not in values:
+                    if None not in values and figure != "rank":
                         print(
                             f"{model} {side}{' single' * single} {figure}:"
                             f" {max(values):.2f}",
