@@ -2,75 +2,42 @@
 
     python benchmarks/bench_checkpoint.py --nproc 4 --rounds 3
 
-Starts `--nproc` processes (torchrun, gloo, one thread each). Model: an
-`Embedding(--vocab, 128)` fp32 laid out `(None, "model")`, a mean over a
-sequence of 4 and `Dense(256)` with kernel `(None, "model")`, Adam, one
-training step (so the slots exist). Then, alternating in each round:
-
-- `kd`: `keras_dtensor.save_checkpoint(model, dir)` and
-  `load_checkpoint(model, dir)` (DCP files plus the manifest: every file
-  hashed, the manifest written last, the directory renamed; a load hashes
-  every file before reading);
-- `dcp`: `torch.distributed.checkpoint.save` / `load` of the very same
-  tensors (the variables' DTensors and slots), to a plain directory.
-
-Per phase: wall seconds (rank 0, between barriers) and the peak resident
-memory each rank added (VmHWM after resetting it through
-`/proc/self/clear_refs`, minus VmRSS before), max over ranks. Printed: the
-medians over rounds and the ratio kd / dcp (targets, issue #13: time
-<= 1.2x, memory added <= native's).
-
-`--device cuda`: one GPU per process (`cuda:LOCAL_RANK`), the state on
-it, NCCL between processes (keras-dtensor's `cpu:gloo,cuda:nccl` group);
-each phase waits for the GPU before its clock stops. Memory stays host
+`--nproc` fresh processes (`bench_harness`): an `Embedding(--vocab, 128)` laid
+out `(None, "model")`, a mean over 4 tokens, `Dense(256)` kernel
+`(None, "model")`, Adam, one step (so the slots exist). Then, alternating
+in each round: `kd` (`keras_dtensor.save_checkpoint` / `load_checkpoint`:
+DCP files plus the hashed manifest, renamed into place) and `dcp`
+(`torch.distributed.checkpoint.save` / `load` of the very same tensors).
+Per phase: wall seconds between barriers and the peak memory each rank
+added (VmHWM reset before, minus VmRSS), the largest over ranks; medians
+over rounds. Targets (issue 13): time ≤ 1.2 x DCP's, memory added ≤ its.
+`--device cuda`: the state on each rank's GPU, NCCL; memory stays host
 memory (what staging the GPU tensors costs).
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _sync():
-    import torch
-
-    if torch.cuda.is_available():  # --device cpu hides the GPUs
-        torch.cuda.synchronize()
+import bench_harness as harness
 
 
 def _phase(fn):
     import torch.distributed as dist
 
-    _sync()
+    harness.sync()
     dist.barrier()
-    _reset_peak()
-    before = _status("VmRSS")
+    harness.reset_peak()
+    before = harness.status()["VmRSS"]
     start = time.perf_counter()
     fn()
-    _sync()  # a load's copies into GPU tensors may still be queued
+    harness.sync()  # a load's copies into GPU tensors may still be queued
     dist.barrier()
-    seconds = time.perf_counter() - start
-    added = _status("VmHWM") - before
-    return seconds, added
+    return time.perf_counter() - start, harness.status()["VmHWM"] - before
 
 
 def worker(args):
@@ -83,8 +50,8 @@ def worker(args):
     import keras_dtensor
     from keras_dtensor.checkpoint import api
 
-    if args.device == "cuda":  # before any tensor: this rank's own GPU
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    harness.start_worker()
+    if harness.cuda():
         keras.distribution.initialize()  # NCCL for the GPU tensors
     world = keras.distribution.get_device_count()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
@@ -139,85 +106,42 @@ def worker(args):
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-    if rank == 0:
-        with open(os.path.join(root, "rows.json"), "w") as f:
-            json.dump(rows, f)
+    harness.write_result(args.result_dir, {"rows": rows})
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=1_000_000)
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        choices=["cpu", "cuda"],
-        help="cuda: one GPU per process, NCCL (needs --nproc GPUs)",
-    )
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--root")
-    parser.add_argument("--out")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="write the results JSON here")
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
+    if args.mode == "worker":
         return worker(args)
-    root = tempfile.mkdtemp(prefix="bench_checkpoint_")
-    env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
-    if args.device == "cpu":  # Keras picks a visible GPU by itself
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        os.path.abspath(__file__),
-        "--worker",
-        f"--root={root}",
-        f"--rounds={args.rounds}",
-        f"--vocab={args.vocab}",
-        f"--device={args.device}",
-    ]
-    subprocess.run(command, env=env, check=True)
-    with open(os.path.join(root, "rows.json")) as f:
-        rows = json.load(f)
-    shutil.rmtree(root, ignore_errors=True)
-    table = {}
+    with tempfile.TemporaryDirectory() as root:
+        flags = [f"--root={root}", f"--rounds={args.rounds}"]
+        flags.append(f"--vocab={args.vocab}")
+        ranks = harness.launch(__file__, args.nproc, flags, None, args.device)
+    rows, table = ranks[0]["rows"], {}
     for variant in ("kd", "dcp"):
         mine = [r for r in rows if r["variant"] == variant]
         table[variant] = {
             key: statistics.median(r[key] for r in mine)
             for key in ("save_s", "load_s", "save_added", "load_added")
         }
-    mib = 2**20
-    print(f"{args.nproc} processes, vocab {args.vocab}, {args.rounds} rounds")
-    print("variant  save s  load s  save +MiB/rank  load +MiB/rank")
-    for variant, t in table.items():
-        print(
-            f"{variant:7s} {t['save_s']:7.2f} {t['load_s']:7.2f} "
-            f"{t['save_added'] / mib:15.0f} {t['load_added'] / mib:15.0f}"
-        )
-    kd, native = table["kd"], table["dcp"]
+        print(variant, {k: round(v, 2) for k, v in table[variant].items()})
+    kd, dcp = table["kd"], table["dcp"]
     print(
-        f"kd / dcp: save {kd['save_s'] / native['save_s']:.2f}x, load "
-        f"{kd['load_s'] / native['load_s']:.2f}x; memory added: save "
-        f"{kd['save_added'] / mib:.0f} vs {native['save_added'] / mib:.0f} "
-        f"MiB, load {kd['load_added'] / mib:.0f} vs "
-        f"{native['load_added'] / mib:.0f} MiB"
+        f"kd / dcp: save {kd['save_s'] / dcp['save_s']:.2f}, load "
+        f"{kd['load_s'] / dcp['load_s']:.2f}"
     )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "rows": rows,
-                    "table": table,
-                    "device": args.device,
-                    "nproc": args.nproc,
-                },
-                f,
-                indent=1,
-            )
+    result = {"rows": rows, "table": table, "device": args.device}
+    harness.write_json(args.out, dict(result, nproc=args.nproc))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

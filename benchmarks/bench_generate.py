@@ -1,40 +1,28 @@
 """Decoding under ModelParallel against native torch tensor parallelism.
 
-keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's own layout map
-on a (1, N) mesh) against a torch decoder of the same sizes with the same
-split (`parallelize_module`: q/k/v and the MLP's gate and up by columns,
-the attention output and the MLP's down by rows, the tied embedding by
-vocabulary rows as keras_hub's map splits it: an all-reduce after the
-lookup, the logits' shards gathered for the sampler), each with a KV
-cache, one token at a time; and each in one process
-(`torch_tp_whole_embedding`: the same torch TP with the embedding left
-whole, no collective outside the blocks, for information). Variants run
-back to back in alternating order, round by round, each in fresh
-processes (`torch.distributed.run`, one thread each):
-
     python benchmarks/bench_generate.py --rounds 3
 
-`--device cuda`: one GPU per process (`cuda:LOCAL_RANK`), NCCL between
-them; `--nproc` sets the processes of the split variants (the heads, 4,
-must divide by it); `--out` writes the per-round times as JSON.
+keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's layout map on a
+(1, N) mesh) against a torch decoder of the same sizes with the same split
+(`parallelize_module`: q/k/v, gate and up by columns, the attention output
+and down by rows, the tied embedding by vocabulary rows as keras_hub's map
+splits it), each with a KV cache; and each in one process
+(`torch_tp_whole_embedding`: the embedding left whole, for information).
+Variants alternate round by round in fresh processes (`bench_harness`).
 
-Per variant: the time of one `generate` call (batch 2, an 8-token
-prompt, 24 new tokens; the best of `--calls` calls after one warm call),
-the peak RSS per process and the collectives one more call dispatches.
-`torch_tp_no_collectives` and `kd_mp_no_collectives` are diagnostics: the
-split variants with every collective made a local no-op once warm (wrong
-tokens, the same host work), so each side's collectives cost the
-difference. Target: kd-MP ÷ torch TP against Keras
-single ÷ torch single, per round.
+Per variant: one `generate` call (batch 2, an 8-token prompt, 24 new
+tokens; the best of `--calls` after a warm one, the slowest rank), peak
+RSS and the collectives of one more call; every split model must generate
+its one-process tokens. The `_no_collectives` variants make every
+collective a local no-op once warm: each side's collectives cost the
+difference. Target: kd-MP ÷ torch TP against Keras ÷ torch, per round.
 """
 
 import argparse
-import json
-import os
-import resource
-import statistics
 import sys
 import time
+
+import bench_harness as harness
 
 VARIANTS = {
     "torch_single": 1,
@@ -42,9 +30,6 @@ VARIANTS = {
     "torch_tp": 2,
     "kd_mp": 2,
     "torch_tp_whole_embedding": 2,
-    # Diagnostics: the split variants with every collective a no-op once
-    # warm (wrong numbers, the same host work), so the difference is what
-    # the collectives cost; their tokens are not compared.
     "torch_tp_no_collectives": 2,
     "kd_mp_no_collectives": 2,
 }
@@ -145,9 +130,8 @@ def _torch_decoder():
 
 def _run_torch(variant, calls):
     import torch
-    from bench_step import _cuda
 
-    device = torch.device("cuda" if _cuda() else "cpu")
+    device = torch.device("cuda" if harness.cuda() else "cpu")
     model = _torch_decoder().to(device)  # replicated parts too, before TP
     if variant.startswith("torch_tp"):
         import torch.distributed as dist
@@ -157,7 +141,7 @@ def _run_torch(variant, calls):
         from torch.distributed.tensor.parallel import RowwiseParallel
         from torch.distributed.tensor.parallel import parallelize_module
 
-        dist.init_process_group("nccl" if _cuda() else "gloo")
+        dist.init_process_group("nccl" if harness.cuda() else "gloo")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         plan = {}
         for i in range(CONFIG["num_layers"]):
@@ -216,7 +200,6 @@ def _run_keras(variant, calls):
 
 
 def _timed(generate, calls, variant):
-    from bench_step import _sync
     from collectives_off import CollectivesOff  # beside this script
     from collectives_off import count_collectives
 
@@ -225,10 +208,10 @@ def _timed(generate, calls, variant):
         CollectivesOff().install()
     times = []
     for _ in range(calls):
-        _sync()
+        harness.sync()
         start = time.perf_counter()
         out = generate()
-        _sync()  # torch's tokens stay on the GPU: wait for them
+        harness.sync()  # torch's tokens stay on the GPU: wait for them
         times.append(time.perf_counter() - start)
     if isinstance(out, dict):  # keras_hub's: the prompt and the new tokens
         out = out["token_ids"][:, PROMPT:]
@@ -240,124 +223,62 @@ def _timed(generate, calls, variant):
 
 
 def worker(args):
-    sys.modules.setdefault("tensorflow", None)  # see bench_step.worker
-    import torch
-
-    torch.set_num_threads(1)
-    if os.environ.get("BENCH_DEVICE") == "cuda":  # before Keras's tensors
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    harness.start_worker()
     run = _run_keras if args.variant.startswith(("keras", "kd")) else _run_torch
-    result = run(args.variant, args.calls)
-    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    rank = int(os.environ.get("RANK", "0"))
-    with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(dict(result, rank=rank), f)
-
-
-def _launch(variant, args):
-    from bench_step import run_workers
-
-    env = {"BENCH_DEVICE": args.device}
-    if args.device == "cpu":  # Keras picks a visible GPU by itself
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    results = run_workers(
-        __file__,
-        1 if VARIANTS[variant] == 1 else args.nproc,
-        [f"--variant={variant}", f"--calls={args.calls}"],
-        env,
-        variant,
-    )
-    # The slowest rank's time is the call's.
-    return (
-        max(r["ms"] for r in results),
-        max(r["rss_mb"] for r in results),
-        results[0]["tokens"],
-        results[0]["collectives"],
-    )
+    harness.write_result(args.result_dir, run(args.variant, args.calls))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "mode", nargs="?", default="bench", choices=["bench", "worker"]
-    )
+    parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2)
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        choices=["cpu", "cuda"],
-        help="cuda: one GPU per process, NCCL (needs --nproc GPUs)",
-    )
-    parser.add_argument(
-        "--nproc", type=int, default=2, help="processes of the split variants"
-    )
-    parser.add_argument("--out", default=None, help="per-round times, JSON")
-    parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--nproc", type=int, default=2, help="split ones")
+    parser.add_argument("--out", help="per-round times, JSON")
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    runs = {v: [] for v in VARIANTS}
-    for index in range(args.rounds):
-        order = list(VARIANTS) if index % 2 == 0 else list(VARIANTS)[::-1]
-        for variant in order:
-            runs[variant].append(_launch(variant, args))
-            ms, rss = runs[variant][-1][:2]
-            print(f"round {index + 1} {variant:24} {ms:8.1f} ms {rss:6.0f} MB")
+
+    def run(variant):
+        nproc = 1 if VARIANTS[variant] == 1 else args.nproc
+        flags = [f"--variant={variant}", f"--calls={args.calls}"]
+        return harness.launch(__file__, nproc, flags, device=args.device)
+
+    def show(index, variant, ranks):
+        ms = max(r["ms"] for r in ranks)  # the slowest rank's
+        return f"round {index} {variant:24} {ms:8.1f} ms"
+
+    runs = harness.rounds(args.rounds, list(VARIANTS), run, show)
+    round_ms = {v: [max(r["ms"] for r in rs) for rs in runs[v]] for v in runs}
     ratios = {
-        name: [k[0] / t[0] for k, t in zip(runs[a], runs[b], strict=True)]
+        name: harness.per_round(round_ms[a], round_ms[b])[0]
         for name, a, b in RATIOS
     }
-    print("| variant | median ms | peak RSS MB |")
-    print("|---|---|---|")
-    for variant, values in runs.items():
-        ms = statistics.median(v[0] for v in values)
-        rss = max(v[1] for v in values)
-        print(f"| {variant} | {ms:.1f} | {rss:.0f} |")
-    for name, values in ratios.items():
-        per_round = " ".join(f"{v:.2f}" for v in values)
-        print(f"{name}: median {statistics.median(values):.2f} ({per_round})")
     # Each split model generates its one-process tokens.
     same = all(
-        run[2] == single[2]
-        for split, one in (
+        rs[0]["tokens"] == one[0]["tokens"]
+        for split, single in (
             ("torch_tp", "torch_single"),
             ("torch_tp_whole_embedding", "torch_single"),
             ("kd_mp", "keras_single"),
         )
-        for run, single in zip(runs[split], runs[one], strict=True)
+        for rs, one in zip(runs[split], runs[single], strict=True)
     )
-    print(f"tokens as in one process: {same}")
-    # Collectives of one generate call, and none left in the diagnostics.
-    collectives = {v: rs[-1][3] for v, rs in runs.items()}
-    for variant, counts in collectives.items():
-        print(f"{variant}: collectives per call {counts or 0}")
-    off = all(
-        not counts
-        for v, counts in collectives.items()
-        if v.endswith("_no_collectives")
-    )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "device": args.device,
-                    "nproc": args.nproc,
-                    "round_ms": {
-                        v: [r[0] for r in rs] for v, rs in runs.items()
-                    },
-                    "rss_mb": {
-                        v: max(r[1] for r in rs) for v, rs in runs.items()
-                    },
-                    "ratios": ratios,
-                    "same_tokens": same,
-                    "collectives": collectives,
-                    "no_collectives_ran_none": off,
-                },
-                f,
-                indent=1,
-            )
+    collectives = {v: rs[-1][0]["collectives"] for v, rs in runs.items()}
+    off = not any(c for v, c in collectives.items() if "_no_coll" in v)
+    result = {"device": args.device, "nproc": args.nproc, "round_ms": round_ms}
+    result["rss_mb"] = {
+        v: max(r["rss_mb"] for rs in runs[v] for r in rs) for v in runs
+    }
+    result.update(ratios=ratios, same_tokens=same, collectives=collectives)
+    result["no_collectives_ran_none"] = off
+    for name, values in ratios.items():
+        print(f"{name}: {' '.join(f'{v:.2f}' for v in values)}")
+    print(f"tokens as in one process: {same}; collectives {collectives}")
+    harness.write_json(args.out, result)
     return 0 if same and off else 1
 
 

@@ -3,23 +3,17 @@
     PYTHONHASHSEED=0 OMP_NUM_THREADS=1 python -m torch.distributed.run \\
         --standalone --nproc_per_node=2 benchmarks/bench_init.py
 
-A 400k x 128 fp32 embedding (205 MB) sharded over the "model" axis, with
-its Adam slots (two more variables of the same layout): each rank should
-hold ~102 MB per variable. Prints, per rank, the resident memory before the
-model, the peak during initialization (ru_maxrss) and the resident memory
-after it (steady state), all in MB, and peak over steady for the model's
-own memory and for the whole process.
+A 400k x 128 fp32 embedding sharded over "model" with its two Adam slots.
+Prints per rank the resident MB before the model, the peak during its
+initialization and the steady RSS after, and peak over steady.
 """
 
+import argparse
 import gc
 import os
-import resource
 import sys
 
-import keras  # noqa: I001
-import torch.distributed as dist
-
-import keras_dtensor  # noqa: F401
+import bench_harness as harness
 
 VOCAB, WIDTH = 400_000, 128
 
@@ -31,8 +25,13 @@ def _rss_mb():
 
 
 def main():
-    # A torch-only environment (see bench_step.py): no TensorFlow import.
-    sys.modules.setdefault("tensorflow", None)
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    sys.modules.setdefault("tensorflow", None)  # see bench_harness.start_worker
+    import keras  # noqa: I001
+    import torch.distributed as dist
+
+    import keras_dtensor  # noqa: F401
+
     keras.distribution.initialize()
     world = keras.distribution.get_device_count()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
@@ -49,7 +48,7 @@ def main():
     optimizer.build(layer.trainable_variables)
     gc.collect()
     steady = _rss_mb()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = harness.peak_rss_mb()
     local = layer.embeddings.value.to_local()
     shard_mb = local.numel() * local.element_size() / 2**20
     for rank in range(world):

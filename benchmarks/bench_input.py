@@ -1,44 +1,29 @@
 """Input work per rank: keras-dtensor's DataParallel against DDP with a
 `DistributedSampler`, on an input-bound map-style dataset.
 
-    python benchmarks/bench_input.py --rounds 3 \
+    python benchmarks/bench_input.py --rounds 3 \\
         --out benchmarks/results-input.json
 
-Each sample costs `--sample-ms` of CPU in `__getitem__` (a stand-in for
-decoding and augmentation), so the epoch is bound by the loader, as on a
-GPU. One epoch of 512 samples at a global batch of 32 (16 per rank at 2
-processes), shuffled, a small MLP. Variants, each in fresh processes
-(`torch.distributed.run`, one thread each), in alternating order per
-round:
-
-- `ddp_sampler`: torch DDP, `DataLoader(batch_size=32 / N,
-  sampler=DistributedSampler(shuffle=True))`;
-- `kd_sharded`: Keras `fit` under keras-dtensor's `DataParallel` on
-  `DataLoader(batch_size=32, shuffle=True)`: each rank loads its shard;
-- `kd_whole`: the same with `KERAS_DTENSOR_SHARDED_LOADING=0`: each rank
-  loads the whole global batch (before issue 49);
-- `kd_pydataset`: a `PyDataset` of the same batches (read whole by every
-  rank: its `__getitem__` builds a whole batch).
-
-Per variant: the epoch's seconds (median over rounds, timed by rank 0
-around the epoch, Keras's first-batch build outside it) and the samples
-each rank's dataset read in it, Keras's build included. Target (issue
-49): samples per rank = 512 / N plus at most one batch; epoch time of
-`kd_sharded` ≤ 1.1 × `ddp_sampler`.
+Each sample costs `--sample-ms` of CPU to load, so the epoch is bound by
+the loader, as on a GPU: one shuffled epoch of 512 samples at a global
+batch of 32, a small MLP, each variant in fresh processes, alternating
+(`bench_harness`): `ddp_sampler` (torch DDP, `DistributedSampler`),
+`kd_sharded` (Keras `fit` under DataParallel on a `DataLoader`: each rank
+loads its shard), `kd_whole` (the same with
+`KERAS_DTENSOR_SHARDED_LOADING=0`: every rank loads the global batch) and
+`kd_pydataset` (a `PyDataset` of the same batches). Per variant: the
+epoch's seconds (rank 0) and the samples each rank read, Keras's
+first-batch build included. Target (issue 49): samples per rank = 512 /
+N plus at most one batch; `kd_sharded`'s epoch ≤ 1.1 × `ddp_sampler`'s.
 """
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from bench_step import head_commit  # noqa: E402
-from bench_step import run_workers  # noqa: E402
+import bench_harness as harness
 
 VARIANTS = ("ddp_sampler", "kd_sharded", "kd_whole", "kd_pydataset")
 SAMPLES, BATCH, WIDTH = 512, 32, 64
@@ -140,95 +125,59 @@ def _keras(dataset, variant):
 
 
 def worker(args):
-    sys.modules.setdefault("tensorflow", None)  # see bench_step.worker
-    import torch
-
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])
+    harness.start_worker()
     dataset = Slow(args.sample_ms)
     if args.variant == "ddp_sampler":
-        seconds = _ddp(dataset, world)
+        seconds = _ddp(dataset, int(os.environ["WORLD_SIZE"]))
     else:
         seconds = _keras(dataset, args.variant)
-    rank = int(os.environ["RANK"])
-    with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "seconds": seconds, "reads": dataset.reads}, f)
-
-
-def _launch(variant, nproc, sample_ms):
-    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
-    if variant == "kd_whole":
-        env["KERAS_DTENSOR_SHARDED_LOADING"] = "0"
-    return run_workers(
-        __file__,
-        nproc,
-        [f"--variant={variant}", f"--sample-ms={sample_ms}"],
-        env,
-        variant,
-    )
+    result = {"seconds": seconds, "reads": dataset.reads}
+    harness.write_result(args.result_dir, result)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "mode", nargs="?", default="bench", choices=["bench", "worker"]
-    )
+    parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sample-ms", type=float, default=1.0)
     parser.add_argument("--nprocs", default="2,4")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--result-dir", default=None)
+    parser.add_argument("--out", help="write the results JSON here")
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    rows = []
+    command = f"python benchmarks/bench_input.py --rounds {args.rounds} "
+    command += f"--sample-ms {args.sample_ms} --nprocs {args.nprocs}"
+    result = harness.record(command, rounds=args.rounds, rows=[])
+    result.update(sample_ms=args.sample_ms, samples=SAMPLES, batch=BATCH)
     for nproc in map(int, args.nprocs.split(",")):
-        seconds = {v: [] for v in VARIANTS}
-        reads = {}
-        for round_ in range(args.rounds):
-            order = VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]
-            for variant in order:
-                ranks = _launch(variant, nproc, args.sample_ms)
-                seconds[variant].append(ranks[0]["seconds"])
-                reads[variant] = [r["reads"] for r in ranks]
-                print(
-                    f"{nproc} processes, round {round_ + 1}, {variant}: "
-                    f"{ranks[0]['seconds']:.2f} s, reads {reads[variant]}",
-                    flush=True,
-                )
-        ddp = seconds["ddp_sampler"]
-        for variant in VARIANTS:
-            ratios = [s / d for s, d in zip(seconds[variant], ddp, strict=True)]
-            rows.append(
-                {
-                    "processes": nproc,
-                    "variant": variant,
-                    "epoch_s": statistics.median(seconds[variant]),
-                    "over_ddp": statistics.median(ratios),
-                    "reads_per_rank": max(reads[variant]),
-                    "goal_reads": SAMPLES // nproc + BATCH,
-                }
+
+        def run(variant, nproc=nproc):
+            env = {}
+            if variant == "kd_whole":
+                env["KERAS_DTENSOR_SHARDED_LOADING"] = "0"
+            flags = [f"--variant={variant}", f"--sample-ms={args.sample_ms}"]
+            return harness.launch(__file__, nproc, flags, env)
+
+        def show(index, variant, ranks, nproc=nproc):
+            reads = [r["reads"] for r in ranks]
+            return f"{nproc} processes, round {index}, {variant}: " + (
+                f"{ranks[0]['seconds']:.2f} s, reads {reads}"
             )
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "commit": head_commit(),
-        "command": (
-            f"python benchmarks/bench_input.py --rounds {args.rounds} "
-            f"--sample-ms {args.sample_ms} --nprocs {args.nprocs}"
-        ),
-        "rounds": args.rounds,
-        "sample_ms": args.sample_ms,
-        "samples": SAMPLES,
-        "batch": BATCH,
-        "rows": rows,
-    }
-    for row in rows:
-        print(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+
+        runs = harness.rounds(args.rounds, VARIANTS, run, show)
+        ddp = [ranks[0]["seconds"] for ranks in runs["ddp_sampler"]]
+        for variant, rounds in runs.items():
+            seconds = [ranks[0]["seconds"] for ranks in rounds]
+            row = {"processes": nproc, "variant": variant}
+            row["epoch_s"] = statistics.median(seconds)
+            row["over_ddp"] = harness.per_round(seconds, ddp)[1]
+            row["reads_per_rank"] = max(r["reads"] for r in rounds[-1])
+            row["goal_reads"] = SAMPLES // nproc + BATCH
+            result["rows"].append(row)
+            print(row)
+    harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,106 +1,56 @@
 """Derived layouts against the maps keras_hub ships, side by side.
 
-For Gemma, Llama and Qwen3-MoE (keras_hub ships a `get_layout_map` for
-each), the causal LM is trained under ModelParallel on a (1, N) mesh once
-with keras_hub's map and once with `keras_dtensor.auto_layout_map`, in
-the same run, each in fresh processes (`torch.distributed.run`, one
-thread each):
-
     python benchmarks/bench_layouts.py --nproc 2 \\
         --out benchmarks/results-layouts.json
 
-First, `auto_layout`'s own count for every family it is tested on
-(`plans`). Then, per family and map: the collectives of one training
-step and of one generated token (counted at dispatch, by kind), the
-parameter and optimizer bytes per rank (the local shards), and the median
-step time (CPU: information only). Goal: the derived map needs no more
-collectives than the shipped one, and no more bytes.
+First `auto_layout`'s own count for every family it is tested on
+(`plans`, one process, nothing allocated). Then Gemma, Llama and
+Qwen3-MoE (keras_hub ships a `get_layout_map` for each) train under
+ModelParallel on a (1, N) mesh with keras_hub's map and with
+`keras_dtensor.auto_layout_map`, each in fresh processes (`bench_harness`):
+collectives of one training step and of one generated token (counted at
+dispatch), parameter and optimizer bytes per rank, and the median step
+time (information only on a CPU). Goal: the derived map needs no more
+collectives and no more bytes than the shipped one.
 """
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("KERAS_BACKEND", "torch")
+import bench_harness as harness
 
-FAMILIES = {
-    # name: (backbone, causal LM, config); small but not tiny: the
-    # embedding is split by vocabulary under both maps
-    "gemma": (
-        "GemmaBackbone",
-        "GemmaCausalLM",
-        dict(head_dim=32, num_key_value_heads=4),
-    ),
-    "llama": ("LlamaBackbone", "LlamaCausalLM", dict(num_key_value_heads=2)),
-    "qwen3_moe": (
-        "Qwen3MoeBackbone",
-        "Qwen3MoeCausalLM",
-        dict(
-            head_dim=32,
-            num_key_value_heads=2,
-            moe_intermediate_dim=64,
-            num_experts=4,
-            top_k=2,
-        ),
-    ),
-}
-COMMON = dict(
-    vocabulary_size=4096,
-    num_layers=2,
-    num_query_heads=4,
-    hidden_dim=128,
-    intermediate_dim=256,
-)
-BATCH, SEQ, STEPS, NEW_TOKENS = 4, 16, 6, 4
-# Every family auto_layout is tested on, for the per-family plan table
-# (derived in one process, nothing allocated): name -> (task, backbone,
-# config).
+MOE = dict(moe_intermediate_dim=64, num_experts=4, top_k=2)
+# name: (keras_hub class prefix, config beyond COMMON) of every family
+# auto_layout is tested on, for `plans`.
 PLANNED = {
-    "gemma": ("GemmaCausalLM", "GemmaBackbone", dict(head_dim=32)),
-    "gemma3": (
-        "Gemma3CausalLM",
-        "Gemma3Backbone",
-        dict(head_dim=32, image_size=None),
-    ),
-    "llama": ("LlamaCausalLM", "LlamaBackbone", {}),
-    "mistral": ("MistralCausalLM", "MistralBackbone", {}),
-    "mixtral": (
-        "MixtralCausalLM",
-        "MixtralBackbone",
-        dict(num_experts=4, top_k=2),
-    ),
-    "phi3": ("Phi3CausalLM", "Phi3Backbone", {}),
-    "qwen": ("QwenCausalLM", "QwenBackbone", {}),
-    "qwen3": ("Qwen3CausalLM", "Qwen3Backbone", dict(head_dim=32)),
-    "qwen_moe": (
-        "QwenMoeCausalLM",
-        "QwenMoeBackbone",
-        dict(
-            moe_intermediate_dim=64,
-            num_experts=4,
-            top_k=2,
-            shared_expert_intermediate_dim=128,
-        ),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeCausalLM",
-        "Qwen3MoeBackbone",
-        dict(head_dim=32, moe_intermediate_dim=64, num_experts=4, top_k=2),
-    ),
+    "gemma": ("Gemma", dict(head_dim=32)),
+    "gemma3": ("Gemma3", dict(head_dim=32, image_size=None)),
+    "llama": ("Llama", {}),
+    "mistral": ("Mistral", {}),
+    "mixtral": ("Mixtral", dict(num_experts=4, top_k=2)),
+    "phi3": ("Phi3", {}),
+    "qwen": ("Qwen", {}),
+    "qwen3": ("Qwen3", dict(head_dim=32)),
+    "qwen_moe": ("QwenMoe", dict(MOE, shared_expert_intermediate_dim=128)),
+    "qwen3_moe": ("Qwen3Moe", dict(MOE, head_dim=32)),
 }
+# The families trained with both maps (keras_hub ships a map for each).
+FAMILIES = {
+    "gemma": ("Gemma", dict(head_dim=32, num_key_value_heads=4)),
+    "llama": ("Llama", dict(num_key_value_heads=2)),
+    "qwen3_moe": ("Qwen3Moe", dict(MOE, head_dim=32, num_key_value_heads=2)),
+}
+COMMON = dict(vocabulary_size=4096, num_layers=2, num_query_heads=4)
+COMMON.update(hidden_dim=128, intermediate_dim=256)
+BATCH, SEQ, STEPS, NEW_TOKENS = 4, 16, 6, 4
 
 
 def plans(nproc):
     """auto_layout's own count per family: all-reduces forward and
     backward, all-gathers, and the fraction of the weights per rank."""
     import keras
-    import keras_hub
 
     import keras_dtensor
 
@@ -108,15 +58,9 @@ def plans(nproc):
         (1, nproc), ["batch", "model"], [f"cpu:{i}" for i in range(nproc)]
     )
     out = {}
-    for family, (task, backbone, extra) in PLANNED.items():
-
-        def build(task=task, backbone=backbone, extra=extra):
-            config = {**COMMON, "num_key_value_heads": 2, **extra}
-            model = getattr(keras_hub.models, backbone)(**config)
-            return getattr(keras_hub.models, task)(
-                backbone=model, preprocessor=None
-            )
-
+    for family, (prefix, extra) in PLANNED.items():
+        config = {"num_key_value_heads": 2, **extra}
+        build = lambda p=prefix, c=config: _build(p, c)  # noqa: E731
         layout = keras_dtensor.auto_layout(build, mesh)
         out[family] = {
             "layers": COMMON["num_layers"],
@@ -131,30 +75,25 @@ def plans(nproc):
     return out
 
 
-def _build(family):
-    import keras_hub
+def _build(prefix, config):
+    """keras_hub's causal LM of the family `prefix` at `config`'s sizes."""
+    from keras_hub import models
 
-    backbone_cls, lm_cls, extra = FAMILIES[family]
-    backbone = getattr(keras_hub.models, backbone_cls)(**COMMON, **extra)
-    return getattr(keras_hub.models, lm_cls)(
-        backbone=backbone, preprocessor=None
-    )
+    backbone = getattr(models, prefix + "Backbone")(**COMMON, **config)
+    task = getattr(models, prefix + "CausalLM")
+    return task(backbone=backbone, preprocessor=None)
 
 
 def _counter():
-    """A dispatch mode counting collectives by kind (torch's
-    `CommDebugMode` also tracks modules, which Keras's nested layer calls
-    trip up)."""
+    """A dispatch mode counting collectives by kind (torch's CommDebugMode
+    also tracks modules, which Keras's nested layer calls trip up)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = {}
+        counts = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            namespace = getattr(func, "namespace", "")
-            if "c10d" in namespace:
+            if "c10d" in getattr(func, "namespace", ""):
                 name = func.overloadpacket.__name__.strip("_")
                 if name not in ("wait_tensor", "wait", "wrap_tensor_autograd"):
                     self.counts[name] = self.counts.get(name, 0) + 1
@@ -173,15 +112,13 @@ def worker(args):
     keras.distribution.initialize()
     world = dist.get_world_size()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
-    backbone_cls = getattr(
-        __import__("keras_hub").models, FAMILIES[args.family][0]
-    )
+    prefix, config = FAMILIES[args.family]
     if args.map == "shipped":
-        layout_map = backbone_cls.get_layout_map(mesh)
+        backbone = getattr(__import__("keras_hub").models, prefix + "Backbone")
+        layout_map = backbone.get_layout_map(mesh)
     else:
-        layout_map = keras_dtensor.auto_layout_map(
-            lambda: _build(args.family), mesh
-        )
+        build = lambda: _build(prefix, config)  # noqa: E731
+        layout_map = keras_dtensor.auto_layout_map(build, mesh)
     distribution = keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
     )
@@ -191,7 +128,7 @@ def worker(args):
     y = rng.integers(1, COMMON["vocabulary_size"], (BATCH, SEQ))
     keras.utils.set_random_seed(0)
     with distribution.scope():
-        lm = _build(args.family)
+        lm = _build(prefix, config)
         lm.compile(
             optimizer=keras.optimizers.AdamW(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -223,7 +160,6 @@ def worker(args):
         return total
 
     result = {
-        "rank": dist.get_rank(),
         "step": step,
         "generate_per_token": {k: n / NEW_TOKENS for k, n in generate.items()},
         "param_bytes": local_bytes(lm.weights),
@@ -231,78 +167,39 @@ def worker(args):
         "step_ms": statistics.median(times),
         "tokens": np.asarray(tokens).tolist(),
     }
-    path = os.path.join(args.result_dir, f"rank{dist.get_rank()}.json")
-    with open(path, "w") as f:
-        json.dump(result, f)
-    return 0
+    harness.write_result(args.result_dir, result)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "mode", nargs="?", default="bench", choices=["bench", "worker"]
-    )
+    parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--family", choices=sorted(FAMILIES))
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--map", choices=["shipped", "auto"])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="write the results JSON here")
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    from bench_step import run_workers
-
-    runs = {}
-    planned = plans(args.nproc)
+    command = "OMP_NUM_THREADS=1 python benchmarks/bench_layouts.py "
+    command += f"--nproc {args.nproc} --out {args.out}"
+    result = harness.record(command, nproc=args.nproc, runs={})
+    result["plans"] = plans(args.nproc)
     for family in args.families.split(","):
         for layout in ("shipped", "auto"):
-            ranks = run_workers(
-                __file__,
-                args.nproc,
-                [f"--family={family}", f"--map={layout}"],
-                {"CUDA_VISIBLE_DEVICES": ""},
-                f"{family} {layout}",
-            )
-            runs.setdefault(family, {})[layout] = {
-                "step": ranks[0]["step"],
-                "generate_per_token": ranks[0]["generate_per_token"],
-                "param_bytes": max(r["param_bytes"] for r in ranks),
-                "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
-                "step_ms": max(r["step_ms"] for r in ranks),
-                "tokens": ranks[0]["tokens"],
+            flags = [f"--family={family}", f"--map={layout}"]
+            ranks = harness.launch(__file__, args.nproc, flags)
+            run = {
+                k: ranks[0][k] for k in ("step", "generate_per_token", "tokens")
             }
-    print(
-        "| family | map | step collectives | per token "
-        "| params+opt MiB/rank | step ms |"
-    )
-    print("|---|---|---|---|---|---|")
-    for family, maps in runs.items():
-        for layout, r in maps.items():
+            for key in ("param_bytes", "optimizer_bytes", "step_ms"):
+                run[key] = max(r[key] for r in ranks)
+            result["runs"].setdefault(family, {})[layout] = run
             print(
-                f"| {family} | {layout} | {r['step']} | "
-                f"{r['generate_per_token']} | "
-                f"{(r['param_bytes'] + r['optimizer_bytes']) / 2**20:.2f} | "
-                f"{r['step_ms']:.1f} |"
+                family, layout, {k: v for k, v in run.items() if k != "tokens"}
             )
-    if args.out:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "date": datetime.date.today().isoformat(),
-                    "commit": commit,
-                    "nproc": args.nproc,
-                    "runs": runs,
-                    "plans": planned,
-                },
-                f,
-                indent=1,
-            )
+    harness.write_json(args.out, result)
     return 0
 
 

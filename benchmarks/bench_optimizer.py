@@ -6,6 +6,7 @@ Part of Keras's per-step overhead over plain torch (single process, no
 distribution): the same 4 x (1024 x 1024) + 4 x 1024 fp32 tensors.
 """
 
+import argparse
 import os
 import statistics
 import time
@@ -28,6 +29,7 @@ def _median_ms(fn, steps=20, warmup=3):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     shapes = [(1024, 1024)] * 4 + [(1024,)] * 4

@@ -1,21 +1,17 @@
 """Time from SIGTERM to exit: does the save fit a grace period?
 
-    python benchmarks/bench_preemption.py \
+    python benchmarks/bench_preemption.py \\
         --out benchmarks/results-preemption.json
 
-For each case a job (torchrun, gloo, one thread a process) trains under
-ModelParallel with `ShardedCheckpoint(dir)` in `fit`; after 10 steps the
-whole job (launcher and workers, as a cluster does) gets SIGTERM. Measured,
-from the signal: the seconds until the launcher exits (every rank agreed on
-a step, saved it and exited with code 75), the seconds until the last rank
-had saved and raised its exit (the rest is the interpreters' teardown),
-the seconds the save took (the callback's own message) and the
-checkpoint's bytes. Then the job is
-started again and the step it resumes at is compared with the last step
-begun before the signal (steps lost; must be 0). Cases: the step
-benchmark's transformer and MLP (TP layouts, 2 processes) and an MLP of
-1 GiB of float32 weights (4 x Dense(8192), column/row split) on 4
-processes, Adam (a checkpoint of 3x the weights).
+Each case trains under ModelParallel with `ShardedCheckpoint` in `fit`
+(torchrun, gloo, one thread a process); after 10 steps the whole job gets
+SIGTERM, as a cluster sends it. Measured from the signal: seconds until
+the launcher exits (every rank saved its step and exited 75), until the
+last rank had saved (the rest is teardown), the save's own seconds and the
+checkpoint's bytes; then the job restarts and the step it resumes at
+gives the steps lost (must be 0). Cases: the step benchmark's transformer
+and MLP (2 processes) and an MLP of 1 GiB of weights (4 x Dense(8192)) on
+4 processes.
 """
 
 import argparse
@@ -28,8 +24,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import bench_harness as harness
+import bench_step
 
 CASES = {
     "transformer": dict(nproc=2),
@@ -40,8 +36,6 @@ CASES = {
 
 def _model(keras, case):
     """`(model, batch size, input shape)`."""
-    import bench_step
-
     if case == "mlp_1g":
         cfg = CASES[case]
         inputs = keras.Input((cfg["width"],))
@@ -66,8 +60,6 @@ def worker(args):
     _, rank = launch.world()
     mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
-    import bench_step
-
     name = "mlp" if args.case == "mlp_1g" else args.case
     for key, value in bench_step._keras_layouts(name, "kd_tp").items():
         layout_map[key] = value
@@ -106,7 +98,7 @@ def _steps(root):
 
 
 def _job(case, root, signal_after_steps=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+    env = dict(os.environ, **harness.ENV)
     command = [
         sys.executable,
         "-m",
@@ -194,21 +186,11 @@ def main(argv=None):
 def update_results(path, key, rows):
     """Puts `rows` under `key` of the results file at `path`, dated, with
     the commit measured (the file's other keys are kept)."""
-    import datetime
-
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     data = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    data[key] = {
-        "date": datetime.date.today().isoformat(),
-        "commit": commit,
-        "command": " ".join(["python", *sys.argv]),
-        "rows": rows,
-    }
+    data[key] = harness.record(" ".join(["python", *sys.argv]), rows=rows)
     with open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
 

@@ -4,36 +4,22 @@
         --nproc_per_node=4 benchmarks/bench_save.py [DIR] [--json OUT] \\
         [--cases new,old,dcp]
 
-An Embedding(VOCAB, WIDTH) fp32 table laid out `(None, "model")` and a
-Dense(UNITS) kernel `(None, "model")` on a (1, processes) mesh, Adam, one
-`fit` step (so the optimizer slots exist). Then, in one run (`--cases`
-picks among them):
-
-- `save_weights` and `model.save` as shipped: sharded variables streamed
-  to rank 0 in pieces (`saving/h5_stream.py`), `model.save`'s zip written
-  with the weights in place (`saving/zip_writer.py`);
-- "old": the same with those three entries of the table off, which is the
-  save before streaming (every rank gathers every variable);
-- `torch.distributed.checkpoint.save` of the same variables (model and
-  optimizer, as DTensors): every rank writes its own shards.
-
-Each is timed on rank 0 from a barrier to its return (every save ends in
-a collective, so every rank has finished) and repeated `--repeat` times,
-the order of the cases reversed every other round (best time kept, and
-each round's ratio to that round's DCP, with their median; the previous
-save runs once: it is much slower); memory
-is each rank's resident high-water mark during it (`/proc/self/status`
-VmHWM after resetting it) over its resident memory before it, as a
-fraction of the model's weights (the table and kernel), the largest over
-the repeats. Files go to DIR (default: the temporary directory) and are
-deleted after each measurement; dirty pages are flushed (`os.sync`)
-before each, outside the timing. DCP writes with its default
-`sync_files=True` (an fsync per file): Keras's writer does not fsync.
+An Embedding(1M, 128) laid out `(None, "model")` and a Dense(256) kernel
+`(None, "model")` on a (1, processes) mesh, Adam, one `fit` step. Cases:
+`save_weights` and `model.save` as shipped ("new": streamed to rank 0 in
+pieces, the zip written in place), the same with those patch entries off
+("old": every rank gathers every variable; once, it is much slower), and
+`torch.distributed.checkpoint.save` of the same variables ("dcp", the
+reference; default `sync_files=True`). Each is timed on rank 0 from a
+barrier to its return, `--repeat` times in alternating order (best time,
+and each round's ratio to that round's DCP with their median); memory is
+each rank's VmHWM during it over its RSS before, as a fraction of the
+model's weights. Files go to DIR and are deleted after each measurement;
+dirty pages are flushed before each, outside the timing.
 """
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -41,8 +27,8 @@ import sys
 import tempfile
 import time
 
+import bench_harness as harness
 import numpy as np
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -50,19 +36,6 @@ import keras_dtensor  # noqa: F401 - before keras: KERAS_BACKEND=torch
 from keras_dtensor.backend import launch
 
 VOCAB, WIDTH, UNITS, SEQ = 1_000_000, 128, 256, 8
-
-
-def _status_mb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _build():
@@ -94,11 +67,7 @@ class _Gathering:
     _ROWS = (
         ("keras.src.saving.saving_lib", "H5IOStore", "__setitem__"),
         ("keras.src.saving.saving_lib", None, "_save_model_to_fileobj"),
-        (
-            "keras.src.optimizers.base_optimizer",
-            "BaseOptimizer",
-            "save_own_variables",
-        ),
+        ("keras.src.optimizers.base_optimizer", "BaseOptimizer", None),
     )
 
     def _owners(self):
@@ -106,7 +75,8 @@ class _Gathering:
 
         for module, cls, name in self._ROWS:
             owner = importlib.import_module(module)
-            yield (getattr(owner, cls) if cls else owner), name
+            owner = getattr(owner, cls) if cls else owner
+            yield owner, name or "save_own_variables"
 
     def __enter__(self):
         self._saved = []
@@ -126,12 +96,12 @@ def _measure(run, directory):
     if dist.get_rank() == 0:
         os.sync()  # every case starts without the last one's dirty pages
     dist.barrier()
-    before = _status_mb("VmRSS")
-    _reset_peak()
+    before = harness.status()["VmRSS"]
+    harness.reset_peak()
     start = time.perf_counter()
     run()
     seconds = time.perf_counter() - start
-    peak = _status_mb("VmHWM") - before
+    peak = (harness.status()["VmHWM"] - before) / 2**20
     dist.barrier()
     if dist.get_rank() == 0:
         for name in os.listdir(directory):
@@ -157,11 +127,7 @@ def main():
     parser.add_argument("directory", nargs="?")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--json")
-    parser.add_argument(
-        "--cases",
-        default="new,old,dcp",
-        help="comma-separated: new, old, dcp (dcp is the time reference)",
-    )
+    parser.add_argument("--cases", default="new,old,dcp", help="dcp: always")
     args = parser.parse_args()
     import keras
 
@@ -222,29 +188,22 @@ def main():
             ]
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
-        piece = os.environ.get("KERAS_DTENSOR_SAVE_PIECE_MB", "16 (default)")
-        print(
-            f"model weights {model_mb:.0f} MB, {dist.get_world_size()} "
-            f"ranks, piece {piece} MB, best of {args.repeat}, torch "
-            f"{torch.__version__}"
-        )
-        dcp_s = results["dcp"]["seconds"]
         dcp_rounds = results["dcp"]["rounds"]
+        print(f"weights {model_mb:.0f} MB, {dist.get_world_size()} ranks")
         for key, r in results.items():
-            fractions = ", ".join(f"{p / model_mb:.2f}" for p in r["peak_mb"])
             # Each round's ratio to that round's DCP; their median.
             ratios = [s / dcp_rounds[i] for i, s in sorted(r["rounds"].items())]
-            r["round_ratios"] = ratios
-            r["median_ratio"] = statistics.median(ratios)
-            print(
-                f"{key:18s} {r['seconds']:6.2f} s ({r['seconds'] / dcp_s:4.1f}x"
-                f" DCP); peak increase per rank / model: {fractions}; ratio "
-                f"by round {r['median_ratio']:.2f} median of "
-                f"{', '.join(f'{x:.2f}' for x in ratios)}"
+            r.update(
+                round_ratios=ratios, median_ratio=statistics.median(ratios)
             )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"model_mb": model_mb, "results": results}, f)
+            fractions = [round(p / model_mb, 2) for p in r["peak_mb"]]
+            print(
+                f"{key}: best {r['seconds']:.2f} s, ratio to DCP by round "
+                f"{ratios}, peak per rank / model {fractions}"
+            )
+        harness.write_json(
+            args.json, {"model_mb": model_mb, "results": results}
+        )
     dist.destroy_process_group()
 
 

@@ -1,75 +1,53 @@
 """Step time, memory and communication: keras-dtensor against native torch.
 
-One command runs every variant, interleaved round by round, each in fresh
-processes launched by `torch.distributed.run` with one thread per process:
-
     python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
-Variants (2 processes unless "single"): torch single, Keras single (the
-global batch; "_local": one process's share of it; "_pair": that share in
-2 independent processes side by side, no communication, which loads the
-machine as the 2-process variants do), torch DDP, torch TP
-(`parallelize_module`, column/row split), torch FSDP2 (`fully_shard`),
-keras-dtensor DataParallel, keras-dtensor ModelParallel (the TP split),
-keras-dtensor FSDP-style layout (weights sharded over "batch"). Models: MLP
-4 x Dense(1024), batch 64; transformer 2 blocks, d_model 256, 4 heads, MLP
-1024, seq 128, batch 8 (`--models transformer_small`: d_model 32, MLP 128,
-seq 16, where each op's host-side cost outweighs its arithmetic, as on a
-GPU). Adam, fp32, MSE on random targets.
+Every variant runs interleaved round by round, in fresh processes
+(`bench_harness.launch`): torch single, DDP, TP (`parallelize_module`), FSDP2
+(`fully_shard`); Keras single (`_local`: one process's share of the
+batch; `_pair`: that share in 2 independent processes side by side);
+keras-dtensor DataParallel, ModelParallel (the TP split), FSDP-style
+(weights sharded over "batch"). Models: MLP 4 x Dense(1024), batch 64;
+transformer 2 blocks, d_model 256, seq 128, batch 8 (`transformer_small`:
+d_model 32, seq 16, where each op's host-side cost outweighs its
+arithmetic, as on a GPU). Adam, fp32, MSE on random targets.
 
-Per variant: median and min ms/step over the timed steps of every round,
-peak RSS per process, parameter + optimizer bytes held per rank, and
-collectives per step (torch's CommDebugMode: DTensor/functional
-collectives and c10d ops such as DDP's `allreduce_`; point-to-point
-batches, which it does not see, are counted as "send/recv batch").
-
-Targets: each keras-dtensor variant over its torch counterpart, against
-Keras single over torch single (global batch, per-process batch, and
-per-process batch side by side), as a ratio and as extra milliseconds.
-The shared machine's speed drifts by more than these margins, so the two
-variants of a ratio run back to back (in alternating order) and every ratio
-is taken within each round, then summarized by its median over rounds.
+Per variant: ms a step (wall and the main thread's CPU), peak RSS,
+parameter + optimizer bytes per rank, collectives a step (CommDebugMode,
+plus point-to-point batches) and one untimed step counted
+(`step_counts.py`). Targets: each keras-dtensor variant over its torch
+counterpart against Keras single over torch single, per round, as a ratio
+and in extra milliseconds. `*_no_collectives` variants (not in the
+default run) make every collective a local no-op once warm
+(`collectives_off.py`): the host work alone.
 """
 
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-# Ordered so that each target's two variants run back to back.
+import bench_harness as harness
+
+# Ordered so that each target's two variants run back to back; the
+# value 1: one process.
 VARIANTS = {
     "torch_single": 1,
     "keras_single": 1,
-    # One process on one process's share of the batch (batch / nproc): the
-    # work each rank of the 2-process variants does.
     "torch_single_local": 1,
     "keras_single_local": 1,
-    # The same share in every process at once, each process on its own: the
-    # load every rank of the 2-process variants runs under, minus their
-    # communication.
     "torch_single_pair": 2,
     "keras_single_pair": 2,
     "torch_ddp": 2,
     "kd_dp": 2,
     "torch_tp": 2,
     "kd_mp": 2,
-    # kd_mp with every op as a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0): what
-    # running the ops between tensor-parallel layers locally buys.
-    "kd_mp_dtensor": 2,
+    "kd_mp_dtensor": 2,  # every op a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0)
     "torch_fsdp2": 2,
     "kd_fsdp": 2,
-    # jit_compile=True (a compiled forward under ModelParallel).
     "keras_single_jit": 1,
     "kd_mp_jit": 2,
-    # Diagnostics: the same steps with every collective a local no-op once
-    # warm (`collectives_off`): wrong numbers, the same host work. Each
-    # pair compares the host work alone; a variant minus its twin is what
-    # its collectives cost.
     "torch_ddp_no_collectives": 2,
     "kd_dp_no_collectives": 2,
     "torch_tp_no_collectives": 2,
@@ -96,15 +74,17 @@ RATIOS = (
     ("kd_mp_over_tp" + OFF, "kd_mp" + OFF, "torch_tp" + OFF),
     ("kd_fsdp_over_fsdp2" + OFF, "kd_fsdp" + OFF, "torch_fsdp2" + OFF),
 )
-# The ratios held against Keras's own overhead.
+# The ratios held against Keras's own overhead, and its references.
 _DISTRIBUTED = ("kd_dp_over_ddp", "kd_mp_over_tp", "kd_fsdp_over_fsdp2")
+REFERENCES = {"": "keras_over_torch_single"}
+REFERENCES["_vs_local"] = "keras_over_torch_local"
+REFERENCES["_vs_pair"] = "keras_over_torch_pair"
+LABELS = ("per_round", "holds_in_rounds"), ("extra_ms_per_round", "extra_holds")
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
     "transformer": dict(
         d_model=256, heads=4, mlp=1024, seq=128, batch=8, blocks=2
     ),
-    # The same blocks at sizes where each op's host-side cost outweighs
-    # its arithmetic: a CPU's view of a GPU step (not in the default run).
     "transformer_small": dict(
         d_model=32, heads=4, mlp=128, seq=16, batch=8, blocks=2
     ),
@@ -115,16 +95,10 @@ MODELS = {
 def _torch_mlp(cfg):
     import torch
 
-    layers = [
-        torch.nn.Linear(cfg["width"], cfg["width"])
-        for _ in range(cfg["layers"])
-    ]
     body = []
-    for i, layer in enumerate(layers):
-        body.append(layer)
-        if i < len(layers) - 1:
-            body.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*body)
+    for _ in range(cfg["layers"]):
+        body += [torch.nn.Linear(cfg["width"], cfg["width"]), torch.nn.ReLU()]
+    return torch.nn.Sequential(*body[:-1])
 
 
 def _torch_transformer(cfg):
@@ -193,26 +167,25 @@ def _data(model_name, cfg):
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def _cuda():
-    return os.environ.get("BENCH_DEVICE") == "cuda"
-
-
-def _sync():
-    """Wait for queued GPU work, so a step's time is the step's own."""
-    if _cuda():
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _bytes(tensors):
+def local_bytes(tensors):
+    """The bytes of `tensors`' local shards (None skipped)."""
     from torch.distributed.tensor import DTensor
 
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if t is not None)
+
+
+def adam(params, lr):
+    """torch's foreach Adam, DTensor and plain parameters in separate
+    groups (TP leaves LayerNorm's plain): each foreach call sees one kind."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    groups = [
+        [p for p in params if isinstance(p, DTensor) == d] for d in (1, 0)
+    ]
+    groups = [{"params": g} for g in groups if g]
+    return torch.optim.Adam(groups, lr=lr, foreach=True)
 
 
 def _config(variant, model_name):
@@ -223,12 +196,9 @@ def _config(variant, model_name):
 
 
 def _pair_start(variant):
-    """For "_pair" variants: start every process's steps together.
-
-    Returns the extra untimed steps this process runs after its timed ones
-    (ranks other than 0 keep running while rank 0, whose times are kept,
-    finishes).
-    """
+    """For "_pair" variants: every process's steps start together; the
+    untimed steps ranks other than 0 run after their timed ones, so rank 0
+    (whose times are kept) never finishes alone."""
     if not variant.endswith("_pair"):
         return 0
     import torch.distributed as dist
@@ -255,12 +225,12 @@ def _run_torch(variant, model_name, steps, warmup):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     x, y = _data(model_name, cfg)
     device = "cpu"
-    if _cuda():
+    if harness.cuda():
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         torch.cuda.set_device(device)
         model, x, y = model.to(device), x.to(device), y.to(device)
     if not variant.startswith("torch_single"):
-        dist.init_process_group("nccl" if _cuda() else "gloo")
+        dist.init_process_group("nccl" if harness.cuda() else "gloo")
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.split(":")[0], (world,))
@@ -280,17 +250,7 @@ def _run_torch(variant, model_name, steps, warmup):
                     fully_shard(module, mesh=mesh)
             fully_shard(model, mesh=mesh)
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-    # TP leaves LayerNorm parameters plain: keep DTensor and plain
-    # parameters in separate groups so each foreach call sees one kind.
-    from torch.distributed.tensor import DTensor
-
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if isinstance(p, DTensor)]},
-        {"params": [p for p in params if not isinstance(p, DTensor)]},
-    ]
-    groups = [g for g in groups if g["params"]]
-    optimizer = torch.optim.Adam(groups, lr=1e-4, foreach=True)
+    optimizer = adam(list(model.parameters()), 1e-4)
 
     def step():
         optimizer.zero_grad()
@@ -305,7 +265,7 @@ def _run_torch(variant, model_name, steps, warmup):
             _collectives_off(model if variant == "torch_ddp" else None)
         start, start_cpu = time.perf_counter(), time.thread_time()
         step()
-        _sync()
+        harness.sync()
         if warmup <= i < warmup + steps:
             times.append(time.perf_counter() - start)
             cpu.append(time.thread_time() - start_cpu)
@@ -318,7 +278,7 @@ def _run_torch(variant, model_name, steps, warmup):
     return {
         "times": times,
         "cpu_times": cpu,
-        "bytes": _bytes(list(model.parameters()) + state),
+        "bytes": local_bytes(list(model.parameters()) + state),
         "comms": {str(k): v for k, v in comm.get_comm_counts().items()},
         "counts": counts.as_dict(),
     }
@@ -464,7 +424,7 @@ def _run_keras(variant, model_name, steps, warmup):
         def on_train_batch_begin(self, batch, logs=None):
             if off and batch == warmup:
                 _collectives_off()
-            _sync()
+            harness.sync()
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
             if batch == repeats - 1:  # the last step: count collectives
@@ -475,7 +435,7 @@ def _run_keras(variant, model_name, steps, warmup):
             self.start_cpu = time.thread_time()
 
         def on_train_batch_end(self, batch, logs=None):
-            _sync()
+            harness.sync()
             elapsed = time.perf_counter() - self.start
             elapsed_cpu = time.thread_time() - self.start_cpu
             if batch == warmup + steps:
@@ -508,181 +468,62 @@ def _run_keras(variant, model_name, steps, warmup):
     return {
         "times": timer.times,
         "cpu_times": timer.cpu,
-        "bytes": _bytes(held),
+        "bytes": local_bytes(held),
         "comms": timer.comms,
         "counts": timer.counts.as_dict(),
     }
 
 
 def worker(args):
-    # A torch-only environment: Keras's set_random_seed imports TensorFlow
-    # whenever it is installed (the test setup installs it for tf.data),
-    # which costs every process seconds and ~400 MB.
-    sys.modules.setdefault("tensorflow", None)
-    import torch
-
-    torch.set_num_threads(1)
+    harness.start_worker()
     run = _run_keras if args.variant.startswith(("keras", "kd")) else _run_torch
     result = run(args.variant, args.model, args.steps, args.warmup)
-    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    rank = int(os.environ.get("RANK", "0"))
-    path = os.path.join(args.result_dir, f"rank{rank}.json")
-    with open(path, "w") as f:
-        json.dump(dict(result, rank=rank), f)
+    harness.write_result(args.result_dir, result)
 
 
 def _launch(variant, model, args):
-    nproc = _nproc(variant, args)
-    env = dict(
-        BENCH_DEVICE=args.device,
-        BENCH_NPROC=str(args.nproc),
-        PYTHONHASHSEED="0",
-        KERAS_DTENSOR_LOG_ALL_RANKS="0",
-    )
-    if args.device == "cpu":  # Keras picks a visible GPU by itself
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = {"BENCH_NPROC": str(args.nproc)}
     if variant == "kd_mp_dtensor":
         env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
-    return run_workers(
-        __file__,
-        nproc,
-        [
-            f"--variant={variant}",
-            f"--model={model}",
-            f"--steps={args.steps}",
-            f"--warmup={args.warmup}",
-        ],
-        env,
-        f"{variant}/{model}",
-    )
-
-
-def head_commit():
-    """The short commit of the checkout being measured."""
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(os.path.abspath(__file__)),
-    ).stdout.strip()
-
-
-def run_workers(script, nproc, arguments, env, name):
-    """Runs `script worker *arguments` on `nproc` fresh processes
-    (`torch.distributed.run`, one thread each, the torch backend) and
-    returns each rank's result (the JSON it wrote to `--result-dir`), in
-    rank order."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "KERAS_BACKEND": "torch",
-        **env,
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        script,
-        "worker",
-        *arguments,
-    ]
-    with tempfile.TemporaryDirectory() as result_dir:
-        command.append(f"--result-dir={result_dir}")
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
-        files = sorted(os.listdir(result_dir))
-        if proc.returncode != 0 or len(files) != nproc:
-            raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-        results = []
-        for file_name in files:
-            with open(os.path.join(result_dir, file_name)) as f:
-                results.append(json.load(f))
-    return sorted(results, key=lambda r: r["rank"])
-
-
-def _nproc(variant, args):
-    return 1 if VARIANTS[variant] == 1 else args.nproc
+    arguments = [f"--variant={variant}", f"--model={model}"]
+    arguments += [f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    nproc = 1 if VARIANTS[variant] == 1 else args.nproc
+    return harness.launch(__file__, nproc, arguments, env, args.device)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "mode", nargs="?", default="bench", choices=["bench", "worker"]
-    )
+    parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default="mlp,transformer")
-    parser.add_argument(
-        "--variants",
-        default=",".join(v for v in VARIANTS if not v.endswith(OFF)),
-        help="default: all but the no-collectives diagnostics",
-    )
+    default = ",".join(v for v in VARIANTS if not v.endswith(OFF))
+    parser.add_argument("--variants", default=default, help="default: all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        choices=["cpu", "cuda"],
-        help="cuda: one GPU per process, NCCL (needs --nproc GPUs)",
-    )
-    parser.add_argument(
-        "--nproc",
-        type=int,
-        default=2,
-        help="processes of the distributed variants",
-    )
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--nproc", type=int, default=2, help="distributed")
+    parser.add_argument("--out", help="write the results JSON here")
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-
-    models = args.models.split(",")
     unknown = set(args.variants.split(",")) - VARIANTS.keys()
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
-    raw = {m: {v: [] for v in variants} for m in models}
-    started = time.time()
-    for round_index in range(args.rounds):
-        # Odd rounds run the variants in reverse, so neither side of a
-        # ratio always runs first.
-        order = variants if round_index % 2 == 0 else variants[::-1]
-        for model in models:
-            for variant in order:
-                raw[model][variant].append(_launch(variant, model, args))
-                ms = 1000 * statistics.median(
-                    raw[model][variant][-1][0]["times"]
-                )
-                print(
-                    f"round {round_index + 1} {model:11} {variant:13} "
-                    f"{ms:8.1f} ms",
-                    flush=True,
-                )
-    table = {}
-    for model in models:
-        table[model] = {}
-        for variant in variants:
-            runs = raw[model][variant]
-            times = [t for run in runs for t in run[0]["times"]]
-            last = runs[-1]
-            cpu = [t for run in runs for t in run[0].get("cpu_times", ())]
-            table[model][variant] = {
-                "median_ms": 1000 * statistics.median(times),
-                # The main thread's CPU time: host work, without waits.
-                "cpu_median_ms": 1000 * statistics.median(cpu) if cpu else None,
-                "min_ms": 1000 * min(times),
-                "round_median_ms": [
-                    1000 * statistics.median(run[0]["times"]) for run in runs
-                ],
-                "rss_mb": max(r["rss_mb"] for run in runs for r in run),
-                "bytes_per_rank": max(r["bytes"] for r in last),
-                "comms_per_step": last[0]["comms"],
-                "counts_per_step": last[0].get("counts", {}),
-                "processes": _nproc(variant, args),
-            }
+    started, models = time.time(), args.models.split(",")
+
+    def show(index, pair, ranks):
+        ms = 1000 * statistics.median(ranks[0]["times"])
+        return f"round {index} {pair[0]:11} {pair[1]:13} {ms:8.1f} ms"
+
+    pairs = [(model, variant) for model in models for variant in variants]
+    raw = harness.rounds(
+        args.rounds, pairs, lambda p: _launch(p[1], p[0], args), show
+    )
+    table = {m: {v: _row(raw[m, v], v, args) for v in variants} for m in models}
     # The diagnostics must have run without any collective once warm.
     ran = {
         f"{model}/{variant}": row["comms_per_step"]
@@ -697,72 +538,73 @@ def main(argv=None):
         "rounds": args.rounds,
         "steps": args.steps,
         "device": args.device,
-        "targets": {m: _targets(table[m], args) for m in models},
+        "targets": {m: _targets(rows, args) for m, rows in table.items()},
     }
-    text = json.dumps(summary, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(_markdown(summary))
+    harness.write_json(args.out, summary)
+    for model, targets in summary["targets"].items():
+        for name, value in targets.items():
+            if isinstance(value, dict):
+                held = _held(value, "holds_in_rounds")
+                rounds = " ".join(f"{r:.2f}" for r in value["per_round"])
+                print(
+                    f"{model} {name}: {value['median_of_rounds']:.2f} "
+                    f"({rounds}) held {held or '-'}"
+                )
     if ran:
         print(f"collectives ran in no-collectives variants: {ran}")
-        return 1
-    return 0
+    return 1 if ran else 0
+
+
+def _row(runs, variant, args):
+    """A variant's figures over its rounds (rank 0's times)."""
+    times = [t for run in runs for t in run[0]["times"]]
+    cpu = [t for run in runs for t in run[0]["cpu_times"]]
+    return {
+        "median_ms": 1000 * statistics.median(times),
+        "cpu_median_ms": 1000 * statistics.median(cpu),  # host work
+        "min_ms": 1000 * min(times),
+        "round_median_ms": [
+            1000 * statistics.median(run[0]["times"]) for run in runs
+        ],
+        "rss_mb": max(r["rss_mb"] for run in runs for r in run),
+        "bytes_per_rank": max(r["bytes"] for r in runs[-1]),
+        "comms_per_step": runs[-1][0]["comms"],
+        "counts_per_step": runs[-1][0]["counts"],
+        "processes": 1 if VARIANTS[variant] == 1 else args.nproc,
+    }
 
 
 def _targets(rows, args):
-    """Step-time ratios, per round and overall, and the memory ratio.
-
-    The machine's speed drifts between rounds by more than the margins
-    being checked, so each ratio is also taken within every round (its two
-    variants ran back to back) and summarized by the median over rounds;
-    `*_holds_in_rounds` counts the rounds in which a target held.
-    """
+    """Each ratio within every round and its median over rounds, in ms too;
+    `holds_in_rounds`/`extra_holds` count the rounds in which a distributed
+    variant's ratio/extra ms stayed within Keras's own over torch (at the
+    global batch; `_vs_local`, `_vs_pair`: at one process's share)."""
     targets = {}
     for name, a, b in RATIOS:
         if {a, b} <= rows.keys():
-            pairs = list(
-                zip(
-                    rows[a]["round_median_ms"],
-                    rows[b]["round_median_ms"],
-                    strict=True,
-                )
-            )
-            per_round = [x / y for x, y in pairs]
-            extra_ms = [x - y for x, y in pairs]
+            ms = rows[a]["round_median_ms"], rows[b]["round_median_ms"]
+            per_round, median = harness.per_round(*ms)
+            extra, extra_median = harness.per_round(*ms, lambda x, y: x - y)
             targets[name] = {
                 "pooled": rows[a]["median_ms"] / rows[b]["median_ms"],
-                "median_of_rounds": statistics.median(per_round),
+                "median_of_rounds": median,
                 "per_round": per_round,
-                "extra_ms_median_of_rounds": statistics.median(extra_ms),
-                "extra_ms_per_round": extra_ms,
+                "extra_ms_median_of_rounds": extra_median,
+                "extra_ms_per_round": extra,
             }
-    # Each distributed variant against Keras's own overhead at the global
-    # batch and at the per-process batch.
-    for allowed_name, suffix in (
-        ("keras_over_torch_single", ""),
-        ("keras_over_torch_local", "_vs_local"),
-        ("keras_over_torch_pair", "_vs_pair"),
-    ):
-        allowed = targets.get(allowed_name)
-        for name in _DISTRIBUTED + tuple(n + OFF for n in _DISTRIBUTED):
-            if not allowed or name not in targets:
-                continue
-            for key, label in (
-                ("per_round", "holds_in_rounds"),
-                ("extra_ms_per_round", "extra_holds"),
-            ):
-                held = [
-                    x <= limit
-                    for x, limit in zip(
-                        targets[name][key], allowed[key], strict=True
-                    )
-                ]
-                targets[name][label + suffix] = f"{sum(held)}/{len(held)}"
+    checked = (*_DISTRIBUTED, *(n + OFF for n in _DISTRIBUTED))
+    for suffix in ("", "_vs_local", "_vs_pair"):
+        allowed = targets.get(REFERENCES[suffix])
+        for name in checked if allowed else ():
+            for key, label in LABELS:
+                if name in targets:
+                    pairs = zip(targets[name][key], allowed[key], strict=True)
+                    held = [x <= limit for x, limit in pairs]
+                    targets[name][label + suffix] = f"{sum(held)}/{len(held)}"
     if {"kd_fsdp", "keras_single"} <= rows.keys():
-        targets["kd_fsdp_bytes_over_full_div_n"] = rows["kd_fsdp"][
-            "bytes_per_rank"
-        ] / (rows["keras_single"]["bytes_per_rank"] / args.nproc)
+        full = rows["keras_single"]["bytes_per_rank"] / args.nproc
+        kd = rows["kd_fsdp"]["bytes_per_rank"]
+        targets["kd_fsdp_bytes_over_full_div_n"] = kd / full
     return targets
 
 
@@ -771,62 +613,6 @@ def _held(value, label):
         value.get(label + suffix) for suffix in ("", "_vs_local", "_vs_pair")
     ]
     return " / ".join(h or "-" for h in held) if any(held) else ""
-
-
-def _ms(value):
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _markdown(summary):
-    lines = [
-        "| model | variant | procs | median ms | min ms | host CPU ms | "
-        "peak RSS MB | "
-        "param+opt MB/rank | collectives/step | Python calls "
-        "(package's) / DTensors / syncs per step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for model, rows in summary["table"].items():
-        for variant, row in rows.items():
-            comms = ", ".join(
-                f"{k.split('.')[-1]} {v}"
-                for k, v in row["comms_per_step"].items()
-            )
-            c = row.get("counts_per_step") or {}
-            counts = (
-                f"{c['python_calls']} ({c['package_calls']}) / "
-                f"{c['dtensors']} / {c['python_syncs']}"
-                if c
-                else "-"
-            )
-            lines.append(
-                f"| {model} | {variant} | {row['processes']} | "
-                f"{row['median_ms']:.1f} | "
-                f"{row['min_ms']:.1f} | {_ms(row.get('cpu_median_ms'))} | "
-                f"{row['rss_mb']:.0f} | "
-                f"{row['bytes_per_rank'] / 2**20:.1f} | {comms or '-'} | "
-                f"{counts} |"
-            )
-    lines.append("")
-    lines.append(
-        "| model | ratio | pooled | median of rounds | per round | "
-        "ratio held (global / per-process / side by side) | "
-        "extra ms (median of rounds) | extra ms held (same three) |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|")
-    for model, targets in summary["targets"].items():
-        for name, value in targets.items():
-            if not isinstance(value, dict):
-                lines.append(f"| {model} | {name} | {value:.2f} | | | | | |")
-                continue
-            rounds = " ".join(f"{r:.2f}" for r in value["per_round"])
-            lines.append(
-                f"| {model} | {name} | {value['pooled']:.2f} | "
-                f"{value['median_of_rounds']:.2f} | {rounds} | "
-                f"{_held(value, 'holds_in_rounds')} | "
-                f"{value['extra_ms_median_of_rounds']:.1f} | "
-                f"{_held(value, 'extra_holds')} |"
-            )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,9 @@
-"""Diagnostics for the benchmarks: collectives turned into local no-ops,
-and the collectives a call dispatches, counted.
+"""Collectives made local no-ops, and the collectives a call dispatches.
 
-A `*_no_collectives` variant runs the same program with every collective
-replaced, once warm, by a local copy of the right shape: the results are
-wrong (each rank keeps its own values) but the host work is the same, so
-a variant's time minus its no-collectives twin's is what its collectives
-cost, and the no-collectives pair compares the host work alone.
-
-    off = CollectivesOff()
-    off.install()             # after the warm-up steps
-    off.ddp(model)            # a DDP module: its reducer's all-reduce
-    count_collectives(step)   # {op: count}; must be {} once installed
+A `*_no_collectives` benchmark variant installs `CollectivesOff` once
+warm: every collective becomes a local copy of the right shape, so the
+numbers are wrong but the host work is the same, and a variant's time
+minus its twin's is what its collectives cost.
 """
 
 import collections
@@ -18,9 +11,7 @@ import collections
 __all__ = ["CollectivesOff", "count_collectives"]
 
 
-class _Done:
-    """What an `async_op=True` collective returns: already complete."""
-
+class _Done:  # what an `async_op=True` collective returns: complete
     def wait(self, *args, **kwargs):
         return True
 
@@ -29,9 +20,8 @@ class _Done:
 
 
 class CollectivesOff:
-    """Replaces the collectives of `torch.distributed`'s Python API and of
-    its functional collectives (what DTensor, FSDP2 and keras-dtensor
-    call, looked up at call time) with local copies."""
+    """Local copies in place of `torch.distributed`'s collectives and its
+    functional ones (what DTensor, FSDP2 and keras-dtensor call)."""
 
     def install(self):
         import torch
@@ -100,8 +90,7 @@ class CollectivesOff:
         funcol.reduce_scatter_single = scatter
 
     def ddp(self, module):
-        """DDP's buckets are all-reduced by its C++ reducer: a comm hook
-        that hands each bucket back as it is."""
+        """DDP's C++ reducer: a comm hook that keeps each bucket."""
         import torch
 
         def keep(state, bucket):
@@ -113,9 +102,8 @@ class CollectivesOff:
 
 
 def count_collectives(call):
-    """The collectives `call()` dispatches, by op (c10d and functional;
-    CommDebugMode's module tracking fails on some modules under
-    `no_grad`)."""
+    """The collectives `call()` dispatches, by op (CommDebugMode's module
+    tracking fails on some modules under `no_grad`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Collectives(TorchDispatchMode):

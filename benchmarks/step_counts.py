@@ -1,16 +1,9 @@
-"""Host work of one step, counted: Python calls, the package's own Python
-calls, DTensor constructions and Python-visible host syncs.
+"""One step's host work, counted: Python calls (the package's own too),
+DTensors built and Python-visible host syncs; exact on any machine.
 
-    with StepCounts() as counts:
-        step()
-    counts.as_dict()
-
-Python calls are counted by `sys.setprofile` in the calling thread (on
-CPU, backward runs there too; on CUDA, autograd's device threads are not
-seen); DTensors by a counting `DTensor.__new__` for the step (torch's own
-is a builtin that no profiler event shows). The counts
-are exact and machine-independent, unlike the step's milliseconds: they
-show what a change removed even where the machine's noise hides it.
+Calls are counted by `sys.setprofile` in the calling thread (on CUDA,
+autograd's device threads are not seen); DTensors by a counting
+`DTensor.__new__` (a builtin no profiler event shows).
 """
 
 import sys

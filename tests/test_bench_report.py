@@ -1,14 +1,12 @@
 """BENCHMARKS.md is `benchmarks/report.py`'s output, figures from the data.
 
 No processes: the generator is loaded as a module and run on the results
-files into memory. Its sections are modules beside it, found on
-`benchmarks/` as when the script runs.
+files into memory.
 """
 
 import importlib.util
 import os
 import re
-import sys
 
 import pytest
 
@@ -25,15 +23,8 @@ def report():
     path = os.path.join(BENCHMARKS, "report.py")
     spec = importlib.util.spec_from_file_location("report", path)
     module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(BENCHMARKS)
-        spec.loader.exec_module(module)
+    spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def report_format(report):
-    return sys.modules["report_format"]
 
 
 def _values(node, key=None):
@@ -89,13 +80,13 @@ def test_headline_figures_come_from_the_results(report):
     assert not missing, f"headline figures not in any results file: {missing}"
 
 
-def test_newest_run_wins(report, report_format):
+def test_newest_run_wins(report):
     data = report.load()
-    found = report_format.latest(data)
+    found = report.latest(data)
     # results-targets.json also measured kd-DP and kd-MP; newer runs in
     # results-history.json supersede it.
     files = data["results-history.json"]["files"]
     _, run = found["mlp", "kd_dp_over_ddp"]
     assert run["date"] > files["results-targets.json"]["date"]
-    runs = report_format.step_runs(data)
+    runs = report.step_runs(data)
     assert [run["date"] for run in runs] == sorted(r["date"] for r in runs)

@@ -1,6 +1,7 @@
 """The benchmark's target arithmetic: ratios paired within rounds.
 
-No processes: `benchmarks/bench_step.py` is loaded as a module and its
+No processes: `benchmarks/bench_step.py` is loaded as a module (its
+sibling modules found on `benchmarks/`, as when the script runs) and its
 summary is computed from made-up per-round medians.
 """
 
@@ -15,10 +16,13 @@ HERE = os.path.dirname(__file__)
 
 @pytest.fixture(scope="module")
 def bench():
-    path = os.path.join(HERE, os.pardir, "benchmarks", "bench_step.py")
+    folder = os.path.join(HERE, os.pardir, "benchmarks")
+    path = os.path.join(folder, "bench_step.py")
     spec = importlib.util.spec_from_file_location("bench_step", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(folder)
+        spec.loader.exec_module(module)
     return module
 
 

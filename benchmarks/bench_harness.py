@@ -1,0 +1,152 @@
+"""What the benchmarks share: fresh processes, alternating rounds, clocks,
+memory figures and JSON.
+
+A benchmark script is its own worker: `launch` runs `script worker ARGS
+--result-dir DIR` in fresh processes (under `torch.distributed.run`, or
+one plain process), one thread each, the torch backend, no GPU unless
+`device="cuda"`; each rank hands back a dict with `write_result`, and
+`launch` returns them in rank order. `rounds` runs the variants round
+by round, every other round in reverse, so neither side of a ratio
+always runs first: the shared machine's speed drifts between rounds by
+more than the margins, so ratios are taken within a round (`per_round`).
+"""
+
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "KERAS_BACKEND": "torch",
+    "PYTHONHASHSEED": "0",
+    "KERAS_DTENSOR_LOG_ALL_RANKS": "0",
+}
+LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch(script, nproc, arguments, env=None, device="cpu"):
+    """Each rank's result of `script worker *arguments` on `nproc` fresh
+    processes (`nproc=0`: one process outside `torch.distributed.run`)."""
+    env = {**os.environ, **ENV, "BENCH_DEVICE": device, **(env or {})}
+    if device == "cpu":  # Keras picks a visible GPU by itself
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    command = [sys.executable, os.path.abspath(script), "worker", *arguments]
+    if nproc:
+        run = ["-m", "torch.distributed.run", "--standalone"]
+        command[1:1] = [*run, f"--nproc_per_node={nproc}"]
+    else:
+        for name in LAUNCHER:
+            env.pop(name, None)
+    with tempfile.TemporaryDirectory() as result_dir:
+        command.append(f"--result-dir={result_dir}")
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        files = sorted(os.listdir(result_dir))
+        if proc.returncode != 0 or len(files) != max(nproc, 1):
+            name = " ".join(arguments)
+            raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+        results = []
+        for name in files:
+            with open(os.path.join(result_dir, name)) as f:
+                results.append(json.load(f))
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def start_worker():
+    """A worker's setup: one thread; no TensorFlow (Keras's
+    `set_random_seed` imports it whenever it is installed, seconds and
+    hundreds of MB a process); this rank's GPU under `device="cuda"`."""
+    sys.modules.setdefault("tensorflow", None)
+    import torch
+
+    torch.set_num_threads(1)
+    if cuda():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def write_result(result_dir, result):
+    """This rank's result for `launch`, with its peak RSS."""
+    rank = int(os.environ.get("RANK", "0"))
+    result = dict(result, rank=rank, rss_mb=peak_rss_mb())
+    write_json(os.path.join(result_dir, f"rank{rank}.json"), result)
+
+
+def rounds(count, variants, run, show=None):
+    """{variant: [run(variant) for each round]}, every other round in
+    reverse order; `show(round, variant, result)` reports each run."""
+    out = {v: [] for v in variants}
+    for index in range(count):
+        for variant in variants if index % 2 == 0 else variants[::-1]:
+            out[variant].append(run(variant))
+            if show:
+                print(show(index + 1, variant, out[variant][-1]), flush=True)
+    return out
+
+
+def per_round(a, b, op=lambda x, y: x / y):
+    """`op` of two variants' figures within each round, and its median."""
+    values = [op(x, y) for x, y in zip(a, b, strict=True)]
+    return values, statistics.median(values)
+
+
+def cuda():
+    return os.environ.get("BENCH_DEVICE") == "cuda"
+
+
+def sync():
+    """Waits for queued GPU work, so a timed call is the call's own."""
+    if cuda():
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def status():
+    """VmRSS and VmHWM of this process, in bytes."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values
+
+
+def reset_peak():
+    """Resets VmHWM to the current RSS (Linux `clear_refs`, value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def head_commit():
+    """The short commit of the checkout being measured."""
+    command = ["git", "rev-parse", "--short", "HEAD"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
+    return done.stdout.strip()
+
+
+def record(command, **fields):
+    """A results entry: today's date, the commit, the command."""
+    today = datetime.date.today().isoformat()
+    return {
+        "date": today,
+        "commit": head_commit(),
+        "command": command,
+        **fields,
+    }
+
+
+def write_json(path, data):
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1, ensure_ascii=False)
+            f.write("\n")
