@@ -1,21 +1,12 @@
 """`ShardedCheckpoint`: sharded checkpoints from `fit`, with resume.
 
-The same arguments on every process, as any Keras callback. It saves with
-`api.save_checkpoint` (every rank writes its shards) into
-`<directory>/ckpt-<batches>` (batches trained so far, zero-padded, so the
-names sort), keeps the newest `keep`, and when `fit` starts it loads the
-newest complete checkpoint and resumes from it: a job killed at any moment
-and started again (`torchrun --max-restarts`, or by hand) continues from
-the last commit.
-
-On a termination signal (SIGTERM, SIGUSR1) the ranks agree on a step
-boundary (`preemption`), write a checkpoint there and exit with code 75:
-nothing trained is lost. That checkpoint resumes at its exact batch, with
-the epoch's shuffle, random state and metric states (`position`), where
-the input can be positioned (arrays, `PyDataset`, a torch `DataLoader`);
-with other inputs, and for scheduled checkpoints in the middle of an
-epoch, the epoch restarts from its first batch with the weights it holds
-(Keras's `BackupAndRestore` semantics).
+It saves into `<directory>/ckpt-<batches>` (zero-padded: the names
+sort), keeps the newest `keep`, and when `fit` starts resumes from the
+newest complete one. On a termination signal the ranks agree on a step
+(`preemption`), save there and exit with code 75. That checkpoint resumes
+at its exact batch (`position`) where the input can be positioned;
+otherwise the epoch restarts from its first batch with the weights it
+holds (Keras's `BackupAndRestore` semantics).
 """
 
 import contextlib

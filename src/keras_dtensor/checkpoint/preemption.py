@@ -1,23 +1,13 @@
 """Termination signals during `fit`: noticed on any rank, acted on by all.
 
-A platform that takes a machine away (spot instances, SLURM's time limit,
-a Kubernetes eviction) sends SIGTERM, waits a grace period, then kills;
-torchrun forwards the signal to every worker, SLURM's `--signal` sends
-SIGUSR1 ahead of time. The handler only notes the signal: the process is
-usually inside a step or a collective, which must finish on every rank.
-
-The ranks agree at step boundaries, without waiting for each other more
-than the steps already do: every few boundaries (about every 0.1 s) every
-rank launches a small all-reduce (maximum) of "have I been signalled" on a
-gloo group of its own, and reads the one it launched at the previous vote,
-long done. All ranks read the same value at the same boundary, so they
-stop together, at most two votes after the signal (about 0.2 s, or two
-steps when steps are longer): no rank is ever left inside a collective the
-others have left.
-
-A signal outside `fit` (the handler is still installed after `fit` raised)
-is handed to the handler that was there before: the process ends as it
-would have without this module.
+The handler only notes the signal: the process is usually inside a step
+or a collective, which must finish on every rank. At step boundaries the
+ranks agree one vote late: every few boundaries each launches a small
+all-reduce (maximum) of "was I signalled" on a gloo group of its own and
+reads the one launched at the previous vote, long done. All ranks read
+the same value at the same boundary, so none is left inside a collective
+the others have left. A signal outside `fit` goes to the handler that was
+there before.
 """
 
 import contextlib

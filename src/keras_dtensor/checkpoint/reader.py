@@ -1,14 +1,10 @@
 """Reading sharded checkpoints: allow-listed metadata, direct reads.
 
-`SafeReader` is DCP's public `FileSystemReader` that reads DCP's pickled
-`.metadata` through the allow-list of `manifest.py`, refuses items
-DCP would unpickle without restriction (`torch.load(weights_only=False)`
-on `BYTE_IO` items), and reads a tensor's bytes straight into the
-destination when the saved record is a plain contiguous tensor of the
-same dtype. DCP's own reader builds a new tensor per item with
-`torch.load`, then copies it: the fresh pages cost about as much as
-hashing the file. Anything else goes through DCP's reader. A load uses
-it only after every file was checked against the manifest.
+`SafeReader` is DCP's `FileSystemReader` that reads the pickled
+`.metadata` through `manifest`'s allow-list, refuses items DCP would
+unpickle freely (`BYTE_IO`), and reads a plain contiguous tensor of the
+same dtype straight into the destination instead of into a new tensor
+that is then copied. Anything else goes through DCP's reader.
 """
 
 import collections
