@@ -1,32 +1,15 @@
 """Saving under a distribution: rank 0 writes, from every rank's shards.
 
-Every rank runs Keras's own writer (`save_weights`, `model.save`), in the
-same order; rank 0 writes into a hidden staging directory next to the
-target and renames into place (a reader never sees half a file; Keras's
-sharded `.weights.json` keeps its shard files' names, moved before the
-`.json` that lists them), the other ranks write to a private scratch
-directory that is then deleted (all ranks writing one `.weights.h5` would
-also collide on h5py's file lock). Inside the writer,
-a sharded variable is not gathered: rank 0 writes it in pieces while the
-ranks holding its shards send them (`h5_stream.py`), so no rank holds a
-whole sharded variable. Files are ordinary Keras files: plain
-single-process Keras loads them.
-
-`model.save` on several processes writes the `.keras` zip itself
-(`zip_writer.py`), with the same members as Keras; h5py writes the
-weights member in place inside the zip, where Keras writes a temporary
-`.h5` and copies it in (the weights written twice).
-
-A save called on some ranks only would hang in the first transfer; the
-ranks first meet in the process group's store, which turns that into an
-error naming the call. A model with nothing distributed (no distribution
-set, no sharded variable, no optimizer slot held by another rank) is
-saved by each calling rank alone, as plain Keras saves it (the
-`if rank == 0:` idiom), staged and renamed into place.
-A file rank 0 cannot create (missing directory, no permission) is found
-before any transfer, and the outcome of the write is shared at the end:
-every rank raises the same error instead of the others waiting for the
-collective timeout.
+Every rank runs Keras's own writer, in the same order; rank 0 writes into
+a hidden staging directory next to the target and renames into place (a
+reader never sees half a file), the others into a private scratch
+directory that is then deleted. Sharded variables travel to rank 0 in
+pieces (`h5_stream`), never gathered. The ranks first meet in the process
+group's store, so a save called on some ranks only is an error naming the
+call, not a hang; a file rank 0 cannot create is found before any
+transfer, and the outcome is shared at the end, so every rank raises the
+same error. A model with nothing distributed is saved by each calling
+rank alone, as plain Keras saves it (the `if rank == 0:` idiom).
 """
 
 import functools

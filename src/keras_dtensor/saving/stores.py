@@ -1,25 +1,12 @@
 """Keras's weight stores, fed sharded values without gathering them.
 
-Inside a save's `h5_stream.scope()` (entered by `collective.py` on every
-rank), the hooks here route each DTensor-backed value Keras stores to
-`h5_stream.write`, which writes it in pieces from the ranks holding its
-shards:
-
-- `H5IOStore.__setitem__`: the layers' and the optimizer's variables
-  (Keras converted each to numpy first: a whole gather on every rank);
-- `BaseOptimizer.save_own_variables`: Keras stores `variable.numpy()`;
-  here the store gets the variable;
-- `ShardedH5IOStore.__setitem__` (`save_weights(..., max_shard_size=)`):
-  Keras sizes its shard files from the numpy array; here the value passes
-  through as a `Deferred` (shape and dtype only), which
-  `convert_to_numpy` returns for a DTensor while `deferring()`.
-
-A store opened for writing outside Keras's save functions under a
-distribution (keras_hub's `save_lora_weights` opens its own) is written
-as `save_weights` writes: `H5IOStore.__init__` makes it a
-`collective.RankZeroFile` (every rank must open it; only rank 0's file is
-kept), its values stream as above, and `H5IOStore.close` puts the file in
-place or raises the first rank's failure on every rank.
+Inside a save's `h5_stream.scope()`, `H5IOStore.__setitem__`, the
+optimizer's `save_own_variables` and `ShardedH5IOStore.__setitem__` (as
+a `Deferred`: shape and dtype only) route each DTensor-backed value to
+`h5_stream.write`. A store opened for writing outside Keras's save
+functions (keras_hub's `save_lora_weights`) is a `RankZeroFile`: every
+rank opens it, only rank 0's file is kept, and `close` puts it in place
+or raises the first rank's failure on every rank.
 """
 
 import contextvars

@@ -1,9 +1,5 @@
-"""The records of a zip file, as APPNOTE.TXT describes them.
-
-Only what `zip_writer.StoredZip` writes: members stored (no
-compression), names in UTF-8, ZIP64 fields where a size, an offset or the
-number of members does not fit the classic ones.
-"""
+"""The records of a zip file (APPNOTE.TXT), as `StoredZip` writes them:
+members stored, names in UTF-8, ZIP64 fields where needed."""
 
 import struct
 import time

@@ -1,26 +1,11 @@
 """A `.zip` written in one pass, one member of it filled in place.
 
-Keras's `.keras` file is a zip whose members are stored, not compressed.
-Its weights member is an HDF5 file, which h5py writes with seeks, so
-Keras writes it to a temporary file first and then copies it into the
-zip: the weights are written twice, and read once more for the copy's
-CRC-32. `StoredZip` instead gives the weights member a window on the
-archive itself: a file-like object that h5py writes at any offset, placed
-after the members before it. When it is finished, its CRC-32 and size go
-into its local header, and later members follow it. The result is an
-ordinary zip (members stored, ZIP64 fields where sizes or offsets need
-them, as APPNOTE.TXT describes them), which `zipfile` reads.
-
-The member's CRC-32 is not found by reading it back: each large write
-(a piece of a variable) is checksummed as it is written, and the bytes
-between those pieces (HDF5's own records, small) are read back; the
-parts are joined with `crc32.combine`. A piece that a later write
-overlaps is read back instead. So the weights are read once, as they are
-written, never again for the checksum.
-
-All reads and writes go through a descriptor of its own, opened for
-reading and writing (h5py may read what it wrote), at explicit offsets,
-never through the Python file object's buffer.
+Keras writes the `.keras` weights to a temporary `.h5` and copies it into
+the zip. `StoredZip` instead gives the weights member a window on the
+archive (`Window`), which h5py writes at any offset; its CRC-32 is joined
+from the checksums of its large writes, taken as they are written, and
+the small bytes between them, read back (`crc32.combine`). The result is
+an ordinary zip (stored members, ZIP64 where needed).
 
 Example:
 >>> with open("m.zip", "wb") as f, StoredZip(f) as archive:
