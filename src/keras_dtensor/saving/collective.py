@@ -32,9 +32,8 @@ __all__ = ["RankZeroFile", "wrap_save", "wrap_save_model_to_fileobj"]
 
 
 def _move_contents(staging, name, directory):
-    """Every file Keras wrote in `staging` into `directory`, the target
-    last (a sharded save's `.json` lists its shard files: they land first;
-    Keras renames a sharded `.weights.h5` target to `.weights.json`)."""
+    """Every file in `staging` into `directory`, the target and `.json`
+    last (a sharded save's `.json` lists its shard files)."""
     entries = os.listdir(staging)
     last = [e for e in entries if e == name or e.endswith(".json")]
     for entry in sorted(set(entries) - set(last)) + sorted(last):
@@ -66,10 +65,8 @@ def _raise_if_failed(failures, what, filepath, own=None):
 
 
 def _write_alone(original, model, filepath, *args, **kwargs):
-    """Keras's writer on this rank alone, into a staging directory of its
-    own next to the target, then renamed into place: ranks that all save
-    the same file (no rank check in the script) each replace it whole, and
-    a reader never sees a half-written file."""
+    """Keras's writer on this rank alone, staged and renamed into place
+    (ranks that all save one file each replace it whole)."""
     directory, name = files.split(filepath)
     staging = files.staging_path(filepath)
     try:
@@ -87,12 +84,10 @@ def _write_alone(original, model, filepath, *args, **kwargs):
 class RankZeroFile:
     """One file that every rank writes, of which rank 0's is kept.
 
-    Opening it makes every rank meet first (`every_rank_joins`), then
-    checks that rank 0 can write next to the target: rank 0 writes into a
-    hidden staging directory there, the others into a private scratch
-    directory (their stores take part in every transfer but keep nothing).
-    `finish(problem)` moves rank 0's file into place when no rank failed
-    and raises the first failure on every rank.
+    Every rank meets first, then rank 0 checks that it can write next to
+    the target (into a hidden staging directory; the others into scratch).
+    `finish(problem)` moves rank 0's file into place, or raises the first
+    failure on every rank.
 
     Args:
         what: the user-facing call, for messages (`"save_weights"`).
@@ -129,9 +124,8 @@ class RankZeroFile:
         self.check(problem, raise_own=False)
 
     def check(self, problem, raise_own=True):
-        """Raises on every rank if any rank failed (`problem`: this
-        rank's, raised as it is if `raise_own`), this rank's files
-        discarded; every rank must call it."""
+        """Raises on every rank if any failed (`problem`: this rank's,
+        raised as it is if `raise_own`); a collective."""
         failures = _share_failure(problem)
         if failures:
             self.discard()
@@ -143,8 +137,8 @@ class RankZeroFile:
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def finish(self, problem=None):
-        """Rank 0's file into place if no rank failed, else the first
-        failure raised on every rank (`problem`: this rank's)."""
+        """Rank 0's file into place, or the first failure raised on every
+        rank (`problem`: this rank's)."""
         try:
             if problem is None and self.rank_0:
                 _move_contents(self.staging, self.name, self.directory)
@@ -181,12 +175,8 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
 
 
 def _is_collective(model):
-    """Whether saving `model` needs every rank: under a distribution, or a
-    model holding sharded variables or optimizer slots that DataParallel
-    left on their owners. Otherwise the model is a plain one-process
-    model, saved as plain Keras saves it, on any subset of ranks (the
-    `if rank == 0: model.save_weights(...)` of torchrun scripts)."""
-
+    """Whether saving `model` needs every rank (a distribution, sharded
+    variables, or optimizer slots DataParallel left on their owners)."""
     if context.current() is not None:
         return True
     if data_parallel.has_stale_state(model):
@@ -270,9 +260,8 @@ def _save_archive(model, fileobj):
 
 def wrap_save_model_to_fileobj(original):
     """Wraps `saving_lib._save_model_to_fileobj(model, fileobj[, format])`
-    (Keras 3.16 writes `.h5` weights only and drops the format argument):
-    inside a save's `scope()`, `.h5` weights into a file on disk are
-    written in place inside the zip (see the module)."""
+    (no format argument on Keras 3.16): inside a save's `scope()`, into a
+    file on disk, the `.h5` weights are written in place in the zip."""
 
     @functools.wraps(original)
     def _save_model_to_fileobj(model, fileobj, *weights_format):

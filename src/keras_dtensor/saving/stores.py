@@ -36,8 +36,7 @@ __all__ = [
 
 
 def _dtensor_of(value):
-    """The DTensor behind `value` (a variable, a tensor or a `Deferred`),
-    or `None`."""
+    """The DTensor behind a variable, tensor or `Deferred`, or `None`."""
     from keras.src.backend.common.variables import Variable
 
     if isinstance(value, Variable):
@@ -48,11 +47,9 @@ def _dtensor_of(value):
 
 
 class Deferred:
-    """A sharded value on its way through Keras's `ShardedH5IOStore`: the
-    store sizes its shard files from `shape` and `dtype` (as it would
-    from the numpy array), then hands it to `H5IOStore.__setitem__`, which
-    writes it in pieces. Made by `convert_to_numpy` inside
-    `deferring()` only."""
+    """A sharded value passing through Keras's `ShardedH5IOStore`, which
+    sizes its shard files from `shape` and `dtype` (`convert_to_numpy`
+    returns it inside `deferring()`)."""
 
     def __init__(self, dtensor):
         self.dtensor = dtensor
@@ -65,17 +62,13 @@ _DEFER = contextvars.ContextVar("keras_dtensor_defer_numpy", default=False)
 
 
 def deferring() -> bool:
-    """Whether `convert_to_numpy` should return a `Deferred` for a DTensor
-    (inside `ShardedH5IOStore.__setitem__` during a save) instead of
-    gathering it."""
+    """Whether `convert_to_numpy` returns a `Deferred` for a DTensor."""
     return _DEFER.get()
 
 
 def wrap_sharded_h5_store_setitem(original):
-    """Wraps `ShardedH5IOStore.__setitem__(key, value)` (`save_weights`
-    with `max_shard_size`): inside a save's `scope()`, a sharded value
-    goes through Keras's shard-file bookkeeping as a `Deferred` and is
-    written in pieces, never gathered."""
+    """Wraps `ShardedH5IOStore.__setitem__(key, value)`: inside a save's
+    `scope()`, a sharded value passes as a `Deferred`."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
@@ -92,8 +85,8 @@ def wrap_sharded_h5_store_setitem(original):
 
 
 def wrap_h5_store_setitem(original):
-    """Wraps `H5IOStore.__setitem__(key, value)`: inside a save's `scope()`
-    a DTensor-backed value is written in pieces (see the module)."""
+    """Wraps `H5IOStore.__setitem__(key, value)`: inside a save, a
+    DTensor-backed value goes to `h5_stream.write`."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
@@ -120,10 +113,8 @@ def wrap_h5_store_setitem(original):
 
 
 def wrap_optimizer_save_own_variables(original):
-    """Wraps `BaseOptimizer.save_own_variables(store)`: Keras stores
-    `variable.numpy()`, a gather before the store sees it; inside a save's
-    `scope()`, into an `H5IOStore`, each variable is stored itself (the
-    store converts a plain one as `.numpy()` does, streams a sharded one).
+    """Wraps `BaseOptimizer.save_own_variables(store)`: inside a save, an
+    `H5IOStore` gets each variable itself, not its `.numpy()` (a gather).
     """
 
     @functools.wraps(original)
@@ -151,10 +142,8 @@ def _discard(written, state):
 
 def wrap_h5_store_init(original):
     """Wraps `H5IOStore.__init__(path_or_io, archive=None, mode="r")`: a
-    file opened for writing under a distribution on several processes,
-    outside Keras's save functions (which `collective.py` wraps), is
-    written as they write (see the module); the error of a call on some
-    ranks only names the calling function."""
+    file opened for writing under a distribution outside Keras's save
+    functions is a `RankZeroFile` named after the calling function."""
 
     @functools.wraps(original)
     def __init__(self, path_or_io, archive=None, mode="r"):
@@ -185,9 +174,7 @@ def wrap_h5_store_init(original):
 
 
 def wrap_h5_store_close(original):
-    """Wraps `H5IOStore.close()`: a store opened by `wrap_h5_store_init`
-    is put in place on rank 0, or the first rank's failure is raised on
-    every rank."""
+    """Wraps `H5IOStore.close()`: finishes a `wrap_h5_store_init` file."""
 
     @functools.wraps(original)
     def close(self):

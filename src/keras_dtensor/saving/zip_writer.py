@@ -31,10 +31,10 @@ _SUMMED = 1 << 20  # writes this large are checksummed as they are written
 
 
 class StoredZip:
-    """A zip archive written front to back into an empty file.
-
-    A context: leaving it without an error writes the central directory;
-    either way it closes its descriptor.
+    """A zip archive written front to back into an empty file, through a
+    descriptor of its own at explicit offsets (h5py may read back what it
+    wrote). A context: leaving it without an error writes the central
+    directory.
 
     Args:
         fileobj: a binary file opened for writing, at offset 0, with a
@@ -139,8 +139,7 @@ class StoredZip:
         self._end += size
 
     def member(self, name):
-        """A member written in place at any offset: a `Window` (a
-        file-like object, and a context that finishes the member)."""
+        """A member written in place at any offset: a `Window`."""
         entry = self._start(name, 0o600 << 16, time.time(), 0, True)
         self._open = Window(self, entry, self._end)
         return self._open
@@ -169,12 +168,10 @@ class StoredZip:
 
 
 class Window(io.BytesIO):
-    """A member of a `StoredZip` as a seekable file, from its data's start.
-
-    A subclass of `io.BytesIO` only because Keras's `H5IOStore` takes a
-    path or an `io.BytesIO`; none of the bytes live in memory. Used as a
-    context, it finishes the member on leaving (CRC-32, size) unless an
-    error is leaving it.
+    """A member of a `StoredZip` as a seekable file; a context that
+    finishes the member (CRC-32, size) unless an error is leaving it.
+    An `io.BytesIO` only because Keras's `H5IOStore` takes one; none of
+    the bytes live in memory.
     """
 
     def __init__(self, archive, entry, base):
@@ -216,12 +213,9 @@ class Window(io.BytesIO):
         view = memoryview(data).cast("B")
         start, stop = self._position, self._position + len(view)
         self._forget(start, stop)
-        if _SUMMED is not None and len(view) >= _SUMMED:
-            self.archive._write_at(self.base + start, view)
-            crc = zlib.crc32(view)  # while the piece is in the cache
-            bisect.insort(self._summed, (start, stop, crc))
-        else:
-            self.archive._write_at(self.base + start, view)
+        self.archive._write_at(self.base + start, view)
+        if len(view) >= _SUMMED:  # checksummed while it is in the cache
+            bisect.insort(self._summed, (start, stop, zlib.crc32(view)))
         self._position = stop
         self.size = max(self.size, stop)
         return len(view)
@@ -261,8 +255,7 @@ class Window(io.BytesIO):
         pass
 
     def crc(self):
-        """The CRC-32 of the member's bytes: its pieces' joined with the
-        bytes between them, read back."""
+        """The member's CRC-32: its pieces' and the gaps' read back."""
         crc, done = 0, 0
         for start, stop, piece in [*self._summed, (self.size, self.size, 0)]:
             gap = (self.base + done, self.base + start)
