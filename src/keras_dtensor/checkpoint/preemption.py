@@ -103,13 +103,10 @@ class Vote:
 
     Every rank calls `at_boundary` with the signal it received (0: none)
     at the same boundaries; a signal number returned means stop here, on
-    every rank (0: go on). A vote (an all-reduce on a gloo group of its
-    own, beside the steps' collectives) is launched every `every`
-    boundaries, so that votes come about every
-    `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds whatever the step time:
-    each vote also carries every rank's proposal for the next `every`
-    (from its own step times), and all ranks take the smallest, so they
-    keep counting the same boundaries.
+    every rank. A vote is launched every `every` boundaries, about every
+    `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds: each carries every rank's
+    proposal for the next `every` (from its step times), and all ranks
+    take the smallest, so they keep counting the same boundaries.
     """
 
     MAX_EVERY = 64
