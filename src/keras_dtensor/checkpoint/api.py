@@ -171,25 +171,16 @@ class PendingCheckpoint:
     """
 
     def __init__(self, future, names, state, world, extra, writer):
-        self._future = future
-        self._writer = writer
-        self._names = names
-        self._state = state
-        self._world = world
-        self._extra = extra
+        self._future, self._names, self._writer = future, names, writer
+        self._commit = (names, state, world, extra)
         self._path = None
 
     def result(self):
         if self._path is None:
             _written(self._names, self._future.result)
-            self._path = _commit(
-                self._names,
-                self._state,
-                self._world,
-                self._extra,
-                self._writer.digests,
-            )
-            self._state = self._writer = None
+            digests = self._writer.digests
+            self._path = _commit(*self._commit, digests)
+            self._commit = self._writer = None
         return self._path
 
 

@@ -57,12 +57,16 @@ class Shared:
 
     def close(self):
         self.slots = []
-        for descriptors in self.pipes.values():
-            for fd in descriptors:
-                os.close(fd)
+        _close(self.pipes)
         self.pipes = {}
         with contextlib.suppress(BufferError):  # a view still alive
             self._memory.close()
+
+
+def _close(pipes):
+    for descriptors in pipes.values():
+        for fd in descriptors:
+            os.close(fd)
 
 
 def _paths(base, rank):
@@ -85,14 +89,6 @@ def _open_pipes(base, rank):
     return tuple(opened)
 
 
-def _map(fd, size, token):
-    memory = mmap.mmap(fd, size)
-    if memory[: len(token)] != token:
-        memory.close()
-        raise OSError("another file")
-    return memory
-
-
 def _create(base, size, token, world):
     """Rank 0: the memory (its space reserved) and its ends of every
     rank's pipes."""
@@ -110,9 +106,7 @@ def _create(base, size, token, world):
                 os.mkfifo(path, 0o600)
             pipes[rank] = _open_pipes(base, rank)
     except OSError:
-        for descriptors in pipes.values():
-            for fd in descriptors:
-                os.close(fd)
+        _close(pipes)
         memory.close()
         raise
     return memory, pipes
@@ -124,10 +118,12 @@ def _join(base, size, token, rank):
     try:
         if os.fstat(fd).st_size != size:
             raise OSError("another size")
-        memory = _map(fd, size, token)
+        memory = mmap.mmap(fd, size)
     finally:
         os.close(fd)
     try:
+        if memory[: len(token)] != token:
+            raise OSError("another file")
         return memory, {0: _open_pipes(base, rank)}
     except OSError:
         memory.close()
@@ -166,9 +162,7 @@ def attach(slot_bytes):
     ranks = frozenset(r for r, ok in enumerate(opened) if ok and opened[0])
     if rank == 0:
         _remove(base, world)  # every rank that could open them has
-        for peer in set(pipes or ()) - ranks:
-            for fd in pipes.pop(peer):
-                os.close(fd)
+        _close({peer: pipes.pop(peer) for peer in set(pipes or ()) - ranks})
     if memory is None:
         return None, ranks
     return Shared(memory, slot_bytes, pipes), ranks

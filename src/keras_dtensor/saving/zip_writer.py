@@ -82,7 +82,7 @@ class StoredZip:
             start += got
         return crc
 
-    def _start(self, name, attributes, seconds, size, zip64):
+    def _start(self, name, attributes, seconds, size, zip64=False):
         if self._open is not None:
             raise ValueError(
                 f"Member {self._open.entry.name.decode()!r} is still being "
@@ -91,7 +91,7 @@ class StoredZip:
             )
         entry = zip_format.Entry(name, self._end, attributes, seconds)
         entry.size = size
-        header = entry.local_header(zip64)
+        header = entry.local_header(zip64 or zip_format.needs_zip64(size))
         self._write_at(self._end, header)
         self._end += len(header)
         self._entries.append(entry)
@@ -103,13 +103,7 @@ class StoredZip:
 
     def writestr(self, name, data):
         """Adds a member holding the bytes `data`."""
-        entry = self._start(
-            name,
-            0o600 << 16,
-            time.time(),
-            len(data),
-            zip_format.needs_zip64(len(data)),
-        )
+        entry = self._start(name, 0o600 << 16, time.time(), len(data))
         self._set_crc(entry, zlib.crc32(data))
         self._write_at(self._end, data)
         self._end += len(data)
@@ -121,12 +115,10 @@ class StoredZip:
         name = os.path.normpath(arcname).replace(os.sep, "/").lstrip("/")
         attributes = (info.st_mode & 0xFFFF) << 16
         if os.path.isdir(path):
-            self._start(name + "/", attributes | 0x10, info.st_mtime, 0, False)
+            self._start(name + "/", attributes | 0x10, info.st_mtime, 0)
             return
         size = info.st_size
-        entry = self._start(
-            name, attributes, info.st_mtime, size, zip_format.needs_zip64(size)
-        )
+        entry = self._start(name, attributes, info.st_mtime, size)
         crc, copied = 0, 0
         with open(path, "rb") as source:
             while chunk := source.read(_CHUNK):
@@ -192,15 +184,6 @@ class Window(io.BytesIO):
             self.archive._finish(self)
         return False
 
-    def seekable(self):
-        return True
-
-    def readable(self):
-        return True
-
-    def writable(self):
-        return True
-
     def tell(self):
         return self._position
 
@@ -250,9 +233,6 @@ class Window(io.BytesIO):
         self._forget(size, math.inf)
         self.size = size
         return size
-
-    def flush(self):
-        pass
 
     def crc(self):
         """The member's CRC-32: its pieces' and the gaps' read back."""
