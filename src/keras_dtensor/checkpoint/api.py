@@ -21,7 +21,6 @@ import shutil
 import uuid
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from keras.src.backend.common import global_state
 
@@ -30,6 +29,7 @@ from keras_dtensor.backend import consensus
 from keras_dtensor.backend import files
 from keras_dtensor.backend import launch
 from keras_dtensor.checkpoint import manifest
+from keras_dtensor.checkpoint import preemption
 from keras_dtensor.checkpoint import reader
 from keras_dtensor.checkpoint import writer
 
@@ -184,14 +184,6 @@ class PendingCheckpoint:
         return self._path
 
 
-def _async_group():
-    group = global_state.get_global_attribute(_ASYNC_GROUP)
-    if group is None and dist.is_initialized():
-        group = dist.new_group(backend="gloo")
-        global_state.set_global_attribute(_ASYNC_GROUP, group)
-    return group
-
-
 def save_checkpoint(model, directory, async_save=False, extra=None):
     """Saves `model`'s variables and optimizer state as a DCP checkpoint.
 
@@ -234,7 +226,9 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     storage_writer = writer.DigestingWriter(names.staging)
     if async_save:
         future = dcp.async_save(
-            state, storage_writer=storage_writer, process_group=_async_group()
+            state,
+            storage_writer=storage_writer,
+            process_group=preemption.gloo_group(_ASYNC_GROUP),
         )
         return PendingCheckpoint(
             future, names, state, world, extra, storage_writer

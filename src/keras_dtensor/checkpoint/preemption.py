@@ -23,7 +23,14 @@ from keras.src.backend.common import global_state
 from keras_dtensor import config
 from keras_dtensor.backend import launch
 
-__all__ = ["EXIT_CODE", "Signals", "Vote", "exit_preempted", "signal_name"]
+__all__ = [
+    "EXIT_CODE",
+    "Signals",
+    "Vote",
+    "exit_preempted",
+    "gloo_group",
+    "signal_name",
+]
 
 # EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to
 # retry". What a job script or `keras-dtensor run --max-restarts` sees when
@@ -90,11 +97,13 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _group():
-    group = global_state.get_global_attribute(_GROUP)
-    if group is None:
+def gloo_group(key):
+    """A gloo group of every rank, made once and kept in Keras's global
+    state under `key` (`None` without a process group)."""
+    group = global_state.get_global_attribute(key)
+    if group is None and dist.is_initialized():
         group = dist.new_group(backend="gloo")
-        global_state.set_global_attribute(_GROUP, group)
+        global_state.set_global_attribute(key, group)
     return group
 
 
@@ -113,7 +122,7 @@ class Vote:
 
     def __init__(self):
         multi = launch.multi_process()
-        self._group = _group() if multi else None
+        self._group = gloo_group(_GROUP) if multi else None
         self._pending = None
         self._every = 1  # boundaries between votes, the same on every rank
         self._count = 0

@@ -224,7 +224,9 @@ class SafeReader(dcp.FileSystemReader):
             path = os.path.join(self.path, relative_path)
             with open(path, "rb") as f:
                 layouts = {}
-                items.sort(key=lambda i: self._offset(i))
+                items.sort(
+                    key=lambda i: self.storage_data[i.storage_index].offset
+                )
                 for item in items:
                     if not self._read_direct(f, item, planner, layouts):
                         fallback.append(item)
@@ -234,9 +236,6 @@ class SafeReader(dcp.FileSystemReader):
         done = torch.futures.Future()
         done.set_result(None)
         return done
-
-    def _offset(self, item):
-        return self.storage_data[item.storage_index].offset
 
     def _read_direct(self, f, item, planner, layouts):
         info = self.storage_data[item.storage_index]
