@@ -82,29 +82,27 @@ class StoredZip:
             start += got
         return crc
 
-    def _start(self, name, attributes, seconds, size, zip64=False):
+    def _start(self, name, attributes, seconds, size, crc=0, zip64=False):
         if self._open is not None:
             raise ValueError(
                 f"Member {self._open.entry.name.decode()!r} is still being "
                 "written. "
                 f"Received: a new member {name!r}"
             )
-        entry = zip_format.Entry(name, self._end, attributes, seconds)
-        entry.size = size
-        header = entry.local_header(zip64 or zip_format.needs_zip64(size))
+        entry = zip_format.Entry(
+            name, self._end, attributes, seconds, size, zip64
+        )
+        entry.crc = crc
+        header = entry.local_header()
         self._write_at(self._end, header)
         self._end += len(header)
         self._entries.append(entry)
         return entry
 
-    def _set_crc(self, entry, crc):
-        entry.crc = crc
-        self._write_at(*entry.crc_field())
-
     def writestr(self, name, data):
         """Adds a member holding the bytes `data`."""
-        entry = self._start(name, 0o600 << 16, time.time(), len(data))
-        self._set_crc(entry, zlib.crc32(data))
+        crc = zlib.crc32(data)
+        self._start(name, 0o600 << 16, time.time(), len(data), crc)
         self._write_at(self._end, data)
         self._end += len(data)
 
@@ -127,21 +125,20 @@ class StoredZip:
                 copied += len(chunk)
         if copied != size:
             raise OSError(f"{path!r} changed size while it was zipped")
-        self._set_crc(entry, crc)
+        entry.crc = crc
+        self._write_at(entry.offset, entry.local_header())
         self._end += size
 
     def member(self, name):
         """A member written in place at any offset: a `Window`."""
-        entry = self._start(name, 0o600 << 16, time.time(), 0, True)
+        entry = self._start(name, 0o600 << 16, time.time(), 0, zip64=True)
         self._open = Window(self, entry, self._end)
         return self._open
 
     def _finish(self, window):
         entry = window.entry
-        entry.size = window.size
-        entry.crc = window.crc()
-        header = entry.local_header(zip64=True)
-        self._write_at(entry.offset, header)
+        entry.size, entry.crc = window.size, window.crc()
+        self._write_at(entry.offset, entry.local_header())
         self._end = window.base + window.size
         self._open = None
 
