@@ -1,16 +1,12 @@
 """Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
 
-Every rank writes its own shards; any number of processes, under any
-layout, loads them back. The entry points (`api`): `save_checkpoint`,
-`load_checkpoint`, `latest_checkpoint`, `export_weights`,
-`import_weights`; `ShardedCheckpoint` (`callback`) saves during `fit` and
-resumes from the newest. The files and their manifest (`manifest`), the
-writer that hashes as it writes (`writer`, with the checksums of
-`digest`) and the reader that unpickles nothing but DCP's metadata
-(`reader`) serve them; `position` records where a run is inside an epoch,
-and `preemption` turns a termination signal on any rank into a
-checkpoint on all. Imported on first use:
-`import keras_dtensor` does not load DCP.
+The entry points (`api`): `save_checkpoint`, `load_checkpoint`,
+`latest_checkpoint`, `export_weights`, `import_weights`;
+`ShardedCheckpoint` (`callback`) saves during `fit` and resumes. They are
+served by the manifest (`manifest`), the writer (`writer`) with its
+checksums (`digest`), the reader (`reader`), where a run is in an epoch
+(`position`) and termination signals (`preemption`). Imported on first
+use: `import keras_dtensor` does not load DCP.
 """
 
 from keras_dtensor.checkpoint.api import PendingCheckpoint

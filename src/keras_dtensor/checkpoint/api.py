@@ -1,39 +1,18 @@
 """Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
 
-A Keras weights file goes through one writer; a checkpoint here is written
-by every rank at once, each its own shards, and read back by any number of
-processes under any layout (DCP reshards on load):
+Every rank writes its own shards; any number of processes, under any
+layout, reads them back (DCP reshards on load). A checkpoint holds the
+model's variables (`model/<path>`), the optimizer's (`optimizer/<path>`,
+without its auto-numbered name; a repeated path gets `#1`, `#2`, ...),
+Keras's seed generator (`rng/keras`) and each rank's torch generator
+(`rng/torch/<rank>`, restored on the same number of processes).
 
-- **What**: every model variable (weights, seed-generator states, ...) as
-  `model/<path>`, every optimizer variable (slots, iteration count,
-  learning rate) as `optimizer/<path>`, Keras's global seed generator as
-  `rng/keras`, and each rank's torch generator state as `rng/torch/<rank>`
-  (restored when the number of processes is the same). Keys are Keras
-  variable paths, without the optimizer's own (auto-numbered) name (a
-  repeated path gets `#1`, `#2`, ... in creation order).
-- **Atomic**: the files are written into a hidden directory next to the
-  target; when every rank has finished, rank 0 writes the manifest
-  (`keras_dtensor.json`: the checksums (a CRC-32 per 16 MiB block) and
-  size of every file, taken by each rank as it wrote its files, the
-  keys, shapes and dtypes) last,
-  then renames the directory into place. A
-  checkpoint without its manifest is never loaded, so a kill at any moment
-  leaves the previous checkpoint loadable.
-- **Safe**: loading checks every file against the manifest (the ranks
-  share the files, threads the blocks) before the live model is
-  touched, and reads DCP's
-  pickled `.metadata` through an allow-list of DCP's own metadata types:
-  nothing from the files can run code. A missing, truncated or altered
-  file raises on every rank, naming the file and the variables it holds.
-  Then the tensors are read straight into the variables where the layout
-  allows it (`reader.py`), through DCP's reader elsewhere.
-- **Async**: `save_checkpoint(..., async_save=True)` returns once the
-  state is staged in memory; the files are written in the background (on
-  a separate gloo group) and committed by `PendingCheckpoint.result()`,
-  which every rank calls.
-
-Every rank must call these functions, in the same order (they are
-collective). Without a process group they run in the one process.
+It is written into a hidden directory, its manifest (`manifest`) last,
+then renamed into place: a checkpoint without its manifest is never
+loaded, so a kill at any moment leaves the previous one loadable. A load
+checks every file against the manifest before the model is touched, and
+unpickles nothing but DCP's metadata (`reader`). These functions are
+collective: every rank calls them, in the same order.
 """
 
 import json
@@ -42,7 +21,6 @@ import shutil
 import uuid
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from keras.src.backend.common import global_state
 
@@ -51,6 +29,7 @@ from keras_dtensor.backend import consensus
 from keras_dtensor.backend import files
 from keras_dtensor.backend import launch
 from keras_dtensor.checkpoint import manifest
+from keras_dtensor.checkpoint import preemption
 from keras_dtensor.checkpoint import reader
 from keras_dtensor.checkpoint import writer
 
@@ -110,8 +89,7 @@ def _state_dict(model):
 
 
 class _Names:
-    """The hidden directory a save writes into (rank 0's name for it, on
-    every rank), and its final place."""
+    """A save's hidden directory (rank 0's name) and its final place."""
 
     def __init__(self, directory):
         self.final = os.path.abspath(os.fspath(directory))
@@ -121,11 +99,8 @@ class _Names:
 
 
 def _commit(names, state, world, extra, digests):
-    """Writes the manifest last, then moves the checkpoint into place.
-
-    `digests` are this rank's `{file: {crc32_blocks, size}}`, taken as it
-    wrote.
-    """
+    """Writes the manifest last, then moves the checkpoint into place
+    (`digests`: this rank's, taken as it wrote)."""
     _, rank = launch.world()
     written = sorted(os.listdir(names.staging))
     hashes = manifest.gathered_hashes(names.staging, written, digests)
@@ -161,8 +136,7 @@ def _commit(names, state, world, extra, digests):
 
 
 def _short(error):
-    """One line for a failed write: DCP's `CheckpointException` lists a
-    traceback per rank; this names each rank's error only."""
+    """One line for a failed write (each rank's error, no tracebacks)."""
     if isinstance(error, dcp.CheckpointException):
         return "; ".join(
             f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -172,9 +146,8 @@ def _short(error):
 
 
 def _written(names, write):
-    """Runs `write()`; a failure on any rank (a full disk, a lost
-    filesystem) raises on every rank, the staging directory removed and
-    the checkpoints before it untouched."""
+    """Runs `write()`; a failure on any rank raises on every rank, the
+    staging directory removed."""
     problem = None
     try:
         write()
@@ -198,34 +171,17 @@ class PendingCheckpoint:
     """
 
     def __init__(self, future, names, state, world, extra, writer):
-        self._future = future
-        self._writer = writer
-        self._names = names
-        self._state = state
-        self._world = world
-        self._extra = extra
+        self._future, self._names, self._writer = future, names, writer
+        self._commit = (names, state, world, extra)
         self._path = None
 
     def result(self):
         if self._path is None:
             _written(self._names, self._future.result)
-            self._path = _commit(
-                self._names,
-                self._state,
-                self._world,
-                self._extra,
-                self._writer.digests,
-            )
-            self._state = self._writer = None
+            digests = self._writer.digests
+            self._path = _commit(*self._commit, digests)
+            self._commit = self._writer = None
         return self._path
-
-
-def _async_group():
-    group = global_state.get_global_attribute(_ASYNC_GROUP)
-    if group is None and dist.is_initialized():
-        group = dist.new_group(backend="gloo")
-        global_state.set_global_attribute(_ASYNC_GROUP, group)
-    return group
 
 
 def save_checkpoint(model, directory, async_save=False, extra=None):
@@ -270,7 +226,9 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     storage_writer = writer.DigestingWriter(names.staging)
     if async_save:
         future = dcp.async_save(
-            state, storage_writer=storage_writer, process_group=_async_group()
+            state,
+            storage_writer=storage_writer,
+            process_group=preemption.gloo_group(_ASYNC_GROUP),
         )
         return PendingCheckpoint(
             future, names, state, world, extra, storage_writer

@@ -1,21 +1,12 @@
 """`ShardedCheckpoint`: sharded checkpoints from `fit`, with resume.
 
-The same arguments on every process, as any Keras callback. It saves with
-`api.save_checkpoint` (every rank writes its shards) into
-`<directory>/ckpt-<batches>` (batches trained so far, zero-padded, so the
-names sort), keeps the newest `keep`, and when `fit` starts it loads the
-newest complete checkpoint and resumes from it: a job killed at any moment
-and started again (`torchrun --max-restarts`, or by hand) continues from
-the last commit.
-
-On a termination signal (SIGTERM, SIGUSR1) the ranks agree on a step
-boundary (`preemption`), write a checkpoint there and exit with code 75:
-nothing trained is lost. That checkpoint resumes at its exact batch, with
-the epoch's shuffle, random state and metric states (`position`), where
-the input can be positioned (arrays, `PyDataset`, a torch `DataLoader`);
-with other inputs, and for scheduled checkpoints in the middle of an
-epoch, the epoch restarts from its first batch with the weights it holds
-(Keras's `BackupAndRestore` semantics).
+It saves into `<directory>/ckpt-<batches>` (zero-padded: the names
+sort), keeps the newest `keep`, and when `fit` starts resumes from the
+newest complete one. On a termination signal the ranks agree on a step
+(`preemption`), save there and exit with code 75. That checkpoint resumes
+at its exact batch (`position`) where the input can be positioned;
+otherwise the epoch restarts from its first batch with the weights it
+holds (Keras's `BackupAndRestore` semantics).
 """
 
 import contextlib
@@ -91,24 +82,17 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self.keep = keep
         self.async_save = async_save
         self.resume = resume
-        self._batches = 0
-        self._epoch = 0
-        self._epoch_start = 0  # batches trained when this epoch began
-        self._pending = None
         self.on_preemption = on_preemption
         self.signals = tuple(signals)
-        self._signals = self._vote = None
-        self._begin_state = None  # random state when this epoch began
-        self._position = None  # where the resumed epoch continues
-        self._history = ([], {})  # epochs and logs before this run
-        self._saved_at = -1  # batches of the newest checkpoint
-        self._resumed_epochs = 0
+        self._pending = self._signals = self._vote = None
 
     def on_train_begin(self, logs=None):
         self._batches, self._epoch, self._saved_at = 0, 0, -1
-        self._history = ([], {})
+        self._epoch_start = 0  # batches trained when this epoch began
+        self._begin_state = None  # random state when this epoch began
+        self._history = ([], {})  # epochs and logs, resumed ones too
         self._resumed_epochs = 0
-        self._position = None
+        self._position = None  # where the resumed epoch continues
         self._loaded = False
         if self.on_preemption:  # before loading: a signal then is saved too
             self._signals = preemption.Signals(self.model, self.signals)
@@ -183,10 +167,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         in_epoch = self._batches - self._epoch_start
         if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
             self._save_here(in_epoch)
-        if self._vote is not None:
-            agreed = self._vote.at_boundary(self._signals.received)
-            if agreed:
-                self._preempted(agreed, in_epoch)
+        self._at_boundary(in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         epochs, history = self._history
@@ -195,10 +176,12 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             history.setdefault(key, []).append(_number(value))
         if self.save_freq == "epoch":
             self._save_here(0, epoch=epoch + 1)
-        if self._vote is not None:
-            agreed = self._vote.at_boundary(self._signals.received)
-            if agreed:
-                self._preempted(agreed, 0, epoch=epoch + 1)
+        self._at_boundary(0, epoch=epoch + 1)
+
+    def _at_boundary(self, in_epoch, epoch=None):
+        agreed = self._vote and self._vote.at_boundary(self._signals.received)
+        if agreed:
+            self._preempted(agreed, in_epoch, epoch=epoch)
 
     def on_train_end(self, logs=None):
         try:
@@ -258,9 +241,6 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             )
         else:
             extra["resume_batches"] = self._batches
-        self._save(extra, force_sync)
-
-    def _save(self, extra, force_sync=False):
         self._finish()
         path = os.path.join(self.directory, f"{_PREFIX}{self._batches:010d}")
         epochs, logs = self._history

@@ -3,15 +3,11 @@
 A checkpoint directory holds DCP's files (`.metadata`, `__<rank>_<i>.distcp`)
 and the manifest `keras_dtensor.json`, written last: the digest and size of
 every file, the keys with their global shapes and dtypes. Nothing here
-trusts the files: the manifest is JSON, every file is hashed before a load
-touches the model (the ranks share the files, the digest threads the
-blocks of each), and DCP's pickled `.metadata` is read through an
-allow-list of DCP's own metadata types.
-
-A file's digest is `crc32_blocks` (`digest.py`: a CRC-32 per 16 MiB
-block; the manifest's `digest` says so) since format
-`keras-dtensor-checkpoint/2`; format 1 (`sha256`: one SHA-256 of the
-whole file) is read and checked as it was written.
+trusts the files: the manifest is JSON, every file is checked before a load
+touches the model (the ranks share the files), and DCP's pickled
+`.metadata` is read through an allow-list of DCP's own metadata types.
+Format `keras-dtensor-checkpoint/2` digests are `crc32_blocks` (`digest`);
+format 1's (`sha256` of the whole file) are still read and checked.
 """
 
 import io
@@ -35,7 +31,6 @@ __all__ = [
     "hash_file",
     "read_manifest",
     "read_metadata",
-    "shared_hashes",
     "verify",
 ]
 
@@ -53,13 +48,7 @@ def hash_file(path):
     return digest.hash_file(path, DIGEST["block_bytes"])
 
 
-def shared_hashes(directory, names):
-    """`{name: {crc32_blocks, size}}` for `names`, each rank hashing a
-    share."""
-    world, rank = launch.world()
-    mine = {
-        n: hash_file(os.path.join(directory, n)) for n in names[rank::world]
-    }
+def _merged(mine):
     merged = {}
     for part in launch.all_gather_bytes(json.dumps(mine).encode()):
         merged.update(json.loads(part))
@@ -70,12 +59,13 @@ def gathered_hashes(directory, names, mine):
     """`{name: {crc32_blocks, size}}` for `names` from every rank's digests
     (`mine`: this rank's, taken while writing); files no rank has a digest
     for are hashed here, the ranks sharing them."""
-    merged = {}
-    for part in launch.all_gather_bytes(json.dumps(mine).encode()):
-        merged.update(json.loads(part))
+    merged = _merged(mine)
     missing = [n for n in names if n not in merged]
-    found = shared_hashes(directory, missing) if missing else {}
-    return {n: merged[n] if n in merged else found[n] for n in names}
+    if missing:
+        world, rank = launch.world()
+        paths = {n: os.path.join(directory, n) for n in missing[rank::world]}
+        merged.update(_merged({n: hash_file(p) for n, p in paths.items()}))
+    return {n: merged[n] for n in names}
 
 
 _SAFE_DCP_TYPES = {

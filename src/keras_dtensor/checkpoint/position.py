@@ -1,21 +1,12 @@
 """Where a run is inside an epoch, so a checkpoint resumes at that batch.
 
-Weights and optimizer state are in the checkpoint's files. To continue in
-the middle of an epoch as if nothing had happened, a run also needs:
-
-- the random state the epoch's shuffle was drawn from (numpy's, Python's
-  and torch's global generators when the epoch began), to draw the same
-  order again;
-- the random state at the checkpoint, to continue drawing from there;
-- the metric states accumulated in the epoch so far, so the epoch's logs
-  cover all its batches.
-
-Each rank's share is gathered into the manifest (a few kB per rank, JSON:
-no pickle). A run on the same number of processes restores each rank's
-own; on another number, every rank takes rank 0's random state (the ranks
-draw the same shuffle: they read the same global batches) and the metric
-states are combined: DataParallel ranks hold partial sums (summed when
-logs are read), other distributions hold the global state on every rank.
+Beside the weights, continuing mid-epoch needs the random state the
+epoch's shuffle was drawn from, the random state at the checkpoint, and
+the epoch's metric states. Each rank's share goes into the manifest
+(JSON, no pickle). On the same number of processes each rank gets its
+own back; on another, every rank takes rank 0's random state (the ranks
+draw the same shuffle) and the metric states are combined (DataParallel
+ranks hold partial sums; other distributions the global state).
 """
 
 import base64

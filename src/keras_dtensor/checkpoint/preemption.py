@@ -1,23 +1,13 @@
 """Termination signals during `fit`: noticed on any rank, acted on by all.
 
-A platform that takes a machine away (spot instances, SLURM's time limit,
-a Kubernetes eviction) sends SIGTERM, waits a grace period, then kills;
-torchrun forwards the signal to every worker, SLURM's `--signal` sends
-SIGUSR1 ahead of time. The handler only notes the signal: the process is
-usually inside a step or a collective, which must finish on every rank.
-
-The ranks agree at step boundaries, without waiting for each other more
-than the steps already do: every few boundaries (about every 0.1 s) every
-rank launches a small all-reduce (maximum) of "have I been signalled" on a
-gloo group of its own, and reads the one it launched at the previous vote,
-long done. All ranks read the same value at the same boundary, so they
-stop together, at most two votes after the signal (about 0.2 s, or two
-steps when steps are longer): no rank is ever left inside a collective the
-others have left.
-
-A signal outside `fit` (the handler is still installed after `fit` raised)
-is handed to the handler that was there before: the process ends as it
-would have without this module.
+The handler only notes the signal: the process is usually inside a step
+or a collective, which must finish on every rank. At step boundaries the
+ranks agree one vote late: every few boundaries each launches a small
+all-reduce (maximum) of "was I signalled" on a gloo group of its own and
+reads the one launched at the previous vote, long done. All ranks read
+the same value at the same boundary, so none is left inside a collective
+the others have left. A signal outside `fit` goes to the handler that was
+there before.
 """
 
 import contextlib
@@ -33,7 +23,14 @@ from keras.src.backend.common import global_state
 from keras_dtensor import config
 from keras_dtensor.backend import launch
 
-__all__ = ["EXIT_CODE", "Signals", "Vote", "exit_preempted", "signal_name"]
+__all__ = [
+    "EXIT_CODE",
+    "Signals",
+    "Vote",
+    "exit_preempted",
+    "gloo_group",
+    "signal_name",
+]
 
 # EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to
 # retry". What a job script or `keras-dtensor run --max-restarts` sees when
@@ -100,11 +97,13 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _group():
-    group = global_state.get_global_attribute(_GROUP)
-    if group is None:
+def gloo_group(key):
+    """A gloo group of every rank, made once and kept in Keras's global
+    state under `key` (`None` without a process group)."""
+    group = global_state.get_global_attribute(key)
+    if group is None and dist.is_initialized():
         group = dist.new_group(backend="gloo")
-        global_state.set_global_attribute(_GROUP, group)
+        global_state.set_global_attribute(key, group)
     return group
 
 
@@ -113,20 +112,17 @@ class Vote:
 
     Every rank calls `at_boundary` with the signal it received (0: none)
     at the same boundaries; a signal number returned means stop here, on
-    every rank (0: go on). A vote (an all-reduce on a gloo group of its
-    own, beside the steps' collectives) is launched every `every`
-    boundaries, so that votes come about every
-    `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds whatever the step time:
-    each vote also carries every rank's proposal for the next `every`
-    (from its own step times), and all ranks take the smallest, so they
-    keep counting the same boundaries.
+    every rank. A vote is launched every `every` boundaries, about every
+    `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds: each carries every rank's
+    proposal for the next `every` (from its step times), and all ranks
+    take the smallest, so they keep counting the same boundaries.
     """
 
     MAX_EVERY = 64
 
     def __init__(self):
         multi = launch.multi_process()
-        self._group = _group() if multi else None
+        self._group = gloo_group(_GROUP) if multi else None
         self._pending = None
         self._every = 1  # boundaries between votes, the same on every rank
         self._count = 0

@@ -1,14 +1,10 @@
 """Reading sharded checkpoints: allow-listed metadata, direct reads.
 
-`SafeReader` is DCP's public `FileSystemReader` that reads DCP's pickled
-`.metadata` through the allow-list of `manifest.py`, refuses items
-DCP would unpickle without restriction (`torch.load(weights_only=False)`
-on `BYTE_IO` items), and reads a tensor's bytes straight into the
-destination when the saved record is a plain contiguous tensor of the
-same dtype. DCP's own reader builds a new tensor per item with
-`torch.load`, then copies it: the fresh pages cost about as much as
-hashing the file. Anything else goes through DCP's reader. A load uses
-it only after every file was checked against the manifest.
+`SafeReader` is DCP's `FileSystemReader` that reads the pickled
+`.metadata` through `manifest`'s allow-list, refuses items DCP would
+unpickle freely (`BYTE_IO`), and reads a plain contiguous tensor of the
+same dtype straight into the destination instead of into a new tensor
+that is then copied. Anything else goes through DCP's reader.
 """
 
 import collections
@@ -228,7 +224,9 @@ class SafeReader(dcp.FileSystemReader):
             path = os.path.join(self.path, relative_path)
             with open(path, "rb") as f:
                 layouts = {}
-                items.sort(key=lambda i: self._offset(i))
+                items.sort(
+                    key=lambda i: self.storage_data[i.storage_index].offset
+                )
                 for item in items:
                     if not self._read_direct(f, item, planner, layouts):
                         fallback.append(item)
@@ -238,9 +236,6 @@ class SafeReader(dcp.FileSystemReader):
         done = torch.futures.Future()
         done.set_result(None)
         return done
-
-    def _offset(self, item):
-        return self.storage_data[item.storage_index].offset
 
     def _read_direct(self, f, item, planner, layouts):
         info = self.storage_data[item.storage_index]

@@ -1,19 +1,13 @@
 """Writing sharded checkpoints: the digest of every file, taken on write.
 
-`DigestingWriter` is DCP's public `FileSystemWriter` with a `FileSystem`
-whose output streams checksum what they write: the digest of each file
-(`crc32_blocks`, `digest.py`: a CRC-32 per 16 MiB block, taken on the
-digest threads while this thread writes the same bytes) and its size
-come from the bytes as they are written, not from reading the files
-again. A file that was not written in one pass (a seek, or a size that
-differs from the bytes counted) gets no digest and is read again.
+`DigestingWriter` is DCP's `FileSystemWriter` whose output streams
+checksum what they write (`digest.py`), so a save never reads its files
+again; a file not written in one pass (a seek, or a size other than the
+bytes counted) gets no digest and is read again at commit.
 
-While it writes, `torch.save` skips its per-record zip CRC-32
-(`torch.serialization.set_crc32_options`): `torch.load` never checks it
-(flipped bytes load silently), it costs as much as the manifest's
-checksums (measured: BENCHMARKS.md), and those, checked before every
-load, cover the same bytes. Tools that unzip a record and check its CRC
-will complain; `torch.load` reads it.
+While it writes, `torch.save` skips its per-record zip CRC-32: `torch.load`
+never checks it, and the manifest's checksums, checked before every load,
+cover the same bytes.
 """
 
 import contextlib
@@ -28,16 +22,11 @@ from keras_dtensor.checkpoint import digest
 
 __all__ = ["DigestingWriter"]
 
-_THREADED = 2**20  # writes this large are checksummed on the threads
-
 
 class _Crc32Off:
-    """`torch.save` without its zip CRC-32 while any of our writes run.
-
-    The option is torch's and process-wide: the first writer in turns it
-    off, the last one out restores what it was (writes may overlap when
-    an async save is still running).
-    """
+    """`torch.save` without its zip CRC-32 while any of our writes run
+    (a process-wide option: the first writer in turns it off, the last
+    one out restores it; an async save may overlap another)."""
 
     lock = threading.Lock()
     depth = 0
@@ -60,25 +49,15 @@ class _Crc32Off:
 class _DigestStream:
     """A file opened for writing that checksums what goes through it."""
 
-    def __init__(self, raw, on_close):
+    def __init__(self, raw, digests, name):
         self._raw = raw
         self._digest = digest.BlockDigest()
         self._one_pass = True
-        self._on_close = on_close
+        self._digests, self._name = digests, name
 
     def write(self, data):
-        view = memoryview(data).cast("B")
-        if len(view) < _THREADED:
-            written = self._raw.write(data)
-            for task in self._digest.tasks(view[:written]):
-                task()
-            return written
-        # The digest threads checksum `view` while this thread writes it;
-        # both are done before `data` goes back to its owner.
-        tasks = self._digest.tasks(view)
-        written = digest.run(tasks, lambda: self._raw.write(data))
-        if written != len(view):  # counted bytes that were not written
-            self._one_pass = False
+        written = self._raw.write(data)
+        self._digest.update(memoryview(data).cast("B")[:written])
         return written
 
     def seek(self, *args):  # not one pass any more: hashed again later
@@ -101,9 +80,8 @@ class _DigestStream:
         size = os.fstat(self._raw.fileno()).st_size
         self._raw.close()
         if self._one_pass and size == self._digest.size:
-            self._on_close(
-                {"crc32_blocks": self._digest.hexdigest(), "size": size}
-            )
+            found = {"crc32_blocks": self._digest.hexdigest(), "size": size}
+            self._digests[self._name] = found
 
 
 class _DigestingFileSystem(filesystem.FileSystem):
@@ -121,12 +99,8 @@ class _DigestingFileSystem(filesystem.FileSystem):
             return
         name = os.path.basename(os.fspath(path))
         self.digests.pop(name, None)
-
-        def record(found):
-            self.digests[name] = found
-
         with super().create_stream(path, mode) as raw:
-            stream = _DigestStream(raw, record)
+            stream = _DigestStream(raw, self.digests, name)
             try:
                 yield stream
             finally:

@@ -1,24 +1,14 @@
 """`.h5` and `.keras` files under a distribution, without a whole copy.
 
-Keras's own writers and readers run on every rank, through the hooks the
-`PATCHES` table installs:
-
-- `wrap_save` (`collective`): `save_weights` and `model.save` on several
-  processes; rank 0 writes the file from every rank's shards, staged and
-  renamed into place, and a failure on any rank is raised on every rank;
-- `wrap_save_model_to_fileobj` (`collective`, `zip_writer`): the `.keras`
-  zip written in one pass, the weights member filled in place;
-- the store hooks (`stores`): each sharded variable written in pieces by
-  the ranks holding its shards (`h5_stream`; on one host, assembled in
-  shared memory: `shm_blocks`), never gathered; a store opened for
-  writing outside those functions (keras_hub's `save_lora_weights`)
-  written as they write;
-- the load hooks (`sliced_load`): each rank reads only its slices of a
-  sharded variable;
-- the `.keras` zip's records (`zip_format`) and the CRC-32 of a member
-  written in pieces (`crc32`).
-
-Files are ordinary Keras files: plain single-process Keras loads them.
+Keras's own writers and readers run on every rank, through the hooks of
+the `PATCHES` table: `collective` (`save_weights`, `model.save`: rank 0
+writes the file from every rank's shards, staged and renamed into place;
+a failure on any rank raises on every rank), `stores` (Keras's weight
+stores hand sharded values to `h5_stream`, which writes them in pieces
+from the ranks holding them, assembled in shared memory on one host by
+`shm_blocks`), `zip_writer` (the `.keras` zip in one pass, its records in
+`zip_format`, its CRC-32 joined by `crc32`) and `sliced_load` (each rank
+reads only its slices). The files are ordinary Keras files.
 """
 
 from keras_dtensor.saving.collective import wrap_save

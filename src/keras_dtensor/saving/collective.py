@@ -1,32 +1,15 @@
 """Saving under a distribution: rank 0 writes, from every rank's shards.
 
-Every rank runs Keras's own writer (`save_weights`, `model.save`), in the
-same order; rank 0 writes into a hidden staging directory next to the
-target and renames into place (a reader never sees half a file; Keras's
-sharded `.weights.json` keeps its shard files' names, moved before the
-`.json` that lists them), the other ranks write to a private scratch
-directory that is then deleted (all ranks writing one `.weights.h5` would
-also collide on h5py's file lock). Inside the writer,
-a sharded variable is not gathered: rank 0 writes it in pieces while the
-ranks holding its shards send them (`h5_stream.py`), so no rank holds a
-whole sharded variable. Files are ordinary Keras files: plain
-single-process Keras loads them.
-
-`model.save` on several processes writes the `.keras` zip itself
-(`zip_writer.py`), with the same members as Keras; h5py writes the
-weights member in place inside the zip, where Keras writes a temporary
-`.h5` and copies it in (the weights written twice).
-
-A save called on some ranks only would hang in the first transfer; the
-ranks first meet in the process group's store, which turns that into an
-error naming the call. A model with nothing distributed (no distribution
-set, no sharded variable, no optimizer slot held by another rank) is
-saved by each calling rank alone, as plain Keras saves it (the
-`if rank == 0:` idiom), staged and renamed into place.
-A file rank 0 cannot create (missing directory, no permission) is found
-before any transfer, and the outcome of the write is shared at the end:
-every rank raises the same error instead of the others waiting for the
-collective timeout.
+Every rank runs Keras's own writer, in the same order; rank 0 writes into
+a hidden staging directory next to the target and renames into place (a
+reader never sees half a file), the others into a private scratch
+directory that is then deleted. Sharded variables travel to rank 0 in
+pieces (`h5_stream`), never gathered. The ranks first meet in the process
+group's store, so a save called on some ranks only is an error naming the
+call, not a hang; a file rank 0 cannot create is found before any
+transfer, and the outcome is shared at the end, so every rank raises the
+same error. A model with nothing distributed is saved by each calling
+rank alone, as plain Keras saves it (the `if rank == 0:` idiom).
 """
 
 import functools
@@ -49,9 +32,8 @@ __all__ = ["RankZeroFile", "wrap_save", "wrap_save_model_to_fileobj"]
 
 
 def _move_contents(staging, name, directory):
-    """Every file Keras wrote in `staging` into `directory`, the target
-    last (a sharded save's `.json` lists its shard files: they land first;
-    Keras renames a sharded `.weights.h5` target to `.weights.json`)."""
+    """Every file in `staging` into `directory`, the target and `.json`
+    last (a sharded save's `.json` lists its shard files)."""
     entries = os.listdir(staging)
     last = [e for e in entries if e == name or e.endswith(".json")]
     for entry in sorted(set(entries) - set(last)) + sorted(last):
@@ -83,10 +65,8 @@ def _raise_if_failed(failures, what, filepath, own=None):
 
 
 def _write_alone(original, model, filepath, *args, **kwargs):
-    """Keras's writer on this rank alone, into a staging directory of its
-    own next to the target, then renamed into place: ranks that all save
-    the same file (no rank check in the script) each replace it whole, and
-    a reader never sees a half-written file."""
+    """Keras's writer on this rank alone, staged and renamed into place
+    (ranks that all save one file each replace it whole)."""
     directory, name = files.split(filepath)
     staging = files.staging_path(filepath)
     try:
@@ -104,12 +84,10 @@ def _write_alone(original, model, filepath, *args, **kwargs):
 class RankZeroFile:
     """One file that every rank writes, of which rank 0's is kept.
 
-    Opening it makes every rank meet first (`every_rank_joins`), then
-    checks that rank 0 can write next to the target: rank 0 writes into a
-    hidden staging directory there, the others into a private scratch
-    directory (their stores take part in every transfer but keep nothing).
-    `finish(problem)` moves rank 0's file into place when no rank failed
-    and raises the first failure on every rank.
+    Every rank meets first, then rank 0 checks that it can write next to
+    the target (into a hidden staging directory; the others into scratch).
+    `finish(problem)` moves rank 0's file into place, or raises the first
+    failure on every rank.
 
     Args:
         what: the user-facing call, for messages (`"save_weights"`).
@@ -146,9 +124,8 @@ class RankZeroFile:
         self.check(problem, raise_own=False)
 
     def check(self, problem, raise_own=True):
-        """Raises on every rank if any rank failed (`problem`: this
-        rank's, raised as it is if `raise_own`), this rank's files
-        discarded; every rank must call it."""
+        """Raises on every rank if any failed (`problem`: this rank's,
+        raised as it is if `raise_own`); a collective."""
         failures = _share_failure(problem)
         if failures:
             self.discard()
@@ -160,8 +137,8 @@ class RankZeroFile:
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def finish(self, problem=None):
-        """Rank 0's file into place if no rank failed, else the first
-        failure raised on every rank (`problem`: this rank's)."""
+        """Rank 0's file into place, or the first failure raised on every
+        rank (`problem`: this rank's)."""
         try:
             if problem is None and self.rank_0:
                 _move_contents(self.staging, self.name, self.directory)
@@ -198,12 +175,8 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
 
 
 def _is_collective(model):
-    """Whether saving `model` needs every rank: under a distribution, or a
-    model holding sharded variables or optimizer slots that DataParallel
-    left on their owners. Otherwise the model is a plain one-process
-    model, saved as plain Keras saves it, on any subset of ranks (the
-    `if rank == 0: model.save_weights(...)` of torchrun scripts)."""
-
+    """Whether saving `model` needs every rank (a distribution, sharded
+    variables, or optimizer slots DataParallel left on their owners)."""
     if context.current() is not None:
         return True
     if data_parallel.has_stale_state(model):
@@ -287,9 +260,8 @@ def _save_archive(model, fileobj):
 
 def wrap_save_model_to_fileobj(original):
     """Wraps `saving_lib._save_model_to_fileobj(model, fileobj[, format])`
-    (Keras 3.16 writes `.h5` weights only and drops the format argument):
-    inside a save's `scope()`, `.h5` weights into a file on disk are
-    written in place inside the zip (see the module)."""
+    (no format argument on Keras 3.16): inside a save's `scope()`, into a
+    file on disk, the `.h5` weights are written in place in the zip."""
 
     @functools.wraps(original)
     def _save_model_to_fileobj(model, fileobj, *weights_format):

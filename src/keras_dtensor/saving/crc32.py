@@ -1,16 +1,9 @@
 """The CRC-32 of two byte strings joined, from the CRC-32 of each.
 
-A zip member's CRC-32 (the one of `zlib.crc32`) is the remainder of the
-message times x^32 modulo a fixed polynomial of degree 32, with the first
-32 bits and the result inverted. Appending `n` bytes multiplies the first
-string's part by x^(8n), and the inversions cancel, so
-
-    crc(a + b) = crc(a) * x^(8 len(b)) + crc(b)   (modulo the polynomial)
-
-with `+` an exclusive or. `combine` computes that with x^(8n) built from
-the squares x^(2^k), so its cost grows with the number of bits in `n`,
-not with `n`: the pieces of a member can be checksummed where they are
-written and the whole CRC-32 found without reading the member back.
+`crc(a + b) = crc(a) * x^(8 len(b)) + crc(b)` modulo zlib's polynomial,
+with x^(8n) built from the squares x^(2^k): the pieces of a zip member
+are checksummed where they are written, and the member's CRC-32 found
+without reading it back.
 
 Example:
 >>> combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")

@@ -1,33 +1,13 @@
 """Writing a sharded variable into a Keras `.h5` store without gathering it.
 
-Keras's `H5IOStore.__setitem__` converts each variable to numpy: for a
-sharded variable an all-gather, so every rank held each whole variable
-(and a numpy copy) while saving. Inside a save on several processes
-(`scope()`, entered by `collective.py`), every rank writes a DTensor-backed
-value as follows, in the same order (Keras walks the same model):
-
-- rank 0 creates the dataset (global shape and dtype; bfloat16 as Keras
-  stores it) and fills it in blocks, each contiguous in the file and at
-  most `$KERAS_DTENSOR_SAVE_PIECE_MB` MiB;
-- one rank per distinct shard (rank 0 when it holds one: no message)
-  sends rank 0 its part of each block point to point, a view of its
-  shard; rank 0 receives the next block while it writes the current one
-  (about four pieces held), the others hold nothing extra and leave the
-  dataset of their scratch file empty.
-
-On one host (CPU values, every rank with a part able to open rank 0's
-files in `/dev/shm`), the blocks are assembled in shared memory instead
-(`shm_blocks.py`): each rank copies its part straight into the block,
-rank 0 writes it out; no bytes through sockets, no copy on rank 0 of
-the others' parts.
-
-Keras's stores hand their values here through the hooks in
-`stores.py` (layers, optimizer slots, the sharded `.weights.json`
-format). A replicated variable is
-one shard rank 0 holds. Plain values (DataParallel) go through Keras.
-A rank whose write fails (a full disk) keeps taking part in every later
-transfer without writing, so no peer waits on it; the save raises that
-error once Keras's writer returns.
+Inside a save's `scope()` every rank writes a DTensor-backed value here,
+in the same order: rank 0 creates the dataset (bfloat16 as Keras stores
+it) and fills it in blocks contiguous in the file, each at most
+`$KERAS_DTENSOR_SAVE_PIECE_MB`; one rank per distinct shard sends rank 0
+its part of each block, point to point. On one host the blocks are
+assembled in shared memory instead (`shm_blocks`). A rank whose write
+fails keeps taking part in every transfer, so no peer waits on it; the
+save raises that error at the end.
 """
 
 import contextlib
@@ -73,8 +53,7 @@ def _carve(flat, offset, shape, dtype):
 @dataclasses.dataclass
 class _Save:
     """One save on this rank: piece size, first write error, rank 0's
-    buffers (allocated once per save: a piece allocated and freed per
-    block grew glibc's heap without reuse)."""
+    buffers (allocated once per save, not per block)."""
 
     piece_bytes: int
     error: BaseException | None = None
@@ -86,33 +65,22 @@ class _Save:
     def slot_bytes(self):
         return -(-max(self.piece_bytes, _ALIGN) // _ALIGN) * _ALIGN
 
-    def slots(self, device):
-        """Two buffers on `device`, each a block and room for receiving
-        its parts that are not contiguous in the block."""
-        if device not in self.buffers:
-            size = 2 * self.slot_bytes + _ALIGN * dist.get_world_size()
-            self.buffers[device] = [
-                torch.empty(size, dtype=torch.uint8, device=device)
-                for _ in range(2)
-            ]
-        return self.buffers[device]
-
-    def staging(self):
-        """A CPU buffer of one block, for blocks received on a GPU."""
-        if "staging" not in self.buffers:
-            self.buffers["staging"] = torch.empty(
-                self.slot_bytes, dtype=torch.uint8
+    def buffer(self, device, blocks):
+        """A byte buffer of `blocks` blocks on `device`, reused."""
+        if (device, blocks) not in self.buffers:
+            size = blocks * self.slot_bytes
+            self.buffers[device, blocks] = torch.empty(
+                size, dtype=torch.uint8, device=device
             )
-        return self.buffers["staging"]
+        return self.buffers[device, blocks]
 
 
 _SAVE = contextvars.ContextVar("keras_dtensor_stream_save", default=None)
 
 
 def new_save():
-    """The state of one save on this rank, for `write` (`end_save` when
-    done): `state.error` is the first write error on this rank (`None`
-    if none), to raise once the save's writer returns."""
+    """One save's state on this rank (`end_save` when done); its `error`
+    is the first write error here, to raise once the writer returns."""
     return _Save(max(1, int(config.get("SAVE_PIECE_MB") * 2**20)))
 
 
@@ -125,8 +93,8 @@ def end_save(state):
 
 @contextlib.contextmanager
 def scope():
-    """The scope of one save on every rank (entered by `collective.py`):
-    the stores Keras opens inside stream into it. Yields `new_save()`."""
+    """One save on every rank: the stores Keras opens inside write their
+    sharded values here. Yields `new_save()`."""
     state = new_save()
     token = _SAVE.set(state)
     try:
@@ -147,19 +115,8 @@ def current():
 
 
 def pieces(shape, itemsize, piece_bytes):
-    """Blocks of a C-order array, each contiguous and at most `piece_bytes`.
-
-    Trailing dims whole while they fit, the next one cut into runs, those
-    before it one index at a time; at least one element per block.
-
-    Args:
-        shape: the array's shape.
-        itemsize: bytes per element.
-        piece_bytes: the largest block, in bytes.
-
-    Returns:
-        A list of blocks, each a list of `(start, stop)` per dim, covering
-        the array in file order (none if it is empty).
+    """Blocks of a C-order array, each contiguous and at most `piece_bytes`
+    (at least one element), as `[(start, stop) per dim]`, in file order.
 
     Example:
     >>> pieces((4, 3), 4, 24)
@@ -187,20 +144,9 @@ def pieces(shape, itemsize, piece_bytes):
 
 
 def shard_owners(shape, mesh, placements):
-    """The distinct non-empty shards of a DTensor and the rank sending each.
-
-    Of the ranks holding one shard (its replicas), the lowest sends it;
-    rank 0 when it holds one.
-
-    Args:
-        shape: the global shape.
-        mesh: the torch `DeviceMesh`.
-        placements: its placements (`Shard`/`Replicate` only).
-
-    Returns:
-        `[(rank, ranges), ...]` sorted by rank; `ranges` is `(start,
-        length)` per dim of the global array.
-    """
+    """`[(rank, ranges), ...]` of a DTensor's distinct non-empty shards,
+    sorted, each sent by the lowest rank holding it; `ranges` is `(start,
+    length)` per dim of the global array."""
     ranks = mesh.mesh
     owners = {}
     for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
@@ -217,7 +163,7 @@ def shard_owners(shape, mesh, placements):
 
 
 def _overlap(block, ranges):
-    """`(index in the block, index in the shard)` of their intersection, or
+    """`(index in the block, index in the shard)` of their overlap, or
     `None`."""
     in_block, in_shard = [], []
     for (b0, b1), (r0, n) in zip(block, ranges, strict=True):
@@ -249,7 +195,8 @@ def _put(state, dataset, block, buffer):
     if state.error is not None:
         return
     if buffer.device.type != "cpu":
-        staged = _carve(state.staging(), 0, buffer.shape, buffer.dtype)
+        staging = state.buffer(torch.device("cpu"), 1)
+        staged = _carve(staging, 0, buffer.shape, buffer.dtype)
         buffer = staged.copy_(buffer)
     try:
         dataset[tuple(slice(a, b) for a, b in block)] = _to_numpy(buffer)
@@ -257,75 +204,76 @@ def _put(state, dataset, block, buffer):
         state.error = e
 
 
-class _Writer:
-    """Rank 0's side: receives and writes the pieces of one variable."""
+def _receive(target, slot, offset, rank):
+    """Rank 0: `rank`'s part into `target`, a view of a block (through
+    `slot`'s bytes from `offset` where it is not contiguous)."""
+    into = target
+    if not target.is_contiguous():
+        into = _carve(slot, offset, target.shape, target.dtype)
+    dist.recv(into, src=rank)
+    if into is not target:
+        target.copy_(into)
 
-    def __init__(self, dataset, local, owners, state):
-        self.dataset = dataset
-        self.local = local
-        self.owners = owners
-        self.state = state
-        self.own = [ranges for rank, ranges in owners if rank == 0]
 
-    def post(self, block, slot):
-        """Starts the receives of `block` into `slot` and copies rank 0's
-        own part."""
+def _assemble(state, local, blocks, owners, shared):
+    """Rank 0: yields `(block, values)` in file order, every part in."""
+    parts = [
+        [
+            (rank, found)
+            for rank, ranges in owners
+            if rank != 0 and (found := _overlap(block, ranges)) is not None
+        ]
+        for block in blocks
+    ]
+    own = [ranges for rank, ranges in owners if rank == 0]
+    for i in range(min(shm_blocks.SLOTS, len(blocks)) if shared else 0):
+        shm_blocks.grant(shared, i, parts[i])
+    for i, block in enumerate(blocks):
         shape = tuple(b - a for a, b in block)
-        local = self.local
-        if self.own and local.device.type == "cpu":
-            overlap = _overlap(block, self.own[0])
-            if overlap and all(
+        found = _overlap(block, own[0]) if own else None
+        if (
+            found
+            and local.device.type == "cpu"
+            and all(
                 s.stop - s.start == n
-                for s, n in zip(overlap[0], shape, strict=True)
-            ):  # all of it is here: write a view, no copy
-                return block, local[overlap[1]], []
-        buffer = _carve(slot, 0, shape, local.dtype)
-        offset = self.state.slot_bytes
-        pending = []
-        for rank, ranges in self.owners:
-            overlap = _overlap(block, ranges)
-            if overlap is None:
-                continue
-            in_block, in_shard = overlap
-            target = buffer[in_block]
-            if rank == 0:
-                target.copy_(local[in_shard])
-                continue
-            into = target
-            if not target.is_contiguous():
-                into = _carve(slot, offset, target.shape, local.dtype)
-                offset += -(-into.nbytes // _ALIGN) * _ALIGN
-            pending.append((dist.irecv(into, src=rank), target, into))
-        return block, buffer, pending
-
-    def finish(self, posted):
-        """Waits for `posted`'s receives, then writes it."""
-        block, buffer, pending = posted
-        for work, target, into in pending:
-            work.wait()
-            if into is not target:
-                target.copy_(into)
-        _put(self.state, self.dataset, block, buffer)
-
-    def run(self, blocks):
-        slots = self.state.slots(self.local.device)
-        posted = None
-        for i, block in enumerate(blocks):
-            following = self.post(block, slots[i % 2])
-            if posted is not None:
-                self.finish(posted)
-            posted = following
-        if posted is not None:
-            self.finish(posted)
+                for s, n in zip(found[0], shape, strict=True)
+            )
+        ):
+            yield block, local[found[1]]  # all of it is here: no copy
+        else:
+            if shared:
+                slot = shared.slots[i % shm_blocks.SLOTS]
+            else:
+                slot = state.buffer(local.device, 2)
+            values = _carve(slot, 0, shape, local.dtype)
+            if found:
+                values[found[0]].copy_(local[found[1]])
+            for rank, (in_block, _) in parts[i]:
+                if shared:
+                    shm_blocks.wait_for_part(shared, rank, i)
+                else:
+                    _receive(values[in_block], slot, state.slot_bytes, rank)
+            yield block, values
+        after = i + shm_blocks.SLOTS
+        if shared and after < len(blocks):
+            shm_blocks.grant(shared, after, parts[after])
 
 
-def _send(local, blocks, ranges):
-    """Another rank's side: sends its shard's part of every block."""
+def _send(local, blocks, ranges, shared):
+    """Another rank: its shard's part of every block to rank 0."""
     works = []
-    for block in blocks:
-        overlap = _overlap(block, ranges)
-        if overlap is not None:
-            works.append(dist.isend(local[overlap[1]].contiguous(), dst=0))
+    for i, block in enumerate(blocks):
+        found = _overlap(block, ranges)
+        if found is None:
+            continue
+        part = local[found[1]]
+        if shared is None:
+            works.append(dist.isend(part.contiguous(), dst=0))
+            continue
+        slot = shm_blocks.free_slot(shared, i)
+        shape = tuple(b - a for a, b in block)
+        _carve(slot, 0, shape, local.dtype)[found[0]].copy_(part)
+        shm_blocks.part_in(shared, i)
     for work in works:
         work.wait()
 
@@ -363,20 +311,13 @@ def write(store, key, value, state):
             state.error = e
     if value.device_mesh.device_type == "cpu" and state.shared_ranks is None:
         state.shared, state.shared_ranks = shm_blocks.attach(state.slot_bytes)
+    shared = None
     if shm_blocks.usable(state.shared_ranks or (), local, owners):
-        shm_blocks.fill(
-            state.shared,
-            local,
-            blocks,
-            owners,
-            _overlap,
-            _carve,
-            lambda block, values: _put(state, dataset, block, values),
-        )
-        return
+        shared = state.shared
     if rank == 0:
-        _Writer(dataset, local, owners, state).run(blocks)
+        for block, values in _assemble(state, local, blocks, owners, shared):
+            _put(state, dataset, block, values)
         return
     mine = [ranges for owner, ranges in owners if owner == rank]
     if mine:
-        _send(local, blocks, mine[0])
+        _send(local, blocks, mine[0], shared)

@@ -1,29 +1,14 @@
 """Blocks assembled in shared memory by the ranks of rank 0's host.
 
-`h5_stream` sends rank 0 each rank's part of every block through the
-process group: on one host, the bytes go through loopback sockets (a copy
-on each side) and rank 0 copies every part once more into its block (a
-part of a column-sharded table is strided in it). Here, when every rank
-holding a shard of a CPU variable can open the files rank 0 made in
-`/dev/shm` (the same host, the same user), the block buffers live in that
-shared memory instead: each rank copies its part straight into its place
-in the block, and rank 0 writes the block out while the others fill the
-next ones. Per block: one copy of each part, made by the rank that holds
-it, and rank 0's write; no bytes through sockets. The memory: two blocks
-(`$KERAS_DTENSOR_SAVE_PIECE_MB` each) for the whole host, which each
-rank's resident size counts once it has written into them.
-
-Each rank other than 0 has two pipes (FIFOs) with rank 0: on one, rank 0
-says which block a buffer is free for; on the other, the rank says its
-part of that block is in. A pipe, not the process group, because every
-message through the group is a collective round trip on rank 0's time,
-and a save sends two per block. A rank that stops answering is reported
-after the process group's timeout.
-
-The files are removed as soon as every rank has opened them (nothing is
-left behind if a rank dies); the memory's space is reserved up front (a
-full `/dev/shm` is found then, not as a `SIGBUS` later). If any of that
-fails, nothing is shared and `h5_stream` sends the parts as before.
+When every rank holding a shard of a CPU variable can open the files
+rank 0 made in `/dev/shm`, the block buffers live there: each rank copies
+its part straight into its place in the block, and rank 0 writes the
+block out while the others fill the next one; no bytes through sockets.
+Each rank has two pipes with rank 0 (this block's buffer is free; my part
+is in): a pipe, because every message through the process group is a
+round trip on rank 0's time. The files are unlinked once every rank has
+opened them, and their space is reserved up front; if any of it fails,
+`h5_stream` sends the parts through the process group.
 """
 
 import contextlib
@@ -40,11 +25,20 @@ import torch.distributed as dist
 from keras_dtensor import config
 from keras_dtensor.backend import launch
 
-__all__ = ["Shared", "attach", "fill", "usable"]
+__all__ = [
+    "SLOTS",
+    "Shared",
+    "attach",
+    "free_slot",
+    "grant",
+    "part_in",
+    "usable",
+    "wait_for_part",
+]
 
 _DIRECTORY = "/dev/shm"
 _HEADER = 4096  # the token that tells a rank it opened the right file
-_SLOTS = 2  # block buffers: one written out while the others fill one
+SLOTS = 2  # block buffers: one written out while the others fill one
 _MESSAGE = struct.Struct("<q")  # a block's index
 
 
@@ -58,17 +52,21 @@ class Shared:
         whole = torch.frombuffer(memory, dtype=torch.uint8)
         self.slots = [
             whole[_HEADER + i * slot_bytes : _HEADER + (i + 1) * slot_bytes]
-            for i in range(_SLOTS)
+            for i in range(SLOTS)
         ]
 
     def close(self):
         self.slots = []
-        for descriptors in self.pipes.values():
-            for fd in descriptors:
-                os.close(fd)
+        _close(self.pipes)
         self.pipes = {}
         with contextlib.suppress(BufferError):  # a view still alive
             self._memory.close()
+
+
+def _close(pipes):
+    for descriptors in pipes.values():
+        for fd in descriptors:
+            os.close(fd)
 
 
 def _paths(base, rank):
@@ -91,14 +89,6 @@ def _open_pipes(base, rank):
     return tuple(opened)
 
 
-def _map(fd, size, token):
-    memory = mmap.mmap(fd, size)
-    if memory[: len(token)] != token:
-        memory.close()
-        raise OSError("another file")
-    return memory
-
-
 def _create(base, size, token, world):
     """Rank 0: the memory (its space reserved) and its ends of every
     rank's pipes."""
@@ -116,9 +106,7 @@ def _create(base, size, token, world):
                 os.mkfifo(path, 0o600)
             pipes[rank] = _open_pipes(base, rank)
     except OSError:
-        for descriptors in pipes.values():
-            for fd in descriptors:
-                os.close(fd)
+        _close(pipes)
         memory.close()
         raise
     return memory, pipes
@@ -130,10 +118,12 @@ def _join(base, size, token, rank):
     try:
         if os.fstat(fd).st_size != size:
             raise OSError("another size")
-        memory = _map(fd, size, token)
+        memory = mmap.mmap(fd, size)
     finally:
         os.close(fd)
     try:
+        if memory[: len(token)] != token:
+            raise OSError("another file")
         return memory, {0: _open_pipes(base, rank)}
     except OSError:
         memory.close()
@@ -150,7 +140,7 @@ def attach(slot_bytes):
     """`(Shared or None, ranks)`: the block buffers (of `slot_bytes`) on
     this rank if it could open rank 0's files, and the ranks that could
     (the same on every rank). A collective."""
-    size = _HEADER + _SLOTS * slot_bytes
+    size = _HEADER + SLOTS * slot_bytes
     world, rank = dist.get_world_size(), dist.get_rank()
     token = uuid.uuid4().hex.encode()
     base = os.path.join(_DIRECTORY, f"keras_dtensor_save_{token.decode()}")
@@ -172,9 +162,7 @@ def attach(slot_bytes):
     ranks = frozenset(r for r, ok in enumerate(opened) if ok and opened[0])
     if rank == 0:
         _remove(base, world)  # every rank that could open them has
-        for peer in set(pipes or ()) - ranks:
-            for fd in pipes.pop(peer):
-                os.close(fd)
+        _close({peer: pipes.pop(peer) for peer in set(pipes or ()) - ranks})
     if memory is None:
         return None, ranks
     return Shared(memory, slot_bytes, pipes), ranks
@@ -211,67 +199,23 @@ def _hear(fd, block, who):
         raise RuntimeError(f"Rank {who} is at block {heard}, not {block}.")
 
 
-def _parts(blocks, owners, overlap):
-    """`[[(rank, (in block, in shard)) of the other ranks], ...]` per block."""
-    return [
-        [
-            (rank, found)
-            for rank, ranges in owners
-            if rank != 0 and (found := overlap(block, ranges)) is not None
-        ]
-        for block in blocks
-    ]
+def grant(shared, block, parts):
+    """Rank 0: tells the ranks of `parts` that `block`'s buffer is free."""
+    for rank, _ in parts:
+        _say(shared.pipes[rank][0], block)
 
 
-def _shape(block):
-    return tuple(b - a for a, b in block)
+def wait_for_part(shared, rank, block):
+    """Rank 0: returns once `rank` has copied its part of `block` in."""
+    _hear(shared.pipes[rank][1], block, rank)
 
 
-def _whole(found, block):
-    return all(
-        s.stop - s.start == n
-        for s, n in zip(found[0], _shape(block), strict=True)
-    )
+def free_slot(shared, block):
+    """Another rank: `block`'s buffer, once rank 0 says it is free."""
+    _hear(shared.pipes[0][0], block, 0)
+    return shared.slots[block % SLOTS]
 
 
-def fill(shared, local, blocks, owners, overlap, carve, write):
-    """Every rank's side of one variable (`usable`): rank 0 calls
-    `write(block, values)` for each block in order, every part in place;
-    the others copy their parts in. `overlap`, `carve`: `h5_stream`'s."""
-    parts = _parts(blocks, owners, overlap)
-    rank = dist.get_rank()
-
-    def buffer(i):
-        slot = shared.slots[i % _SLOTS]
-        return carve(slot, 0, _shape(blocks[i]), local.dtype)
-
-    if rank != 0:  # (no part: maybe no buffers either, and nothing to do)
-        for i in range(len(blocks)):
-            mine = [found for peer, found in parts[i] if peer == rank]
-            if mine:
-                free, filled = shared.pipes[0]
-                _hear(free, i, 0)
-                buffer(i)[mine[0][0]].copy_(local[mine[0][1]])
-                _say(filled, i)
-        return
-
-    def grant(i):  # block `i`'s buffer is free
-        if i < len(blocks):
-            for peer, _ in parts[i]:
-                _say(shared.pipes[peer][0], i)
-
-    own = [ranges for owner, ranges in owners if owner == 0]
-    for i in range(_SLOTS):
-        grant(i)
-    for i, block in enumerate(blocks):
-        found = overlap(block, own[0]) if own else None
-        if found and not parts[i] and _whole(found, block):
-            write(block, local[found[1]])  # all of it is here: no copy
-        else:
-            values = buffer(i)
-            if found:
-                values[found[0]].copy_(local[found[1]])
-            for peer, _ in parts[i]:
-                _hear(shared.pipes[peer][1], i, peer)
-            write(block, values)
-        grant(i + _SLOTS)
+def part_in(shared, block):
+    """Another rank: tells rank 0 its part of `block` is in."""
+    _say(shared.pipes[0][1], block)

@@ -1,18 +1,9 @@
 """Loading Keras weight files under a distribution: each rank reads its slices.
 
-Keras's `load_weights` / `load_model` read every variable of the `.h5`
-store whole into numpy, then `variable.assign` it; for a sharded variable
-each rank then keeps its slice. Every rank thus held each whole variable
-(and a torch copy of it) once: a model that fits only when sharded could
-not be loaded. Under a distribution on several processes:
-
-- the store hands out the (validated) h5py dataset behind a `SlicedDataset`
-  instead of an array: numpy still sees the whole array (`__array__`), so
-  any layer's own `load_own_variables` works as before;
-- a sharded variable's `assign` reads only this rank's slices of it
-  (h5py reads a hyperslab from the file) and lays them out as its shards.
-
-Replicated and plain variables read the whole dataset, as before.
+The store hands out the h5py dataset behind a `SlicedDataset` (numpy
+still sees the whole array, so any layer's `load_own_variables` works),
+and a sharded variable's `assign` reads only this rank's slices of it
+from the file. Replicated and plain variables read the whole dataset.
 """
 
 import functools

@@ -1,25 +1,12 @@
 """Keras's weight stores, fed sharded values without gathering them.
 
-Inside a save's `h5_stream.scope()` (entered by `collective.py` on every
-rank), the hooks here route each DTensor-backed value Keras stores to
-`h5_stream.write`, which writes it in pieces from the ranks holding its
-shards:
-
-- `H5IOStore.__setitem__`: the layers' and the optimizer's variables
-  (Keras converted each to numpy first: a whole gather on every rank);
-- `BaseOptimizer.save_own_variables`: Keras stores `variable.numpy()`;
-  here the store gets the variable;
-- `ShardedH5IOStore.__setitem__` (`save_weights(..., max_shard_size=)`):
-  Keras sizes its shard files from the numpy array; here the value passes
-  through as a `Deferred` (shape and dtype only), which
-  `convert_to_numpy` returns for a DTensor while `deferring()`.
-
-A store opened for writing outside Keras's save functions under a
-distribution (keras_hub's `save_lora_weights` opens its own) is written
-as `save_weights` writes: `H5IOStore.__init__` makes it a
-`collective.RankZeroFile` (every rank must open it; only rank 0's file is
-kept), its values stream as above, and `H5IOStore.close` puts the file in
-place or raises the first rank's failure on every rank.
+Inside a save's `h5_stream.scope()`, `H5IOStore.__setitem__`, the
+optimizer's `save_own_variables` and `ShardedH5IOStore.__setitem__` (as
+a `Deferred`: shape and dtype only) route each DTensor-backed value to
+`h5_stream.write`. A store opened for writing outside Keras's save
+functions (keras_hub's `save_lora_weights`) is a `RankZeroFile`: every
+rank opens it, only rank 0's file is kept, and `close` puts it in place
+or raises the first rank's failure on every rank.
 """
 
 import contextvars
@@ -49,8 +36,7 @@ __all__ = [
 
 
 def _dtensor_of(value):
-    """The DTensor behind `value` (a variable, a tensor or a `Deferred`),
-    or `None`."""
+    """The DTensor behind a variable, tensor or `Deferred`, or `None`."""
     from keras.src.backend.common.variables import Variable
 
     if isinstance(value, Variable):
@@ -61,11 +47,9 @@ def _dtensor_of(value):
 
 
 class Deferred:
-    """A sharded value on its way through Keras's `ShardedH5IOStore`: the
-    store sizes its shard files from `shape` and `dtype` (as it would
-    from the numpy array), then hands it to `H5IOStore.__setitem__`, which
-    writes it in pieces. Made by `convert_to_numpy` inside
-    `deferring()` only."""
+    """A sharded value passing through Keras's `ShardedH5IOStore`, which
+    sizes its shard files from `shape` and `dtype` (`convert_to_numpy`
+    returns it inside `deferring()`)."""
 
     def __init__(self, dtensor):
         self.dtensor = dtensor
@@ -78,17 +62,13 @@ _DEFER = contextvars.ContextVar("keras_dtensor_defer_numpy", default=False)
 
 
 def deferring() -> bool:
-    """Whether `convert_to_numpy` should return a `Deferred` for a DTensor
-    (inside `ShardedH5IOStore.__setitem__` during a save) instead of
-    gathering it."""
+    """Whether `convert_to_numpy` returns a `Deferred` for a DTensor."""
     return _DEFER.get()
 
 
 def wrap_sharded_h5_store_setitem(original):
-    """Wraps `ShardedH5IOStore.__setitem__(key, value)` (`save_weights`
-    with `max_shard_size`): inside a save's `scope()`, a sharded value
-    goes through Keras's shard-file bookkeeping as a `Deferred` and is
-    written in pieces, never gathered."""
+    """Wraps `ShardedH5IOStore.__setitem__(key, value)`: inside a save's
+    `scope()`, a sharded value passes as a `Deferred`."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
@@ -105,8 +85,8 @@ def wrap_sharded_h5_store_setitem(original):
 
 
 def wrap_h5_store_setitem(original):
-    """Wraps `H5IOStore.__setitem__(key, value)`: inside a save's `scope()`
-    a DTensor-backed value is written in pieces (see the module)."""
+    """Wraps `H5IOStore.__setitem__(key, value)`: inside a save, a
+    DTensor-backed value goes to `h5_stream.write`."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
@@ -133,10 +113,8 @@ def wrap_h5_store_setitem(original):
 
 
 def wrap_optimizer_save_own_variables(original):
-    """Wraps `BaseOptimizer.save_own_variables(store)`: Keras stores
-    `variable.numpy()`, a gather before the store sees it; inside a save's
-    `scope()`, into an `H5IOStore`, each variable is stored itself (the
-    store converts a plain one as `.numpy()` does, streams a sharded one).
+    """Wraps `BaseOptimizer.save_own_variables(store)`: inside a save, an
+    `H5IOStore` gets each variable itself, not its `.numpy()` (a gather).
     """
 
     @functools.wraps(original)
@@ -164,10 +142,8 @@ def _discard(written, state):
 
 def wrap_h5_store_init(original):
     """Wraps `H5IOStore.__init__(path_or_io, archive=None, mode="r")`: a
-    file opened for writing under a distribution on several processes,
-    outside Keras's save functions (which `collective.py` wraps), is
-    written as they write (see the module); the error of a call on some
-    ranks only names the calling function."""
+    file opened for writing under a distribution outside Keras's save
+    functions is a `RankZeroFile` named after the calling function."""
 
     @functools.wraps(original)
     def __init__(self, path_or_io, archive=None, mode="r"):
@@ -198,9 +174,7 @@ def wrap_h5_store_init(original):
 
 
 def wrap_h5_store_close(original):
-    """Wraps `H5IOStore.close()`: a store opened by `wrap_h5_store_init`
-    is put in place on rank 0, or the first rank's failure is raised on
-    every rank."""
+    """Wraps `H5IOStore.close()`: finishes a `wrap_h5_store_init` file."""
 
     @functools.wraps(original)
     def close(self):

@@ -1,21 +1,15 @@
-"""The records of a zip file, as APPNOTE.TXT describes them.
-
-Only what `zip_writer.StoredZip` writes: members stored (no
-compression), names in UTF-8, ZIP64 fields where a size, an offset or the
-number of members does not fit the classic ones.
-"""
+"""The records of a zip file (APPNOTE.TXT), as `StoredZip` writes them:
+members stored, names in UTF-8, ZIP64 fields where needed."""
 
 import struct
 import time
 
-__all__ = ["Entry", "end_records", "needs_zip64"]
+__all__ = ["Entry", "end_records"]
 
 _LIMIT = 0xFFFFFFFF  # a size or offset from here on needs ZIP64 fields
 _COUNT_LIMIT = 0xFFFF  # as many members or more: a ZIP64 end record
 _LOCAL_SIGNATURE = b"PK\x03\x04"
 _LOCAL = struct.Struct("<4s5H3L2H")
-_CRC = struct.Struct("<L")
-_CRC_AT = struct.calcsize("<4s5H")  # the local header's fields before it
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
 _END = struct.Struct("<4s4H2LH")
 _END64 = struct.Struct("<4sQ2H2L4Q")
@@ -37,18 +31,20 @@ def _dos_time(seconds):
 class Entry:
     """What the central directory says of one member."""
 
-    def __init__(self, name, offset, attributes, seconds):
+    def __init__(self, name, offset, attributes, seconds, size, zip64):
         self.name = name.encode("utf-8")
         self.flags = 0 if name.isascii() else 0x800  # UTF-8 name
         self.offset = offset
         self.attributes = attributes
         self.time, self.date = _dos_time(seconds)
         self.crc = 0
-        self.size = 0
+        self.size = size
+        # Sizes in a ZIP64 extra field; its length is fixed once written.
+        self.zip64 = zip64 or size >= _LIMIT
 
-    def local_header(self, zip64):
-        """The local header; with `zip64`, sizes in a ZIP64 extra field
-        (patched when the member is finished)."""
+    def local_header(self):
+        """The local header (written again when the member is finished)."""
+        zip64 = self.zip64
         extra = struct.pack("<2H2Q", 1, 16, self.size, self.size)
         size = 0xFFFFFFFF if zip64 else self.size
         head = _LOCAL.pack(
@@ -65,11 +61,6 @@ class Entry:
             len(extra) if zip64 else 0,
         )
         return head + self.name + (extra if zip64 else b"")
-
-    def crc_field(self):
-        """`(offset in the file, bytes)` of the CRC-32 in the local header,
-        to write once the member's data is known."""
-        return self.offset + _CRC_AT, _CRC.pack(self.crc)
 
     def central_header(self):
         big = [v for v in (self.size, self.size, self.offset) if v >= _LIMIT]
@@ -100,11 +91,6 @@ class Entry:
             + self.name
             + extra
         )
-
-
-def needs_zip64(size):
-    """Whether a member of `size` bytes needs ZIP64 sizes."""
-    return size >= _LIMIT
 
 
 def end_records(count, start, size):

@@ -1,26 +1,11 @@
 """A `.zip` written in one pass, one member of it filled in place.
 
-Keras's `.keras` file is a zip whose members are stored, not compressed.
-Its weights member is an HDF5 file, which h5py writes with seeks, so
-Keras writes it to a temporary file first and then copies it into the
-zip: the weights are written twice, and read once more for the copy's
-CRC-32. `StoredZip` instead gives the weights member a window on the
-archive itself: a file-like object that h5py writes at any offset, placed
-after the members before it. When it is finished, its CRC-32 and size go
-into its local header, and later members follow it. The result is an
-ordinary zip (members stored, ZIP64 fields where sizes or offsets need
-them, as APPNOTE.TXT describes them), which `zipfile` reads.
-
-The member's CRC-32 is not found by reading it back: each large write
-(a piece of a variable) is checksummed as it is written, and the bytes
-between those pieces (HDF5's own records, small) are read back; the
-parts are joined with `crc32.combine`. A piece that a later write
-overlaps is read back instead. So the weights are read once, as they are
-written, never again for the checksum.
-
-All reads and writes go through a descriptor of its own, opened for
-reading and writing (h5py may read what it wrote), at explicit offsets,
-never through the Python file object's buffer.
+Keras writes the `.keras` weights to a temporary `.h5` and copies it into
+the zip. `StoredZip` instead gives the weights member a window on the
+archive (`Window`), which h5py writes at any offset; its CRC-32 is joined
+from the checksums of its large writes, taken as they are written, and
+the small bytes between them, read back (`crc32.combine`). The result is
+an ordinary zip (stored members, ZIP64 where needed).
 
 Example:
 >>> with open("m.zip", "wb") as f, StoredZip(f) as archive:
@@ -46,10 +31,10 @@ _SUMMED = 1 << 20  # writes this large are checksummed as they are written
 
 
 class StoredZip:
-    """A zip archive written front to back into an empty file.
-
-    A context: leaving it without an error writes the central directory;
-    either way it closes its descriptor.
+    """A zip archive written front to back into an empty file, through a
+    descriptor of its own at explicit offsets (h5py may read back what it
+    wrote). A context: leaving it without an error writes the central
+    directory.
 
     Args:
         fileobj: a binary file opened for writing, at offset 0, with a
@@ -97,35 +82,27 @@ class StoredZip:
             start += got
         return crc
 
-    def _start(self, name, attributes, seconds, size, zip64):
+    def _start(self, name, attributes, seconds, size, crc=0, zip64=False):
         if self._open is not None:
             raise ValueError(
                 f"Member {self._open.entry.name.decode()!r} is still being "
                 "written. "
                 f"Received: a new member {name!r}"
             )
-        entry = zip_format.Entry(name, self._end, attributes, seconds)
-        entry.size = size
-        header = entry.local_header(zip64)
+        entry = zip_format.Entry(
+            name, self._end, attributes, seconds, size, zip64
+        )
+        entry.crc = crc
+        header = entry.local_header()
         self._write_at(self._end, header)
         self._end += len(header)
         self._entries.append(entry)
         return entry
 
-    def _set_crc(self, entry, crc):
-        entry.crc = crc
-        self._write_at(*entry.crc_field())
-
     def writestr(self, name, data):
         """Adds a member holding the bytes `data`."""
-        entry = self._start(
-            name,
-            0o600 << 16,
-            time.time(),
-            len(data),
-            zip_format.needs_zip64(len(data)),
-        )
-        self._set_crc(entry, zlib.crc32(data))
+        crc = zlib.crc32(data)
+        self._start(name, 0o600 << 16, time.time(), len(data), crc)
         self._write_at(self._end, data)
         self._end += len(data)
 
@@ -136,12 +113,10 @@ class StoredZip:
         name = os.path.normpath(arcname).replace(os.sep, "/").lstrip("/")
         attributes = (info.st_mode & 0xFFFF) << 16
         if os.path.isdir(path):
-            self._start(name + "/", attributes | 0x10, info.st_mtime, 0, False)
+            self._start(name + "/", attributes | 0x10, info.st_mtime, 0)
             return
         size = info.st_size
-        entry = self._start(
-            name, attributes, info.st_mtime, size, zip_format.needs_zip64(size)
-        )
+        entry = self._start(name, attributes, info.st_mtime, size)
         crc, copied = 0, 0
         with open(path, "rb") as source:
             while chunk := source.read(_CHUNK):
@@ -150,22 +125,20 @@ class StoredZip:
                 copied += len(chunk)
         if copied != size:
             raise OSError(f"{path!r} changed size while it was zipped")
-        self._set_crc(entry, crc)
+        entry.crc = crc
+        self._write_at(entry.offset, entry.local_header())
         self._end += size
 
     def member(self, name):
-        """A member written in place at any offset: a `Window` (a
-        file-like object, and a context that finishes the member)."""
-        entry = self._start(name, 0o600 << 16, time.time(), 0, True)
+        """A member written in place at any offset: a `Window`."""
+        entry = self._start(name, 0o600 << 16, time.time(), 0, zip64=True)
         self._open = Window(self, entry, self._end)
         return self._open
 
     def _finish(self, window):
         entry = window.entry
-        entry.size = window.size
-        entry.crc = window.crc()
-        header = entry.local_header(zip64=True)
-        self._write_at(entry.offset, header)
+        entry.size, entry.crc = window.size, window.crc()
+        self._write_at(entry.offset, entry.local_header())
         self._end = window.base + window.size
         self._open = None
 
@@ -184,12 +157,10 @@ class StoredZip:
 
 
 class Window(io.BytesIO):
-    """A member of a `StoredZip` as a seekable file, from its data's start.
-
-    A subclass of `io.BytesIO` only because Keras's `H5IOStore` takes a
-    path or an `io.BytesIO`; none of the bytes live in memory. Used as a
-    context, it finishes the member on leaving (CRC-32, size) unless an
-    error is leaving it.
+    """A member of a `StoredZip` as a seekable file; a context that
+    finishes the member (CRC-32, size) unless an error is leaving it.
+    An `io.BytesIO` only because Keras's `H5IOStore` takes one; none of
+    the bytes live in memory.
     """
 
     def __init__(self, archive, entry, base):
@@ -210,15 +181,6 @@ class Window(io.BytesIO):
             self.archive._finish(self)
         return False
 
-    def seekable(self):
-        return True
-
-    def readable(self):
-        return True
-
-    def writable(self):
-        return True
-
     def tell(self):
         return self._position
 
@@ -231,12 +193,9 @@ class Window(io.BytesIO):
         view = memoryview(data).cast("B")
         start, stop = self._position, self._position + len(view)
         self._forget(start, stop)
-        if _SUMMED is not None and len(view) >= _SUMMED:
-            self.archive._write_at(self.base + start, view)
-            crc = zlib.crc32(view)  # while the piece is in the cache
-            bisect.insort(self._summed, (start, stop, crc))
-        else:
-            self.archive._write_at(self.base + start, view)
+        self.archive._write_at(self.base + start, view)
+        if len(view) >= _SUMMED:  # checksummed while it is in the cache
+            bisect.insort(self._summed, (start, stop, zlib.crc32(view)))
         self._position = stop
         self.size = max(self.size, stop)
         return len(view)
@@ -272,12 +231,8 @@ class Window(io.BytesIO):
         self.size = size
         return size
 
-    def flush(self):
-        pass
-
     def crc(self):
-        """The CRC-32 of the member's bytes: its pieces' joined with the
-        bytes between them, read back."""
+        """The member's CRC-32: its pieces' and the gaps' read back."""
         crc, done = 0, 0
         for start, stop, piece in [*self._summed, (self.size, self.size, 0)]:
             gap = (self.base + done, self.base + start)
