@@ -1,18 +1,16 @@
 """The trainable parameters of a DataParallel model, stored by owner.
 
 After a split optimizer update every owner broadcasts the variables it
-updated (`zero_update`). With those parameters laid out as views of one
-flat buffer per (owner, dtype), the broadcast goes straight into them: no
-concatenation on the owner, no copy back out on the other ranks (FSDP's
-flat parameters; DDP's `gradient_as_bucket_view`, for the parameters).
-
-The Parameters keep their identity (Keras's variables, its layers'
-`torch_params` and the reducer's gradient hooks all hold them): only their
-storage moves, through `Parameter.data`. A parameter whose storage moved
-again later is copied into and out of its slot around the broadcast.
+updated (`zero_update`). With those parameters views of one flat buffer
+per (owner, dtype) (`ops.flat_buffers`, FSDP's flat parameters), the
+broadcast goes straight into them: no copy on either side. The Parameters
+keep their identity (Keras's variables, its layers and the reducer's hooks
+hold them): only their storage moves, through `Parameter.data`.
 """
 
 import torch
+
+from keras_dtensor.ops.flat_buffers import flat_views
 
 __all__ = ["OwnerBuffers"]
 
@@ -30,34 +28,26 @@ class OwnerBuffers:
         for param, owner in zip(params, owners, strict=True):
             groups.setdefault((owner, param.dtype), []).append(param)
         self.flat = {}  # (owner, dtype) -> the flat buffer
-        # id(param) -> ((owner, dtype), its view of the buffer, param)
-        self.slot = {}
+        self.slot = {}  # id(param) -> ((owner, dtype), its view, param)
         with torch.no_grad():
             for key, group in groups.items():
-                device = group[0].device
-                if any(p.device != device for p in group):
+                if any(p.device != group[0].device for p in group):
                     continue
-                flat = torch.empty(
-                    sum(p.numel() for p in group), dtype=key[1], device=device
-                )
-                offset = 0
-                for param in group:
-                    view = flat[offset : offset + param.numel()].view_as(param)
+                self.flat[key], places = flat_views(group)
+                for param, view in zip(group, places, strict=True):
                     view.copy_(param)
                     param.data = view  # frees the old storage
-                    offset += param.numel()
                     self.slot[id(param)] = (key, view, param)
-                self.flat[key] = flat
 
     def flat_of(self, key, group):
         """`(buffer, moved)`: the buffer of `key` and the `(tensor, its
-        slot)` pairs of the tensors of `group` no longer stored in it, when
-        every tensor of `group` is one of its parameters; else `None`.
+        view)` pairs of the tensors of `group` stored elsewhere since,
+        when every tensor of `group` is one of its parameters; else `None`.
 
         The answer depends only on which parameters `group` holds, the
-        same on every rank, so every rank sends or receives the same
-        buffer. Parameters missing from `group` (no gradient this step)
-        hold the same value on every rank: sending them is still exact.
+        same on every rank. Parameters missing from `group` (no gradient
+        this step) hold the same value on every rank: sending them is
+        exact.
         """
         flat = self.flat.get(key)
         if flat is None:
@@ -73,8 +63,7 @@ class OwnerBuffers:
 
     def release(self):
         """Gives every parameter still in a buffer storage of its own, so
-        no buffer outlives the step that built it (a parameter left out of
-        the next train function's buffers would keep a whole one alive)."""
+        no buffer outlives the train function that built it."""
         with torch.no_grad():
             for _, view, param in self.slot.values():
                 if param.is_set_to(view):

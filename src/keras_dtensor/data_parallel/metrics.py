@@ -72,6 +72,23 @@ class EarlyMetrics:
         self.work = None
         self.pending = True  # neither launched nor received yet
 
+    @staticmethod
+    def states_of(model, with_compiled):
+        """The states a train step sums early: the loss tracker's, and
+        with `with_compiled` every other metric's."""
+        tracker = getattr(model, "_loss_tracker", None)
+        if tracker is None:
+            return []
+        states = [v.value for v in tracker.variables]
+        if with_compiled:
+            states += [
+                v.value
+                for metric in model.metrics
+                if metric is not tracker
+                for v in metric.variables
+            ]
+        return states
+
     def launch(self):
         """All-reduces the states on their own (no bucket carries them)."""
         self.pending = False

@@ -27,6 +27,7 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.ops.flat_buffers import flat_views
 
 __all__ = [
     "UpdateSplit",
@@ -63,19 +64,11 @@ def _broadcast_from_owners(tensors, owners, buffers=None):
             if found:
                 flat, pairs = found
             else:
-                flat = torch.empty(
-                    sum(t.numel() for t in group),
-                    dtype=dtype,
-                    device=group[0].device,
-                )
-                views = flat.split([t.numel() for t in group])
-                pairs = list(zip(group, views, strict=True))
+                flat, places = flat_views(group)
+                pairs = list(zip(group, places, strict=True))
             if owner == rank and pairs:
-                # view(t.shape) of the flat slot, not of t: t may be
-                # stored in any order (transposed, channels_last).
                 torch._foreach_copy_(
-                    [v.view(t.shape) for t, v in pairs],
-                    [t.detach() for t, _ in pairs],
+                    [v for _, v in pairs], [t.detach() for t, _ in pairs]
                 )
             work = dist.broadcast(flat, src=owner, async_op=True)
             pending.append((owner, pairs, work))
@@ -83,8 +76,7 @@ def _broadcast_from_owners(tensors, owners, buffers=None):
             work.wait()
             if owner != rank and pairs:
                 torch._foreach_copy_(
-                    [t for t, _ in pairs],
-                    [v.view(t.shape) for t, v in pairs],
+                    [t for t, _ in pairs], [v for _, v in pairs]
                 )
 
 
