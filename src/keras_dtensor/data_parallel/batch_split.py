@@ -1,8 +1,5 @@
-"""Splitting a batch into per-rank rows, and gathering them back.
-
-A global batch is split into balanced contiguous row ranges (sizes differ
-by at most one), the same on every rank without communication.
-"""
+"""A batch split into balanced per-rank rows (no communication), and
+gathered back."""
 
 import numpy as np
 import torch
@@ -35,11 +32,8 @@ def _to_tensor(x):
 
 
 def local_rows(batch, distribution, shard=None):
-    """This process's rows of a batch, and how many there are.
-
-    A global batch with fewer rows than processes leaves the last ranks
-    with none: they get the batch's first zero rows (shapes and dtypes
-    kept), and the step contributes nothing from them (`step`).
+    """This process's rows of a batch, and how many there are (a rank
+    left without rows gets zero rows, shapes and dtypes kept).
 
     Args:
         batch: a nested structure of arrays/tensors (the global batch, or
@@ -87,12 +81,8 @@ def leading_rows(batch):
 
 
 def row_counts(batch, distribution, shard=None):
-    """Rows every rank computes on, in rank order, for this batch.
-
-    A global batch (or a shard of one, `shard`) is split by `_row_split`
-    (no communication); with `auto_shard_dataset=False` each rank's own
-    count is exchanged.
-    """
+    """Rows every rank computes on, in rank order (exchanged only with
+    `auto_shard_dataset=False`)."""
     if shard is not None:
         return split_counts(shard.total)
     if distribution.auto_shard_dataset:

@@ -24,6 +24,7 @@ from keras_dtensor.data_parallel.metrics import EarlyMetrics
 from keras_dtensor.data_parallel.state import state_of
 from keras_dtensor.ops.flat_buffers import buckets
 from keras_dtensor.ops.flat_buffers import flat_views
+from keras_dtensor.ops.flat_buffers import nbytes
 
 __all__ = ["GradientReducer"]
 
@@ -62,9 +63,15 @@ class GradientReducer:
         order = self.params[::-1]
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
         # Within a bucket, parameters sit by owner: one segment each.
+        runs = buckets(
+            [nbytes(p) for p in order],
+            bucket_bytes,
+            keys=[p.dtype for p in order],
+            first_cap=_FIRST_BUCKET_BYTES,
+        )
         self.buckets = [
             sorted((order[i] for i in b), key=lambda p: owner_of.get(id(p), 0))
-            for b in buckets(order, bucket_bytes, first_cap=_FIRST_BUCKET_BYTES)
+            for b in runs
         ]
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
         # The widest state every bucket's dtype sums without rounding (0:

@@ -1,16 +1,12 @@
 """The optimizer update split by variable (ZeRO stage 1 on whole variables).
 
 Inside `fit`, once every rank holds the global gradient, each rank applies
-Keras's update to the variables it owns and broadcasts them. The optimizer
-slots of the variables a rank does not own go stale there; they are
-brought back from their owners by `sync_optimizer_state`, at the end of
-`fit`, before every save and before a new train function.
-
-Where nothing in Keras's update reads the gradient of a variable a rank
-does not own (`UpdateSplit.to_owners`), the gradients are not all-reduced
-but reduced to their owners (ZeRO stage 2's reduce-scatter, see
-`reducer`): each rank holds the global gradient of its own variables only,
-and a step moves half the bytes of an all-reduce plus the broadcasts.
+Keras's update to the variables it owns and broadcasts them. Slots of the
+variables a rank does not own go stale there; `sync_optimizer_state`
+brings them back at the end of `fit`, before every save and before a new
+train function. Where nothing but Keras's update reads the gradients
+(`UpdateSplit.to_owners`), they are reduced to their owners only (ZeRO
+stage 2, `reducer`).
 """
 
 import contextlib
@@ -45,13 +41,10 @@ _ACTIVE = contextvars.ContextVar("keras_dtensor_update_split", default=None)
 
 
 def _broadcast_from_owners(tensors, owners, buffers=None):
-    """Each tensor gets its owner rank's value, in place.
-
-    One flat broadcast per (owner, dtype), all in flight at once; no casts.
-    Every rank must pass the same shapes, dtypes and owners, in the same
-    order. A group of parameters of `buffers` (`OwnerBuffers`) is
-    broadcast as their buffer, in place.
-    """
+    """Each tensor gets its owner rank's value, in place: one flat
+    broadcast per (owner, dtype), all in flight at once, straight into the
+    parameters' buffer where `buffers` (`OwnerBuffers`) holds the group.
+    Every rank passes the same shapes, dtypes and owners, in order."""
     _, rank = world()
     groups = {}
     for t, owner in zip(tensors, owners, strict=True):
@@ -89,11 +82,10 @@ def broadcast_from_rank0(variables):
 class UpdateSplit:
     """Which rank applies the optimizer update to which variable.
 
-    Whole variables are dealt out, largest first, to the rank with the
-    fewest elements so far (the same on every rank). Splitting whole
-    variables keeps every Keras update exact, factored and per-matrix ones
-    included; with fewer variables than ranks, or fewer trainable bytes
-    than `$KERAS_DTENSOR_SPLIT_UPDATE_MB`, there is no split.
+    Whole variables (so every Keras update stays exact, factored ones
+    included) are dealt out, largest first, to the rank with the fewest
+    elements so far. No split with fewer variables than ranks or fewer
+    trainable bytes than `$KERAS_DTENSOR_SPLIT_UPDATE_MB`.
 
     Args:
         variables: the model's trainable Keras variables.
@@ -106,12 +98,9 @@ class UpdateSplit:
         # optimizer -> {id(model variable): owner} of stale slots
         self.stale = weakref.WeakKeyDictionary()
         self.depth = 0
-        # True while a train step's gradients were reduced to their owners
-        # only: the update must then be split.
+        # This step's gradients went to their owners only: split it.
         self.partial = False
-        # The parameters' storage by owner (`OwnerBuffers`), set by the
-        # train step that builds this split.
-        self.buffers = None
+        self.buffers = None  # the parameters' `OwnerBuffers`
         variables = list(variables)
         # A variable Keras overwrites with its gradient (float8 scales)
         # needs the global gradient on every rank.
@@ -124,8 +113,7 @@ class UpdateSplit:
             for size, v in zip(sizes, variables, strict=True)
         )
         if nbytes < config.get("SPLIT_UPDATE_MB") * 2**20:
-            # A small model: one all-reduce and the whole update on every
-            # rank (DDP's step) costs less than the split's broadcasts.
+            # A small model: DDP's whole update costs less.
             return
         load = [0] * self.world
         for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
@@ -143,18 +131,11 @@ class UpdateSplit:
         return known
 
     def to_owners(self, optimizer):
-        """Whether a train step may reduce gradients to their owners only.
-
-        Only when this optimizer's update is known to split (its first
-        update ran whole-gradient) and Keras's own code is all that reads
-        the gradients before the split: no global norm clipping, gradient
-        accumulation, loss scaling (a finiteness check of every gradient,
-        which must agree on every rank) or variable overwritten with its
-        gradient, and no override of the methods that see them all.
-
-        Args:
-            optimizer: the model's optimizer (`model.optimizer`).
-        """
+        """Whether a train step may reduce gradients to their owners only:
+        when `optimizer`'s update is known to split and only Keras's own
+        per-variable code reads them (no global norm clipping, gradient
+        accumulation, loss scaling, gradient overwrite, or override of the
+        methods that see every gradient)."""
         if self.checked.get(optimizer) is not True:
             return False
         if optimizer.global_clipnorm or optimizer.gradient_accumulation_steps:
@@ -197,14 +178,12 @@ def _slots(optimizer):
 
 
 def _splittable(optimizer):
-    """An update splits by variable when it is Keras's own per-variable
-    update and every non-scalar optimizer variable is a slot of one model
-    variable (made by `add_variable_from_reference`), so that it can be
-    brought back from the variable's owner."""
+    """Whether the update is Keras's own per-variable one and every
+    non-scalar optimizer variable a slot of one model variable (so it can
+    be brought back from that variable's owner)."""
     if not config.get("SPLIT_UPDATE"):
         return False
-    # `update_step` is per variable by contract; a custom parallel step
-    # may couple variables.
+    # A custom parallel step may couple variables.
     if not _keras_defined(type(optimizer), "_parallel_update_step"):
         return False
     slots = {id(slot) for slot, _ in _slots(optimizer)}
@@ -212,15 +191,11 @@ def _splittable(optimizer):
 
 
 def wrap_backend_update_step(original):
-    """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`.
-
-    Inside a DataParallel train step in `fit` (where every rank holds the
-    global gradient), each rank updates only the variables it owns, then
-    the updated variables are broadcast from their owners. Keras's
-    clipping, loss-scale check, weight decay and gradient accumulation ran
-    before this on the whole gradient; EMA and constraints run after it on
-    the synced variables. Otherwise the original runs unchanged.
-    """
+    """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`:
+    inside a DataParallel train step in `fit`, each rank updates the
+    variables it owns, then they are broadcast from their owners (Keras's
+    clipping and loss-scale check ran before, on the whole gradient; EMA
+    and constraints run after, on the synced variables)."""
 
     @functools.wraps(original)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -233,7 +208,7 @@ def wrap_backend_update_step(original):
         owners = [split.owner.get(id(v)) for v in variables]
         if None in owners or len(set(owners)) < split.world:
             # Variables from outside the model, or a rank with nothing to
-            # update (its per-call scalars would fall behind): whole update.
+            # update (its scalars would fall behind): whole update.
             if split.partial:
                 _raise_partial(self, variables, owners, split)
             return original(self, grads, variables, learning_rate)
@@ -279,8 +254,7 @@ def _raise_partial(optimizer, variables, owners, split):
 @contextlib.contextmanager
 def splitting_updates(split):
     """Optimizer updates inside this context are split by `split` (`None`:
-    whole, as in a `train_on_batch` loop, whose optimizer state is then
-    whole after every call)."""
+    whole, as in a `train_on_batch` loop)."""
     token = _ACTIVE.set(split)
     try:
         yield
@@ -289,8 +263,8 @@ def splitting_updates(split):
 
 
 def wrap_add_variable_from_reference(original):
-    """Wraps `BaseOptimizer.add_variable_from_reference`: remembers which
-    model variable each optimizer slot belongs to."""
+    """Wraps `BaseOptimizer.add_variable_from_reference`: notes each
+    slot's model variable."""
 
     @functools.wraps(original)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
@@ -306,7 +280,7 @@ def wrap_add_variable_from_reference(original):
 
 def has_stale_state(model):
     """Whether some of `model`'s optimizer slots are held by their owners
-    only (`sync_optimizer_state` would bring them back)."""
+    only."""
     state = state_of(model, create=False)
     split = None if state is None else state.split
     return split is not None and any(split.stale.values())

@@ -1,13 +1,9 @@
-"""Many shards gathered by one all-gather, their gradients scattered by one
-reduce-scatter.
+"""Many shards gathered by one all-gather, their gradients scattered back by
+one reduce-scatter, as FSDP2 gathers a group of parameters.
 
-As FSDP2 gathers a group of parameters: each rank packs its shards side by
-side in one flat buffer (`ops.flat_buffers`), one `all_gather_into_tensor`
-brings every rank's pack, and each parameter is cut back out of it;
-backward does the reverse with one `reduce_scatter_tensor`. Shards follow
-`torch.chunk` (DTensor's `Shard`); each is padded to the chunk size in the
-pack so every rank's pack has the same size, and the padding is never
-read.
+Each rank packs its shards (`torch.chunk`'s, DTensor's `Shard`) side by
+side in one flat buffer (`ops.flat_buffers`), each padded to the chunk so
+every rank's pack has one size; the padding is never read.
 """
 
 import functools
@@ -22,42 +18,30 @@ from keras_dtensor.ops.flat_buffers import views
 __all__ = ["Pending", "finish", "gather_shards", "start"]
 
 
-# torch 2.13 renamed these (`*_single`) and warns on the old names. Looked
-# up at each call, as FSDP2 does, so a tool that replaces torch's
-# collectives replaces these too.
-def _all_gather(*args, **kwargs):
-    gather = getattr(dist, "all_gather_single", None)
-    return (gather or dist.all_gather_into_tensor)(*args, **kwargs)
-
-
-def _reduce_scatter(*args, **kwargs):
-    scatter = getattr(dist, "reduce_scatter_single", None)
-    return (scatter or dist.reduce_scatter_tensor)(*args, **kwargs)
+def _collective(name, old):
+    """torch 2.13's `name`, else `old` (which 2.13 warns on); looked up at
+    each call, as FSDP2 does, so a tool replacing torch's collectives
+    replaces these too."""
+    return getattr(dist, name, None) or getattr(dist, old)
 
 
 @functools.lru_cache(maxsize=256)
 def _pack_layout(specs, world, rank):
     """Per spec `(dim, shape)`: `(this rank's rows, the padded chunk's
-    shape, every rank's (rank, first row, end row))`; the same every step
-    of a group, so computed once."""
+    shape, every rank's `(rank, first row, rows)`)`, computed once."""
     out = []
     for dim, shape in specs:
-        n = shape[dim]
-        chunk = layout.chunk(n, world, 0)[1]
-        spans = []
-        for r in range(world):
-            first, rows = layout.chunk(n, world, r)
-            if rows:
-                spans.append((r, first, first + rows))
-        rest = (*shape[:dim], *shape[dim + 1 :])
-        rows = layout.chunk(n, world, rank)[1]
-        out.append((rows, (chunk, *rest), tuple(spans)))
+        n, rest = shape[dim], (*shape[:dim], *shape[dim + 1 :])
+        spans = [(r, *layout.chunk(n, world, r)) for r in range(world)]
+        padded = (spans[0][2], *rest)
+        spans = tuple(span for span in spans if span[2])
+        out.append((layout.chunk(n, world, rank)[1], padded, spans))
     return tuple(out)
 
 
 class Pending:
     """An all-gather of packed shards in flight; `wait()` gives the full
-    tensors (each its own contiguous storage)."""
+    tensors, each with a storage of its own."""
 
     def __init__(self, shards, specs, group):
         self.specs, self.group = tuple(specs), group
@@ -78,9 +62,8 @@ class Pending:
                 if rows:
                     piece[:rows].copy_(shard.movedim(dim, 0))
             self.gathered = pack.new_empty(self.world * pack.numel())
-            self.work = _all_gather(
-                self.gathered, pack, group=group, async_op=True
-            )
+            gather = _collective("all_gather_single", "all_gather_into_tensor")
+            self.work = gather(self.gathered, pack, group=group, async_op=True)
         self.like = pack.new_empty(0)
 
     def wait(self):
@@ -97,8 +80,8 @@ class Pending:
             ):
                 full = gathered.new_empty(shape)
                 rows = full.movedim(dim, 0)
-                for r, first, end in spans:
-                    rows[first:end].copy_(packs[r][k][: end - first])
+                for r, first, n in spans:
+                    rows[first : first + n].copy_(packs[r][k][:n])
                 out.append(full)
         return tuple(out)
 
@@ -128,10 +111,11 @@ class _GatherShards(torch.autograd.Function):
                     pieces[r][k].zero_()
                 continue
             moved = grad.movedim(dim, 0)
-            for r, first, end in spans:
-                pieces[r][k][: end - first].copy_(moved[first:end])
+            for r, first, n in spans:
+                pieces[r][k][:n].copy_(moved[first : first + n])
         local = packs.new_empty(pending.size)
-        _reduce_scatter(local, packs.reshape(-1), group=pending.group)
+        scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+        scatter(local, packs.reshape(-1), group=pending.group)
         out = []
         for piece, (rows, _, _), (dim, _) in zip(
             views(local, pending.shapes),
@@ -144,17 +128,9 @@ class _GatherShards(torch.autograd.Function):
 
 
 def gather_shards(shards, specs, group):
-    """Full tensors from this rank's `shards`, all in one collective.
-
-    Args:
-        shards: this rank's local shards (plain tensors, one dtype).
-        specs: `(dim, global shape)` of each: the dim sharded over `group`.
-        group: the process group of the mesh axis they are sharded on.
-
-    Returns:
-        A tuple of full tensors; backward reduce-scatters their gradients
-        (summed over the group) back to the shards.
-    """
+    """Full tensors from this rank's `shards` (plain, one dtype) in one
+    all-gather over `group`, `specs` giving each `(sharded dim, global
+    shape)`; backward reduce-scatters their gradients to the shards."""
     return finish(Pending(shards, specs, group), shards)
 
 

@@ -1,12 +1,10 @@
 """Gradients that arrive as partial sums, reduced together in buckets.
 
-Under a layout with the batch axis, the gradient of every weight
-replicated over that axis (biases, norms, whatever the `LayoutMap` leaves
-out) leaves backward as a `Partial` sum over it. Reduced one by one, that
-is one all-reduce per variable; here the partial sums that resolve to a
-replicated placement are grouped by mesh, reduced mesh axes and dtype and
-reduced in buckets of at most `KERAS_DTENSOR_BUCKET_MB`
-(`ops.flat_buffers.all_reduce_packed`), as DDP and FSDP2 reduce them.
+The gradient of a weight replicated over the batch axis leaves backward
+as a `Partial` sum over it. Rather than one all-reduce per variable, the
+partial sums that resolve to a replicated placement are grouped by mesh,
+reduced mesh axes and dtype, and reduced in buckets of at most
+`KERAS_DTENSOR_BUCKET_MB` (`ops.flat_buffers`), as DDP and FSDP2 do.
 """
 
 from torch.distributed.tensor import DTensor
@@ -42,16 +40,9 @@ def _key(grad, value):
 
 
 def reduce_partial_grads(grads, values):
-    """`grads` with every partial sum over replicated axes reduced.
-
-    Args:
-        grads: gradients, DTensors or None, in the optimizer's order (the
-            same on every rank).
-        values: the variables' values, in the same order.
-
-    Returns:
-        A list like `grads`; the reduced entries laid out as their value.
-    """
+    """`grads` (DTensors or None, in the optimizer's order: the same on
+    every rank) with every partial sum over axes its value in `values` is
+    replicated on reduced, laid out as that value."""
     groups = {}
     for index, (grad, value) in enumerate(zip(grads, values, strict=True)):
         key = _key(grad, value)

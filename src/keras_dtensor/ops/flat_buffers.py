@@ -21,25 +21,24 @@ def nbytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
-def buckets(tensors, cap, key=None, first_cap=None, spill=True):
-    """Consecutive runs of `tensors`, as lists of indices.
+def buckets(sizes, cap, keys=None, first_cap=None, spill=True):
+    """Consecutive runs of items, as lists of their indices.
 
     Args:
-        tensors: the tensors, in the order the buckets follow.
+        sizes: each item's bytes, in the order the buckets follow.
         cap: bucket capacity in bytes.
-        key: a bucket holds tensors of one `key(tensor)` (default: dtype).
+        keys: a bucket holds items of one key (default: all one).
         first_cap: the first bucket's capacity (default `cap`): a small
             one starts the first collective early.
         spill: a bucket closes once it holds `cap` bytes or more (DDP's
-            rule); else a tensor that would take it past `cap` opens the
+            rule); else an item that would take it past `cap` opens the
             next one.
     """
-    key = key or (lambda t: t.dtype)
+    keys = keys or [None] * len(sizes)
     out, current, size, limit = [], [], 0, first_cap or cap
-    for index, tensor in enumerate(tensors):
-        n = nbytes(tensor)
+    for index, n in enumerate(sizes):
         full = size >= limit if spill else size + n > limit
-        if current and (full or key(tensor) != key(tensors[current[0]])):
+        if current and (full or keys[index] != keys[current[0]]):
             out.append(current)
             current, size, limit = [], 0, cap
         current.append(index)
@@ -85,7 +84,8 @@ def all_reduce_packed(tensors, groups, cap):
         if nbytes(tensor) >= cap:
             for group in groups:
                 dist.all_reduce(tensor, group=group)
-    for bucket in buckets([tensors[i] for i in small], cap, spill=False):
+    sizes = [nbytes(tensors[i]) for i in small]
+    for bucket in buckets(sizes, cap, spill=False):
         members = [small[j] for j in bucket]
         flat, places = flat_views([tensors[i] for i in members])
         for place, i in zip(places, members, strict=True):
