@@ -32,19 +32,9 @@ def _to_tensor(x):
 
 
 def local_rows(batch, distribution, shard=None):
-    """This process's rows of a batch, and how many there are (a rank
-    left without rows gets zero rows, shapes and dtypes kept).
-
-    Args:
-        batch: a nested structure of arrays/tensors (the global batch, or
-            this process's own rows when `auto_shard_dataset=False`).
-        distribution: the active `DataParallel`.
-        shard: the batch's `BatchShard` when it holds only this rank's rows
-            of a global batch (a loader that loaded only them).
-
-    Returns:
-        `(local_batch, rows)`.
-    """
+    """`(this process's rows of batch, how many)`: a rank left without
+    rows gets zero rows, shapes and dtypes kept. `batch` already is its
+    rows with `auto_shard_dataset=False` or a `shard` (`BatchShard`)."""
     from keras.src import tree
 
     leaves = [x for x in tree.flatten(batch) if x is not None]
@@ -91,15 +81,8 @@ def row_counts(batch, distribution, shard=None):
 
 
 def gather_rows(outputs, counts):
-    """All-gathers each rank's rows of `outputs` back into global order.
-
-    Args:
-        outputs: nested structure of tensors holding this rank's rows.
-        counts: rows held by each rank, in rank order.
-
-    Returns:
-        The structure with the global rows, identical on every rank.
-    """
+    """Each rank's rows of `outputs` (a nested structure) all-gathered
+    back into global order; `counts`: every rank's rows, in rank order."""
     from keras.src import tree
 
     size, _ = world()

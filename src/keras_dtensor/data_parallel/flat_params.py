@@ -16,12 +16,8 @@ __all__ = ["OwnerBuffers"]
 
 
 class OwnerBuffers:
-    """One flat buffer per (owner, dtype), the parameters views of it.
-
-    Args:
-        params: the trainable torch Parameters.
-        owners: the rank that updates each of `params` (`zero_update`).
-    """
+    """One flat buffer per (owner, dtype), `params` views of it; `owners`:
+    the rank that updates each of them."""
 
     def __init__(self, params, owners):
         groups = {}

@@ -111,6 +111,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _scaled(x, scale):
+    """`x`; backward multiplies its gradient by `scale`."""
+    return _ScaleGrad.apply(x, scale) if x.requires_grad else x
+
+
 def _global_state():
     from keras.src.backend.common import global_state
 
@@ -135,9 +140,7 @@ class step_scope:  # noqa: N801 (a context manager, used as `with`)
 
 def _to_local(x):
     """A DTensor loss as a plain tensor: the global value."""
-    if isinstance(x, DTensor):
-        return x.full_tensor()
-    return x
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def wrap_add_loss(original):
@@ -194,8 +197,8 @@ def gather_with_grad(x, counts, share):
     """This rank's rows `x` as the global batch, on every rank; backward
     hands each rank its rows' gradient divided by its `share` of the
     rows, which the reducer weighs back."""
-    if x.requires_grad and share:
-        x = _ScaleGrad.apply(x, 1.0 / share)
+    if share:
+        x = _scaled(x, 1.0 / share)
     return _GatherRows.apply(x, counts)
 
 
@@ -271,8 +274,7 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
             return x
         if x.shape[0] != step.global_rows:
             return x
-        out = _OwnRows.apply(x, counts)
-        return _ScaleGrad.apply(out, share) if out.requires_grad else out
+        return _scaled(_OwnRows.apply(x, counts), share)
 
     return tree.map_structure(own, outputs)
 
@@ -288,8 +290,8 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
     def shard(x):
         if not _batch_aligned(x, step):
             return x
-        if x.requires_grad and share:
-            x = _ScaleGrad.apply(x, 1.0 / share)
+        if share:
+            x = _scaled(x, 1.0 / share)
         shape = (global_rows, *x.shape[1:])
         return DTensor.from_local(
             x,
@@ -320,8 +322,7 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
         if not isinstance(x, DTensor):
             return x
         if x.placements[0] == Shard(0):
-            out = x.to_local()
-            return _ScaleGrad.apply(out, share) if out.requires_grad else out
+            return _scaled(x.to_local(), share)
         return x.full_tensor()
 
     return tree.map_structure(local, outputs)

@@ -45,9 +45,8 @@ class EarlyMetrics:
     gives the sum of each state not written in place since (same
     `_version`); the others are summed when read, on every rank alike.
 
-    Args:
-        states: the metric state tensors, in the same order on every rank.
-        frozen: `{id(state): value}` to sum instead (`without_rows`).
+    `states`: the metric states, in the same order on every rank;
+    `frozen`: `{id(state): value}` to sum instead (`without_rows`).
     """
 
     def __init__(self, states, frozen=None):

@@ -1,17 +1,14 @@
 """Seeded random draws under DataParallel: this rank's rows of the global draw.
 
-One process draws a seeded random tensor shaped like its batch for the
-global batch; drawing for this rank's rows would give every rank the first
-rows of it. So in a DataParallel train step on a split global batch, a
-seeded draw whose leading dimension is this rank's row count is drawn for
-the global row count from the same seed state and cut to this rank's
-rows: the values one process would use. Unseeded draws use torch's global
-generator, which no two processes share; they are left alone.
+In a train step on a split global batch, a seeded draw shaped like this
+rank's rows is drawn for the global batch from the same seed state and cut
+to this rank's rows: the values one process would use. Unseeded draws
+(torch's global generator, which no two processes share) are left alone.
 """
 
+import collections
 import contextlib
 import contextvars
-import dataclasses
 import functools
 
 import torch
@@ -37,12 +34,7 @@ SHAPED_DRAWS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    start: int
-    length: int
-    total: int
-
+_Rows = collections.namedtuple("_Rows", ["start", "length", "total"])
 
 _ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
 

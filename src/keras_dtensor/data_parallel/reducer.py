@@ -1,16 +1,11 @@
-"""Gradient reduction of a DataParallel train step (DDP's reducer).
+"""Gradient reduction of a DataParallel train step, as DDP's reducer does it.
 
-Gradients are all-reduced in buckets (`ops.flat_buffers`), each launched
-from a post-accumulate-grad hook as soon as its last gradient is in, while
-backward goes on, and completed when backward ends. Each rank's gradients
-are weighted by its share of the global batch's rows, so the update is
-the one-process update, uneven last batch included. When the optimizer
-update is split by variable and nothing else reads the gradients, each
-bucket's segments go to their owners instead (point to point: ZeRO stage
-2's reduce-scatter). The step's other sums (the loss tracker's and the
-compiled metrics' states, `metrics.EarlyMetrics`, and the row count when
-each process feeds its own rows) ride in the tail of the last bucket to
-launch: a step makes one collective, as DDP's does.
+Buckets of gradients (`ops.flat_buffers`) are all-reduced from
+post-accumulate-grad hooks while backward goes on, each rank weighted by
+its share of the rows, so the update is the one-process update; to owners
+only, point to point, when the update is split and nothing else reads
+them (ZeRO stage 2). The step's metric states and row count ride in the
+last bucket's tail: one collective a step.
 """
 
 import weakref
@@ -36,29 +31,18 @@ _TAIL_ROOM = 16
 
 
 class GradientReducer:
-    """Bucketed, overlapped gradient all-reduce for a list of parameters.
+    """Bucketed, overlapped gradient all-reduce of `params`.
 
-    Buckets follow reverse registration order (roughly the order backward
-    produces gradients), one dtype each, each backed by one flat buffer
-    kept across steps. A complete gradient is written into its place in
-    the buffer, scaled by this rank's share of the batch, and `.grad`
-    becomes that view (DDP's `gradient_as_bucket_view`): when `finish()`
-    returns, every `.grad` holds the global-batch gradient, nothing copied
-    back. With `owners`, each bucket is laid out by owner, and a step armed
-    with `to_owners=True` sends each owner its segment instead: then only
-    this rank's own parameters' gradients are global.
-
-    Args:
-        params: the trainable torch Parameters.
-        model: the Keras model, whose metric states are summed early.
-        bucket_bytes: bucket capacity; defaults to `$KERAS_DTENSOR_BUCKET_MB`.
-        owners: the rank that updates each parameter (`zero_update`), or
-            `None` (gradients are always all-reduced).
+    Buckets follow reverse registration order (roughly backward's), one
+    dtype each, each one flat buffer kept across steps; `.grad` becomes
+    its gradient's view of it (DDP's `gradient_as_bucket_view`), so
+    nothing is copied back. With `owners` (the rank updating each
+    parameter), each bucket is laid out by owner, one segment each.
+    `model`'s metric states are summed with the gradients.
     """
 
-    def __init__(self, params, model=None, bucket_bytes=None, owners=None):
-        if bucket_bytes is None:
-            bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
+    def __init__(self, params, model, owners=None):
+        bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
         self.params = list(params)
         order = self.params[::-1]
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
@@ -107,7 +91,7 @@ class GradientReducer:
                 [(r, buffer.new_empty(stop - start)) for r in peers]
             )
         self.owners = bool(owners) and None not in owner_of.values()
-        self.model = None if model is None else weakref.ref(model)
+        self.model = weakref.ref(model)
         self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
         # Keras's own train step updated the compiled metrics with the loss
@@ -141,16 +125,9 @@ class GradientReducer:
         self.tail_at = None  # the bucket that carried them
 
     def begin(self, rows, global_rows=None, to_owners=False):
-        """Arms the reducer for one train step.
-
-        Args:
-            rows: rows of the batch this rank computes on.
-            global_rows: rows of the global batch when every rank knows
-                it; `None` when each process feeds its own rows, which
-                are then summed with the gradients.
-            to_owners: reduce each gradient to its owner only
-                (`UpdateSplit.to_owners`).
-        """
+        """Arms the reducer for a train step on `rows` of `global_rows`
+        (`None`: each process feeds its own rows, summed with the
+        gradients); `to_owners`: reduce each gradient to its owner only."""
         self.active = True
         self.to_owners = bool(to_owners) and self.owners
         self.metrics_updated = False
@@ -158,7 +135,6 @@ class GradientReducer:
         self.weight = None if global_rows is None else rows / global_rows
 
     def end(self):
-        """Disarms the reducer when the train step returns."""
         self.active = False
 
     def _on_grad(self, param):
@@ -185,10 +161,9 @@ class GradientReducer:
             self._launch(index)
 
     def _arm_tail(self):
-        """Gathers the step's other sums for the last bucket's tail, or
-        launches them on their own where no bucket can carry them (a
-        point-to-point step, or a bucket dtype that would round them)."""
-        model = self.model() if self.model is not None else None
+        """The step's other sums, for the last bucket's tail, or launched
+        alone where no bucket carries them exactly."""
+        model = self.model()
         states = EarlyMetrics.states_of(model, self.metrics_updated)
         self.early = None
         if states:

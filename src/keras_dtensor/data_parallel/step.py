@@ -45,8 +45,7 @@ __all__ = [
 
 
 def _prepare(model, step):
-    """The model's state for train function `step` (built on its first
-    call)."""
+    """The model's state for train function `step`, built once."""
     state = state_of(model)
     if state.step is step:
         return state
@@ -82,19 +81,9 @@ def _moving_statistics(model):
 
 
 def run_step(model, step, kind, data, distribution):
-    """Runs Keras's `step` under `DataParallel` on this process's rows.
-
-    Args:
-        model: the Keras model.
-        step: Keras's train/test/predict function for one batch.
-        kind: `"train"`, `"test"` or `"predict"`.
-        data: the step's argument, `(batch,)`: the global batch, or this
-            process's rows with `auto_shard_dataset=False`.
-        distribution: the active `DataParallel`.
-
-    Returns:
-        What `step` returns; for predict, the outputs of the global batch.
-    """
+    """Runs Keras's `step` (`kind`: `"train"`, `"test"` or `"predict"`)
+    on this process's rows of `data`, `(batch,)`; for predict, returns the
+    outputs of the global batch."""
     if world()[0] == 1:
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data

@@ -86,9 +86,6 @@ class UpdateSplit:
     included) are dealt out, largest first, to the rank with the fewest
     elements so far. No split with fewer variables than ranks or fewer
     trainable bytes than `$KERAS_DTENSOR_SPLIT_UPDATE_MB`.
-
-    Args:
-        variables: the model's trainable Keras variables.
     """
 
     def __init__(self, variables):

@@ -11,7 +11,7 @@ unit is a layer directly under the model; consecutive units in call
 order form groups of at least `KERAS_DTENSOR_GATHER_MB`; a weight shared by
 units, or of a unit called twice (a tied embedding), is gathered for the
 whole call. Every rank runs the same layers in the same order, so the
-collectives match. Design notes: `docs/internals/flat-buffers.md`.
+collectives match. Design notes: `docs/internals/data-parallel.md`.
 """
 
 import collections
