@@ -5,10 +5,9 @@ variables are plain torch Parameters (rank 0's values broadcast when
 training starts) and each step runs Keras's own step on this process's
 rows (`batch_split`). Gradients are all-reduced in buckets overlapped with
 backward (`reducer`), metric states summed with them (`metrics`); inside
-`fit` the optimizer update is split by variable (`zero_update`) over
-parameters stored by owner (`flat_params`). Batch statistics
-(`sync_batch_norm`), seeded draws (`random_rows`), losses layers add
-(`global_batch_losses`) and losses that are no mean over rows
+`fit` the optimizer update is split by variable (`zero_update`). Batch
+statistics (`sync_batch_norm`), seeded draws (`random_rows`), losses
+layers add (`global_batch_losses`) and losses that are no mean over rows
 (`global_loss`) are those of the global batch. The entry is `run_step`
 (`step`); per-model state lives on the model (`state`). Design notes:
 `docs/internals/data-parallel.md`.

@@ -22,7 +22,6 @@ from keras_dtensor.data_parallel.batch_split import leading_rows
 from keras_dtensor.data_parallel.batch_split import local_rows
 from keras_dtensor.data_parallel.batch_split import row_counts
 from keras_dtensor.data_parallel.batch_split import row_range
-from keras_dtensor.data_parallel.flat_params import OwnerBuffers
 from keras_dtensor.data_parallel.global_batch_losses import find_loss_layers
 from keras_dtensor.data_parallel.global_batch_losses import step_scope
 from keras_dtensor.data_parallel.metrics import global_logs
@@ -35,6 +34,7 @@ from keras_dtensor.data_parallel.zero_update import UpdateSplit
 from keras_dtensor.data_parallel.zero_update import broadcast_from_rank0
 from keras_dtensor.data_parallel.zero_update import splitting_updates
 from keras_dtensor.data_parallel.zero_update import sync_optimizer_state
+from keras_dtensor.ops.flat_buffers import FlatParams
 
 __all__ = [
     "run_step",
@@ -56,7 +56,7 @@ def _prepare(model, step):
     state.split = UpdateSplit(variables)
     owners = [state.split.owner.get(id(v)) for v in variables]
     if state.split.owner and config.get("SPLIT_UPDATE"):
-        state.split.buffers = OwnerBuffers([v.value for v in variables], owners)
+        state.split.buffers = FlatParams([v.value for v in variables], owners)
     state.reducer = GradientReducer(
         [v.value for v in variables],
         model,

@@ -15,15 +15,13 @@ import functools
 import weakref
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from keras_dtensor import config
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.ops.flat_buffers import flat_views
+from keras_dtensor.ops.flat_buffers import broadcast_packed
 
 __all__ = [
     "UpdateSplit",
@@ -40,43 +38,10 @@ _SLOTS = "_keras_dtensor_slots"
 _ACTIVE = contextvars.ContextVar("keras_dtensor_update_split", default=None)
 
 
-def _broadcast_from_owners(tensors, owners, buffers=None):
-    """Each tensor gets its owner rank's value, in place: one flat
-    broadcast per (owner, dtype), all in flight at once, straight into the
-    parameters' buffer where `buffers` (`OwnerBuffers`) holds the group.
-    Every rank passes the same shapes, dtypes and owners, in order."""
-    _, rank = world()
-    groups = {}
-    for t, owner in zip(tensors, owners, strict=True):
-        groups.setdefault((owner, t.dtype), []).append(t)
-    pending = []
-    with torch.no_grad():
-        for owner, dtype in sorted(groups, key=lambda k: (k[0], str(k[1]))):
-            group = groups[(owner, dtype)]
-            found = buffers and buffers.flat_of((owner, dtype), group)
-            if found:
-                flat, pairs = found
-            else:
-                flat, places = flat_views(group)
-                pairs = list(zip(group, places, strict=True))
-            if owner == rank and pairs:
-                torch._foreach_copy_(
-                    [v for _, v in pairs], [t.detach() for t, _ in pairs]
-                )
-            work = dist.broadcast(flat, src=owner, async_op=True)
-            pending.append((owner, pairs, work))
-        for owner, pairs, work in pending:
-            work.wait()
-            if owner != rank and pairs:
-                torch._foreach_copy_(
-                    [t for t, _ in pairs], [v for _, v in pairs]
-                )
-
-
 def broadcast_from_rank0(variables):
     """Rank 0's values everywhere (as DDP does at construction)."""
     values = [v.value for v in variables]
-    _broadcast_from_owners(values, [0] * len(values))
+    broadcast_packed(values, [0] * len(values))
 
 
 class UpdateSplit:
@@ -97,7 +62,7 @@ class UpdateSplit:
         self.depth = 0
         # This step's gradients went to their owners only: split it.
         self.partial = False
-        self.buffers = None  # the parameters' `OwnerBuffers`
+        self.buffers = None  # the parameters' `FlatParams`
         variables = list(variables)
         # A variable Keras overwrites with its gradient (float8 scales)
         # needs the global gradient on every rank.
@@ -220,9 +185,8 @@ def wrap_backend_update_step(original):
             )
         finally:
             split.depth -= 1
-        _broadcast_from_owners(
-            [v.value for v in variables], owners, split.buffers
-        )
+        find = split.buffers.flat_of if split.buffers else None
+        broadcast_packed([v.value for v in variables], owners, find)
         stale = split.stale.setdefault(self, {})
         for v, owner in zip(variables, owners, strict=True):
             stale[id(v)] = owner
@@ -311,7 +275,7 @@ def sync_optimizer_state(model):
             if slot is not None and id(ref) in stale
         ]
         if pairs:
-            _broadcast_from_owners(
+            broadcast_packed(
                 [slot.value for slot, _ in pairs],
                 [owner for _, owner in pairs],
             )

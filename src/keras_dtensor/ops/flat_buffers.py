@@ -1,19 +1,31 @@
 """Tensors packed side by side in flat buffers, grouped in size-capped buckets.
 
 The one packing and bucketing mechanism of every strategy: DataParallel's
-gradient buckets and parameters stored by owner, the local run's
-partial-sum gradient buckets and packed shard gathers. A collective pays
-a fixed latency that small tensors never amortize, so many tensors travel
-as one buffer (DDP's buckets, FSDP2's flat parameters). Buckets and
-offsets depend only on the tensors' order, sizes and keys, which every
-rank passes alike: the ranks agree on them without communication.
+gradient buckets, owner broadcasts and parameters stored by owner, the
+local run's partial-sum buckets, packed gathers and FSDP groups. A
+collective pays a fixed latency that small tensors never amortize, so many
+tensors travel as one buffer (DDP's buckets, FSDP2's flat parameters).
+Buckets and offsets depend only on the tensors' order, sizes and keys,
+which every rank passes alike: the ranks agree on them without
+communication.
 """
 
 import math
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_packed", "buckets", "flat_views", "nbytes", "views"]
+from keras_dtensor.backend.launch import world
+
+__all__ = [
+    "FlatParams",
+    "all_reduce_packed",
+    "broadcast_packed",
+    "buckets",
+    "flat_views",
+    "nbytes",
+    "views",
+]
 
 
 def nbytes(tensor):
@@ -94,3 +106,98 @@ def all_reduce_packed(tensors, groups, cap):
         for group in groups:
             dist.all_reduce(flat, group=group)
     return out
+
+
+def broadcast_packed(tensors, sources, find=None):
+    """Each of `tensors` gets its source rank's value, in place.
+
+    One flat broadcast per (source, dtype), all in flight at once. Every
+    rank passes the same shapes, dtypes and sources, in the same order.
+
+    Args:
+        tensors: the tensors.
+        sources: the rank whose value each tensor gets.
+        find: `find((source, dtype), group)` may give a buffer the group's
+            tensors already are views of, as `(buffer, [(tensor, its
+            view)])` for those stored elsewhere since; else `None`.
+    """
+    _, rank = world()
+    groups = {}
+    for tensor, source in zip(tensors, sources, strict=True):
+        groups.setdefault((source, tensor.dtype), []).append(tensor)
+    pending = []
+    with torch.no_grad():
+        for key in sorted(groups, key=lambda k: (k[0], str(k[1]))):
+            group = groups[key]
+            found = find and find(key, group)
+            if found:
+                flat, pairs = found
+            else:
+                flat, places = flat_views(group)
+                pairs = list(zip(group, places, strict=True))
+            if key[0] == rank and pairs:
+                torch._foreach_copy_(
+                    [v for _, v in pairs], [t.detach() for t, _ in pairs]
+                )
+            work = dist.broadcast(flat, src=key[0], async_op=True)
+            pending.append((key[0], pairs, work))
+        for source, pairs, work in pending:
+            work.wait()
+            if source != rank and pairs:
+                torch._foreach_copy_(
+                    [t for t, _ in pairs], [v for _, v in pairs]
+                )
+
+
+class FlatParams:
+    """Parameters stored as views of one flat buffer per (owner, dtype), so
+    a `broadcast_packed` from their owners goes straight into them (FSDP's
+    flat parameters). The Parameters keep their identity: only their
+    storage moves, through `Parameter.data`.
+
+    Args:
+        params: torch Parameters.
+        owners: the rank whose values each of `params` gets.
+    """
+
+    def __init__(self, params, owners):
+        groups = {}
+        for param, owner in zip(params, owners, strict=True):
+            groups.setdefault((owner, param.dtype), []).append(param)
+        self.flat = {}  # (owner, dtype) -> the flat buffer
+        self.slot = {}  # id(param) -> ((owner, dtype), its view, param)
+        with torch.no_grad():
+            for key, group in groups.items():
+                if any(p.device != group[0].device for p in group):
+                    continue
+                self.flat[key], places = flat_views(group)
+                for param, view in zip(group, places, strict=True):
+                    view.copy_(param)
+                    param.data = view  # frees the old storage
+                    self.slot[id(param)] = (key, view, param)
+
+    def flat_of(self, key, group):
+        """`broadcast_packed`'s `find`: the buffer of `key` and the
+        `(tensor, its view)` pairs of `group`'s tensors stored elsewhere
+        since, when every tensor of `group` is one of its parameters (the
+        others hold the same value on every rank); else `None`."""
+        flat = self.flat.get(key)
+        if flat is None:
+            return None
+        moved = []
+        for tensor in group:
+            slot = self.slot.get(id(tensor))
+            if slot is None or slot[0] != key or slot[2] is not tensor:
+                return None
+            if not tensor.is_set_to(slot[1]):
+                moved.append((tensor, slot[1]))
+        return flat, moved
+
+    def release(self):
+        """Gives every parameter still in a buffer storage of its own."""
+        with torch.no_grad():
+            for _, view, param in self.slot.values():
+                if param.is_set_to(view):
+                    param.data = view.clone()
+        self.flat.clear()
+        self.slot.clear()
