@@ -90,13 +90,15 @@ def all_reduce_packed(tensors, groups, cap):
         The sums, in order: views of their bucket's buffer, or the tensor
         itself when it was summed alone.
     """
-    out = list(tensors)
-    small = [i for i, t in enumerate(tensors) if nbytes(t) < cap]
-    for tensor in tensors:
-        if nbytes(tensor) >= cap:
+    out, small, sizes = list(tensors), [], []
+    for index, tensor in enumerate(tensors):
+        n = tensor.numel() * tensor.element_size()
+        if n >= cap:
             for group in groups:
                 dist.all_reduce(tensor, group=group)
-    sizes = [nbytes(tensors[i]) for i in small]
+        else:
+            small.append(index)
+            sizes.append(n)
     for bucket in buckets(sizes, cap, spill=False):
         members = [small[j] for j in bucket]
         flat, places = flat_views([tensors[i] for i in members])
