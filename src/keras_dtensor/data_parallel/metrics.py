@@ -23,7 +23,6 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel import global_batch_losses
 from keras_dtensor.data_parallel import global_loss
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.ops.flat_buffers import views
 
 __all__ = [
     "EarlyMetrics",
@@ -145,8 +144,12 @@ def without_rows(model, rows):
 
 def _unflatten(flat, like):
     """Views of `flat` shaped (and cast) like each tensor of `like`."""
-    places = views(flat, [t.shape for t in like])
-    return [v.to(t.dtype) for v, t in zip(places, like, strict=True)]
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view_as(t).to(t.dtype))
+        offset += n
+    return out
 
 
 def wrap_get_metrics_result(original):

@@ -7,13 +7,12 @@ every rank's pack has one size; the padding is never read.
 """
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
 
 from keras_dtensor.backend import layout
-from keras_dtensor.ops.flat_buffers import views
+from keras_dtensor.ops.flat_buffers import offsets
 
 __all__ = ["Pending", "finish", "gather_shards", "start"]
 
@@ -28,15 +27,18 @@ def _collective(name, old):
 @functools.lru_cache(maxsize=256)
 def _pack_layout(specs, world, rank):
     """Per spec `(dim, shape)`: `(this rank's rows, the padded chunk's
-    shape, every rank's `(rank, first row, rows)`)`, computed once."""
-    out = []
+    shape, every rank's `(rank, first row, rows)`, its `(start, size)` in
+    the pack)`, and the pack's size; computed once."""
+    rows, padded, spans = [], [], []
     for dim, shape in specs:
         n, rest = shape[dim], (*shape[:dim], *shape[dim + 1 :])
-        spans = [(r, *layout.chunk(n, world, r)) for r in range(world)]
-        padded = (spans[0][2], *rest)
-        spans = tuple(span for span in spans if span[2])
-        out.append((layout.chunk(n, world, rank)[1], padded, spans))
-    return tuple(out)
+        chunks = [(r, *layout.chunk(n, world, r)) for r in range(world)]
+        rows.append(chunks[rank][2])
+        padded.append((chunks[0][2], *rest))
+        spans.append(tuple(chunk for chunk in chunks if chunk[2]))
+    places = offsets(padded)
+    size = places[-1][0] + places[-1][1] if places else 0
+    return tuple(zip(rows, padded, spans, places, strict=True)), size
 
 
 class Pending:
@@ -47,19 +49,14 @@ class Pending:
         self.specs, self.group = tuple(specs), group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.layout = _pack_layout(self.specs, self.world, self.rank)
-        self.shapes = [shape for _, shape, _ in self.layout]
-        self.size = sum(math.prod(shape) for shape in self.shapes)
+        self.layout, self.size = _pack_layout(self.specs, self.world, self.rank)
         with torch.no_grad():
             pack = shards[0].new_empty(self.size)
-            for shard, piece, (rows, _, _), (dim, _) in zip(
-                shards,
-                views(pack, self.shapes),
-                self.layout,
-                self.specs,
-                strict=True,
+            for shard, (rows, shape, _, (at, n)), (dim, _) in zip(
+                shards, self.layout, self.specs, strict=True
             ):
                 if rows:
+                    piece = pack[at : at + n].view(shape)
                     piece[:rows].copy_(shard.movedim(dim, 0))
             self.gathered = pack.new_empty(self.world * pack.numel())
             gather = _collective("all_gather_single", "all_gather_into_tensor")
@@ -72,16 +69,16 @@ class Pending:
         self.work.wait()
         gathered = self.gathered.view(self.world, -1)
         self.gathered = self.work = None
-        packs = [views(gathered[r], self.shapes) for r in range(self.world)]
         out = []
         with torch.no_grad():
-            for k, ((_, _, spans), (dim, shape)) in enumerate(
-                zip(self.layout, self.specs, strict=True)
+            for (_, padded, spans, (at, n)), (dim, shape) in zip(
+                self.layout, self.specs, strict=True
             ):
                 full = gathered.new_empty(shape)
                 rows = full.movedim(dim, 0)
-                for r, first, n in spans:
-                    rows[first : first + n].copy_(packs[r][k][:n])
+                for r, first, count in spans:
+                    piece = gathered[r, at : at + n].view(padded)
+                    rows[first : first + count].copy_(piece[:count])
                 out.append(full)
         return tuple(out)
 
@@ -102,28 +99,25 @@ class _GatherShards(torch.autograd.Function):
         # the padding's sums are never read, so only a missing gradient
         # is zeroed.
         packs = pending.like.new_empty((pending.world, pending.size))
-        pieces = [views(pack, pending.shapes) for pack in packs]
-        for k, (grad, (_, _, spans), (dim, _)) in enumerate(
-            zip(grads, pending.layout, pending.specs, strict=True)
+        for grad, (_, padded, spans, (at, n)), (dim, _) in zip(
+            grads, pending.layout, pending.specs, strict=True
         ):
             if grad is None:
-                for r in range(pending.world):
-                    pieces[r][k].zero_()
+                packs[:, at : at + n].zero_()
                 continue
             moved = grad.movedim(dim, 0)
-            for r, first, n in spans:
-                pieces[r][k][:n].copy_(moved[first : first + n])
+            for r, first, count in spans:
+                piece = packs[r, at : at + n].view(padded)
+                piece[:count].copy_(moved[first : first + count])
         local = packs.new_empty(pending.size)
         scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
         scatter(local, packs.reshape(-1), group=pending.group)
         out = []
-        for piece, (rows, _, _), (dim, _) in zip(
-            views(local, pending.shapes),
-            pending.layout,
-            pending.specs,
-            strict=True,
+        for (rows, padded, _, (at, n)), (dim, _) in zip(
+            pending.layout, pending.specs, strict=True
         ):
-            out.append(piece[:rows].movedim(0, dim).contiguous())
+            shard = local[at : at + n].view(padded)[:rows].movedim(0, dim)
+            out.append(shard.contiguous())
         return (None, *out)
 
 

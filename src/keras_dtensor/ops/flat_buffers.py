@@ -24,6 +24,7 @@ __all__ = [
     "buckets",
     "flat_views",
     "nbytes",
+    "offsets",
     "views",
 ]
 
@@ -60,14 +61,19 @@ def buckets(sizes, cap, keys=None, first_cap=None, spill=True):
     return out
 
 
+def offsets(shapes):
+    """`(start, size)` of each of `shapes` packed side by side from 0."""
+    out, start = [], 0
+    for shape in shapes:
+        out.append((start, math.prod(shape)))
+        start += out[-1][1]
+    return out
+
+
 def views(flat, shapes):
     """Consecutive views of `flat`, from its start, shaped as `shapes`."""
-    out, offset = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        out.append(flat[offset : offset + n].view(shape))
-        offset += n
-    return out
+    places = zip(offsets(shapes), shapes, strict=True)
+    return [flat[start : start + n].view(shape) for (start, n), shape in places]
 
 
 def flat_views(tensors, room=0):
