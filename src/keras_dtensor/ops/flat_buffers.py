@@ -25,7 +25,6 @@ __all__ = [
     "flat_views",
     "nbytes",
     "offsets",
-    "views",
 ]
 
 
@@ -70,18 +69,16 @@ def offsets(shapes):
     return out
 
 
-def views(flat, shapes):
-    """Consecutive views of `flat`, from its start, shaped as `shapes`."""
-    places = zip(offsets(shapes), shapes, strict=True)
-    return [flat[start : start + n].view(shape) for (start, n), shape in places]
-
-
 def flat_views(tensors, room=0):
     """A new flat buffer with a place for each of `tensors` (one dtype and
     device), `room` spare elements after them, and those places as views
     shaped like the tensors. Nothing is copied."""
-    flat = tensors[0].new_empty(sum(t.numel() for t in tensors) + room)
-    return flat, views(flat, [t.shape for t in tensors])
+    places = offsets([t.shape for t in tensors])
+    flat = tensors[0].new_empty(sum(places[-1]) + room)
+    return flat, [
+        flat[start : start + n].view(t.shape)
+        for (start, n), t in zip(places, tensors, strict=True)
+    ]
 
 
 def all_reduce_packed(tensors, groups, cap):
