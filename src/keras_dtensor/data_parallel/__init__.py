@@ -1,36 +1,16 @@
 """`DataParallel` the DDP way: plain tensors, bucketed gradient all-reduce.
 
-Under `keras.distribution.DataParallel` every variable is replicated, so
-DTensor would only add per-op dispatch cost. Instead:
-
-- variables are ordinary torch Parameters (rank 0's values are broadcast
-  once, when training starts);
-- each step computes on this process's rows of the global batch
-  (`batch_split`: a balanced split, sizes differ by at most one);
-- gradients are all-reduced in buckets overlapped with backward
-  (`reducer`), and metric states summed across ranks (`metrics`), so
-  updates and logs are those of one process on the global batch;
-- inside `fit`, the optimizer update is split by variable (ZeRO stage 1
-  on whole variables), and stale optimizer slots are brought back when
-  `fit` returns and before every save (`zero_update`); once the split
-  is known to hold, gradients go to their owners only (point to point,
-  ZeRO stage 2's reduce-scatter) instead of an all-reduce;
-- `predict` gathers every batch's rows back into the global order;
-- `BatchNormalization(synchronized=True)` normalizes with the global
-  batch's statistics (`sync_batch_norm`);
-- seeded random layers use this rank's rows of the global draw
-  (`random_rows`);
-- a layer that adds losses in its call computes them over the global
-  batch (`global_batch_losses`), and a compiled loss that is no mean
-  over rows is
-  taken over the global batch (`global_loss`);
-- the trainable parameters are stored by owner for the split update
-  (`flat_params`).
-
-The package is entered through `run_step` (`step`) and the hooks the
-`PATCHES` table installs; its per-model state lives on the model (`state`).
-`sync_optimizer_state(model)` is public: a save or checkpoint of a model
-trained with DataParallel calls it first.
+Every variable is replicated, so DTensor would only add dispatch cost:
+variables are plain torch Parameters (rank 0's values broadcast when
+training starts) and each step runs Keras's own step on this process's
+rows (`batch_split`). Gradients are all-reduced in buckets overlapped with
+backward (`reducer`), metric states summed with them (`metrics`); inside
+`fit` the optimizer update is split by variable (`zero_update`). Batch
+statistics (`sync_batch_norm`), seeded draws (`random_rows`), losses
+layers add (`global_batch_losses`) and losses that are no mean over rows
+(`global_loss`) are those of the global batch. The entry is `run_step`
+(`step`); per-model state lives on the model (`state`). Design notes:
+`docs/internals/data-parallel.md`.
 """
 
 from keras_dtensor.data_parallel.batch_split import split_counts

@@ -1,8 +1,5 @@
-"""Splitting a batch into per-rank rows, and gathering them back.
-
-A global batch is split into balanced contiguous row ranges (sizes differ
-by at most one), the same on every rank without communication.
-"""
+"""A batch split into balanced per-rank rows (no communication), and
+gathered back."""
 
 import numpy as np
 import torch
@@ -35,22 +32,9 @@ def _to_tensor(x):
 
 
 def local_rows(batch, distribution, shard=None):
-    """This process's rows of a batch, and how many there are.
-
-    A global batch with fewer rows than processes leaves the last ranks
-    with none: they get the batch's first zero rows (shapes and dtypes
-    kept), and the step contributes nothing from them (`step`).
-
-    Args:
-        batch: a nested structure of arrays/tensors (the global batch, or
-            this process's own rows when `auto_shard_dataset=False`).
-        distribution: the active `DataParallel`.
-        shard: the batch's `BatchShard` when it holds only this rank's rows
-            of a global batch (a loader that loaded only them).
-
-    Returns:
-        `(local_batch, rows)`.
-    """
+    """`(this process's rows of batch, how many)`: a rank left without
+    rows gets zero rows, shapes and dtypes kept. `batch` already is its
+    rows with `auto_shard_dataset=False` or a `shard` (`BatchShard`)."""
     from keras.src import tree
 
     leaves = [x for x in tree.flatten(batch) if x is not None]
@@ -87,12 +71,8 @@ def leading_rows(batch):
 
 
 def row_counts(batch, distribution, shard=None):
-    """Rows every rank computes on, in rank order, for this batch.
-
-    A global batch (or a shard of one, `shard`) is split by `_row_split`
-    (no communication); with `auto_shard_dataset=False` each rank's own
-    count is exchanged.
-    """
+    """Rows every rank computes on, in rank order (exchanged only with
+    `auto_shard_dataset=False`)."""
     if shard is not None:
         return split_counts(shard.total)
     if distribution.auto_shard_dataset:
@@ -101,15 +81,8 @@ def row_counts(batch, distribution, shard=None):
 
 
 def gather_rows(outputs, counts):
-    """All-gathers each rank's rows of `outputs` back into global order.
-
-    Args:
-        outputs: nested structure of tensors holding this rank's rows.
-        counts: rows held by each rank, in rank order.
-
-    Returns:
-        The structure with the global rows, identical on every rank.
-    """
+    """Each rank's rows of `outputs` (a nested structure) all-gathered
+    back into global order; `counts`: every rank's rows, in rank order."""
     from keras.src import tree
 
     size, _ = world()

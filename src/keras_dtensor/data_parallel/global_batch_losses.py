@@ -1,36 +1,15 @@
 """Losses a layer adds in its call, computed over the global batch.
 
-Keras on JAX runs a DataParallel step on global arrays: a loss a layer
-adds from statistics of its whole input (a mixture of experts'
-load-balancing loss, an activity regularizer's sum) is the global batch's.
-Here each rank computes on its own rows, and such a term is not a mean of
-per-row terms: the ranks' own values, weighted by rows, are another
-function. So a layer seen calling `add_loss` (in a symbolic training
-call of the model once per train function, `find_loss_layers`, or any
-earlier call; `wrap_add_loss`) runs its calls inside a
+On JAX a DataParallel step runs on global arrays, so a loss a layer adds
+from statistics of its whole input (a mixture of experts' load-balancing
+loss) is the global batch's; a share-weighted mean of per-rank values is
+another function. So a layer seen calling `add_loss` runs its calls in a
 DataParallel train step on DTensors over the batch mesh (`call_layer`):
-its batch-aligned inputs as this rank's shard of the global batch, its
-trainable weights replicated, so every reduction over the batch inside it
-is global (DTensor's all-reduce), as on JAX, and the loss it adds is the
-same global value on every rank.
-
-Gradients keep the gradient reducer's convention (each rank's gradients
-are scaled by its share `w` of the rows, then summed):
-
-- the weights of such a layer get, from DTensor's backward, the whole
-  gradient of its terms on every rank (a sum over the ranks' shares):
-  the same on every rank, which the reducer's weights (summing to one)
-  keep;
-- the gradient entering its outputs from the rest of this rank's loss is
-  scaled by `w` (that loss is this rank's mean), and the gradient leaving
-  through its inputs by `1 / w` (the reducer scales it by `w` again), so
-  every path counts once.
-
-A global batch that the ranks split unevenly (a last partial batch) does
-not fit DTensor's even shards: there the layer runs on the gathered global
-batch on every rank, the same result with more compute (as does a layer
-whose ops DTensor cannot shard, with one warning). Inside a traced
-(compiled) call the layer runs on this rank's rows.
+its batch-aligned inputs sharded, its weights replicated, every reduction
+over the batch global. Gradients crossing it are rescaled so that, after
+the reducer weighs each rank by its share of the rows, every path counts
+once. A global batch split unevenly runs the layer on the gathered batch
+on every rank instead. Design notes: `docs/internals/data-parallel.md`.
 """
 
 import functools
@@ -67,7 +46,7 @@ _STEP = "keras_dtensor_data_parallel_step"
 
 class _Step:
     """The running train step: this rank's rows and the global batch's
-    (`None` until counted, when each process feeds its own rows)."""
+    (`None` until counted)."""
 
     def __init__(self, rows, global_rows):
         self.rows = rows
@@ -76,8 +55,8 @@ class _Step:
         self.inside = False  # a layer of the step runs over the batch
 
     def count(self):
-        """Every rank's rows, in rank order (counted once, by every rank:
-        a collective when each process feeds its own rows)."""
+        """Every rank's rows, in rank order (a collective when each
+        process feeds its own rows; counted once)."""
         if self.counts is None:
             if self.global_rows is None:
                 self.counts = all_gather_ints(self.rows)
@@ -132,6 +111,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _scaled(x, scale):
+    """`x`; backward multiplies its gradient by `scale`."""
+    return _ScaleGrad.apply(x, scale) if x.requires_grad else x
+
+
 def _global_state():
     from keras.src.backend.common import global_state
 
@@ -156,16 +140,12 @@ class step_scope:  # noqa: N801 (a context manager, used as `with`)
 
 def _to_local(x):
     """A DTensor loss as a plain tensor: the global value."""
-    if isinstance(x, DTensor):
-        return x.full_tensor()
-    return x
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def wrap_add_loss(original):
-    """Wraps `Layer.add_loss`: the layer is marked as adding losses (its
-    calls in a DataParallel train step then run over the global batch),
-    and a loss computed on DTensors is handed to Keras as its global
-    value."""
+    """Wraps `Layer.add_loss`: marks the layer as adding losses, and hands
+    Keras a loss computed on DTensors as its global value."""
 
     @functools.wraps(original)
     def add_loss(self, loss):
@@ -184,18 +164,10 @@ def wrap_add_loss(original):
 
 
 def find_loss_layers(model, batch):
-    """Marks the layers of `model` that add losses in a training call.
-
-    A layer marks itself whenever it calls `add_loss`, but Keras builds
-    models with `training=False`, where keras_hub's MoE blocks add none:
-    the first train step would compute their losses on this rank's rows.
-    So once per train function, `model` runs symbolically on the batch's
-    shapes with `training=True` (no state changes, no collectives).
-
-    Args:
-        model: the Keras model.
-        batch: the step's batch, `(x, y, sample_weight)` or `x`.
-    """
+    """Marks the layers of `model` that add losses in a training call:
+    `model` runs symbolically on `batch`'s shapes with `training=True`
+    (Keras builds with `training=False`, where keras_hub's MoE blocks add
+    none); no state changes, no collectives."""
     from keras.src import backend
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -216,18 +188,17 @@ def find_loss_layers(model, batch):
 
 
 def current_step():
-    """The running DataParallel step on split rows (`step_scope`), or None:
-    `.rows`, `.global_rows` and `.count()`, every rank's rows."""
+    """The running DataParallel step on split rows (`step_scope`), or
+    None."""
     return _global_state().get_global_attribute(_STEP)
 
 
 def gather_with_grad(x, counts, share):
-    """This rank's rows `x` (`share` of the global batch's) as the global
-    batch, identical on every rank; backward hands each rank its rows'
-    gradient divided by `share`, so the gradient reducer, which weighs
-    each rank by its share, counts every row once."""
-    if x.requires_grad and share:
-        x = _ScaleGrad.apply(x, 1.0 / share)
+    """This rank's rows `x` as the global batch, on every rank; backward
+    hands each rank its rows' gradient divided by its `share` of the
+    rows, which the reducer weighs back."""
+    if share:
+        x = _scaled(x, 1.0 / share)
     return _GatherRows.apply(x, counts)
 
 
@@ -286,9 +257,8 @@ def _batch_aligned(x, step):
 
 
 def _gathered(layer, original, args, kwargs, step, counts, share):
-    """The layer on the global batch, the same on every rank; this rank
-    keeps its rows of the outputs. For a global batch the ranks split
-    unevenly, which DTensor's even shards cannot hold."""
+    """The layer on the gathered global batch; this rank keeps its rows
+    of the outputs (an uneven split DTensor's shards cannot hold)."""
     from keras.src import tree
 
     def gather(x):
@@ -304,15 +274,14 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
             return x
         if x.shape[0] != step.global_rows:
             return x
-        out = _OwnRows.apply(x, counts)
-        return _ScaleGrad.apply(out, share) if out.requires_grad else out
+        return _scaled(_OwnRows.apply(x, counts), share)
 
     return tree.map_structure(own, outputs)
 
 
 def _as_dtensors(layer, original, args, kwargs, step, share):
-    """The layer on DTensors: this rank's rows as its shard of the global
-    batch, the trainable weights replicated."""
+    """The layer on DTensors: this rank's rows as its shard, the
+    trainable weights replicated."""
     from keras.src import tree
 
     mesh = context.current().device_mesh.backend_mesh
@@ -321,8 +290,8 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
     def shard(x):
         if not _batch_aligned(x, step):
             return x
-        if x.requires_grad and share:
-            x = _ScaleGrad.apply(x, 1.0 / share)
+        if share:
+            x = _scaled(x, 1.0 / share)
         shape = (global_rows, *x.shape[1:])
         return DTensor.from_local(
             x,
@@ -353,8 +322,7 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
         if not isinstance(x, DTensor):
             return x
         if x.placements[0] == Shard(0):
-            out = x.to_local()
-            return _ScaleGrad.apply(out, share) if out.requires_grad else out
+            return _scaled(x.to_local(), share)
         return x.full_tensor()
 
     return tree.map_structure(local, outputs)

@@ -1,21 +1,11 @@
 """A compiled loss that is no mean over rows, over the global batch.
 
-Under DataParallel each rank computes the compiled loss on its own rows,
-and the gradient reducer weighs each rank by its share of the rows: exact
-for a mean over rows, which Keras's default reduction
-(`"sum_over_batch_size"`) makes of every loss. A loss reduced otherwise
-(`reduction="sum"`, `"mean_with_sample_weight"`), or a loss from outside
-Keras that returns one value for the whole batch (probed on the meta
-tensors of Keras's symbolic build: its unreduced value has no batch
-dimension), is not a share-weighted mean of
-the ranks' values: one process gets another number. For those,
-inside a DataParallel step on split rows (`global_batch_losses.step_scope`), the
-compiled loss runs on the gathered global batch on every rank (`y_true`,
-`sample_weight` and masks gathered, `y_pred` gathered with autograd:
-each rank's rows get their gradient, divided by the rank's share, which
-the reducer weighs back), so the loss, its gradient and the loss trackers
-are one process's. The gather costs `y_pred`'s global size per step, for
-those losses only.
+The reducer weighs each rank by its share of the rows: exact for a mean
+over rows (Keras's default reduction). A loss reduced otherwise (`"sum"`,
+`"mean_with_sample_weight"`), or one from outside Keras that returns one
+value for the whole batch (probed on Keras's symbolic build), runs inside
+a DataParallel step on the gathered global batch on every rank, `y_pred`
+gathered with autograd, so the loss and its gradient are one process's.
 """
 
 from keras_dtensor import compat
@@ -27,15 +17,12 @@ __all__ = ["needs_global", "over_global_batch"]
 
 # Reductions that are not a mean over rows of per-row terms.
 _GLOBAL = ("sum", "mean_with_sample_weight")
-
-
 _WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
 
 
 def needs_global(model):
-    """Whether `model`'s compiled loss (once built) has a loss reduced
-    otherwise than by a mean over rows (decided from structure and
-    shapes only: the same on every rank)."""
+    """Whether `model`'s compiled loss has a loss that is no mean over
+    rows (from structure and shapes only: the same on every rank)."""
     for loss_fn in _flat_losses(model):
         if getattr(loss_fn, "reduction", None) in _GLOBAL:
             return True
@@ -46,9 +33,8 @@ def needs_global(model):
 
 def probe(model, y_true, y_pred):
     """Notes which losses from outside Keras return one value for the
-    whole batch: no batch dimension in their unreduced value. Called with
-    the meta tensors of Keras's symbolic build (no compute, no host
-    sync, before any step); nested outputs are not probed."""
+    whole batch, from the meta tensors of Keras's symbolic build (nested
+    outputs are not probed)."""
     from keras.src import tree
 
     device_scope = compat.torch_core().device_scope

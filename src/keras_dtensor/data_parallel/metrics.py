@@ -1,23 +1,12 @@
-"""Metric reduction of a DataParallel train step.
+"""Metric reduction of a DataParallel step: every log is the global one.
 
-Metric states (sums and counts in every built-in Keras metric) are summed
-across ranks, so logs are global. The loss tracker, which Keras updates
-before backward, is summed with the gradients: its states ride in the
-last gradient bucket's all-reduce (`EarlyMetrics`, made at the gradient
-reducer's first hook). Keras's own train step updates the compiled
-metrics after the optimizer step, but they depend only on `y` and
-`y_pred`: here they are updated right after the loss instead
-(`wrap_compute_loss`), so they travel in the same all-reduce, and
-`compute_metrics` only reads the results (`wrap_compute_metrics`). Metrics
-still changed after that (a custom `train_step` or `compute_metrics`) are
-summed by one all-reduce when Keras reads the results.
-
-A custom `train_step`/`test_step` returns logs it computed itself
-(`{m.name: m.result() for m in self.metrics}` in Keras's guides), from
-this rank's metric states: `global_logs` puts each metric's global result
-in their place, so progress bars, history and callbacks see one value on
-every rank. A value that is no metric's result stays this rank's own, and
-says so once.
+Metric states are summed across ranks. The loss tracker's, updated before
+backward, and the compiled metrics', updated here right after the loss
+(`wrap_compute_loss`; they depend only on `y` and `y_pred`), ride in the
+gradient reducer's last bucket (`EarlyMetrics`): one collective a step.
+States changed later (a custom step) are summed by one all-reduce when
+Keras reads the results. A custom step's logs get each metric's global
+result in place of this rank's (`global_logs`).
 """
 
 import contextlib
@@ -50,19 +39,13 @@ __all__ = [
 class EarlyMetrics:
     """Metric states summed over every rank, launched with backward.
 
-    Made when a train step's backward starts (for the loss tracker, which
-    Keras's train step updates before backward), the sum travels in the
-    tail of the last gradient bucket's all-reduce (`reducer`): one
-    collective per step, as DDP's, instead of one more after the
-    optimizer. Where no bucket can carry it, `launch()` all-reduces it on
-    its own. `summed()` gives the sum of each state that still holds the
-    value it had when made (same tensor, same `_version`: no in-place
-    write since, as when a custom train step updates the tracker after
-    backward: then it is summed when read, on every rank alike).
+    The sum travels in the tail of the last gradient bucket (`reducer`),
+    or on its own (`launch()`) where no bucket can carry it. `summed()`
+    gives the sum of each state not written in place since (same
+    `_version`); the others are summed when read, on every rank alike.
 
-    Args:
-        states: the metric state tensors, in the same order on every rank.
-        frozen: `{id(state): value}` to sum instead (`without_rows`).
+    `states`: the metric states, in the same order on every rank;
+    `frozen`: `{id(state): value}` to sum instead (`without_rows`).
     """
 
     def __init__(self, states, frozen=None):
@@ -71,6 +54,23 @@ class EarlyMetrics:
         self.flat = _flat_double(states, frozen)
         self.work = None
         self.pending = True  # neither launched nor received yet
+
+    @staticmethod
+    def states_of(model, with_compiled):
+        """The states a train step sums early: the loss tracker's, and
+        with `with_compiled` every other metric's."""
+        tracker = getattr(model, "_loss_tracker", None)
+        if tracker is None:
+            return []
+        states = [v.value for v in tracker.variables]
+        if with_compiled:
+            states += [
+                v.value
+                for metric in model.metrics
+                if metric is not tracker
+                for v in metric.variables
+            ]
+        return states
 
     def launch(self):
         """All-reduces the states on their own (no bucket carries them)."""
@@ -109,16 +109,9 @@ def _flat_double(tensors, frozen=None):
 
 @contextlib.contextmanager
 def without_rows(model, rows):
-    """A step of a rank that got no rows of the batch contributes nothing
-    to the metrics: their states are summed as they were before the step,
-    and are put back when it ends (a mean over no rows is NaN, which
-    Keras's loss tracker would add with weight zero). Its gradients
-    weigh zero (`reducer`).
-
-    Args:
-        model: the Keras model.
-        rows: this rank's rows of the batch.
-    """
+    """A step of a rank with no rows contributes nothing to the metrics:
+    their states are summed as they were before the step, and put back
+    when it ends (a mean over no rows is NaN)."""
     if rows:
         yield
         return
@@ -129,8 +122,7 @@ def without_rows(model, rows):
         yield
     finally:
         # The early sum took the frozen values: it stays current for the
-        # states that nothing wrote since (as on the other ranks), so
-        # every rank sums the same states later.
+        # states nothing wrote since, as on the other ranks.
         early = None if state.reducer is None else state.reducer.early
         current = set()
         if early is not None:
@@ -161,24 +153,19 @@ def _unflatten(flat, like):
 
 
 def wrap_get_metrics_result(original):
-    """Wraps `Trainer.get_metrics_result`: in local mode, results come from
-    metric states summed over every rank: those the train step's early
-    all-reduce already summed (see `EarlyMetrics`), the rest by one
-    all-reduce now."""
+    """Wraps `Trainer.get_metrics_result`: results from metric states
+    summed over every rank, early (`EarlyMetrics`) or by one all-reduce
+    now (which states: decided by structure, the same on every rank)."""
 
     def get_metrics_result(self):
-        # Which states are summed now is decided by structure (every metric
-        # but the loss tracker, whose early sum is still current), never by
-        # data, so every rank joins the same all-reduce.
         distribution = context.active()
         if distribution is None or not context.is_data_parallel(distribution):
             return original(self)
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
         flat_states = [s for group in states for s in group]
-        # Keras's symbolic build computes the results on meta tensors:
-        # nothing to sum (torch's meta all-reduce would draw from Python's
-        # `random`, shifting the script's later draws from one process's).
+        # Keras's symbolic build: meta tensors, nothing to sum (torch's
+        # meta all-reduce would draw from Python's `random`).
         if not flat_states or any(s.is_meta for s in flat_states):
             return original(self)
         state = state_of(self, create=False)
@@ -218,21 +205,9 @@ def is_keras_train_step(model):
 def global_logs(model, kind, logs):
     """The logs of a DataParallel train or test step, global.
 
-    Keras's own steps return `get_metrics_result()`, already global. A
-    custom step's logs are rebuilt: every value whose key names a result
-    of the model's metrics (nested dicts too, as `compile_metrics`
-    returns) becomes that result summed over every rank's metric states
-    (one all-reduce, on every rank alike: decided by the step's class).
-    Values that are no metric's result stay this rank's own, with one
-    warning per model.
-
-    Args:
-        model: the Keras model.
-        kind: `"train"` or `"test"`.
-        logs: what the step returned.
-
-    Returns:
-        The logs to hand to Keras.
+    Keras's own steps' logs already are. In a custom step's, every value
+    whose key names a metric result (nested dicts too) becomes the global
+    result; the others stay this rank's own, with one warning per model.
     """
     name = f"{kind}_step"
     if getattr(type(model), name) is getattr(_keras_steps()[2], name):
@@ -275,9 +250,8 @@ def global_logs(model, kind, logs):
 
 def _armed_reducer(model):
     """The model's reducer while a DataParallel train step runs Keras's own
-    `train_step` and `compute_metrics` (else `None`). Nothing distributed:
-    `None` before any lookup on the model, which a compiled step would
-    guard on (a recompile each time the model gains an attribute)."""
+    `train_step` and `compute_metrics`, else `None` (nothing distributed:
+    before any lookup a compiled step would guard on)."""
     if context.current() is None:
         return None
     state = state_of(model, create=False)
@@ -292,11 +266,9 @@ def _armed_reducer(model):
 
 
 def wrap_compute_loss(original):
-    """Wraps `Trainer._compute_loss`: in a DataParallel train step of
-    Keras's own `train_step`, the compiled metrics are updated right after
-    the loss, from the same `y`, `y_pred` and `sample_weight` (no gradient
-    recorded), so their states are summed with the loss tracker's while
-    backward runs (see `GradientReducer._on_grad`)."""
+    """Wraps `Trainer._compute_loss`: in Keras's own DataParallel train
+    step, the compiled metrics are updated right after the loss, so their
+    states are summed with the gradients."""
 
     @functools.wraps(original)
     def _compute_loss(self, *args, **kwargs):
@@ -320,12 +292,9 @@ def wrap_compute_loss(original):
 
 def wrap_compute_loss_without_rows(original):
     """Wraps `Trainer.compute_loss` under DataParallel: a compiled loss
-    that is no mean over rows runs on the global batch (`global_loss`);
-    on a rank with no rows of the batch (`without_rows`), the loss Keras
-    reduces over no rows (an empty tensor: Keras leaves a `(0,)` loss
-    unreduced) becomes a scalar zero that still reaches every weight, so
-    a train step's backward runs as on the other ranks and contributes
-    nothing."""
+    that is no mean over rows runs on the global batch (`global_loss`); on
+    a rank with no rows, Keras's empty `(0,)` loss becomes a scalar zero
+    that still reaches every weight, so backward runs as on the others."""
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
@@ -354,8 +323,7 @@ def wrap_compute_loss_without_rows(original):
         compiled = self.__dict__.get("_compile_loss")
         if compiled is None:
             return _summed_if_empty(original(self, *args, **kwargs))
-        # Keras sums the compiled loss with the losses layers added (a
-        # stack of scalars): the empty one becomes a scalar first.
+        # Keras stacks it with the losses layers added: a scalar first.
         with object_state.swapped(
             self,
             "_compile_loss",
@@ -373,9 +341,8 @@ def _summed_if_empty(loss):
 
 
 def wrap_compute_metrics(original):
-    """Wraps `Trainer.compute_metrics`: when `wrap_compute_loss` already
-    updated the compiled metrics of this train step, only read the results
-    (the states were summed while backward ran)."""
+    """Wraps `Trainer.compute_metrics`: only reads the results when
+    `wrap_compute_loss` already updated the compiled metrics."""
 
     @functools.wraps(original)
     def compute_metrics(self, x, y, y_pred, sample_weight=None):

@@ -1,22 +1,14 @@
 """Seeded random draws under DataParallel: this rank's rows of the global draw.
 
-A seeded random layer (`Dropout(seed=...)`, `SpatialDropout*`,
-`GaussianNoise`, `GaussianDropout`, augmentation layers, `keras.random.*`
-with a `SeedGenerator` inside `call`) draws a tensor shaped like its
-batch. One process draws it for the global batch; under DataParallel each
-process holds only its rows, and drawing for those would give every rank
-the first rows of the draw. During a DataParallel train step on a split
-global batch, a seeded draw whose leading dimension is this rank's row
-count is drawn for the global row count with the same seed state, then
-cut to this rank's rows: exactly the values one process would use. The
-cost is drawing the global batch's random numbers on every rank
-(BENCHMARKS.md). Unseeded draws use torch's global generator, which no
-two processes share; they are left alone.
+In a train step on a split global batch, a seeded draw shaped like this
+rank's rows is drawn for the global batch from the same seed state and cut
+to this rank's rows: the values one process would use. Unseeded draws
+(torch's global generator, which no two processes share) are left alone.
 """
 
+import collections
 import contextlib
 import contextvars
-import dataclasses
 import functools
 
 import torch
@@ -42,12 +34,7 @@ SHAPED_DRAWS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    start: int
-    length: int
-    total: int
-
+_Rows = collections.namedtuple("_Rows", ["start", "length", "total"])
 
 _ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
 
@@ -55,7 +42,7 @@ _ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
 @contextlib.contextmanager
 def split_rows(start, length, total):
     """The scope of a train step on rows `[start, start + length)` of
-    `total` (`step.run_step` enters it)."""
+    `total`."""
     token = _ROWS.set(_Rows(start, length, total) if length != total else None)
     try:
         yield
@@ -117,9 +104,8 @@ def wrap_dropout(original):
         rows = _rows_for(shape, seed)
         if rows is None or inputs.device.type == "meta":
             return original(inputs, rate, noise_shape, seed)
-        # The global mask, drawn from the same seed state as one process
-        # draws it (a Bernoulli tensor of the noise shape), then this rank's
-        # rows, applied as Keras applies it.
+        # The global mask, drawn as one process draws it, then this
+        # rank's rows, applied as Keras applies it.
         from keras.src.backend.torch.random import torch_seed_generator
 
         keep_prob = 1.0 - rate

@@ -1,15 +1,11 @@
-"""Gradient reduction of a DataParallel train step.
+"""Gradient reduction of a DataParallel train step, as DDP's reducer does it.
 
-Gradients are all-reduced in buckets, launched from post-accumulate-grad
-hooks while backward is still running (DDP's overlap) and completed when
-backward ends, weighted by each rank's row count, so the update equals the
-one-process update on the global batch, uneven last batch included. When
-the optimizer update is split by variable and nothing else reads the
-gradients, each bucket's segments go to their owners instead (point to
-point: half the bytes of an all-reduce). The step's other sums (the
-metric states of `metrics.EarlyMetrics`, and the row count when each
-process feeds its own rows) ride in the tail of the last bucket to
-launch, so a step makes one collective, as DDP's does.
+Buckets of gradients (`ops.flat_buffers`) are all-reduced from
+post-accumulate-grad hooks while backward goes on, each rank weighted by
+its share of the rows, so the update is the one-process update; to owners
+only, point to point, when the update is split and nothing else reads
+them (ZeRO stage 2). The step's metric states and row count ride in the
+last bucket's tail: one collective a step.
 """
 
 import weakref
@@ -21,9 +17,13 @@ from keras_dtensor import config
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.metrics import EarlyMetrics
 from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.ops.flat_buffers import buckets
+from keras_dtensor.ops.flat_buffers import flat_views
+from keras_dtensor.ops.flat_buffers import nbytes
 
 __all__ = ["GradientReducer"]
 
+# The first bucket is small, so the first all-reduce starts early.
 _FIRST_BUCKET_BYTES = 1024 * 1024
 # Spare elements after each bucket for the step's other sums (grown on
 # demand): the loss tracker's two states and a row count fit.
@@ -31,108 +31,74 @@ _TAIL_ROOM = 16
 
 
 class GradientReducer:
-    """Bucketed, overlapped gradient all-reduce for a list of parameters.
+    """Bucketed, overlapped gradient all-reduce of `params`.
 
-    Parameters are grouped into buckets in reverse registration order
-    (roughly the order backward produces gradients), one dtype per bucket,
-    each bucket backed by one flat buffer kept across steps. When a
-    parameter's gradient is complete (post-accumulate-grad hook), it is
-    written into its slice of the buffer, already scaled by this rank's
-    share of the global batch, and `.grad` becomes a view of that slice (the
-    fresh gradient is freed); a bucket's all-reduce starts as soon as its
-    last gradient is in, while backward goes on. `finish()` waits: the
-    buffers then hold the global-batch gradient and every `.grad` already
-    points at it (DDP's `gradient_as_bucket_view`), so nothing is copied
-    back.
-
-    With `owners` (the rank that updates each parameter, see
-    `zero_update`), each bucket is laid out by owner, and a step armed
-    with `to_owners=True` sends each owner its segment instead of
-    all-reducing the bucket (ZeRO stage 2's reduce-scatter, by point to
-    point: half the bytes of an all-reduce); when `finish()` returns,
-    only the gradients of this rank's parameters are global, the others
-    hold this rank's own share.
-
-    Args:
-        params: the trainable torch Parameters.
-        model: the Keras model, whose loss tracker is summed early.
-        bucket_bytes: bucket capacity; defaults to
-            `$KERAS_DTENSOR_BUCKET_MB` or 25 MiB, DDP's default (the first
-            bucket is 1 MiB, so the first all-reduce starts early).
-        owners: the rank that updates each parameter of `params`, or
-            `None` (gradients are always all-reduced).
+    Buckets follow reverse registration order (roughly backward's), one
+    dtype each, each one flat buffer kept across steps; `.grad` becomes
+    its gradient's view of it (DDP's `gradient_as_bucket_view`), so
+    nothing is copied back. With `owners` (the rank updating each
+    parameter), each bucket is laid out by owner, one segment each.
+    `model`'s metric states are summed with the gradients.
     """
 
-    def __init__(self, params, model=None, bucket_bytes=None, owners=None):
-        if bucket_bytes is None:
-            bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
+    def __init__(self, params, model, owners=None):
+        bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
         self.params = list(params)
-        self.buckets = []
-        bucket, size, cap = [], 0, _FIRST_BUCKET_BYTES
-        for p in reversed(self.params):
-            if bucket and (size >= cap or p.dtype != bucket[0].dtype):
-                self.buckets.append(bucket)
-                bucket, size, cap = [], 0, bucket_bytes
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-        if bucket:
-            self.buckets.append(bucket)
-        # Within a bucket, parameters sit by owner: one segment each.
+        order = self.params[::-1]
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
-        for bucket in self.buckets:
-            bucket.sort(key=lambda p: owner_of.get(id(p), 0))
+        # Within a bucket, parameters sit by owner: one segment each.
+        runs = buckets(
+            [nbytes(p) for p in order],
+            bucket_bytes,
+            keys=[p.dtype for p in order],
+            first_cap=_FIRST_BUCKET_BYTES,
+        )
+        self.buckets = [
+            sorted((order[i] for i in b), key=lambda p: owner_of.get(id(p), 0))
+            for b in runs
+        ]
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
         # The widest state every bucket's dtype sums without rounding (0:
         # a bucket that is not float32/float64 carries no other sums).
         self.tail_width = min(
             (
-                (
-                    bucket[0].element_size()
-                    if bucket[0].dtype in (torch.float32, torch.float64)
-                    else 0
-                )
-                for bucket in self.buckets
+                b[0].element_size()
+                if b[0].dtype in (torch.float32, torch.float64)
+                else 0
+                for b in self.buckets
             ),
             default=0,
         )
-        # Room after each bucket's gradients for the step's other sums.
-        self.tail_room = 0
         self._allocate(_TAIL_ROOM)
         self.world, self.rank = world()
-        # Per bucket: {owner: its segment of the buffer}, and the
-        # (peer, buffer) pairs this rank receives the other ranks' shares
-        # of its segment into
-        # (kept across steps: (world - 1) / world of the gradients' bytes
-        # in all, DDP's default keeps a whole second copy).
+        # Per bucket: {owner: (start, stop) of its segment}, and the (peer,
+        # buffer) pairs this rank receives its segment's shares into.
         self.segments, self.inbox = [], []
         for index, bucket in enumerate(self.buckets):
             segments, offset = {}, 0
             for p in bucket:
-                start, stop = segments.get(
-                    owner_of.get(id(p)), (offset, offset)
-                )
-                segments[owner_of.get(id(p))] = (start, stop + p.numel())
+                owner = owner_of.get(id(p))
+                start, stop = segments.get(owner, (offset, offset))
+                segments[owner] = (start, stop + p.numel())
                 offset += p.numel()
             self.segments.append(segments)
             start, stop = segments.get(self.rank, (0, 0))
-            buffer = self.buffers[index]
             peers = [r for r in range(self.world) if r != self.rank]
+            if not owners or stop <= start:
+                peers = []
+            buffer = self.buffers[index]
             self.inbox.append(
-                [
-                    (peer, buffer.new_empty(stop - start))
-                    for peer in (peers if owners and stop > start else ())
-                ]
+                [(r, buffer.new_empty(stop - start)) for r in peers]
             )
         self.owners = bool(owners) and None not in owner_of.values()
-        # the model whose loss tracker to sum early
-        self.model = None if model is None else weakref.ref(model)
+        self.model = weakref.ref(model)
         self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
         # Keras's own train step updated the compiled metrics with the loss
         self.metrics_updated = False
         self.weight = 1.0
         self.rows = None
-        self.to_owners = False  # this step reduces to owners only
+        self.to_owners = False
         self._reset()
         self.handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -140,21 +106,15 @@ class GradientReducer:
         ]
 
     def _allocate(self, tail_room):
-        """(Re)allocates the bucket buffers with `tail_room` spare
-        elements each, and the views `.grad` becomes."""
+        """The bucket buffers, `tail_room` spare elements each, and the
+        views `.grad` becomes."""
         self.tail_room = tail_room
-        self.buffers = [
-            torch.empty(n + tail_room, dtype=b[0].dtype, device=b[0].device)
-            for n, b in zip(self.sizes, self.buckets, strict=True)
-        ]
-        self.slot = {}  # id(param) -> (bucket index, view of its slice)
+        self.buffers, self.slot = [], {}  # slot: id(param) -> (bucket, view)
         for index, bucket in enumerate(self.buckets):
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                view = self.buffers[index][offset : offset + n].view_as(p)
-                self.slot[id(p)] = (index, view)
-                offset += n
+            flat, places = flat_views(bucket, room=tail_room)
+            self.buffers.append(flat)
+            for p, place in zip(bucket, places, strict=True):
+                self.slot[id(p)] = (index, place)
 
     def _reset(self):
         self.ready = [0] * len(self.buckets)
@@ -165,17 +125,9 @@ class GradientReducer:
         self.tail_at = None  # the bucket that carried them
 
     def begin(self, rows, global_rows=None, to_owners=False):
-        """Arms the reducer for one train step.
-
-        Args:
-            rows: rows of the batch this rank computes on.
-            global_rows: rows of the global batch, when every rank knows it
-                (a global batch split here); `None` when each process feeds
-                its own rows, which then are summed with the gradients.
-            to_owners: reduce each gradient to its owner only (the
-                optimizer update is split and nothing else reads the
-                others; see `UpdateSplit.to_owners`).
-        """
+        """Arms the reducer for a train step on `rows` of `global_rows`
+        (`None`: each process feeds its own rows, summed with the
+        gradients); `to_owners`: reduce each gradient to its owner only."""
         self.active = True
         self.to_owners = bool(to_owners) and self.owners
         self.metrics_updated = False
@@ -183,39 +135,19 @@ class GradientReducer:
         self.weight = None if global_rows is None else rows / global_rows
 
     def end(self):
-        """Disarms the reducer when the train step returns."""
         self.active = False
 
     def _on_grad(self, param):
         if not self.active:
             return
         if not self.queued:
-            # Like DDP: finish the reductions when backward completes, so
-            # `.grad` is global before any optimizer (LossScaleOptimizer's
-            # finiteness check included) or user code reads it.
+            # As DDP: finish when backward completes, so `.grad` is global
+            # before any optimizer or user code reads it.
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish
             )
-            model = self.model() if self.model is not None else None
-            tracker = getattr(model, "_loss_tracker", None)
-            states = []
-            if tracker is not None:
-                states = [v.value for v in tracker.variables]
-                if self.metrics_updated:
-                    states += [
-                        v.value
-                        for metric in model.metrics
-                        if metric is not tracker
-                        for v in metric.variables
-                    ]
-            self.early = None
-            if states:
-                self.early = EarlyMetrics(
-                    states,
-                    getattr(state_of(model, create=False), "frozen", None),
-                )
-            self._arm_tail(states)
+            self._arm_tail()
         index, view = self.slot[id(param)]
         # Each rank's loss is a mean over its rows: weight by rows.
         scale = float(self.rows) if self.weight is None else self.weight
@@ -228,18 +160,20 @@ class GradientReducer:
         if self.ready[index] == len(self.buckets[index]):
             self._launch(index)
 
-    def _arm_tail(self, states):
-        """Gathers the step's other sums for the last bucket's tail, or
-        launches them on their own where no bucket can carry them (a
-        point-to-point step, or a bucket dtype that would round them)."""
-        parts = []
-        if self.early is not None:
-            parts.append(self.early.flat)
+    def _arm_tail(self):
+        """The step's other sums, for the last bucket's tail, or launched
+        alone where no bucket carries them exactly."""
+        model = self.model()
+        states = EarlyMetrics.states_of(model, self.metrics_updated)
+        self.early = None
+        if states:
+            frozen = getattr(state_of(model, create=False), "frozen", None)
+            self.early = EarlyMetrics(states, frozen)
+        parts = [] if self.early is None else [self.early.flat]
         if self.weight is None:  # per-process rows: sum them too
             parts.append(torch.tensor([float(self.rows)], dtype=torch.float64))
         if not parts:
             return
-        tail = parts[0] if len(parts) == 1 else torch.cat(parts)
         width = max(s.element_size() for s in states) if states else 4
         exact = self.tail_width >= width and all(
             s.is_floating_point() for s in states
@@ -253,6 +187,7 @@ class GradientReducer:
                     self.total_rows, async_op=True
                 )
             return
+        tail = parts[0] if len(parts) == 1 else torch.cat(parts)
         if tail.numel() > self.tail_room:
             # No gradient is in the buckets yet: grow every tail once.
             self._allocate(tail.numel())
@@ -295,7 +230,7 @@ class GradientReducer:
             self.buffers[index][start:stop].add_(inbox)
 
     def finish(self):
-        """Completes every bucket's all-reduce; `.grad` holds the result."""
+        """Completes every bucket's reduction; `.grad` holds the result."""
         if not self.works and not any(self.ready):
             return
         for index, bucket in enumerate(self.buckets):

@@ -1,8 +1,5 @@
-"""The DataParallel state a model carries between steps.
-
-Kept on the model itself (through `object_state`, so `uninstall()`
-takes it off and removes the gradient hooks): no module-level state.
-"""
+"""The DataParallel state a model carries between steps, kept on the model
+(`object_state`, so `uninstall()` takes it off and removes the hooks)."""
 
 from keras_dtensor.backend import object_state
 
@@ -16,17 +13,13 @@ class ModelState:
 
     Attributes:
         step: the train function the reducer and split were built for.
-        reducer: its `GradientReducer` (`None` at world size 1).
+        reducer: its `GradientReducer`.
         split: its `UpdateSplit` of the optimizer update.
         fit_depth: how many `fit` calls of this model are running.
-        statistics: the moving statistics of its BatchNormalization
-            layers, kept equal to rank 0's after every train step.
-        probed: whether the layers adding losses were looked for, for
-            this train function (`global_batch_losses.find_loss_layers`).
-        frozen: during a step of a rank with no rows, its metric states
-            as they were before the step (`metrics.without_rows`).
-        local_logs_warned: the step kinds (`"train"`, `"test"`) whose
-            custom step was found to log values of its own rank.
+        statistics: its BatchNormalization moving statistics.
+        probed: whether the layers adding losses were looked for.
+        frozen: a rank without rows' metric states before the step.
+        local_logs_warned: the step kinds warned of rank-local logs.
     """
 
     def __init__(self):
@@ -40,8 +33,7 @@ class ModelState:
         self.local_logs_warned = set()
 
     def close(self):
-        """Removes the reducer's gradient hooks and gives the parameters
-        their own storage back (`flat_params`)."""
+        """Removes the gradient hooks; parameters get their own storage."""
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None

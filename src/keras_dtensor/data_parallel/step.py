@@ -1,18 +1,12 @@
 """The one entry of DataParallel: a step on this process's rows.
 
-`run_step` is called by the step functions (`keras_dtensor.hooks.data`) for
-every train, test and predict step under `DataParallel`, in this order:
-
-1. take this process's rows of the batch (`batch_split.local_rows`);
-2. train: on a new train function, bring stale optimizer slots back,
-   broadcast rank 0's weights (as DDP does at construction) and build the
-   gradient reducer and the update split (`_prepare`);
-3. run Keras's own step on the rows, the reducer armed (gradients are
-   global when backward ends) and, inside `fit`, the optimizer update
-   split by variable (once the split is known to hold, gradients are
-   reduced to their owners only); then rank 0's BatchNormalization moving
-   statistics go to every rank;
-4. predict: gather every rank's outputs back into the global order.
+`run_step` runs every train, test and predict step under `DataParallel`
+(`hooks.data`), in this order: take this process's rows; on a new train
+function, bring stale optimizer slots back, broadcast rank 0's weights
+(as DDP does at construction) and build the reducer and the update split
+(`_prepare`); run Keras's own step on the rows, the reducer armed and,
+inside `fit`, the update split; send rank 0's BatchNormalization moving
+statistics to every rank; for predict, gather the outputs back.
 """
 
 import contextlib
@@ -28,7 +22,6 @@ from keras_dtensor.data_parallel.batch_split import leading_rows
 from keras_dtensor.data_parallel.batch_split import local_rows
 from keras_dtensor.data_parallel.batch_split import row_counts
 from keras_dtensor.data_parallel.batch_split import row_range
-from keras_dtensor.data_parallel.flat_params import OwnerBuffers
 from keras_dtensor.data_parallel.global_batch_losses import find_loss_layers
 from keras_dtensor.data_parallel.global_batch_losses import step_scope
 from keras_dtensor.data_parallel.metrics import global_logs
@@ -41,6 +34,7 @@ from keras_dtensor.data_parallel.zero_update import UpdateSplit
 from keras_dtensor.data_parallel.zero_update import broadcast_from_rank0
 from keras_dtensor.data_parallel.zero_update import splitting_updates
 from keras_dtensor.data_parallel.zero_update import sync_optimizer_state
+from keras_dtensor.ops.flat_buffers import FlatParams
 
 __all__ = [
     "run_step",
@@ -51,8 +45,7 @@ __all__ = [
 
 
 def _prepare(model, step):
-    """The model's state for train function `step`, built on its first
-    call."""
+    """The model's state for train function `step`, built once."""
     state = state_of(model)
     if state.step is step:
         return state
@@ -63,7 +56,7 @@ def _prepare(model, step):
     state.split = UpdateSplit(variables)
     owners = [state.split.owner.get(id(v)) for v in variables]
     if state.split.owner and config.get("SPLIT_UPDATE"):
-        state.split.buffers = OwnerBuffers([v.value for v in variables], owners)
+        state.split.buffers = FlatParams([v.value for v in variables], owners)
     state.reducer = GradientReducer(
         [v.value for v in variables],
         model,
@@ -76,12 +69,8 @@ def _prepare(model, step):
 
 
 def _moving_statistics(model):
-    """The moving statistics of every BatchNormalization layer of `model`
-    (mean and variance, and renormalization's): statistics of each
-    process's rows where they are not synchronized (masked, or
-    `$KERAS_DTENSOR_SYNC_BATCH_NORM=0`), so each train step ends with rank
-    0's on every rank, as DDP broadcasts its buffers (one broadcast; none
-    without such layers)."""
+    """The moving statistics of `model`'s BatchNormalization layers, which
+    each train step sets to rank 0's, as DDP broadcasts its buffers."""
     from keras.layers import BatchNormalization
 
     out = []
@@ -92,19 +81,9 @@ def _moving_statistics(model):
 
 
 def run_step(model, step, kind, data, distribution):
-    """Runs Keras's `step` under `DataParallel` on this process's rows.
-
-    Args:
-        model: the Keras model.
-        step: Keras's train/test/predict function for one batch.
-        kind: `"train"`, `"test"` or `"predict"`.
-        data: the step's argument, `(batch,)`: the global batch, or this
-            process's rows with `auto_shard_dataset=False`.
-        distribution: the active `DataParallel`.
-
-    Returns:
-        What `step` returns; for predict, the outputs of the global batch.
-    """
+    """Runs Keras's `step` (`kind`: `"train"`, `"test"` or `"predict"`)
+    on this process's rows of `data`, `(batch,)`; for predict, returns the
+    outputs of the global batch."""
     if world()[0] == 1:
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data
@@ -114,8 +93,7 @@ def run_step(model, step, kind, data, distribution):
         local, _ = local_rows(batch, distribution, shard)
         return gather_rows(step([local]), counts)
     local, rows = local_rows(batch, distribution, shard)
-    # A global batch split here or by the loader: every rank knows the
-    # global row count.
+    # A global batch split here or by the loader: its row count is known.
     global_rows = None
     if shard is not None:
         global_rows = shard.total
@@ -159,9 +137,8 @@ def run_step(model, step, kind, data, distribution):
 
 
 def wrap_fit(original):
-    """Wraps `TorchTrainer.fit`: optimizer updates split only inside `fit`,
-    and the optimizer state is whole on every rank when it returns (see
-    `zero_update`)."""
+    """Wraps `TorchTrainer.fit`: updates split only inside `fit`, the
+    optimizer state whole on every rank when it returns."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
@@ -181,12 +158,7 @@ def wrap_fit(original):
 
 def update_is_split(model):
     """Whether `model`'s DataParallel training splits its optimizer update
-    by variable (see `zero_update`).
-
-    Returns:
-        `True`/`False` once the model trained under `DataParallel` on
-        several processes, else `None`.
-    """
+    by variable: `None` before it trained on several processes."""
     state = state_of(model, create=False)
     if state is None or state.split is None:
         return None
@@ -195,13 +167,9 @@ def update_is_split(model):
 
 
 def wrap_distribute_tensor(original):
-    """Wraps `keras.distribution.distribute_tensor(tensor, layout)`.
-
-    Under `DataParallel` every tensor stays a plain global tensor (the
-    variables are plain Parameters); code that lays out its inputs itself,
-    as keras_hub's `generate` does, gets the tensor back unchanged instead
-    of a DTensor that would meet the plain variables.
-    """
+    """Wraps `keras.distribution.distribute_tensor(tensor, layout)`: under
+    `DataParallel` the tensor stays plain, as the variables are (code that
+    lays out its inputs, as keras_hub's `generate`, gets it unchanged)."""
 
     @functools.wraps(original)
     def distribute_tensor(tensor, layout):

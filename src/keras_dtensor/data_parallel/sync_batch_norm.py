@@ -1,30 +1,13 @@
 """BatchNormalization under DataParallel: statistics of the global batch.
 
-Keras on JAX normalizes a DataParallel batch with the global batch's mean
-and variance (its step runs on global arrays); Keras accepts
-`synchronized=True` only on TensorFlow, torch's answer is `SyncBatchNorm`.
-Here, by default (`$KERAS_DTENSOR_SYNC_BATCH_NORM`), every
-`BatchNormalization` under `DataParallel` (every `ops.moments` over the
-batch axis) normalizes with the mean and variance of the global batch, as
-one process computes them; statistics over other axes (GroupNormalization,
-LayerNormalization) are per sample and stay local:
-
-- each rank sums `x` and `x**2` over the reduction axes and counts the
-  elements; one all-reduce of `[sum, sum of squares, count]` per layer per
-  step gives the global mean and `E[x^2] - E[x]^2` (Keras's torch formula);
-- backward all-reduces the gradient of those sums, weighted so that,
-  after the gradient reducer scales each rank's gradients by its share of
-  the rows, every path through the statistics counts once (exact with an
-  uneven last batch too).
-
-Moving mean and variance are then updated from global values, equal on
-every rank. With the setting off, each process normalizes its own rows
-unless the layer has `synchronized=True` (DDP's default). Masked
-statistics stay per process. Either way the train step then keeps rank
-0's moving statistics on every rank (`step`, as DDP broadcasts its
-buffers), so `predict`, `evaluate` and saves agree. Under `ModelParallel`
-a batch-sharded input already reduces over the global batch (DTensor),
-and in one process there is nothing to synchronize: there Keras's own
+As on JAX, whose DataParallel step runs on global arrays, every
+`ops.moments` over the batch axis (`$KERAS_DTENSOR_SYNC_BATCH_NORM`, on by
+default) or of a layer with `synchronized=True` (which Keras accepts only
+on TensorFlow; torch's `SyncBatchNorm`) uses the global batch's mean and
+variance: one all-reduce of `[sum, sum of squares, count]` per layer per
+step, and its backward weighted so that, after the reducer's row
+weighting, every path counts once. Statistics over other axes stay local;
+so do masked ones. Under `ModelParallel` or in one process Keras's own
 `moments` runs.
 """
 
@@ -61,9 +44,8 @@ class _WeightedSum(torch.autograd.Function):
     def forward(ctx, local):
         total = local.clone()
         dist.all_reduce(total)
-        # This rank's share of the elements: the gradient reducer scales
-        # this rank's gradients by its share of the rows, the same ratio.
-        # Kept as a tensor: reading it back would wait for the device.
+        # This rank's share of the elements, the reducer's weight for it
+        # (a tensor: reading it back would wait for the device).
         ctx.share = local[-1] / total[-1]
         return total
 
@@ -112,8 +94,7 @@ def wrap_moments(original):
             and not x.is_meta  # shapes only: nothing to sum
         ):
             axes = tuple(a % x.dim() for a in axes)
-            # Over the batch axis, as on JAX's global arrays; per-sample
-            # statistics (GroupNormalization, LayerNormalization) stay.
+            # Over the batch axis only: per-sample statistics stay.
             if synchronized or (0 in axes and config.get("SYNC_BATCH_NORM")):
                 return _global_moments(x, axes, keepdims)
         return original(x, axes, keepdims=keepdims, synchronized=False)

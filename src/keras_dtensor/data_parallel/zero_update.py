@@ -1,16 +1,12 @@
 """The optimizer update split by variable (ZeRO stage 1 on whole variables).
 
 Inside `fit`, once every rank holds the global gradient, each rank applies
-Keras's update to the variables it owns and broadcasts them. The optimizer
-slots of the variables a rank does not own go stale there; they are
-brought back from their owners by `sync_optimizer_state`, at the end of
-`fit`, before every save and before a new train function.
-
-Where nothing in Keras's update reads the gradient of a variable a rank
-does not own (`UpdateSplit.to_owners`), the gradients are not all-reduced
-but reduced to their owners (ZeRO stage 2's reduce-scatter, see
-`reducer`): each rank holds the global gradient of its own variables only,
-and a step moves half the bytes of an all-reduce plus the broadcasts.
+Keras's update to the variables it owns and broadcasts them. Slots of the
+variables a rank does not own go stale there; `sync_optimizer_state`
+brings them back at the end of `fit`, before every save and before a new
+train function. Where nothing but Keras's update reads the gradients
+(`UpdateSplit.to_owners`), they are reduced to their owners only (ZeRO
+stage 2, `reducer`).
 """
 
 import contextlib
@@ -19,14 +15,13 @@ import functools
 import weakref
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from keras_dtensor import config
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.ops.flat_buffers import broadcast_packed
 
 __all__ = [
     "UpdateSplit",
@@ -43,68 +38,19 @@ _SLOTS = "_keras_dtensor_slots"
 _ACTIVE = contextvars.ContextVar("keras_dtensor_update_split", default=None)
 
 
-def _broadcast_from_owners(tensors, owners, buffers=None):
-    """Each tensor gets its owner rank's value, in place.
-
-    One flat broadcast per (owner, dtype), all in flight at once; no casts.
-    Every rank must pass the same shapes, dtypes and owners, in the same
-    order. A group of parameters of `buffers` (`OwnerBuffers`) is
-    broadcast as their buffer, in place.
-    """
-    _, rank = world()
-    groups = {}
-    for t, owner in zip(tensors, owners, strict=True):
-        groups.setdefault((owner, t.dtype), []).append(t)
-    pending = []
-    with torch.no_grad():
-        for owner, dtype in sorted(groups, key=lambda k: (k[0], str(k[1]))):
-            group = groups[(owner, dtype)]
-            found = buffers and buffers.flat_of((owner, dtype), group)
-            if found:
-                flat, pairs = found
-            else:
-                flat = torch.empty(
-                    sum(t.numel() for t in group),
-                    dtype=dtype,
-                    device=group[0].device,
-                )
-                views = flat.split([t.numel() for t in group])
-                pairs = list(zip(group, views, strict=True))
-            if owner == rank and pairs:
-                # view(t.shape) of the flat slot, not of t: t may be
-                # stored in any order (transposed, channels_last).
-                torch._foreach_copy_(
-                    [v.view(t.shape) for t, v in pairs],
-                    [t.detach() for t, _ in pairs],
-                )
-            work = dist.broadcast(flat, src=owner, async_op=True)
-            pending.append((owner, pairs, work))
-        for owner, pairs, work in pending:
-            work.wait()
-            if owner != rank and pairs:
-                torch._foreach_copy_(
-                    [t for t, _ in pairs],
-                    [v.view(t.shape) for t, v in pairs],
-                )
-
-
 def broadcast_from_rank0(variables):
     """Rank 0's values everywhere (as DDP does at construction)."""
     values = [v.value for v in variables]
-    _broadcast_from_owners(values, [0] * len(values))
+    broadcast_packed(values, [0] * len(values))
 
 
 class UpdateSplit:
     """Which rank applies the optimizer update to which variable.
 
-    Whole variables are dealt out, largest first, to the rank with the
-    fewest elements so far (the same on every rank). Splitting whole
-    variables keeps every Keras update exact, factored and per-matrix ones
-    included; with fewer variables than ranks, or fewer trainable bytes
-    than `$KERAS_DTENSOR_SPLIT_UPDATE_MB`, there is no split.
-
-    Args:
-        variables: the model's trainable Keras variables.
+    Whole variables (so every Keras update stays exact, factored ones
+    included) are dealt out, largest first, to the rank with the fewest
+    elements so far. No split with fewer variables than ranks or fewer
+    trainable bytes than `$KERAS_DTENSOR_SPLIT_UPDATE_MB`.
     """
 
     def __init__(self, variables):
@@ -114,12 +60,9 @@ class UpdateSplit:
         # optimizer -> {id(model variable): owner} of stale slots
         self.stale = weakref.WeakKeyDictionary()
         self.depth = 0
-        # True while a train step's gradients were reduced to their owners
-        # only: the update must then be split.
+        # This step's gradients went to their owners only: split it.
         self.partial = False
-        # The parameters' storage by owner (`OwnerBuffers`), set by the
-        # train step that builds this split.
-        self.buffers = None
+        self.buffers = None  # the parameters' `FlatParams`
         variables = list(variables)
         # A variable Keras overwrites with its gradient (float8 scales)
         # needs the global gradient on every rank.
@@ -132,8 +75,7 @@ class UpdateSplit:
             for size, v in zip(sizes, variables, strict=True)
         )
         if nbytes < config.get("SPLIT_UPDATE_MB") * 2**20:
-            # A small model: one all-reduce and the whole update on every
-            # rank (DDP's step) costs less than the split's broadcasts.
+            # A small model: DDP's whole update costs less.
             return
         load = [0] * self.world
         for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
@@ -151,18 +93,11 @@ class UpdateSplit:
         return known
 
     def to_owners(self, optimizer):
-        """Whether a train step may reduce gradients to their owners only.
-
-        Only when this optimizer's update is known to split (its first
-        update ran whole-gradient) and Keras's own code is all that reads
-        the gradients before the split: no global norm clipping, gradient
-        accumulation, loss scaling (a finiteness check of every gradient,
-        which must agree on every rank) or variable overwritten with its
-        gradient, and no override of the methods that see them all.
-
-        Args:
-            optimizer: the model's optimizer (`model.optimizer`).
-        """
+        """Whether a train step may reduce gradients to their owners only:
+        when `optimizer`'s update is known to split and only Keras's own
+        per-variable code reads them (no global norm clipping, gradient
+        accumulation, loss scaling, gradient overwrite, or override of the
+        methods that see every gradient)."""
         if self.checked.get(optimizer) is not True:
             return False
         if optimizer.global_clipnorm or optimizer.gradient_accumulation_steps:
@@ -205,14 +140,12 @@ def _slots(optimizer):
 
 
 def _splittable(optimizer):
-    """An update splits by variable when it is Keras's own per-variable
-    update and every non-scalar optimizer variable is a slot of one model
-    variable (made by `add_variable_from_reference`), so that it can be
-    brought back from the variable's owner."""
+    """Whether the update is Keras's own per-variable one and every
+    non-scalar optimizer variable a slot of one model variable (so it can
+    be brought back from that variable's owner)."""
     if not config.get("SPLIT_UPDATE"):
         return False
-    # `update_step` is per variable by contract; a custom parallel step
-    # may couple variables.
+    # A custom parallel step may couple variables.
     if not _keras_defined(type(optimizer), "_parallel_update_step"):
         return False
     slots = {id(slot) for slot, _ in _slots(optimizer)}
@@ -220,15 +153,11 @@ def _splittable(optimizer):
 
 
 def wrap_backend_update_step(original):
-    """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`.
-
-    Inside a DataParallel train step in `fit` (where every rank holds the
-    global gradient), each rank updates only the variables it owns, then
-    the updated variables are broadcast from their owners. Keras's
-    clipping, loss-scale check, weight decay and gradient accumulation ran
-    before this on the whole gradient; EMA and constraints run after it on
-    the synced variables. Otherwise the original runs unchanged.
-    """
+    """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`:
+    inside a DataParallel train step in `fit`, each rank updates the
+    variables it owns, then they are broadcast from their owners (Keras's
+    clipping and loss-scale check ran before, on the whole gradient; EMA
+    and constraints run after, on the synced variables)."""
 
     @functools.wraps(original)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -241,7 +170,7 @@ def wrap_backend_update_step(original):
         owners = [split.owner.get(id(v)) for v in variables]
         if None in owners or len(set(owners)) < split.world:
             # Variables from outside the model, or a rank with nothing to
-            # update (its per-call scalars would fall behind): whole update.
+            # update (its scalars would fall behind): whole update.
             if split.partial:
                 _raise_partial(self, variables, owners, split)
             return original(self, grads, variables, learning_rate)
@@ -256,9 +185,8 @@ def wrap_backend_update_step(original):
             )
         finally:
             split.depth -= 1
-        _broadcast_from_owners(
-            [v.value for v in variables], owners, split.buffers
-        )
+        find = split.buffers.flat_of if split.buffers else None
+        broadcast_packed([v.value for v in variables], owners, find)
         stale = split.stale.setdefault(self, {})
         for v, owner in zip(variables, owners, strict=True):
             stale[id(v)] = owner
@@ -287,8 +215,7 @@ def _raise_partial(optimizer, variables, owners, split):
 @contextlib.contextmanager
 def splitting_updates(split):
     """Optimizer updates inside this context are split by `split` (`None`:
-    whole, as in a `train_on_batch` loop, whose optimizer state is then
-    whole after every call)."""
+    whole, as in a `train_on_batch` loop)."""
     token = _ACTIVE.set(split)
     try:
         yield
@@ -297,8 +224,8 @@ def splitting_updates(split):
 
 
 def wrap_add_variable_from_reference(original):
-    """Wraps `BaseOptimizer.add_variable_from_reference`: remembers which
-    model variable each optimizer slot belongs to."""
+    """Wraps `BaseOptimizer.add_variable_from_reference`: notes each
+    slot's model variable."""
 
     @functools.wraps(original)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
@@ -314,7 +241,7 @@ def wrap_add_variable_from_reference(original):
 
 def has_stale_state(model):
     """Whether some of `model`'s optimizer slots are held by their owners
-    only (`sync_optimizer_state` would bring them back)."""
+    only."""
     state = state_of(model, create=False)
     split = None if state is None else state.split
     return split is not None and any(split.stale.values())
@@ -348,7 +275,7 @@ def sync_optimizer_state(model):
             if slot is not None and id(ref) in stale
         ]
         if pairs:
-            _broadcast_from_owners(
+            broadcast_packed(
                 [slot.value for slot, _ in pairs],
                 [owner for _, owner in pairs],
             )

@@ -1,37 +1,17 @@
 """Batch-sharded weights gathered group by group, freed after their forward.
 
-On the local path (`local_run`), gathering every batch-sharded weight at
-once would hold the whole model on every rank from the first layer's
-forward to its backward: the memory FSDP exists to avoid. FSDP2 gathers a
-block's parameters before its forward, frees them after it
-(`reshard_after_forward`) and gathers them again before the block's
-backward. The same here, with Keras's layers as the blocks:
-
-- A unit is a layer directly under the model (under nested models: a
-  keras_hub task's backbone counts as part of the task); its gathered
-  weights are those of the unit and its sublayers. Consecutive units, in
-  the order the model's first call reached them (in the layers' order
-  during that call), form groups of at least
-  `KERAS_DTENSOR_GATHER_MB` (FSDP2's blocks; the default keeps a model of
-  a few tens of MB in one group, which changes nothing). A weight of no
-  unit or of several (shared), or of a unit the call reached more than
-  once (a tied embedding, called again for the output projection), is
-  gathered for the whole call, as FSDP2's root module's parameters are.
-- Calling a unit gathers its group (one all-gather) and starts the next
-  group's gather; calling a unit of another group frees the last one: its
-  weights read as shards again, and the tensors autograd saved from them
-  are kept as their place in the gathered storage, not the storage
-  (`torch.autograd.graph.saved_tensors_hooks`). The last group stays (its
-  backward comes first).
-- In backward, the first saved tensor of a freed group to be needed
-  gathers it again (the next one's gather is started), and it is let go
-  once all its saved tensors have been used. Gradients still leave by the
-  gather's own backward: one reduce-scatter per group.
-
-Every rank runs the same layers in the same order, so the collectives
-match. A model that reads a freed weight outside its unit's call (a
-DTensor meeting local tensors) is detected by the error this raises and
-runs with all weights gathered from then on (`local_run.call`).
+Gathering every batch-sharded weight at once would hold the whole model on
+every rank from the first forward to the last backward: the memory FSDP
+exists to avoid. As FSDP2 (`reshard_after_forward`), the local run
+gathers a group's weights before its forward (`packed_gather`: one
+all-gather, the next group's started), frees them after it, and gathers
+them again when backward first needs a tensor autograd saved from them
+(`saved_tensors_hooks`); gradients leave by one reduce-scatter a group. A
+unit is a layer directly under the model; consecutive units in call
+order form groups of at least `KERAS_DTENSOR_GATHER_MB`; a weight shared by
+units, or of a unit called twice (a tied embedding), is gathered for the
+whole call. Every rank runs the same layers in the same order, so the
+collectives match. Design notes: `docs/internals/data-parallel.md`.
 """
 
 import collections
@@ -43,6 +23,8 @@ import torch
 from keras_dtensor import config
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import packed_gather
+from keras_dtensor.ops.flat_buffers import buckets
+from keras_dtensor.ops.flat_buffers import nbytes
 
 __all__ = ["Layout", "Session", "build"]
 
@@ -51,14 +33,11 @@ _MARK = object()
 
 @dataclasses.dataclass
 class Layout:
-    """How one model's gathered weights are grouped.
-
-    `groups`: tuples of indices into the plan's weights, in call order;
-    `unit_group`: id(unit layer) -> its group; `root`: indices gathered
-    for the whole call; `order`: the call order it was built from (None:
-    the layers' order, before a first call); `failed`: a grouped call met
-    a freed weight.
-    """
+    """How one model's gathered weights are grouped: `groups`, tuples of
+    indices into the run spec's weights, in call order; `unit_group`:
+    id(unit) -> its group; `root`: indices gathered for the whole call;
+    `order`: the call order it was built from (None: the layers' order);
+    `failed`: a grouped call met a freed weight."""
 
     groups: tuple
     unit_group: dict
@@ -93,14 +72,9 @@ def _units(model):
 
 
 def build(model, run_spec, order):
-    """The model's `Layout`, or None when grouping frees nothing.
-
-    Args:
-        model: the outermost layer the plan runs.
-        run_spec: its `LocalRunSpec`.
-        order: ids of the units a call reached, in call order; None
-            before the first call (the layers' own order).
-    """
+    """The `Layout` of `model` (the outermost layer `run_spec` runs), or
+    None when grouping frees nothing; `order`: ids of the units a call
+    reached, in call order (None before the first call)."""
     owners, units = _units(model)
     by_unit = collections.defaultdict(list)
     root = []
@@ -112,26 +86,18 @@ def build(model, run_spec, order):
             root.append(i)  # shared, or called again (a tied projection)
         else:
             by_unit[unit].append(i)
-    ranked = {}
-    for layer_id in order or ():
-        if layer_id in by_unit:
-            ranked.setdefault(layer_id, len(ranked))
-    for unit in units:  # units the first call did not reach: at the end
-        if id(unit) in by_unit:
-            ranked.setdefault(id(unit), len(ranked))
-    limit = config.get("GATHER_MB") * 2**20
-    groups, unit_group, current, size = [], {}, [], 0
-    for layer_id in sorted(ranked, key=ranked.get):
-        if current and size >= limit:
-            groups.append(tuple(current))
-            current, size = [], 0
-        unit_group[layer_id] = len(groups)
-        for i in by_unit[layer_id]:
-            value = run_spec.weights[i][0]._value
-            current.append(i)
-            size += value.numel() * value.element_size()
-    if current:
-        groups.append(tuple(current))
+    # Units in call order, those the first call did not reach at the end.
+    ranked = dict.fromkeys([*(order or ()), *(id(unit) for unit in units)])
+    ranked = [unit for unit in ranked if unit in by_unit]
+    sizes = [
+        sum(nbytes(run_spec.weights[i][0]._value) for i in by_unit[unit])
+        for unit in ranked
+    ]
+    groups, unit_group = [], {}
+    for bucket in buckets(sizes, config.get("GATHER_MB") * 2**20):
+        for j in bucket:
+            unit_group[ranked[j]] = len(groups)
+        groups.append(tuple(i for j in bucket for i in by_unit[ranked[j]]))
     if len(groups) < 2:
         return None
     return Layout(
@@ -143,14 +109,9 @@ def build(model, run_spec, order):
 
 
 class Session:
-    """The gathers of one grouped call, and of its backward.
-
-    Args:
-        run_spec: the model's `LocalRunSpec`.
-        layout: its `Layout`.
-        values: the weights' DTensor values, in the plan's order.
-        group: the process group of the batch axis.
-    """
+    """The gathers of one grouped call and of its backward: `values` are
+    the weights' DTensor values in `run_spec`'s order, `group` the batch
+    axis's process group."""
 
     def __init__(self, run_spec, layout, values, group):
         self.run_spec, self.layout, self.values = run_spec, layout, values
@@ -163,11 +124,8 @@ class Session:
         self.packed = collections.Counter()
         self.back = {}  # group -> its full tensors, gathered in backward
         self.back_pending = {}
-        # Units in the order this call reaches them, while the layout's
-        # groups follow the layers' order (a model's first call).
+        # Units in call order, for a layout made in the layers' order.
         self.order = [] if layout.order is None else None
-
-    # ----------------------------------------------------------- forward
 
     def _specs(self, indices):
         dim = self.run_spec.dim
@@ -214,13 +172,9 @@ class Session:
                 ptr = full.untyped_storage().data_ptr()
                 self.ptrs[ptr] = (g, k, full.dtype)
         self.forward[g] = fulls
-        following = g + 1
-        if (
-            following <= self.last
-            and following not in self.forward
-            and following not in self.pending
-        ):
-            self.pending[following] = self._start(self.layout.groups[following])
+        ahead = g + 1
+        if ahead <= self.last and ahead not in (*self.forward, *self.pending):
+            self.pending[ahead] = self._start(self.layout.groups[ahead])
 
     def _release(self, g):
         if g == self.last:
@@ -242,8 +196,6 @@ class Session:
         self.forward.clear()
         self.ptrs.clear()
 
-    # ------------------------------------------------- saved tensors hooks
-
     def pack(self, tensor):
         if not self.ptrs or type(tensor) is not torch.Tensor:
             return tensor
@@ -252,26 +204,20 @@ class Session:
             return tensor
         g, k, _ = hit
         self.packed[g] += 1
-        return (
-            _MARK,
-            g,
-            k,
-            tensor.size(),
-            tensor.stride(),
-            tensor.storage_offset(),
-        )
+        view = (tensor.size(), tensor.stride(), tensor.storage_offset())
+        return (_MARK, g, k, view)
 
     def unpack(self, packed):
         if type(packed) is not tuple or packed[0] is not _MARK:
             return packed
-        _, g, k, size, stride, offset = packed
+        _, g, k, view = packed
         fulls = self.back.get(g)
         if fulls is None:
             fulls = self._regather(g)
         self.packed[g] -= 1
         if self.packed[g] <= 0:
             self.back.pop(g, None)
-        return fulls[k].as_strided(size, stride, offset)
+        return fulls[k].as_strided(*view)
 
     def _regather(self, g):
         started = self.back_pending.pop(g, None)
@@ -281,12 +227,8 @@ class Session:
             fulls = started.wait()
         self.back[g] = fulls
         before = g - 1
-        if (
-            before >= 0
-            and self.packed[before] > 0
-            and before not in self.back
-            and before not in self.back_pending
-        ):
+        started = (*self.back, *self.back_pending)
+        if before >= 0 and self.packed[before] > 0 and before not in started:
             self.back_pending[before] = self._start_values(before)
         return fulls
 
