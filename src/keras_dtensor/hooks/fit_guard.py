@@ -1,15 +1,9 @@
-"""`fit`/`evaluate`/`predict` on N processes: what surrounds each call.
+"""`fit`/`evaluate`/`predict` on N processes: shared files, clear failures.
 
-Under a distribution on several processes every rank runs the call, and
-it is a sequence of collectives. Around it:
-
-- Keras's file operations are shared (`shared_files`): callbacks with the
-  same arguments on every rank work as in one process;
-- a collective that fails because a peer died, stalled or ran other code
-  raises an error that says so, naming this rank, instead of gloo's bare
-  "Connection closed by peer" (`errors.collective_failure`).
-
-Without a distribution, or in one process, the call runs untouched.
+Under a distribution on several processes, Keras's file operations are
+shared for the call (`shared_files`), and a collective that fails because
+a peer died or stalled raises an error naming this rank
+(`errors.collective_failure`). Otherwise the call runs untouched.
 """
 
 import functools
@@ -24,7 +18,7 @@ __all__ = ["wrap_trainer_call"]
 
 
 def wrap_trainer_call(original):
-    """Wraps `TorchTrainer.fit`, `.evaluate` or `.predict` (see above)."""
+    """Wraps `TorchTrainer.fit`, `.evaluate` or `.predict`."""
 
     @functools.wraps(original)
     def call(self, *args, **kwargs):

@@ -1,29 +1,11 @@
 """Keras callbacks' file operations on N processes: rank 0 acts, all agree.
 
-Under `torchrun` every process runs `fit` with the same callbacks and
-arguments, so every rank runs Keras's own directory creation, copies and
-deletes (`BackupAndRestore`, `ModelCheckpoint`, `CSVLogger`) on the same
-shared paths. They race: `FileExistsError` from two `makedirs`,
-`FileNotFoundError` from two `rmtree`, and one rank dies while the others
-wait in a collective until the timeout.
-
 Inside `fit`/`evaluate`/`predict` with several processes, Keras's
-`file_utils` calls become collective decisions:
-
-- queries (`exists`, `isdir`, `listdir`) are answered by rank 0, so every
-  rank takes the same branch of the callback's code;
-- changes (`makedirs`, `remove`, `rmtree`, `copy`) run on rank 0 only;
-- `File` opened for writing is rank 0's file, a sink (`os.devnull`)
-  elsewhere; for reading, every rank opens the file itself.
-
-Each call ends with rank 0's outcome on every rank (`consensus.on_rank_0`):
-if rank 0's operation failed, every rank raises the same error, and nobody
-goes on before the change is on disk. `model.save*` inside a callback is
-not affected: every rank runs it (`saving/collective.py`). TensorBoard
-writes its event files through TensorFlow, not `file_utils`: ranks other
-than 0 write theirs to a private scratch directory (`wrap_tensorboard_
-set_model`). Paths must be on a filesystem every rank sees, as with one
-process and several readers.
+`file_utils` queries are answered by rank 0, changes run on rank 0 only,
+and a file opened for writing is rank 0's (a sink elsewhere); each call
+ends with rank 0's outcome, or its error, on every rank
+(`consensus.on_rank_0`). TensorBoard's event files on other ranks go to a
+scratch directory.
 """
 
 import atexit
@@ -118,14 +100,8 @@ def _scratch_dir(callback):
 
 
 def wrap_tensorboard_set_model(original):
-    """Wraps `TensorBoard.set_model`: event files from rank 0 only.
-
-    TensorBoard's writers and profiler take their directories from
-    `log_dir` here; on other ranks that is a private scratch directory, so
-    the shared log directory holds one run, not one per rank. Every rank
-    still runs the callback (its weight histograms gather sharded weights,
-    a collective).
-    """
+    """Wraps `TensorBoard.set_model`: other ranks' `log_dir` is a scratch
+    directory (every rank still runs the callback's collectives)."""
 
     @functools.wraps(original)
     def set_model(self, model):
