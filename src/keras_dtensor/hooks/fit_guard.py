@@ -9,10 +9,10 @@ a peer died or stalled raises an error naming this rank
 import functools
 
 from keras_dtensor import config
+from keras_dtensor.backend import consensus
 from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
 from keras_dtensor.backend import launch
-from keras_dtensor.hooks import shared_files
 
 __all__ = ["wrap_trainer_call"]
 
@@ -23,13 +23,13 @@ def wrap_trainer_call(original):
     @functools.wraps(original)
     def call(self, *args, **kwargs):
         if (
-            shared_files.active()
+            consensus.files_are_shared()
             or context.current() is None
             or not launch.multi_process()
         ):
             return original(self, *args, **kwargs)
         try:
-            with shared_files.shared():
+            with consensus.files_shared():
                 return original(self, *args, **kwargs)
         except RuntimeError as e:
             world, rank = launch.world()

@@ -19,7 +19,7 @@ from keras_dtensor.backend.launch import all_gather_ints
 __all__ = ["same_global_batches", "same_number_of_batches"]
 
 
-def _uneven_error(counts, global_batches=False):
+def _uneven_error(counts, global_batches):
     low = min(counts)
     done = [r for r, c in enumerate(counts) if c == low]
     more = [r for r, c in enumerate(counts) if c != low]
@@ -87,7 +87,7 @@ def same_global_batches(iterator, num_batches=None):
     agree, with every batch, whether they have one.
     """
     # iter() now, as Keras does: a DataLoader draws its seed there.
-    return _checked_batches(iter(iterator), num_batches)
+    return _checked(iter(iterator), num_batches, same_batches=True)
 
 
 def _raise_if_batches_differ(digests, index):
@@ -112,15 +112,28 @@ def _raise_if_batches_differ(digests, index):
     )
 
 
-def _checked_batches(iterator, num_batches):
+def same_number_of_batches(iterator, num_batches):
+    """`iterator`, checked to yield as many batches on every rank: known
+    counts compared once, unknown ones agreed batch by batch."""
+    return _checked(iter(iterator), num_batches, same_batches=False)
+
+
+def _checked(iterator, num_batches, same_batches):
+    """The batches of `iterator`; with `same_batches`, their checksums
+    compared too (-1: this rank has no batch left)."""
     counts = all_gather_ints(-1 if num_batches is None else num_batches)
     known = all(c >= 0 for c in counts)
     if known and len(set(counts)) > 1:
-        raise _uneven_error(counts, global_batches=True)
-    every = config.get("CHECK_EVERY")
+        raise _uneven_error(counts, same_batches)
+    if known and not same_batches:
+        yield from iterator
+        return
+    every = config.get("CHECK_EVERY") if same_batches else 0
     index = 0
     while True:
-        checked = index == 0 or (every and index % every == 0)
+        checked = same_batches and (
+            index == 0 or (every and index % every == 0)
+        )
         if known and not checked:
             try:
                 batch = next(iterator)
@@ -138,37 +151,9 @@ def _checked_batches(iterator, num_batches):
                 return
             if any(ended):
                 raise _uneven_error(
-                    [index + (not e) for e in ended], global_batches=True
+                    [index + (not e) for e in ended], same_batches
                 )
             if checked:
                 _raise_if_batches_differ(digests, index)
         index += 1
-        yield batch
-
-
-def same_number_of_batches(iterator, num_batches):
-    """`iterator`, checked to yield as many batches on every rank: known
-    counts compared once, unknown ones agreed batch by batch."""
-    return _counted_batches(iter(iterator), num_batches)  # iter(): see above
-
-
-def _counted_batches(iterator, num_batches):
-    counts = all_gather_ints(-1 if num_batches is None else num_batches)
-    if all(c >= 0 for c in counts):
-        if len(set(counts)) > 1:
-            raise _uneven_error(counts)
-        yield from iterator
-        return
-    count = 0
-    while True:
-        try:
-            batch, has = next(iterator), 1
-        except StopIteration:
-            batch, has = None, 0
-        flags = all_gather_ints(has)
-        if not any(flags):
-            return
-        if not all(flags):
-            raise _uneven_error([count + f for f in flags])
-        count += 1
         yield batch

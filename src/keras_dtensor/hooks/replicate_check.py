@@ -9,6 +9,7 @@ weight's checksum compares the ranks that hold the same shards.
 
 import functools
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -57,12 +58,8 @@ def _replica_of(value, world):
         i for i, p in enumerate(value.placements) if not p.is_replicate()
     ]
     first_of_key, replica = {}, [None] * world
-    for index in (
-        torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape])
-        .reshape(-1, ranks.dim())
-        .tolist()
-    ):
-        rank = int(ranks[tuple(index)])
+    for index in np.ndindex(*ranks.shape):
+        rank = int(ranks[index])
         key = tuple(index[d] for d in sharded)
         replica[rank] = first_of_key.setdefault(key, rank)
     return replica

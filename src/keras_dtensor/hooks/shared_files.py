@@ -20,9 +20,6 @@ from keras_dtensor.backend import object_state
 
 __all__ = [
     "FILE_OPERATIONS",
-    "active",
-    "shared",
-    "suspended",
     "wrap_file_operation",
     "wrap_tensorboard_set_model",
 ]
@@ -38,21 +35,6 @@ FILE_OPERATIONS = (
     "copy",
     "File",
 )
-
-
-def suspended():
-    """A scope where `file_utils` calls are each rank's own again."""
-    return consensus.files_shared(False)
-
-
-def shared():
-    """The scope where `file_utils` calls are shared (`hooks/fit_guard.py`)."""
-    return consensus.files_shared(True)
-
-
-def active() -> bool:
-    """Whether this thread is inside `shared()`."""
-    return consensus.files_are_shared()
 
 
 def _writes(mode):
