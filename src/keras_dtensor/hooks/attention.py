@@ -1,10 +1,6 @@
-"""`dot_product_attention` on DTensor inputs: the global result.
-
-Attention is independent per batch row and per head, so Keras's own
-function runs on local shards: query, key and value not split alike over
-batch or heads are replicated first, and the mask and bias follow the
-query's split (a plain mask is a global value: each process takes its
-part, with no communication). The output is placed as the query is.
+"""`dot_product_attention` on DTensor inputs: Keras's own function on local
+shards (q/k/v split alike over batch or heads, else replicated; the mask
+and bias follow the query), the output placed as the query is.
 """
 
 import torch

@@ -1,10 +1,7 @@
-"""Callbacks and console output in a multi-process run.
-
-With several processes, callbacks are dispatched synchronously: a
-batch-end callback on a worker thread converts DTensors to numpy (a
-collective) out of order with the main thread's collectives. Keras's
-messages and `model.summary()` print from rank 0 only (logged values are
-global), unless `KERAS_DTENSOR_LOG_ALL_RANKS=1`.
+"""Callbacks and console output on N processes: callbacks dispatched
+synchronously (their numpy conversions are collectives), messages and
+`model.summary()` printed from rank 0 (`KERAS_DTENSOR_LOG_ALL_RANKS=1`:
+every rank).
 """
 
 from keras_dtensor.backend import console

@@ -1,11 +1,9 @@
 """Where data enters the distributed computation: batches become DTensors.
 
-Every input kind is the *global* batch on every process, and each process
-keeps its slice along the batch axis; where the input allows, it loads
-only that slice (`loader_shards`, `pydataset_shards`). With
-`auto_shard_dataset=False` each process yields its own slice instead.
-Plain tensors are laid out here, at the boundary, with the layout they
-really have: nothing downstream guesses that a plain tensor is replicated.
+Every input kind is the global batch on every process, each keeping its
+rows (loaded alone where `loader_shards`, `pydataset_shards` can); with
+`auto_shard_dataset=False`, each process's own. Plain tensors are laid out
+here, with the layout they really have.
 """
 
 import warnings
@@ -67,10 +65,9 @@ def _own_shards(adapter, distribution):
     """This process's shards of the adapter's global batches, or `None`
     where every process reads the input whole."""
     if isinstance(adapter, compat.data_adapter_class("TorchDataLoaderAdapter")):
-        derived = loader_shards.sharded_loader(
+        return loader_shards.sharded_loader(
             adapter.get_torch_dataloader(), distribution
         )
-        return None if derived is None else _Shards(derived)
     if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
         return pydataset_shards.sharded_batches(adapter, distribution)
     if isinstance(adapter, compat.data_adapter_class("TFDatasetAdapter")):
@@ -95,17 +92,6 @@ def _say_read_whole(adapter):
 
 
 _SAID = []  # the inputs already said to be read whole
-
-
-class _Shards:
-    """A sharded loader's tagged shards, re-iterable like the loader."""
-
-    def __init__(self, derived):
-        self.derived = derived
-
-    def __iter__(self):
-        # Made now, not at the first batch: it draws its seed when made.
-        return loader_shards.shards(iter(self.derived))
 
 
 def wrap_epoch_iter(original):

@@ -1,10 +1,6 @@
-"""Dropout on a split activation draws one process's mask.
-
-On a DTensor sharded over some mesh axis (attention probabilities split by
-heads), the mask is drawn as one process draws it, for the global shape
-with the same generator calls, and each rank keeps its part: one
-process's numbers, at the cost of one global-size draw per call. Other
-inputs go to `data_parallel.wrap_dropout`.
+"""Dropout on a split activation draws one process's mask: the global
+shape, the same generator calls, each rank keeping its part. Other inputs
+go to `data_parallel.wrap_dropout`.
 """
 
 import functools

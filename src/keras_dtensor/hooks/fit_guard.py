@@ -1,9 +1,6 @@
-"""`fit`/`evaluate`/`predict` on N processes: shared files, clear failures.
-
-Under a distribution on several processes, Keras's file operations are
-shared for the call (`shared_files`), and a collective that fails because
-a peer died or stalled raises an error naming this rank
-(`errors.collective_failure`). Otherwise the call runs untouched.
+"""`fit`/`evaluate`/`predict` on N processes under a distribution: file
+operations shared (`shared_files`), a failed collective named as a peer
+that died or stalled (`errors.collective_failure`).
 """
 
 import functools

@@ -1,9 +1,6 @@
-"""Cross-rank input checks: every rank must feed the same steps.
-
-With `auto_shard_dataset=True` every process yields the same global
-batches; with `False` each feeds its own, as many. A difference would
-train on the wrong rows with no error, or leave ranks waiting in a
-collective forever: these checks raise on every rank instead.
+"""Cross-rank input checks: every rank feeds the same steps (the same
+global batches, or as many of its own), else an error on every rank
+instead of wrong rows or a hang.
 """
 
 import zlib

@@ -1,14 +1,8 @@
-"""`jit_compile=True` under a distribution: a compiled forward, an eager
-rest.
-
-The model's forward is compiled (`torch.compile(model.call,
-dynamic=False)`); loss, backward, optimizer and metrics run eagerly on
-DTensors, so the numbers are an eager step's. Where torch cannot run the
-compiled forward, or a function of it reached dynamo's recompile limit,
-every rank runs it eagerly from then on: the ranks agree after a
-signature's 1st, 2nd, 4th... call (one all-gather). With nothing
-distributed, Keras's own compiled step runs. `KERAS_DTENSOR_JIT=0` runs
-the model eagerly.
+"""`jit_compile=True` under a distribution: a compiled forward
+(`torch.compile(model.call)`), an eager rest on DTensors, so the numbers
+are an eager step's. After a failure, or at dynamo's recompile limit,
+every rank runs eagerly (the ranks agree after a signature's 1st, 2nd,
+4th... call). `KERAS_DTENSOR_JIT=0`: eager.
 """
 
 import collections

@@ -1,12 +1,7 @@
-"""Keras 3.16's own torch distribution, stood down where keras-dtensor acts.
-
-Keras 3.16's trainer wraps the model in DDP whenever a process group is
-up, sums metric variables across processes, lays variables and batches
-out itself and gathers predictions per process. keras-dtensor does each
-job itself; running both would do it twice, so each upstream piece steps
-aside while installed. Every wrapper but `_initialize_ddp` returns to
-Keras's own code when no distribution is set; `_initialize_ddp` never
-wraps the model in DDP.
+"""Keras 3.16's own torch distribution, stood down where keras-dtensor acts
+(DDP wrapping, metric sums, variable and batch layouts, prediction
+gathers), so nothing is done twice. With no distribution set Keras's own
+code runs, except that no model is wrapped in DDP.
 """
 
 import weakref

@@ -1,9 +1,6 @@
-"""Every layer call under a distribution, handed to its strategy.
-
-`Layer.__call__` goes to `data_parallel.call_layer` under `DataParallel`
-and to `model_parallel.call_layer` under every other distribution; with
-none set it is Keras's own call. `SeedGenerator.next` runs in the
-global-values scope (see `context.global_values`).
+"""Every layer call under a distribution, handed to its strategy
+(`data_parallel.call_layer` or `model_parallel.call_layer`);
+`SeedGenerator.next` in the global-values scope.
 """
 
 from torch.distributed.tensor import DTensor

@@ -1,11 +1,7 @@
-"""A map-style `DataLoader` that loads only this process's batch shard.
-
-Every rank draws the same global batch of indices from the user's own
-batch sampler (shuffles, seeds and `drop_last` as on one process), then
-fetches and collates only its shard's indices (`shard_rule`). The shard
-is tagged with its place in the global batch and a digest of its indices
-(`batch_layout.tag_shard`), so the step computes one process's numbers.
-Loaders that cannot be split this way are read whole (`sharded_loader`).
+"""A map-style `DataLoader` that loads only this process's batch shard:
+every rank draws the same global batch of indices from the user's batch
+sampler, then fetches and collates only its shard, tagged with its place
+(`batch_layout.tag_shard`).
 """
 
 import zlib
@@ -24,16 +20,16 @@ from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import world
 from keras_dtensor.backend.layout import local_slices
 
-__all__ = ["rows_of", "shard_rule", "shards", "sharded_loader"]
+__all__ = ["Reiterable", "rows_of", "shard_rule", "sharded_loader"]
 
 _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """The loader of this process's shards of `loader`'s global batches
-    (the user's settings, built once per distribution), or `None` where
-    `loader` is read whole: an `IterableDataset`, no automatic batching, a
-    data layout that splits more than the batch dim, or
+    """This process's tagged shards of `loader`'s global batches (a loader
+    with the user's settings, built once per distribution), or `None`
+    where `loader` is read whole: an `IterableDataset`, no automatic
+    batching, a data layout that splits more than the batch dim, or
     `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if not config.get("SHARDED_LOADING") or world()[0] == 1:
         return None
@@ -51,7 +47,7 @@ def sharded_loader(loader, distribution):
 
     cached = object_state.get_on(loader, _DERIVED)
     if cached is not None and cached[0] is distribution:
-        return cached[1]
+        return _epochs(cached[1])
     dataset = loader.dataset
     keyed = (
         _KeyedBatched(dataset)
@@ -75,11 +71,25 @@ def sharded_loader(loader, distribution):
         in_order=getattr(loader, "in_order", True),
     )
     object_state.set_on(loader, _DERIVED, (distribution, derived))
-    return derived
+    return _epochs(derived)
 
 
-def shards(iterator):
-    """Each shard of a derived loader's `iterator`, tagged."""
+class Reiterable:
+    """Iterates `make()` each time, as Keras iterates its loader per epoch."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def __iter__(self):
+        return self.make()
+
+
+def _epochs(derived):
+    # iter() when iterated, not at the first batch: it draws its seed then.
+    return Reiterable(lambda: _tagged(iter(derived)))
+
+
+def _tagged(iterator):
     for batch, (start, total, digest, empty) in iterator:
         if empty:  # zero rows of the sample that stood in
             batch = rows_of(batch, 0, 0)

@@ -1,9 +1,5 @@
-"""Memory the C allocator keeps after `free`, given back before `fit`.
-
-glibc keeps freed blocks below its mmap threshold resident in its arenas;
-building a sharded model frees many such blocks, so one `malloc_trim(0)`
-runs before each `fit` under a distribution on several processes, and
-nowhere else. Without glibc it is a no-op.
+"""Memory glibc keeps after `free`, given back before `fit` on N processes
+(one `malloc_trim(0)`; a no-op without glibc).
 """
 
 import ctypes

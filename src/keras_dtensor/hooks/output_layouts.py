@@ -1,11 +1,6 @@
-"""Output layout lookups by path, remembered per distribution.
-
-Keras's `Layer.__call__` asks a `ModelParallel` for its output's layout on
-every call, a `LayoutMap` lookup that tries every key as a regex. The
-answer depends only on the path and the map's entries, so it is kept per
-path, and forgotten as soon as the entries differ. A path several keys
-match raises on every lookup, as Keras's does; inside a compiled forward
-Keras's own lookup runs (dynamo would guard on the memo).
+"""Output layout lookups by path, kept per distribution until the layout
+map's entries change; ambiguous paths raise every time, and a compiled
+forward runs Keras's own lookup.
 """
 
 import functools

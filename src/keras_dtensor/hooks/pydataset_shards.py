@@ -1,12 +1,6 @@
-"""A `PyDataset` built 1/N per process: each global batch is built by one
-rank, which scatters every rank its shard of the rows.
-
-In every group of N consecutive steps each rank builds one batch (rank
-`k % N` owns step `k`), in Keras's own batch order; the owner sends the
-batch's structure as JSON (nothing from a peer is unpickled), then
-scatters the rows. The shard is tagged with its place in the global batch
-(`batch_layout.tag_shard`), so the step computes one process's numbers.
-A batch that cannot be scattered is built by every rank.
+"""A `PyDataset` built 1/N per process: rank `k % N` builds step `k`'s batch
+and scatters each rank its rows (the structure as JSON, nothing
+unpickled), tagged with their place (`batch_layout.tag_shard`).
 """
 
 import collections
@@ -24,6 +18,7 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import broadcast_bytes
 from keras_dtensor.backend.launch import world
+from keras_dtensor.hooks.loader_shards import Reiterable
 from keras_dtensor.hooks.loader_shards import rows_of
 from keras_dtensor.hooks.loader_shards import shard_rule
 
@@ -37,7 +32,8 @@ def sharded_batches(adapter, distribution):
     dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
-    return _Epoch(adapter, shard_rule(distribution))
+    rule = shard_rule(distribution)
+    return Reiterable(lambda: _shards(adapter, rule))
 
 
 def take_over_workers(adapter, distribution):
@@ -66,16 +62,6 @@ class _Indices:
 
     def __getitem__(self, index):
         return np.asarray(index)
-
-
-class _Epoch:
-    """One epoch's batches, re-iterable like Keras's adapter."""
-
-    def __init__(self, adapter, rule):
-        self.adapter, self.rule = adapter, rule
-
-    def __iter__(self):
-        return _shards(self.adapter, self.rule)
 
 
 def _order(adapter):

@@ -1,10 +1,6 @@
-"""Around `fit`: the same model on every rank, equal replicas at the end.
-
-Replicated weights are updated by the same code from the same global
-values on each rank, so they stay bit-identical, unless the ranks saw
-different data or ran different code; then they drift apart silently.
-When `fit` returns on several processes, one all-gather of each local
-weight's checksum compares the ranks that hold the same shards.
+"""Around `fit`: the same model on every rank before, equal replicas after
+(one all-gather of each local weight's checksum; drifted replicas mean
+different data or code on some rank).
 """
 
 import functools

@@ -1,10 +1,8 @@
 """Sharded initialization: draw only this rank's shard, same values.
 
-While one of Keras's elementwise initializers runs, `LocalDraws` answers
-each creation op of the variable's shape with this rank's slice only,
-walking the generator's stream in blocks of rows: exact where the
-generator fills a tensor in order, which `chunked_draws_match()` checks
-once per device. Elsewhere the full value is drawn and sliced.
+`LocalDraws` answers an elementwise initializer's creation ops with this
+rank's rows, walking the generator's stream in blocks; where that is not
+exact (`chunked_draws_match`), the full value is drawn and sliced.
 """
 
 import functools

@@ -1,11 +1,6 @@
-"""Keras callbacks' file operations on N processes: rank 0 acts, all agree.
-
-Inside `fit`/`evaluate`/`predict` with several processes, Keras's
-`file_utils` queries are answered by rank 0, changes run on rank 0 only,
-and a file opened for writing is rank 0's (a sink elsewhere); each call
-ends with rank 0's outcome, or its error, on every rank
-(`consensus.on_rank_0`). TensorBoard's event files on other ranks go to a
-scratch directory.
+"""Keras callbacks' file operations on N processes: rank 0 acts, every rank
+gets its outcome or error (`consensus.on_rank_0`); other ranks' writes and
+TensorBoard event files go to sinks.
 """
 
 import atexit

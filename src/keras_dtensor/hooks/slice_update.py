@@ -1,8 +1,5 @@
-"""Keras's `slice_update` on DTensors: a KV cache updated in place.
-
-keras_hub's generate writes each step's keys and values into a cache at the
-decoding position; with the cache or the update sharded, the write runs on
-local shards (`wrap_slice_update`).
+"""Keras's `slice_update` on DTensors: a KV cache updated in place, on
+local shards.
 """
 
 from torch.distributed.tensor import Shard

@@ -1,9 +1,6 @@
-"""Keras's torch `Variable` under a distribution: a DTensor by layout.
-
-A variable takes its layout from the distribution
-(`get_variable_layout`, as on JAX) and holds a `torch.nn.Parameter`
-wrapping a `DTensor`; assignments are laid out the same way before the
-in-place copy.
+"""Keras's torch `Variable` under a distribution: a `Parameter` wrapping a
+DTensor laid out as the distribution says (as on JAX); assignments laid
+out the same way.
 """
 
 import torch
