@@ -16,14 +16,9 @@ keras.distribution.set_distribution(
 
 Run the script under `torchrun --nproc_per_node=2 train.py`.
 
-The package's parts, lowest first (imports point down): `config` (every
-`KERAS_DTENSOR_*` variable) and `compat` (the supported releases);
-`backend` (the `distribution_lib` contract on DTensor); `ops` (torch-level
-strategies and kernels); `data_parallel` and `model_parallel` (the two
-strategies) beside `planning` (layouts checked and derived); `saving` and
-`checkpoint` (files); `hooks` (the Keras-side wrappers) and `patches` (the
-table that installs them); `cli` and `demo` (the `keras-dtensor` command
-and its main job).
+The parts, lowest first: `config`, `compat`; `backend`; `ops`;
+`data_parallel`, `model_parallel`, `planning`; `saving`, `checkpoint`;
+`hooks`, `patches`; `cli`, `demo` (docs/internals/architecture.md).
 """
 
 import os
@@ -51,9 +46,8 @@ if "keras" not in sys.modules:
 
 
 def install() -> None:
-    """Installs the torch distribution backend into Keras (idempotent).
-
-    Called on import. A second call warns and does nothing.
+    """Installs the torch distribution backend into Keras (on import; a
+    second call warns and does nothing).
 
     Raises:
         RuntimeError: Keras's backend is not torch, or the Keras or torch
@@ -88,10 +82,8 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restores everything keras_dtensor replaced in Keras and torch.
-
-    Every entry of the `PATCHES` table (attributes and sharding strategies)
-    and every attribute a hook set on a model, optimizer or distribution.
+    """Restores everything keras_dtensor replaced in Keras and torch (the
+    `PATCHES` table, and attributes hooks set on single objects).
 
     Example:
     >>> keras_dtensor.uninstall()
@@ -127,10 +119,9 @@ install()
 def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
     """Per-rank memory of `distribution`'s layouts, before allocating.
 
-    The model (and its optimizer's slots) is built on torch's `meta`
-    device, which records shapes and dtypes and allocates nothing; each
-    weight's layout comes from the distribution, as in a real run. The
-    mesh may name more devices than this machine has.
+    The model and its optimizer's slots are built on torch's `meta` device
+    (nothing allocated), each weight laid out as in a real run; the mesh
+    may name more devices than this machine has.
 
     Args:
         model_or_build_fn: a function that builds the Keras model, or a
@@ -168,7 +159,7 @@ _LAZY = {
 
 
 def __getattr__(name):
-    # Imported on first use: `import keras_dtensor` stays as cheap as it was.
+    # Imported on first use: `import keras_dtensor` stays cheap.
     if name in _LAZY:
         import importlib
 

@@ -31,32 +31,32 @@ def _info(args):
     from keras_dtensor.backend import launch
     from keras_dtensor.backend import object_state
 
-    print(f"keras-dtensor {keras_dtensor.__version__}")
-    supported = f"supported {compat.SUPPORTED_KERAS}"
-    print(f"keras         {keras.__version__} ({supported})")
-    supported = f"supported {compat.SUPPORTED_TORCH}"
-    print(f"torch         {torch.__version__} ({supported})")
-    hub = compat.keras_hub_version()
-    print(f"keras_hub     {hub if hub else 'not installed'}")
-    print(f"python        {platform.python_version()}")
-    print(f"backend       {keras.backend.backend()}")
-    print(f"device        {launch.local_device()}")
-    started = dist.is_initialized()
-    print(
-        f"world         rank {launch.process_id()} of "
-        f"{launch.num_processes()}"
-        + ("" if started or launch.under_launcher() else " (no launcher)")
-    )
-    print(f"devices       {keras.distribution.list_devices()}")
-    print(
-        "keras's own   torch distribution: "
-        + (
-            "shipped (keras.src.backend.torch.distribution_lib); the entries "
-            "below marked keras>=3.16 stand it down"
+    launched = dist.is_initialized() or launch.under_launcher()
+    for label, value in (
+        ("keras-dtensor", keras_dtensor.__version__),
+        ("keras", f"{keras.__version__} (supported {compat.SUPPORTED_KERAS})"),
+        ("torch", f"{torch.__version__} (supported {compat.SUPPORTED_TORCH})"),
+        ("keras_hub", compat.keras_hub_version() or "not installed"),
+        ("python", platform.python_version()),
+        ("backend", keras.backend.backend()),
+        ("device", launch.local_device()),
+        (
+            "world",
+            f"rank {launch.process_id()} of {launch.num_processes()}"
+            + ("" if launched else " (no launcher)"),
+        ),
+        ("devices", keras.distribution.list_devices()),
+        (
+            "keras's own",
+            "torch distribution: shipped "
+            "(keras.src.backend.torch.distribution_lib); the entries below "
+            "marked keras>=3.16 stand it down"
             if compat.keras_ships_torch_distribution()
-            else "none (Keras 3.15 has no torch distribution)"
-        )
-    )
+            else "torch distribution: none (Keras 3.15 has no torch "
+            "distribution)",
+        ),
+    ):
+        print(f"{label:13} {value}")
     status = patches.status()
     applied = sum(state == "applied" for _, state, _ in status)
     skipped = sum(state.startswith("skipped") for _, state, _ in status)
@@ -94,13 +94,9 @@ def _demo(args):
 
 
 def _run(args):
-    """`keras-dtensor run -n N script.py ...`: torchrun on one machine.
-
-    torch's own elastic launcher (`torch.distributed.run`): a free port,
-    the rendezvous on the loopback address, every rank started with the
-    same environment (one OpenMP thread per rank on CPU unless set), and
-    `--max-restarts` passed through.
-    """
+    """`keras-dtensor run -n N script.py ...`: torch's elastic launcher on
+    one machine (a free loopback port, one OpenMP thread per rank unless
+    set)."""
     import torch.distributed.run as torchrun
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -138,32 +134,25 @@ def _plan(args):
     devices = [f"cpu:{i}" for i in range(int(np.prod(shape)))]
     mesh = keras.distribution.DeviceMesh(shape, names, devices)
     config = json.loads(args.config) if args.config else {}
+
+    def named(path):
+        module, _, name = path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
     if args.keras_hub:
         import keras_hub
 
-        backbone = getattr(keras_hub.models, args.keras_hub)
-
-        def build():
-            return backbone(**config)
-
+        build_fn = getattr(keras_hub.models, args.keras_hub)
         if not args.auto_layout:
-            layout_map = backbone.get_layout_map(mesh)
-    elif args.auto:
-        module, _, name = args.auto.partition(":")
-        build_fn = getattr(importlib.import_module(module), name)
-
-        def build():
-            return build_fn(**config)
-
+            layout_map = build_fn.get_layout_map(mesh)
     else:
-        module, _, name = args.model.partition(":")
-        build_fn = getattr(importlib.import_module(module), name)
+        build_fn = named(args.auto or args.model)
+        if args.model:
+            layout_map = named(args.layout_map)(mesh)
 
-        def build():
-            return build_fn(**config)
+    def build():
+        return build_fn(**config)
 
-        module, _, name = args.layout_map.partition(":")
-        layout_map = getattr(importlib.import_module(module), name)(mesh)
     if args.auto or args.auto_layout:
         auto = keras_dtensor.auto_layout(build, mesh)
         print(auto)

@@ -1,24 +1,13 @@
 """The supported Keras and torch releases, and where Keras keeps what we hook.
 
-One code base serves Keras 3.15.x and 3.16 (released or `keras-nightly`),
-and torch 2.11 through 2.15 (`make test` runs the suite on the first line,
-`make test-next` on the second). Three things vary between them, all
-answered here, so nothing else tests a version:
-
-- **The supported ranges.** `check_environment()` refuses, at import, a
-  Keras or torch outside them, with the range and the pip command that
-  fixes it: never a wrong number later.
-- **The installed versions.** Keras's version is read from the `keras/`
-  folder that `import keras` loads, not from a distribution's metadata:
-  `keras` and `keras-nightly` install the same folder, and either may own it.
-- **Where a Keras name lives.** Keras 3.16 moved the torch backend's `core`,
-  `numpy` and `nn` under `backend/torch/ops/`, renamed `TorchTrainer` to
-  `Trainer` and the base `Trainer` to `BaseTrainer`. `KERAS` maps each
-  name the package uses to its place on the installed Keras.
-
-Keras 3.16 also ships a torch distribution of its own
-(`keras.src.backend.torch.distribution_lib`); `keras_ships_torch_distribution()`
-tells, and the table's entries that take its place declare `keras>=3.16`.
+One code base serves Keras 3.15.x and 3.16 (released or `keras-nightly`)
+and torch 2.11 through 2.15; nothing else tests a version.
+`check_environment()` refuses, at import, a Keras or torch outside the
+supported ranges, with the pip command that fixes it. Keras's version is
+read from the `keras/` folder `import keras` loads (`keras` and
+`keras-nightly` install the same folder). `KERAS` maps each Keras name
+the package uses to its place on the installed release (3.16 moved the
+torch backend's `core`, `numpy` and `nn` and renamed the trainers).
 """
 
 import functools
@@ -42,7 +31,6 @@ __all__ = [
     "check_environment",
     "contains",
     "keras_hub_version",
-    "keras_module",
     "keras_ships_torch_distribution",
     "keras_version",
     "torch_core",
@@ -55,8 +43,7 @@ __all__ = [
 SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.17")
 SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.16")
 
-# The first Keras whose torch backend has the 3.16 layout, and the ranges of
-# entries that apply to one release line only.
+# The first Keras with the 3.16 layout; the ranges of one release line.
 _KERAS_3_16 = Version("3.16.0.dev0")
 KERAS_3_15 = ">=3.15,<3.16.0.dev0"
 KERAS_3_16 = ">=3.16.0.dev0,<3.17"
@@ -69,12 +56,8 @@ def contains(spec, version) -> bool:
 
 @functools.cache
 def keras_version() -> Version:
-    """The version of the Keras that `import keras` loads, without importing it.
-
-    Read from `keras/src/version.py` in the folder Python would import:
-    `keras` and `keras-nightly` both install that folder, and the metadata
-    of either may be present whichever owns it now.
-    """
+    """The version of the Keras that `import keras` loads, read from its
+    `keras/src/version.py` without importing it."""
     spec = importlib.util.find_spec("keras")
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
@@ -86,17 +69,25 @@ def keras_version() -> Version:
                     )
                 if found:
                     return Version(found.group(1))
+    installed = _installed("keras", "keras-nightly")
+    if installed is None:
+        raise RuntimeError(
+            f"keras_dtensor needs Keras: pip install 'keras{SUPPORTED_KERAS}'."
+        )
+    return installed
+
+
+def _installed(*names):
+    """The version of the first of these distributions installed, or None."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version
 
-    for name in ("keras", "keras-nightly"):
+    for name in names:
         try:
             return Version(version(name))
         except PackageNotFoundError:
             continue
-    raise RuntimeError(
-        f"keras_dtensor needs Keras: pip install 'keras{SUPPORTED_KERAS}'."
-    )
+    return None
 
 
 def torch_version() -> Version:
@@ -108,31 +99,18 @@ def torch_version() -> Version:
 
 def keras_hub_version():
     """The installed keras_hub version, or `None`."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version
-
-    for name in ("keras-hub", "keras-hub-nightly"):
-        try:
-            return Version(version(name))
-        except PackageNotFoundError:
-            continue
-    return None
+    return _installed("keras-hub", "keras-hub-nightly")
 
 
 def _keras_paths(version):
     new = version >= _KERAS_3_16
     ops = "keras.src.backend.torch.ops" if new else "keras.src.backend.torch"
     return types.SimpleNamespace(
-        # The torch backend's modules.
         torch_core=f"{ops}.core",
         torch_numpy=f"{ops}.numpy",
         torch_nn=f"{ops}.nn",
-        # The module that re-exports torch_core's functions (`from core
-        # import *`) for `keras.src.backend.ops` (3.16) or `backend` (3.15).
-        torch_ops=ops,
-        # Classes of the trainers: (module, name).
+        torch_ops=ops,  # re-exports core's functions (`from core import *`)
         torch_trainer="Trainer" if new else "TorchTrainer",
-        # Its method that decides whether `jit_compile` compiles the step.
         should_compile="_use_torch_compile" if new else "_should_torch_compile",
         base_trainer="BaseTrainer" if new else "Trainer",
     )
@@ -141,18 +119,9 @@ def _keras_paths(version):
 KERAS = _keras_paths(keras_version())
 
 
-def keras_module(name):
-    """The installed Keras's module for one of `KERAS`'s names.
-
-    Example:
-    >>> keras_module("torch_core").convert_to_tensor([1.0])
-    """
-    return importlib.import_module(getattr(KERAS, name))
-
-
 def torch_core():
     """Keras's torch backend `core` module (`Variable`, `convert_to_tensor`)."""
-    return keras_module("torch_core")
+    return importlib.import_module(KERAS.torch_core)
 
 
 def torch_trainer_class():
@@ -167,7 +136,7 @@ def base_trainer_class():
     return getattr(module, KERAS.base_trainer)
 
 
-# Keras's data adapters that hooks tell apart: class name -> module.
+# Keras's data adapters hooks tell apart: class name -> module.
 _ADAPTERS = {
     "TorchDataLoaderAdapter": "torch_data_loader_adapter",
     "PyDatasetAdapter": "py_dataset_adapter",
@@ -184,13 +153,8 @@ def data_adapter_class(name):
 
 
 def check_environment():
-    """Raises a clear error unless Keras and torch are supported.
-
-    Raises:
-        RuntimeError: the Keras backend is not torch, or the Keras or torch
-            version is outside the supported range (with the pip command
-            that installs a supported one).
-    """
+    """Raises a `RuntimeError` unless the Keras backend is torch and Keras
+    and torch are in the supported ranges."""
     backend = os.environ.get("KERAS_BACKEND")
     if backend is None:
         import keras
@@ -216,12 +180,7 @@ def check_environment():
 
 
 def keras_ships_torch_distribution() -> bool:
-    """Whether this Keras ships its own torch distribution module.
-
-    Keras 3.16 has `keras/src/backend/torch/distribution_lib.py` (DDP under
-    `DataParallel`, a DTensor promotion mode under `ModelParallel`); 3.15
-    has none.
-    """
+    """Whether this Keras ships its own torch distribution (3.16 does)."""
     return (
         importlib.util.find_spec("keras.src.backend.torch.distribution_lib")
         is not None

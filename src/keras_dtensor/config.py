@@ -1,11 +1,8 @@
 """Every `KERAS_DTENSOR_*` environment variable, parsed in one place.
 
-Each variable has one entry in `SETTINGS`: its parser, default and what it
-does. `get(name)` reads the environment and parses it (the process that
-reads a setting is the one that runs, so a value set before a call
-counts); `check()` parses every variable once at `install()`, so a bad
-value is an error at import, naming the variable and what it accepts.
-`keras-dtensor info` and the README list the same table.
+`get(name)` reads and parses one when asked (a value set before a call
+counts); `check()` parses all at `install()`, so a bad value is an error
+at import naming the variable and what it accepts.
 
 Example:
 >>> config.get("TIMEOUT")
@@ -22,25 +19,21 @@ __all__ = ["SETTINGS", "Setting", "check", "get", "settings"]
 _PREFIX = "KERAS_DTENSOR_"
 
 
-def _positive_float(raw):
-    value = float(raw)
-    if not value > 0:
-        raise ValueError
-    return value
+def _number(cast, strict):
+    """A parser of numbers `> 0` (`strict`) or `>= 0`."""
+
+    def parse(raw):
+        value = cast(raw)
+        if not (value > 0 if strict else value >= 0):
+            raise ValueError(raw)
+        return value
+
+    return parse
 
 
-def _non_negative_float(raw):
-    value = float(raw)
-    if not value >= 0:
-        raise ValueError(raw)
-    return value
-
-
-def _non_negative_int(raw):
-    value = int(raw)
-    if value < 0:
-        raise ValueError(raw)
-    return value
+_positive_float = _number(float, strict=True)
+_non_negative_float = _number(float, strict=False)
+_non_negative_int = _number(int, strict=False)
 
 
 def _flag(raw):
@@ -66,15 +59,9 @@ def _url(raw):
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One environment variable.
-
-    Attributes:
-        name: the name without the `KERAS_DTENSOR_` prefix.
-        parse: `str -> value`; raises `ValueError` on a bad value.
-        default: the value when unset (`None`: no default).
-        accepts: what `parse` accepts, for error messages.
-        what: what it does.
-    """
+    """One environment variable: its name without the prefix, `parse`
+    (`str -> value`, `ValueError` on a bad value), default, what it
+    accepts and what it does."""
 
     name: str
     parse: Callable[[str], Any]
@@ -250,14 +237,8 @@ def _parse(variable):
 
 
 def get(name):
-    """The parsed value of `KERAS_DTENSOR_<name>`, or its default.
-
-    Args:
-        name: the variable's name without the prefix, e.g. `"TIMEOUT"`.
-
-    Raises:
-        ValueError: the variable is set to a value it does not accept.
-    """
+    """The parsed value of `KERAS_DTENSOR_<name>` (e.g. `"TIMEOUT"`), or
+    its default; `ValueError` for a value it does not accept."""
     return _parse(_BY_NAME[name])
 
 

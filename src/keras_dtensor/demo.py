@@ -1,16 +1,9 @@
 """The main job: a small transformer trained with ModelParallel.
 
-Run by `keras-dtensor demo` (or `make demo`) under `torch.distributed.run`
-with 2 CPU processes. It trains the same model twice from the same seed:
-once as plain single-process Keras on rank 0 (the reference), once with
-`keras.distribution.ModelParallel` on all ranks, then prints the per-epoch
-loss, the layouts and local shapes of the main weights, and the parity.
-
-Example:
-```
-python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-    -m keras_dtensor.demo --epochs 3
-```
+Run by `keras-dtensor demo` under `torch.distributed.run`: the same model
+from the same seed, once as plain Keras on rank 0 (the reference), once
+with `ModelParallel` on all ranks; it prints the per-epoch loss, the main
+weights' layouts and local shapes, and the parity.
 """
 
 import argparse
@@ -134,10 +127,8 @@ def main(argv=None):
         float(np.abs(a - b).max())
         for a, b in zip(weights, ref_weights, strict=True)
     )
-    loss_diff = max(
-        abs(a - b)
-        for a, b in zip(history["loss"], ref_history["loss"], strict=True)
-    )
+    losses = zip(history["loss"], ref_history["loss"], strict=True)
+    loss_diff = max(abs(a - b) for a, b in losses)
     ok = diff <= TOLERANCE and loss_diff <= TOLERANCE
     say(
         f"\nparity vs one process: max |weight diff| {diff:.2e}, "

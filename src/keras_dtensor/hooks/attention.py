@@ -1,29 +1,13 @@
-"""`dot_product_attention` on DTensor inputs: the global result.
-
-Attention is independent per batch row and per head, so it runs on each
-process's local shards when query, key and value are split alike over
-batch or heads, and the mask (or bias) is split the same way along its own
-batch and heads axes, or broadcast there (size 1). Keras 3.15 hands the
-DTensors to torch's `scaled_dot_product_attention`, whose sharding rule
-(`ops.strategies`) cannot move the mask, a keyword tensor; Keras 3.16
-runs the local shards itself and rewraps the output with the query's
-placements, which is silently wrong for any other layout (a pending
-`Partial` sum, a split sequence).
-
-So Keras's own function runs on local tensors, its output placed as the
-query is, after:
-- query, key and value not split alike over batch or heads are replicated
-  (correct for any layout; the common cases, heads or batch split, keep
-  their local run);
-- the mask and bias are laid out to follow the query. A plain mask is a
-  global value (the single-program rule of `backend.context`): each
-  process takes its part of it, with no communication.
+"""`dot_product_attention` on DTensor inputs: Keras's own function on local
+shards (q/k/v split alike over batch or heads, else replicated; the mask
+and bias follow the query), the output placed as the query is.
 """
 
 import torch
 
 from keras_dtensor.backend import context
 from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.backend.layout import even_shards
 
 __all__ = ["wrap_dot_product_attention"]
 
@@ -34,8 +18,7 @@ _MASK_AXIS = {0: -4, 2: -3}
 
 
 def wrap_dot_product_attention(original):
-    """Wraps the torch backend's `dot_product_attention`: see the module
-    docstring."""
+    """Wraps the torch backend's `dot_product_attention`."""
 
     def dot_product_attention(query, key, value, bias=None, mask=None, *a, **k):
         if context.current() is None:
@@ -52,8 +35,6 @@ def wrap_dot_product_attention(original):
                 _replicated(t, mesh) for t in (query, key, value)
             )
         bias, mask = (_following(query, t) for t in (bias, mask))
-        # Keras's own function on the local shards (traceable by dynamo,
-        # unlike 3.16's DTensor branch), the output placed as the query.
         local = (
             t.to_local() if isinstance(t, DTensor) else t
             for t in (query, key, value, bias, mask)
@@ -61,7 +42,7 @@ def wrap_dot_product_attention(original):
         out = original(*local, *a, **k)
         mesh, placements = query.device_mesh, query.placements
         shape = (*query.shape[:-1], value.shape[-1])
-        if _even(shape, mesh, placements):  # (the output is a view)
+        if even_shards(shape, mesh, placements):  # (the output is a view)
             return DTensor.from_local(out, mesh, placements, run_check=False)
         return DTensor.from_local(
             out.contiguous(),
@@ -75,17 +56,9 @@ def wrap_dot_product_attention(original):
     return dot_product_attention
 
 
-def _even(shape, mesh, placements):
-    """Whether every split of `shape` gives each process the same size."""
-    return all(
-        not p.is_shard() or shape[p.dim] % mesh.size(i) == 0
-        for i, p in enumerate(placements)
-    )
-
-
 def _split_alike(query, key, value):
-    """Whether q/k/v are DTensors on one mesh with the same placements,
-    each `Shard(0)` (batch), `Shard(2)` (heads) or `Replicate()`."""
+    """Whether q/k/v share mesh and placements, each batch, heads or
+    replicated."""
     from torch.distributed.tensor import DTensor
 
     for t in (query, key, value):

@@ -1,19 +1,7 @@
-"""Callbacks and console output in a multi-process run.
-
-1. Keras runs batch-end callbacks on a thread pool when the backend says
-   it is thread-safe. Those callbacks convert the batch's logs (and
-   `predict`'s outputs) to numpy: for a DTensor that is a collective, and a
-   collective issued from a worker thread interleaves with the main
-   thread's collectives in a different order on each rank (seen as
-   "Received data size doesn't match expected size" in `predict`). With
-   several processes, callbacks are dispatched synchronously.
-
-2. Every Keras message goes through `keras.src.utils.io_utils.print_msg`;
-   with several processes the other ranks' copies are dropped, since logged
-   values are global and identical on every rank. `model.summary()` prints
-   through a console of its own: it too prints from rank 0 only (a
-   `print_fn` of the caller's runs on every rank). Set
-   `KERAS_DTENSOR_LOG_ALL_RANKS=1` to print on every rank.
+"""Callbacks and console output on N processes: callbacks dispatched
+synchronously (their numpy conversions are collectives), messages and
+`model.summary()` printed from rank 0 (`KERAS_DTENSOR_LOG_ALL_RANKS=1`:
+every rank).
 """
 
 from keras_dtensor.backend import console
@@ -27,7 +15,7 @@ __all__ = [
 
 
 def wrap_configure_async_dispatch(original):
-    """Wraps `CallbackList._configure_async_dispatch` (see 1. above)."""
+    """Wraps `CallbackList._configure_async_dispatch`: synchronous."""
 
     def _configure_async_dispatch(self, callbacks):
         original(self, callbacks)
@@ -51,8 +39,8 @@ def wrap_print_msg(original):
 
 
 def wrap_print_summary(original):
-    """Wraps `summary_utils.print_summary`: printed from rank 0 only unless
-    the caller passes its own `print_fn` (see 2. above)."""
+    """Wraps `summary_utils.print_summary`: rank 0 only, unless the caller
+    passes its own `print_fn`."""
 
     def print_summary(model, *args, **kwargs):
         if (

@@ -1,16 +1,9 @@
 """Where data enters the distributed computation: batches become DTensors.
 
-Keras's single-program semantics hold on every rank: the data a user
-passes (arrays, DataLoader, PyDataset, generator, tf.data) is the *global*
-batch on every process, and each process keeps its slice along the batch
-axis. Where the input allows, a process loads only that slice: a
-map-style DataLoader fetches its rows alone (`loader_shards`), a
-PyDataset's batches are built 1/N per process and their rows scattered
-(`pydataset_shards`); the rest is read whole. With
-`auto_shard_dataset=False` each process yields its own slice instead.
-
-Plain tensors are converted here, at the boundary, with the layout they
-really have. Nothing downstream guesses that a plain tensor is replicated.
+Every input kind is the global batch on every process, each keeping its
+rows (loaded alone where `loader_shards`, `pydataset_shards` can); with
+`auto_shard_dataset=False`, each process's own. Plain tensors are laid out
+here, with the layout they really have.
 """
 
 import warnings
@@ -43,9 +36,7 @@ def wrap_get_iterator(original):
         if distribution is None:
             if context.current() is None:
                 return original(self)
-            # One process: plain Keras's loader. (Keras 3.16 reads a
-            # ModelParallel's batches from another iterator, whose shuffle
-            # differs: the numbers would change with the process count.)
+            # Keras's loader (3.16's ModelParallel iterator shuffles apart).
             return self.data_adapter.get_torch_dataloader()
         per_process = not distribution.auto_shard_dataset
         if per_process:
@@ -54,9 +45,6 @@ def wrap_get_iterator(original):
                 self.data_adapter.num_batches,
             )
         else:
-            # This process's shards, where the input can load them alone;
-            # else the adapter's own global batches (Keras 3.16 would lay
-            # them out itself, each process's batch as its shard).
             iterator = _own_shards(self.data_adapter, distribution)
             if iterator is None:
                 iterator = self.data_adapter.get_torch_dataloader()
@@ -74,14 +62,12 @@ def wrap_get_iterator(original):
 
 
 def _own_shards(adapter, distribution):
-    """This process's shards of the adapter's global batches, each loaded
-    or built here alone, or `None` where every process reads the input
-    whole (`loader_shards`, `pydataset_shards`)."""
+    """This process's shards of the adapter's global batches, or `None`
+    where every process reads the input whole."""
     if isinstance(adapter, compat.data_adapter_class("TorchDataLoaderAdapter")):
-        derived = loader_shards.sharded_loader(
+        return loader_shards.sharded_loader(
             adapter.get_torch_dataloader(), distribution
         )
-        return None if derived is None else _Shards(derived)
     if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
         return pydataset_shards.sharded_batches(adapter, distribution)
     if isinstance(adapter, compat.data_adapter_class("TFDatasetAdapter")):
@@ -90,8 +76,7 @@ def _own_shards(adapter, distribution):
 
 
 def _say_read_whole(adapter):
-    """One warning per process, at the first tf.data input: every process
-    runs its pipeline."""
+    """One warning per process: every process runs a tf.data pipeline."""
     if _SAID or world()[0] == 1:
         return
     _SAID.append(type(adapter).__name__)
@@ -107,19 +92,6 @@ def _say_read_whole(adapter):
 
 
 _SAID = []  # the inputs already said to be read whole
-
-
-class _Shards:
-    """A sharded loader's tagged shards, re-iterable like the loader."""
-
-    def __init__(self, derived):
-        self.derived = derived
-
-    def __iter__(self):
-        # The loader's iterator now, not at the first batch: it draws its
-        # seed when made, and Keras makes (and drops) one at each epoch's
-        # end, which must draw as the user's loader would.
-        return loader_shards.shards(iter(self.derived))
 
 
 def wrap_epoch_iter(original):
@@ -146,18 +118,9 @@ def wrap_epoch_iter(original):
 
 
 def wrap_make_function(original, kind):
-    """Wraps `TorchTrainer.make_{train,test,predict}_function`.
-
-    The step functions receive batches from the epoch iterator (already
-    DTensors) and from `train_on_batch`/`test_on_batch`/`predict_on_batch`
-    (the user's global arrays). Whatever is still plain when a step starts
-    is laid out as a global batch, so `y` and `sample_weight` meet
-    `y_pred` as DTensors too.
-
-    Args:
-        original: the `make_*_function` method.
-        kind: `"train"`, `"test"` or `"predict"`.
-    """
+    """Wraps `TorchTrainer.make_{kind}_function`: what is still plain when
+    a step starts (`train_on_batch`'s arrays) is laid out as a global
+    batch, so `y` and `sample_weight` meet `y_pred` as DTensors."""
     attribute = f"{kind}_function"
 
     def make_function(self, force=False):
@@ -181,9 +144,7 @@ def wrap_make_function(original, kind):
             with context.global_values():
                 logs = step(data)
             if kind == "train":
-                # Keras's train_step clears gradients after the next
-                # step's forward: they would sit through it (and between
-                # steps) beside its activations. Applied, they are dropped.
+                # Applied gradients dropped now, not after the next forward.
                 self.zero_grad(set_to_none=True)
             return logs
 
@@ -193,19 +154,9 @@ def wrap_make_function(original, kind):
 
 
 def wrap_get_data_adapter(original):
-    """Wraps `data_adapters.get_data_adapter`.
-
-    With several processes and `auto_shard_dataset=True`, Keras lets only
-    tf.data through, and shards it per process itself (`rebatch` to global
-    batch / processes, then `shard`): that needs every global batch to
-    divide evenly, and gives ranks different batch counts when the last one
-    does not (60 rows in batches of 8 over 2 processes: 8 and 7 batches).
-    Here every input kind, tf.data included, yields the global batch on
-    every process and `wrap_get_iterator`/the step keeps this process's rows,
-    so the adapter is built as for one process. (Each process reads the
-    whole input; a pipeline that should read only its own part can shard
-    itself and pass `auto_shard_dataset=False`.)
-    """
+    """Wraps `data_adapters.get_data_adapter`: with several processes the
+    adapter is built as for one (every input kind yields the global batch;
+    this process's rows are kept later), not Keras's tf.data-only split."""
 
     def _get_data_adapter(x, *args, **kwargs):
         distribution = context.current()

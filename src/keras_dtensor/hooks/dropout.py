@@ -1,15 +1,6 @@
-"""Dropout on a split activation draws one process's mask.
-
-A `Dropout` between a column-split and a row-split layer (attention
-probabilities split by heads, a split pooler's output) gets a DTensor
-sharded over the model axis. DTensor's dropout on a CPU mesh draws each
-rank's mask for its own shard from its own generator, so the numbers are
-not one process's. Here the mask is drawn as one process draws it, for the
-global shape, with the same generator calls (Keras's seeded path or
-torch's unseeded one), and each rank keeps its part: the same numbers as
-one process, at the cost of one global-size draw per call. Replicated
-inputs and plain tensors go to the wrapped function unchanged (under
-DataParallel, `data_parallel.wrap_dropout`).
+"""Dropout on a split activation draws one process's mask: the global
+shape, the same generator calls, each rank keeping its part. Other inputs
+go to `data_parallel.wrap_dropout`.
 """
 
 import functools
@@ -24,8 +15,7 @@ __all__ = ["wrap_dropout"]
 
 
 def _seeded(seed, noise_shape):
-    """Whether Keras's torch dropout takes its seeded path (a Bernoulli
-    mask from the seed) rather than `torch.nn.functional.dropout`."""
+    """Whether Keras's torch dropout draws from the seed (not torch's)."""
     from keras.src.random.seed_generator import SeedGenerator
 
     if noise_shape is not None:

@@ -1,41 +1,32 @@
-"""`fit`/`evaluate`/`predict` on N processes: what surrounds each call.
-
-Under a distribution on several processes every rank runs the call, and
-it is a sequence of collectives. Around it:
-
-- Keras's file operations are shared (`shared_files`): callbacks with the
-  same arguments on every rank work as in one process;
-- a collective that fails because a peer died, stalled or ran other code
-  raises an error that says so, naming this rank, instead of gloo's bare
-  "Connection closed by peer" (`errors.collective_failure`).
-
-Without a distribution, or in one process, the call runs untouched.
+"""`fit`/`evaluate`/`predict` on N processes under a distribution: file
+operations shared (`shared_files`), a failed collective named as a peer
+that died or stalled (`errors.collective_failure`).
 """
 
 import functools
 
 from keras_dtensor import config
+from keras_dtensor.backend import consensus
 from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
 from keras_dtensor.backend import launch
-from keras_dtensor.hooks import shared_files
 
 __all__ = ["wrap_trainer_call"]
 
 
 def wrap_trainer_call(original):
-    """Wraps `TorchTrainer.fit`, `.evaluate` or `.predict` (see above)."""
+    """Wraps `TorchTrainer.fit`, `.evaluate` or `.predict`."""
 
     @functools.wraps(original)
     def call(self, *args, **kwargs):
         if (
-            shared_files.active()
+            consensus.files_are_shared()
             or context.current() is None
             or not launch.multi_process()
         ):
             return original(self, *args, **kwargs)
         try:
-            with shared_files.shared():
+            with consensus.files_shared():
                 return original(self, *args, **kwargs)
         except RuntimeError as e:
             world, rank = launch.world()

@@ -1,23 +1,22 @@
-"""Cross-rank input checks: every rank must feed the same steps.
-
-With `auto_shard_dataset=True` every process yields the same global
-batches (each keeps its own rows); with `False` each feeds its own, and
-all must yield the same number of batches. A difference would train on
-the wrong rows with no error, or leave ranks waiting in a collective
-forever: these checks turn both into an error on every rank.
+"""Cross-rank input checks: every rank feeds the same steps (the same
+global batches, or as many of its own), else an error on every rank
+instead of wrong rows or a hang.
 """
+
+import zlib
 
 import numpy as np
 import torch
 
 from keras_dtensor import config
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import all_gather_ints
 
 __all__ = ["same_global_batches", "same_number_of_batches"]
 
 
-def _uneven_error(counts, global_batches=False):
+def _uneven_error(counts, global_batches):
     low = min(counts)
     done = [r for r, c in enumerate(counts) if c == low]
     more = [r for r, c in enumerate(counts) if c != low]
@@ -46,25 +45,21 @@ _SAMPLE = 1 << 16
 
 
 def _sample(flat):
-    """At most ~64K evenly spaced elements: a reordered or different batch
-    changes them, and a large batch costs no more than a small one."""
+    """At most `_SAMPLE` evenly spaced elements: the cost of a checksum
+    does not grow with the batch."""
     step = max(1, len(flat) // _SAMPLE)
     return flat[::step]
 
 
 def _digest(batch):
     """A checksum of a batch's numeric contents (-1 for no batch)."""
-    import zlib
-
-    from keras.src import tree
-
     if batch is None:
         return -1
     shard = batch_shard(batch)
     if shard is not None:  # a shard: the global batch's indices
         return shard.digest
     crc = 0
-    for leaf in tree.flatten(batch):
+    for leaf in fast_tree.flatten(batch):
         if leaf is None:
             continue
         if isinstance(leaf, torch.Tensor):  # any dtype, bfloat16 too
@@ -81,22 +76,15 @@ def _digest(batch):
 
 
 def same_global_batches(iterator, num_batches=None):
-    """Checks that every rank sees the same global batches, as many of them.
+    """`iterator`, checked to yield the same global batches on every rank.
 
-    With `auto_shard_dataset=True` every process must yield the same global
-    batches (each keeps its own rows). A pipeline that differs per process,
-    typically a shuffle seeded differently on each rank, would train on
-    overlapping and missing rows with no error; one that yields more
-    batches on one rank would leave the others waiting in a collective.
     Known batch counts are compared once per epoch; a checksum of the
-    batch is compared on the first batch and then every
-    `KERAS_DTENSOR_CHECK_EVERY` batches (one all-gather of one integer).
-    With an unknown count (a generator) the ranks also exchange, with every
-    batch, whether they have one, and all stop together or all raise.
+    batch on the first batch and then every `KERAS_DTENSOR_CHECK_EVERY`
+    (one all-gather of one integer). With an unknown count the ranks also
+    agree, with every batch, whether they have one.
     """
-    # iter() now, as Keras does when it prepares the next epoch: a
-    # DataLoader draws its seed there, and later would shift the RNG.
-    return _checked_batches(iter(iterator), num_batches)
+    # iter() now, as Keras does: a DataLoader draws its seed there.
+    return _checked(iter(iterator), num_batches, same_batches=True)
 
 
 def _raise_if_batches_differ(digests, index):
@@ -121,15 +109,28 @@ def _raise_if_batches_differ(digests, index):
     )
 
 
-def _checked_batches(iterator, num_batches):
+def same_number_of_batches(iterator, num_batches):
+    """`iterator`, checked to yield as many batches on every rank: known
+    counts compared once, unknown ones agreed batch by batch."""
+    return _checked(iter(iterator), num_batches, same_batches=False)
+
+
+def _checked(iterator, num_batches, same_batches):
+    """The batches of `iterator`; with `same_batches`, their checksums
+    compared too (-1: this rank has no batch left)."""
     counts = all_gather_ints(-1 if num_batches is None else num_batches)
     known = all(c >= 0 for c in counts)
     if known and len(set(counts)) > 1:
-        raise _uneven_error(counts, global_batches=True)
-    every = config.get("CHECK_EVERY")
+        raise _uneven_error(counts, same_batches)
+    if known and not same_batches:
+        yield from iterator
+        return
+    every = config.get("CHECK_EVERY") if same_batches else 0
     index = 0
     while True:
-        checked = index == 0 or (every and index % every == 0)
+        checked = same_batches and (
+            index == 0 or (every and index % every == 0)
+        )
         if known and not checked:
             try:
                 batch = next(iterator)
@@ -147,43 +148,9 @@ def _checked_batches(iterator, num_batches):
                 return
             if any(ended):
                 raise _uneven_error(
-                    [index + (not e) for e in ended], global_batches=True
+                    [index + (not e) for e in ended], same_batches
                 )
             if checked:
                 _raise_if_batches_differ(digests, index)
         index += 1
-        yield batch
-
-
-def same_number_of_batches(iterator, num_batches):
-    """Checks that every rank yields the same number of per-process batches.
-
-    Each process feeds its own data here; a rank that stopped early would
-    leave the others waiting in a collective forever. Known sizes are
-    compared once, up front; for unknown sizes (generators, iterable
-    datasets) the ranks exchange before each batch whether they have one,
-    and all stop together or all raise naming who ran out.
-    """
-    return _counted_batches(iter(iterator), num_batches)  # iter(): see above
-
-
-def _counted_batches(iterator, num_batches):
-    counts = all_gather_ints(-1 if num_batches is None else num_batches)
-    if all(c >= 0 for c in counts):
-        if len(set(counts)) > 1:
-            raise _uneven_error(counts)
-        yield from iterator
-        return
-    count = 0
-    while True:
-        try:
-            batch, has = next(iterator), 1
-        except StopIteration:
-            batch, has = None, 0
-        flags = all_gather_ints(has)
-        if not any(flags):
-            return
-        if not all(flags):
-            raise _uneven_error([count + f for f in flags])
-        count += 1
         yield batch

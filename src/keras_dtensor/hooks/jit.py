@@ -1,45 +1,8 @@
-"""`jit_compile=True` under a distribution: a compiled forward, an eager
-rest.
-
-What it guarantees:
-
-- Under a distribution, the model's forward is compiled
-  (`torch.compile(model.call, dynamic=False)`, once per input signature);
-  loss, backward, optimizer and metrics run eagerly on DTensors. With
-  nothing distributed, Keras's own compiled step runs as it is.
-- The numbers are an eager step's. Where torch cannot run the compiled
-  forward over DTensors (e.g. a sliced view returned across a graph
-  break), the model runs eagerly instead of failing `fit`, with one
-  warning naming the error (rank 0). The first call of each input
-  signature is the trial: the model's non-trainable state (seeds,
-  running statistics) is restored before the eager rerun.
-- Every rank runs compiled, or every rank eagerly. Once dynamo has
-  compiled a function of the forward as many times as
-  `torch._dynamo.config.recompile_limit` allows, it runs that function
-  eagerly on its own, rank by rank; so from then on the whole forward
-  runs eagerly on every rank, with one warning. The ranks agree first
-  (one all-gather of two ints after a signature's 1st, 2nd, 4th, 8th...
-  call, the same calls on every rank), and a rank whose trial failed
-  makes every rank eager the same way.
-
-Why not Keras's compiled `train_step`: it breaks the graph at
-`loss.backward()`, and with DTensor weights the first graph returns
-several outputs that require grad of which only the loss gets a
-gradient, so AOTAutograd meets a plain zero tangent where it guessed a
-DTensor; dynamic shapes fail in `DTensor.__tensor_unflatten__`. A
-compiled forward has one differentiable output, whose tangent is the
-loss's DTensor gradient.
-
-A forward whose graph breaks where dynamo cannot resume (inside Keras's
-`name_scope`, or a Functional's loop over its layers, as keras_hub's
-attention does through `dot_product_attention`) is compiled frame by
-frame, the same Keras functions again for each layer, as dynamo guards
-on the layer: that is how a model reaches the recompile limit, and why
-the ranks must agree on it.
-
-`KERAS_DTENSOR_JIT=0` runs the model eagerly. The torch-level fixes a
-compiled forward over DTensors needs (the compile-cache key, views
-returned across a graph break) are in `ops.compile_fixes`.
+"""`jit_compile=True` under a distribution: a compiled forward
+(`torch.compile(model.call)`), an eager rest on DTensors, so the numbers
+are an eager step's. After a failure, or at dynamo's recompile limit,
+every rank runs eagerly (the ranks agree after a signature's 1st, 2nd,
+4th... call). `KERAS_DTENSOR_JIT=0`: eager.
 """
 
 import collections
@@ -69,7 +32,7 @@ def _signature(args, kwargs):
 
 
 def _warn(message):
-    """A warning from rank 0 only (as the package's logs)."""
+    """A warning from rank 0 only."""
     if not console.silent():
         warnings.warn(message, stacklevel=3)
 
@@ -83,9 +46,8 @@ def _brief(error):
 
 
 class _Compiles:
-    """Counts, while open, the compilations dynamo starts: `most` is the
-    highest number of times one function (code object) has been compiled,
-    dynamo's own count (`recompile_limit` caps it)."""
+    """While open, `most`: the most compilations of one function, dynamo's
+    own count (`recompile_limit` caps it)."""
 
     def __init__(self):
         self.most = 0
@@ -112,15 +74,14 @@ class _Compiles:
 
 
 def _agreed_max(values):
-    """The highest of every rank's `values`, column by column (a
-    collective; `values` alone without a group)."""
+    """The highest of every rank's `values`, column by column."""
     rows = launch.all_gather_int_lists(list(values))
     return [max(column) for column in zip(*rows, strict=True)]
 
 
 class _Forward:
-    """A model's compiled forward, eager from the first failure, or once a
-    function of it reached dynamo's recompile limit (every rank agreeing)."""
+    """A model's compiled forward, eager once a rank failed or a function
+    reached the recompile limit."""
 
     def __init__(self, model):
         self._name = model.name
@@ -142,8 +103,7 @@ class _Forward:
         with _Compiles() as compiles:
             outputs = self._run(key, args, kwargs)
         self._most = max(self._most, compiles.most)
-        # Every rank calls with the same signatures (global batch shapes):
-        # the ranks agree at the same calls, a signature's 1st, 2nd, 4th...
+        # Global batch shapes: every rank agrees at the same calls.
         self._calls[key] += 1
         count = self._calls[key]
         if count & (count - 1) == 0:
@@ -200,15 +160,12 @@ class _Forward:
 def _compile_forward(model):
     if object_state.get_on(model, "call") is not None:
         return
-    # An instance attribute shadows the class's `call` for this model only
-    # (`uninstall()` removes it).
     object_state.set_on(model, "call", _Forward(model))
 
 
 def wrap_should_torch_compile(original):
-    """Wraps the torch trainer's `_should_torch_compile` (`_use_torch_compile`
-    on Keras 3.16, which turns `jit_compile` off under any distribution but
-    `DataParallel`): see the module docstring."""
+    """Wraps the torch trainer's `_should_torch_compile`
+    (`_use_torch_compile` on Keras 3.16)."""
 
     def _should_torch_compile(self):
         if context.current() is None:

@@ -1,20 +1,7 @@
-"""Keras 3.16's own torch distribution, stood down where keras-dtensor acts.
-
-Keras 3.16 ships a partial torch distribution: its trainer wraps the model
-in `DistributedDataParallel` whenever a process group is up, sums metric
-variables across processes, lays variables and batches out itself
-(`DTensor.from_local` on each process's batch) and gathers predictions per
-process.
-keras-dtensor does each of these jobs itself, with one process's numbers
-(variables laid out in `hooks.variables`, batches in `hooks.data`, gradients
-in `data_parallel`, metrics in `data_parallel.metrics`). Running both would
-reduce gradients or metrics twice, so while installed each upstream piece
-below steps aside; `uninstall()` puts it back.
-
-Every wrapper here but `_initialize_ddp` returns at once to Keras's own
-code when no distribution is set, so a plain one-process job on Keras 3.16
-runs exactly as Keras wrote it; `_initialize_ddp` never wraps the model in
-DDP (with no distribution, each process runs its own job).
+"""Keras 3.16's own torch distribution, stood down where keras-dtensor acts
+(DDP wrapping, metric sums, variable and batch layouts, prediction
+gathers), so nothing is done twice. With no distribution set Keras's own
+code runs, except that no model is wrapped in DDP.
 """
 
 import weakref
@@ -34,15 +21,8 @@ __all__ = [
 
 
 class _DataParallelStandIn:
-    """What `Trainer.ddp_model` holds under keras-dtensor's `DataParallel`.
-
-    Keras 3.16's train step differentiates with `loss.backward()` when
-    `ddp_model` is set (DDP's gradient hooks need `.grad`), and with
-    `torch.autograd.grad` in a compiled step otherwise, which fires no
-    post-accumulate-grad hook. keras-dtensor's gradient reducer stands
-    where DDP would, and its hooks need the same `backward()`: so the
-    trainer is given this stand-in, which calls the model itself.
-    """
+    """`Trainer.ddp_model` under `DataParallel`: the trainer then calls
+    `loss.backward()`, which the gradient reducer's hooks need."""
 
     def __init__(self, model):
         self._model = weakref.ref(model)
@@ -55,14 +35,8 @@ class _DataParallelStandIn:
 
 
 def wrap_initialize_ddp(original):
-    """Wraps `Trainer._initialize_ddp`: no DDP wrapper while installed.
-
-    Keras 3.16 wraps the model in DDP under `DataParallel` and under no
-    distribution whenever a process group is up; keras-dtensor's
-    `DataParallel` reduces gradients in buckets itself (the trainer gets
-    `_DataParallelStandIn` in DDP's place, on more than one process), and
-    a job with no distribution is one process's job on every rank.
-    """
+    """Wraps `Trainer._initialize_ddp`: no DDP wrapper while installed
+    (`_DataParallelStandIn` under `DataParallel` on several processes)."""
 
     def _initialize_ddp(self):
         distribution = context.active()
@@ -81,12 +55,8 @@ def wrap_initialize_ddp(original):
 
 
 def wrap_get_metrics_result(original):
-    """Wraps the torch `Trainer.get_metrics_result`: the base trainer's.
-
-    Keras 3.16 sums every metric variable across the process group here;
-    keras-dtensor's metrics are already global values (`data_parallel`
-    sums them once, in `BaseTrainer.get_metrics_result`).
-    """
+    """Wraps the torch `Trainer.get_metrics_result`: the base trainer's
+    (metrics are global values already)."""
 
     def get_metrics_result(self):
         if context.current() is None and not _process_group_up():
@@ -103,8 +73,7 @@ def _process_group_up():
 
 
 def wrap_initialize_distributed(original):
-    """Wraps `Variable._initialize_distributed`: keras-dtensor lays out
-    variables (`hooks.variables`), so Keras's own path lays out none."""
+    """Wraps `Variable._initialize_distributed`: lays out nothing."""
 
     def _initialize_distributed(self, initializer):
         if context.current() is None:
@@ -115,13 +84,8 @@ def wrap_initialize_distributed(original):
 
 
 def wrap_distribute_data(original):
-    """Wraps the torch trainer's `_distribute_data`.
-
-    Keras 3.16 turns each process's batch into a DTensor with
-    `DTensor.from_local` under `ModelParallel` (each process's arrays taken
-    as its shard: N times the global batch). Here the arrays stay the
-    global batch, converted to tensors, and the step lays them out.
-    """
+    """Wraps the torch trainer's `_distribute_data`: the arrays stay the
+    global batch, as tensors; the step lays them out."""
 
     def _distribute_data(data, layouts=None):
         if context.current() is None:

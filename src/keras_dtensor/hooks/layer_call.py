@@ -1,9 +1,6 @@
-"""Every layer call under a distribution, handed to its strategy.
-
-`Layer.__call__` goes to `data_parallel.call_layer` under `DataParallel`
-and to `model_parallel.call_layer` under every other distribution; with
-none set it is Keras's own call. `SeedGenerator.next` runs in the
-global-values scope (see `context.global_values`).
+"""Every layer call under a distribution, handed to its strategy
+(`data_parallel.call_layer` or `model_parallel.call_layer`);
+`SeedGenerator.next` in the global-values scope.
 """
 
 from torch.distributed.tensor import DTensor
@@ -16,14 +13,10 @@ __all__ = ["wrap_call", "wrap_seed_generator_next"]
 
 
 def wrap_seed_generator_next(original):
-    """Wraps `SeedGenerator.next`: its state is a replicated variable under
-    a distribution and its increment a plain tensor, a global value (see
-    `context.global_values`), also when user code draws outside layers
-    and steps."""
+    """Wraps `SeedGenerator.next`: a DTensor state meets its plain
+    increment as a global value (`context.global_values`)."""
 
     def next(self, *args, **kwargs):
-        # Only a DTensor state (made under a distribution) meets the plain
-        # increment; a plain state has nothing to do here.
         if not isinstance(getattr(self.state, "_value", None), DTensor):
             return original(self, *args, **kwargs)
         with context.global_values():
@@ -33,18 +26,7 @@ def wrap_seed_generator_next(original):
 
 
 def wrap_call(original):
-    """Wraps `Layer.__call__`: inputs of the outermost call, and outputs.
-
-    `model(x)` outside `fit` under a distribution gets the global batch as
-    numpy or plain tensors; they become batch-sharded DTensors here, once,
-    like the batches of `fit`. Nested layer calls and symbolic (functional
-    API) calls are left alone.
-
-    A layer's output that is a partial sum (`Partial`, e.g. after a
-    row-parallel matmul) is reduced at the layer boundary, as torch's
-    `RowwiseParallel` does: one all-reduce in forward, and backward then
-    receives replicated gradients instead of reducing them again.
-    """
+    """Wraps `Layer.__call__`: each call handed to its strategy."""
 
     def __call__(self, *args, **kwargs):
         distribution = context.active()

@@ -1,32 +1,7 @@
-"""A map-style `DataLoader` that loads only this process's batch shard.
-
-Under DDP each rank's `DistributedSampler` loads 1/N of the samples.
-Keras's semantics here are a global batch, the same on every process;
-this keeps both. Every rank draws the same global batch of indices from
-the user's own batch sampler (so shuffles, weights, seeds and `drop_last`
-behave as on one process, and the RNG streams advance as they would
-there), then fetches and collates only the indices of its shard:
-
-- under `DataParallel`, the rows the step would cut from the global batch
-  (`data_parallel.split_counts`);
-- under any other distribution, the shard of the batch axis in the data
-  layout (`torch.chunk`'s rule over the mesh dims that split it); ranks
-  that share a batch-axis coordinate load the same rows.
-
-A rank whose shard is empty (a global batch smaller than the ranks)
-fetches the batch's first sample and keeps zero rows of it. The collated
-shard is tagged with its place in the global batch
-(`backend.batch_layout.BatchShard`), with a digest of the global indices
-for the cross-rank check, so the step treats it exactly like a shard it
-cut out itself: the numbers are one process's.
-
-Workers, `pin_memory`, `collate_fn`, prefetching, persistent workers and
-`in_order` are the user's: the derived loader is built once per loader
-and distribution with the same settings, around the same dataset and
-batch sampler. Loaders that cannot be split this way read the whole
-global batch, as before: an `IterableDataset`, a loader without automatic
-batching (`batch_size=None`), a data layout that splits more than the
-batch dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`.
+"""A map-style `DataLoader` that loads only this process's batch shard:
+every rank draws the same global batch of indices from the user's batch
+sampler, then fetches and collates only its shard, tagged with its place
+(`batch_layout.tag_shard`).
 """
 
 import zlib
@@ -45,19 +20,17 @@ from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import world
 from keras_dtensor.backend.layout import local_slices
 
-__all__ = ["rows_of", "shard_rule", "shards", "sharded_loader"]
+__all__ = ["Reiterable", "rows_of", "shard_rule", "sharded_loader"]
 
 _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """The loader of this process's shards of `loader`'s global batches,
-    or `None` where `loader` is read whole (see the module docstring).
-
-    Args:
-        loader: the user's `torch.utils.data.DataLoader`.
-        distribution: the active distribution (`auto_shard_dataset=True`).
-    """
+    """This process's tagged shards of `loader`'s global batches (a loader
+    with the user's settings, built once per distribution), or `None`
+    where `loader` is read whole: an `IterableDataset`, no automatic
+    batching, a data layout that splits more than the batch dim, or
+    `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if not config.get("SHARDED_LOADING") or world()[0] == 1:
         return None
     if loader.batch_sampler is None or isinstance(
@@ -74,7 +47,7 @@ def sharded_loader(loader, distribution):
 
     cached = object_state.get_on(loader, _DERIVED)
     if cached is not None and cached[0] is distribution:
-        return cached[1]
+        return _epochs(cached[1])
     dataset = loader.dataset
     keyed = (
         _KeyedBatched(dataset)
@@ -98,12 +71,25 @@ def sharded_loader(loader, distribution):
         in_order=getattr(loader, "in_order", True),
     )
     object_state.set_on(loader, _DERIVED, (distribution, derived))
-    return derived
+    return _epochs(derived)
 
 
-def shards(iterator):
-    """Each shard of a derived loader's `iterator`, tagged with its
-    place."""
+class Reiterable:
+    """Iterates `make()` each time, as Keras iterates its loader per epoch."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def __iter__(self):
+        return self.make()
+
+
+def _epochs(derived):
+    # iter() when iterated, not at the first batch: it draws its seed then.
+    return Reiterable(lambda: _tagged(iter(derived)))
+
+
+def _tagged(iterator):
     for batch, (start, total, digest, empty) in iterator:
         if empty:  # zero rows of the sample that stood in
             batch = rows_of(batch, 0, 0)
@@ -111,9 +97,9 @@ def shards(iterator):
 
 
 def shard_rule(distribution):
-    """`(total, rank) -> (start, length)`: rank `rank`'s shard of a global
-    batch of `total` rows, or `None` where the batch is not split by its
-    leading dim alone."""
+    """`(total, rank) -> (start, length)`: a rank's rows of a global batch
+    (DataParallel's split, else the data layout's), or `None` where the
+    batch is not split by its leading dim alone."""
     if context.is_data_parallel(distribution):
 
         def row_shard(total, rank):
@@ -126,7 +112,6 @@ def shard_rule(distribution):
         return None
     if not any(p.is_shard() for p in placements):
         return None  # a replicated batch: every rank loads it whole
-    # Every rank's mesh coordinate, found once.
     coordinates = {
         int(mesh.mesh[c]): list(c) for c in np.ndindex(*mesh.mesh.shape)
     }
@@ -138,8 +123,7 @@ def shard_rule(distribution):
 
 
 def _digest(indices):
-    """A checksum of a global batch's indices, equal on ranks that drew
-    the same batch."""
+    """A checksum of a global batch's indices."""
     try:
         raw = np.asarray(indices)
         if raw.dtype.kind in "biu":
@@ -150,10 +134,9 @@ def _digest(indices):
 
 
 class _ShardIndices:
-    """The user's batch sampler, each global batch of indices cut to this
-    process's shard; every index carries `(start, total, digest, empty)`
-    (`empty`: the shard has no rows, and the batch's first sample stands
-    in for its structure)."""
+    """The user's batch sampler, cut to this process's shard; each index
+    carries `(start, total, digest, empty)` (`empty`: no rows, the first
+    sample stands in for the structure)."""
 
     def __init__(self, batch_sampler, shard_of):
         self.batch_sampler = batch_sampler
@@ -190,8 +173,7 @@ class _Keyed(torch_data.Dataset):
 
 
 class _Fetched:
-    """What a dataset's `__getitems__` returned (any object: the user's
-    `collate_fn` reads it), and the shard's meta."""
+    """What a dataset's `__getitems__` returned, and the shard's meta."""
 
     def __init__(self, data, meta):
         self.data, self.meta = data, meta
@@ -218,8 +200,7 @@ class _Collate:
 
 
 def rows_of(batch, start, length):
-    """Rows `[start, start + length)` of every array of a batch (other
-    leaves as they are)."""
+    """Rows `[start, start + length)` of every array of a batch."""
 
     def cut(x):
         if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim:

@@ -1,14 +1,5 @@
-"""Memory the C allocator keeps after `free`, given back before `fit`.
-
-glibc keeps freed blocks below its mmap threshold (which rises to 32 MiB
-as large blocks are freed) in its arenas, resident. Building a sharded
-model frees many such blocks (sharded initialization draws its values in
-blocks of about 1M elements; Keras builds and drops temporaries), so a
-process entered `fit` holding memory it no longer used (the transformer
-block of `benchmarks/bench_memory.py` has a lower fit peak with one
-`malloc_trim(0)` before it). That call is cheap; it runs once per `fit`
-under a distribution on several processes, and nowhere else. Other
-allocators (or no glibc) make it a no-op.
+"""Memory glibc keeps after `free`, given back before `fit` on N processes
+(one `malloc_trim(0)`; a no-op without glibc).
 """
 
 import ctypes
@@ -31,11 +22,6 @@ def available():
 
 
 def release_free_memory():
-    """Gives the memory glibc holds free back to the OS (`malloc_trim(0)`).
-
-    Returns:
-        True if glibc released some memory, False otherwise (nothing to
-        release, or not glibc).
-    """
+    """`malloc_trim(0)`: whether glibc gave some memory back to the OS."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False

@@ -1,17 +1,6 @@
-"""Output layout lookups by path, remembered per distribution.
-
-Under ModelParallel, Keras's `Layer.__call__` asks the distribution for a
-layout of the layer's output on every call
-(`get_tensor_layout(path + "/output")`, a `LayoutMap` lookup: the exact
-key, then every key tried as a regular expression). Under JAX that runs
-once per trace; in torch's eager steps it runs on every call of every
-layer, a `re.fullmatch` per key. The answer depends only on the path and
-the layout map's entries, so it is kept per distribution and path, and
-forgotten as soon as the entries differ (a key added or removed, a value
-replaced, another map). A path that several keys match is never kept: it
-raises on every lookup, as Keras's does. Inside a compiled forward
-(`jit_compile=True`) Keras's own lookup runs: dynamo traces it once, where
-the memo's dict would be guarded and recompiled on.
+"""Output layout lookups by path, kept per distribution until the layout
+map's entries change; ambiguous paths raise every time, and a compiled
+forward runs Keras's own lookup.
 """
 
 import functools

@@ -1,28 +1,6 @@
-"""A `PyDataset` built 1/N per process: each global batch is built by one
-rank, which scatters every rank its shard of the rows.
-
-A `PyDataset`'s `__getitem__` returns a whole batch, so the work is split
-by batch: the epoch's batch order is Keras's own (its adapter's
-generator, run on a stand-in dataset that only names indices, so the
-shuffle draws as on one process), and in every group of N consecutive
-steps each rank builds one batch, all ranks at once, the rank `k % N`
-owning step `k`. At step `k` its owner sends each rank its rows
-(`torch.distributed.scatter`, padded to the widest shard): a rank
-receives only its shard's bytes, and builds 1/N of the batches, in
-parallel with the others. The shard is tagged with its place in the
-global batch (`backend.batch_layout.tag_shard`), with a checksum of the
-batch's index for the cross-rank check, so the step computes one
-process's numbers.
-
-The batch's structure, shapes and dtypes travel as JSON from the owner
-(nothing from a peer is unpickled). A batch with a leaf that cannot be
-scattered (a string, a scalar, a key that is not a string) is built by
-every rank instead. With `workers > 1` (threads), Keras's enqueuer,
-which would build every batch, stands down (`take_over_workers`), and
-that many threads build this rank's batches ahead. Read whole, as
-before: a `PyDataset` of unknown length, one with `use_multiprocessing`
-(its worker processes are Keras's), a data layout that splits more than
-the batch dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`.
+"""A `PyDataset` built 1/N per process: rank `k % N` builds step `k`'s batch
+and scatters each rank its rows (the structure as JSON, nothing
+unpickled), tagged with their place (`batch_layout.tag_shard`).
 """
 
 import collections
@@ -40,6 +18,7 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import broadcast_bytes
 from keras_dtensor.backend.launch import world
+from keras_dtensor.hooks.loader_shards import Reiterable
 from keras_dtensor.hooks.loader_shards import rows_of
 from keras_dtensor.hooks.loader_shards import shard_rule
 
@@ -48,22 +27,18 @@ __all__ = ["sharded_batches", "take_over_workers"]
 
 def sharded_batches(adapter, distribution):
     """An iterable of this process's shards of `adapter`'s batches, or
-    `None` where they are read whole (see the module docstring).
-
-    Args:
-        adapter: Keras's `PyDatasetAdapter`.
-        distribution: the active distribution (`auto_shard_dataset=True`).
-    """
+    `None` where they are read whole: unknown length,
+    `use_multiprocessing`, a data layout that splits more than the batch
+    dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
-    return _Epoch(adapter, shard_rule(distribution))
+    rule = shard_rule(distribution)
+    return Reiterable(lambda: _shards(adapter, rule))
 
 
 def take_over_workers(adapter, distribution):
-    """Stands down Keras's enqueuer of a `PyDataset` with thread workers
-    that will be built 1/N per process: its threads would build every
-    batch. This rank's batches are built by as many threads instead
-    (`_owned`). Recorded, so `uninstall()` puts the enqueuer back."""
+    """Stands down Keras's enqueuer (it would build every batch) of a
+    `PyDataset` built 1/N per process; `_owned` runs the threads."""
     if adapter.enqueuer is not None and _shardable(adapter, distribution):
         object_state.set_on(adapter, "enqueuer", None)
 
@@ -89,16 +64,6 @@ class _Indices:
         return np.asarray(index)
 
 
-class _Epoch:
-    """One epoch's batches, re-iterable like Keras's adapter."""
-
-    def __init__(self, adapter, rule):
-        self.adapter, self.rule = adapter, rule
-
-    def __iter__(self):
-        return _shards(self.adapter, self.rule)
-
-
 def _order(adapter):
     """The epoch's batch indices, drawn by Keras's own generator."""
     stand_in = copy.copy(adapter)
@@ -108,9 +73,7 @@ def _order(adapter):
 
 
 def _shards(adapter, rule):
-    # A generator: the order is drawn at the first batch, as Keras's
-    # generator draws it (Keras makes and drops an iterator at each
-    # epoch's end: it must not draw).
+    # A generator: the order is drawn at the first batch, as Keras's is.
     size, rank = world()
     order = _order(adapter)
     owned = _owned(adapter, order[rank::size])
@@ -131,11 +94,8 @@ def _shards(adapter, rule):
 
 
 def _owned(adapter, indices):
-    """This rank's batches, in order: each built when asked for, or, for
-    a `PyDataset` with `workers > 1`, by that many threads, ahead by one
-    batch more after each one taken, up to `max_queue_size` (so an
-    iterator dropped after its first batch, as Keras's first-batch build
-    does, has built only that one)."""
+    """This rank's batches, in order; with `workers > 1` built by that many
+    threads, ahead by one more after each taken, up to `max_queue_size`."""
     py_dataset = adapter.py_dataset
     if py_dataset.workers <= 1:
         for index in indices:
@@ -170,71 +130,62 @@ class _Unsupported(Exception):
     pass
 
 
-def _spec(x):
-    """The structure, shapes and dtypes of a batch, JSON-ready."""
+def _spec(x, leaves):
+    """The structure, shapes and dtypes of a batch, JSON-ready; its leaves
+    appended to `leaves` as tensors."""
     if x is None:
         return None
     if isinstance(x, (tuple, list)):
-        return {"seq": type(x).__name__, "items": [_spec(v) for v in x]}
+        items = [_spec(v, leaves) for v in x]
+        return {"seq": type(x).__name__, "items": items}
     if isinstance(x, dict):
         if not all(isinstance(k, str) for k in x):
             raise _Unsupported
-        return {"keys": list(x), "items": [_spec(v) for v in x.values()]}
+        items = [_spec(v, leaves) for v in x.values()]
+        return {"keys": list(x), "items": items}
     if isinstance(x, torch.Tensor):
         x = x.numpy() if x.dtype != torch.bfloat16 else None
     array = np.asarray(x) if x is not None else None
     if array is None or array.ndim == 0 or array.dtype.kind not in "iuf":
         raise _Unsupported
+    leaves.append(torch.as_tensor(array))
     return {"shape": list(array.shape), "dtype": array.dtype.str}
 
 
-def _leaves(x, out):
-    if x is None:
-        return out
-    if isinstance(x, (tuple, list)):
-        for v in x:
-            _leaves(v, out)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _leaves(v, out)
-    else:
-        out.append(torch.as_tensor(np.asarray(x)))
-    return out
-
-
-def _rebuild(spec, leaves):
+def _rebuild(spec, leaf):
+    """The structure of `spec`, `leaf(leaf_spec)` at each leaf, in order."""
     if spec is None:
         return None
     if "items" in spec and "keys" in spec:
         return {
-            k: _rebuild(s, leaves)
+            k: _rebuild(s, leaf)
             for k, s in zip(spec["keys"], spec["items"], strict=True)
         }
     if "items" in spec:
-        items = [_rebuild(s, leaves) for s in spec["items"]]
+        items = [_rebuild(s, leaf) for s in spec["items"]]
         return tuple(items) if spec["seq"] == "tuple" else items
-    return next(leaves)
+    return leaf(spec)
 
 
 def _receive(batch, owner, rule):
     """This rank's rows of the owner's `batch`: `(shard, start, total)`, or
     `None` when the batch cannot be scattered."""
     size, rank = world()
-    text = None
+    text, leaves = None, []
     if rank == owner:
         try:
-            text = json.dumps(_spec(batch))
+            text = json.dumps(_spec(batch, leaves))
         except _Unsupported:
             text = "null"
     spec = json.loads(broadcast_bytes(text and text.encode(), src=owner))
     if spec is None:
         return None
-    leaf_specs = _leaf_specs(spec, [])
+    leaf_specs = []
+    _rebuild(spec, leaf_specs.append)
     total = leaf_specs[0]["shape"][0]
     shards = [rule(total, r) for r in range(size)]
     widest = max(length for _, length in shards)
     start, length = shards[rank]
-    leaves = _leaves(batch, []) if rank == owner else None
     received = []
     for i, leaf_spec in enumerate(leaf_specs):
         dtype = torch.from_numpy(
@@ -251,18 +202,8 @@ def _receive(batch, owner, rule):
                 chunks.append(chunk)
         dist.scatter(out, chunks, src=owner)
         received.append(out[:length])
-    return _rebuild(spec, iter(received)), start, total
-
-
-def _leaf_specs(spec, out):
-    if spec is None:
-        return out
-    if "items" in spec:
-        for s in spec["items"]:
-            _leaf_specs(s, out)
-    else:
-        out.append(spec)
-    return out
+    received = iter(received)
+    return _rebuild(spec, lambda _: next(received)), start, total
 
 
 def _leading_rows(batch):

@@ -1,18 +1,11 @@
-"""Around `fit`: the same model on every rank, equal replicas at the end.
-
-Replicated weights (all of them under `DataParallel`; under `ModelParallel`
-those not sharded, and every shard across the axes it is not sharded on)
-are updated by the same code from the same global values on each rank, so
-they stay bit-identical, unless the ranks saw different data or ran
-different code (a rank-dependent callback, a per-rank random op). Then
-they drift apart silently and each rank logs its own loss. When `fit`
-returns on several processes, each rank takes a checksum of each of its
-local weights, on its device (the integer sum of the bit patterns), and
-one all-gather compares them between the ranks that hold the same shards.
+"""Around `fit`: the same model on every rank before, equal replicas after
+(one all-gather of each local weight's checksum; drifted replicas mean
+different data or code on some rank).
 """
 
 import functools
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -24,7 +17,7 @@ from keras_dtensor.hooks import malloc_trim
 __all__ = ["check_replicas", "check_same_model", "wrap_fit"]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Elements of a local weight summed at a time (a 2 MiB int64 temporary).
+# Elements of a local weight summed at a time.
 _CHUNK = 1 << 18
 
 
@@ -40,14 +33,8 @@ def _checksum(value):
 
 
 def _chunked_sum(bits):
-    """`bits.sum(dtype=torch.int64)` without casting all of `bits` at once.
-
-    The cast is a temporary twice the size of a float32 shard (the peak of
-    `fit` on a large embedding). Each chunk is cast into one buffer and
-    summed into a preallocated slot, so nothing is allocated between the
-    chunks (per-chunk temporaries interleaved with small results leave
-    holes glibc cannot give back). Integer sums are exact: the same value.
-    """
+    """`bits.sum(dtype=torch.int64)` without casting all of `bits` at once:
+    one buffer, preallocated results, nothing allocated between chunks."""
     chunks = bits.split(_CHUNK)
     buffer = torch.empty(_CHUNK, dtype=torch.int64, device=bits.device)
     sums = torch.empty(len(chunks), dtype=torch.int64, device=bits.device)
@@ -67,22 +54,16 @@ def _replica_of(value, world):
         i for i, p in enumerate(value.placements) if not p.is_replicate()
     ]
     first_of_key, replica = {}, [None] * world
-    for index in (
-        torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape])
-        .reshape(-1, ranks.dim())
-        .tolist()
-    ):
-        rank = int(ranks[tuple(index)])
+    for index in np.ndindex(*ranks.shape):
+        rank = int(ranks[index])
         key = tuple(index[d] for d in sharded)
         replica[rank] = first_of_key.setdefault(key, rank)
     return replica
 
 
 def check_replicas(model):
-    """Raises on every rank if replicas of `model`'s trainable weights differ.
-
-    A collective: every rank calls it (`fit` does, when it returns).
-    """
+    """Raises on every rank if replicas of `model`'s trainable weights
+    differ (a collective)."""
     world, _ = launch.world()
     variables = list(model.trainable_weights)
     if world == 1 or not variables:
@@ -126,14 +107,9 @@ def _signature(weight):
 
 
 def check_same_model(model):
-    """Raises on every rank unless all ranks built the same weights.
-
-    Ranks with different models would run different collectives: gloo
-    aborts the process (SIGABRT, no traceback) or the job hangs. One
-    all-gather of a checksum of the weights' shapes, dtypes and layouts
-    (not their paths: Keras numbers auto-named layers per process, so a
-    rank that built another model first has other names).
-    """
+    """Raises on every rank unless all ranks built the same weights'
+    shapes, dtypes and layouts (not paths: Keras numbers auto-named
+    layers per process)."""
     world, _ = launch.world()
     if world == 1:
         return
@@ -167,9 +143,8 @@ def check_same_model(model):
 
 
 def wrap_fit(original):
-    """Wraps `TorchTrainer.fit`: `check_same_model` and the allocator's
-    free memory given back (`malloc_trim.release_free_memory`) before,
-    `check_replicas` when it returns."""
+    """Wraps `TorchTrainer.fit`: `check_same_model` and `malloc_trim`
+    before, `check_replicas` after."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):

@@ -1,28 +1,8 @@
 """Sharded initialization: draw only this rank's shard, same values.
 
-A sharded variable must start with exactly the values single-process Keras
-would give it (same seed), yet no rank should hold its full value: for a
-large embedding, the full value plus Keras's temporaries (`rand * scale +
-min`) is several times the shard.
-
-How: Keras's built-in random initializers create their value with one
-torch creation op of the variable's shape (`torch.rand`, `torch.normal`;
-`torch.normal` of shape + (4,) for the truncated normal), followed by
-elementwise arithmetic; `Zeros`/`Ones`/`Constant` use `torch.zeros`/
-`torch.ones`. While such an initializer runs, `LocalDraws` (a
-`TorchFunctionMode`) answers each creation op of the variable's shape with
-this rank's slice only. Random draws walk the generator's stream in blocks
-of leading-dim rows and keep the rows and columns this rank owns, so peak
-memory is one block plus the shard. The elementwise rest of the initializer
-then runs on the shard.
-
-This is exact because torch's CPU generator fills a tensor element by
-element in order (normal draws in groups of 16): drawing the same stream in
-blocks gives the same numbers. `chunked_draws_match()` checks that on the
-running torch and device once; where it does not hold (CUDA's Philox
-generator is offset-based) or the initializer is not one of the known
-elementwise ones (Orthogonal, Identity, user code), the full value is drawn
-and sliced.
+`LocalDraws` answers an elementwise initializer's creation ops with this
+rank's rows, walking the generator's stream in blocks; where that is not
+exact (`chunked_draws_match`), the full value is drawn and sliced.
 """
 
 import functools
@@ -37,22 +17,21 @@ __all__ = [
     "supports",
 ]
 
-_BLOCK_ELEMENTS = 1 << 20  # ~4 MB of fp32 per drawn block
+_BLOCK_ELEMENTS = 1 << 20  # elements per drawn block
 _DRAWS = (torch.rand, torch.normal)
 _FILLS = {torch.zeros: 0, torch.ones: 1, torch.empty: None}
 
 
 def _block_rows(row_elements, block_elements):
     """Rows per drawn block: ~`block_elements`, a multiple of 16 elements
-    (torch's CPU normal transforms groups of 16)."""
+    (torch's CPU normal draws in groups of 16)."""
     step = 16 // math.gcd(row_elements, 16)
     rows = max(1, block_elements // max(row_elements, 1))
     return max(step, rows - rows % step)
 
 
 def _grid(rows, row_elements, block_elements):
-    """The `(start, stop)` row blocks a whole draw is walked in: all but the
-    last a multiple of 16 elements, the last at least 16 (or the whole)."""
+    """The `(start, stop)` row blocks a whole draw is walked in."""
     block = _block_rows(row_elements, block_elements)
     edges = [*range(0, rows, block), rows]
     bounds = list(zip(edges[:-1], edges[1:], strict=True))
@@ -71,9 +50,8 @@ class _Stream:
         self.captured = False
 
     def read(self, draw, rest, window, inner):
-        """Draws blocks up to the end of `window` (rows `[lo, hi)`),
-        discarding rows outside it; returns the window's rows with `inner`
-        applied to the following dims (`None` for an empty window)."""
+        """Draws blocks up to the end of `window` (rows `[lo, hi)`); returns
+        its rows cut by `inner` (`None` for an empty window)."""
         lo, hi = window
         out = None
         while self.next < len(self.grid) and self.grid[self.next][0] < hi:
@@ -89,23 +67,15 @@ class _Stream:
             del values
         return out
 
-    def finish(self, draw, rest):
-        """Draws what is left, so a shared generator ends where one whole
-        draw would leave it."""
-        while self.next < len(self.grid):
-            start, stop = self.grid[self.next]
-            draw((stop - start, *rest))
-            self.next += 1
-
 
 class LocalDraws(TorchFunctionMode):
     """Answers creation ops of a variable's global shape with one window of
-    this rank's rows (see the module docstring).
+    this rank's rows.
 
     Args:
         shape: the variable's global shape.
         ranges: `layout.local_slices(...)` for this rank.
-        block_elements: elements per drawn block (default ~1M).
+        block_elements: elements per drawn block.
     """
 
     def __init__(self, shape, ranges, block_elements=None):
@@ -206,15 +176,15 @@ class LocalDraws(TorchFunctionMode):
             local[lo - row_start : hi - row_start] = value
             del value
         if self.stream is not None and self.stream.generator is None:
-            self.stream.finish(*self._last_draw)  # the global generator
+            # The global generator: left where one whole draw leaves it.
+            end = (self.shape[0], self.shape[0])
+            self.stream.read(*self._last_draw, end, ())
         return local
 
 
 @functools.cache
 def chunked_draws_match(device):
-    """Whether block-wise draws reproduce one whole draw on `device`,
-    checked once per device: torch's uniform and normal, fp32 and fp64, a
-    shard that starts and ends inside blocks, one call and block-wise."""
+    """Whether block-wise draws reproduce one whole draw on `device`."""
     shape, ranges = (257, 5), [(100, 57), (1, 3)]
     for func, extra in ((torch.rand, ()), (torch.normal, (0.0, 2.0))):
         for dtype in (torch.float32, torch.float64):
@@ -235,9 +205,7 @@ def chunked_draws_match(device):
 
 
 def supports(initializer):
-    """Whether `initializer` is one of Keras's elementwise initializers
-    (its value is one creation op of the variable's shape, then
-    elementwise arithmetic)."""
+    """Whether `initializer` is one of Keras's elementwise initializers."""
     from keras import initializers
 
     known = (
@@ -247,11 +215,9 @@ def supports(initializer):
         initializers.Zeros,
         initializers.Ones,
         initializers.Constant,
+        initializers.VarianceScaling,
     )
-    cls = type(initializer)
     for base in known:
         if isinstance(initializer, base):
-            return cls.__call__ is base.__call__
-    if isinstance(initializer, initializers.VarianceScaling):
-        return cls.__call__ is initializers.VarianceScaling.__call__
+            return type(initializer).__call__ is base.__call__
     return False

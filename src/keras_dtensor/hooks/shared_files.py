@@ -1,29 +1,6 @@
-"""Keras callbacks' file operations on N processes: rank 0 acts, all agree.
-
-Under `torchrun` every process runs `fit` with the same callbacks and
-arguments, so every rank runs Keras's own directory creation, copies and
-deletes (`BackupAndRestore`, `ModelCheckpoint`, `CSVLogger`) on the same
-shared paths. They race: `FileExistsError` from two `makedirs`,
-`FileNotFoundError` from two `rmtree`, and one rank dies while the others
-wait in a collective until the timeout.
-
-Inside `fit`/`evaluate`/`predict` with several processes, Keras's
-`file_utils` calls become collective decisions:
-
-- queries (`exists`, `isdir`, `listdir`) are answered by rank 0, so every
-  rank takes the same branch of the callback's code;
-- changes (`makedirs`, `remove`, `rmtree`, `copy`) run on rank 0 only;
-- `File` opened for writing is rank 0's file, a sink (`os.devnull`)
-  elsewhere; for reading, every rank opens the file itself.
-
-Each call ends with rank 0's outcome on every rank (`consensus.on_rank_0`):
-if rank 0's operation failed, every rank raises the same error, and nobody
-goes on before the change is on disk. `model.save*` inside a callback is
-not affected: every rank runs it (`saving/collective.py`). TensorBoard
-writes its event files through TensorFlow, not `file_utils`: ranks other
-than 0 write theirs to a private scratch directory (`wrap_tensorboard_
-set_model`). Paths must be on a filesystem every rank sees, as with one
-process and several readers.
+"""Keras callbacks' file operations on N processes: rank 0 acts, every rank
+gets its outcome or error (`consensus.on_rank_0`); other ranks' writes and
+TensorBoard event files go to sinks.
 """
 
 import atexit
@@ -38,9 +15,6 @@ from keras_dtensor.backend import object_state
 
 __all__ = [
     "FILE_OPERATIONS",
-    "active",
-    "shared",
-    "suspended",
     "wrap_file_operation",
     "wrap_tensorboard_set_model",
 ]
@@ -56,21 +30,6 @@ FILE_OPERATIONS = (
     "copy",
     "File",
 )
-
-
-def suspended():
-    """A scope where `file_utils` calls are each rank's own again."""
-    return consensus.files_shared(False)
-
-
-def shared():
-    """The scope where `file_utils` calls are shared (`hooks/fit_guard.py`)."""
-    return consensus.files_shared(True)
-
-
-def active() -> bool:
-    """Whether this thread is inside `shared()`."""
-    return consensus.files_are_shared()
 
 
 def _writes(mode):
@@ -118,14 +77,8 @@ def _scratch_dir(callback):
 
 
 def wrap_tensorboard_set_model(original):
-    """Wraps `TensorBoard.set_model`: event files from rank 0 only.
-
-    TensorBoard's writers and profiler take their directories from
-    `log_dir` here; on other ranks that is a private scratch directory, so
-    the shared log directory holds one run, not one per rank. Every rank
-    still runs the callback (its weight histograms gather sharded weights,
-    a collective).
-    """
+    """Wraps `TensorBoard.set_model`: other ranks' `log_dir` is a scratch
+    directory (every rank still runs the callback's collectives)."""
 
     @functools.wraps(original)
     def set_model(self, model):

@@ -1,8 +1,5 @@
-"""Keras's `slice_update` on DTensors: a KV cache updated in place.
-
-keras_hub's generate writes each step's keys and values into a cache at the
-decoding position; with the cache or the update sharded, the write runs on
-local shards (`wrap_slice_update`).
+"""Keras's `slice_update` on DTensors: a KV cache updated in place, on
+local shards.
 """
 
 from torch.distributed.tensor import Shard
@@ -13,17 +10,8 @@ __all__ = ["wrap_slice_update"]
 
 
 def _aligned(inputs, start_indices, updates):
-    """`(inputs, updates)` with each replicated one cut like the other on
-    every mesh dim where the update spans a whole dim the other shards
-    (and every rank gets part of it): a local cut, no communication.
-
-    A KV cache made by `ops.zeros` (replicated) filled with head-sharded
-    keys takes their split, instead of gathering the keys onto every rank;
-    a cache split by heads updated with a replicated key takes its rank's
-    part of the key. A single key/value head on two ranks stays whole on
-    each (as Megatron and vLLM replicate key/value heads when there are
-    fewer than ranks).
-    """
+    """`(inputs, updates)`, each replicated one cut like the other where
+    the update spans a whole dim the other shards: no communication."""
     from torch.distributed.tensor import DTensor
 
     if not (
@@ -56,23 +44,9 @@ def _aligned(inputs, start_indices, updates):
 
 
 def wrap_slice_update(original):
-    """Wraps Keras's torch `slice_update(inputs, start_indices, updates)`.
-
-    With tensor start indices Keras writes through advanced indexing
-    (`index_put_` with index grids), which DTensor cannot run in place on
-    a sharded tensor ("in-place operations that require placement changes
-    are not supported"): a KV cache sharded by batch or heads, updated at
-    the decoding position. For DTensors the start indices are read as
-    Python ints, Keras's own basic-slicing path, which DTensor runs on
-    each shard.
-
-    A replicated `inputs` updated along a whole dim that `updates` shards
-    takes the update's layout, and the other way round (`_aligned`):
-    keras_hub builds its KV cache with `ops.zeros`, a replicated value,
-    and fills it with the head-sharded keys and values; as torch's tensor
-    parallelism keeps each rank's heads' cache, each rank then holds its
-    heads only, and no update is gathered.
-    """
+    """Wraps Keras's torch `slice_update(inputs, start_indices, updates)`:
+    for DTensors the start indices are read as ints (basic slicing, which
+    DTensor runs on each shard), the operands aligned (`_aligned`)."""
 
     def slice_update(inputs, start_indices, updates):
         from torch.distributed.tensor import DTensor

@@ -1,10 +1,6 @@
-"""Hook bodies for Keras's torch `Variable`: values are DTensors by layout.
-
-A variable created while a distribution is active takes its layout from
-the distribution (`Distribution.get_variable_layout`, as on JAX) and keeps
-its value as a `torch.nn.Parameter` wrapping a `DTensor`. Assignments are
-laid out the same way before the in-place copy. `keras_dtensor.patches` installs
-these; each receives the original method it replaces.
+"""Keras's torch `Variable` under a distribution: a `Parameter` wrapping a
+DTensor laid out as the distribution says (as on JAX); assignments laid
+out the same way.
 """
 
 import torch
@@ -19,6 +15,7 @@ from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import check_layout
 from keras_dtensor.backend.distribution_lib import distribute_tensor
 from keras_dtensor.backend.errors import AssignedInCall
+from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.layout import local_slices
 from keras_dtensor.backend.shards import shard_global_tensor
 from keras_dtensor.hooks import sharded_init
@@ -34,17 +31,9 @@ __all__ = [
 
 
 def variable_layout(variable):
-    """The variable's `TensorLayout`, resolved from the distribution once.
-
-    Args:
-        variable: a Keras torch `Variable` whose shape is known.
-
-    Returns:
-        The `TensorLayout`, or `None` outside any distribution, under
-        `DataParallel` and in a job of one process (plain Parameters; the
-        layout is still checked against the variable, so a layout error
-        shows at one process as it would at N).
-    """
+    """The variable's `TensorLayout`, resolved once; `None` (a plain
+    Parameter) with no distribution, under `DataParallel` or in one
+    process (where the layout is still checked, as N would)."""
     distribution = context.current()
     if distribution is None or context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
@@ -53,7 +42,6 @@ def variable_layout(variable):
             distribution, variable
         ) or distribution.get_variable_layout(variable)
     if context.active() is None and variable._layout is not None:
-        # The error a job of N processes would raise for this layout.
         check_layout(variable._layout, variable.shape, path=variable.path)
         return None
     return variable._layout
@@ -67,14 +55,13 @@ def _to_dtensor(variable, value):
     if isinstance(value, DTensor):
         return distribute_tensor(value, layout)
     convert_to_tensor = compat.torch_core().convert_to_tensor
-
     value = convert_to_tensor(value, dtype=variable._dtype)
     return shard_global_tensor(value, layout)
 
 
 def _owned(dtensor):
-    """A DTensor whose local shard owns its memory (not a view of the
-    full value, which would keep the full value alive)."""
+    """A DTensor whose local shard owns its memory (a view would keep
+    the full value alive)."""
     return DTensor.from_local(
         dtensor.to_local().clone(),
         dtensor.device_mesh,
@@ -103,11 +90,9 @@ def wrap_initialize(original):
 
 
 def wrap_initialize_with_initializer(original):
-    """Wraps `Variable._initialize_with_initializer`.
-
-    The layout is resolved before the initializer runs, so the process
-    group and the agreed random seed exist when the initial value is drawn.
-    """
+    """Wraps `Variable._initialize_with_initializer`: the layout (process
+    group, agreed seed) resolved before the draw, only this rank's shard
+    drawn where `sharded_init` can."""
 
     def _initialize_with_initializer(self, initializer):
         model_parallel.variables_changed()
@@ -122,15 +107,10 @@ def wrap_initialize_with_initializer(original):
 
 
 def _initialize_shard_only(variable, initializer):
-    """Creates only this rank's shard of `variable` (see sharded_init.py).
-
-    Returns:
-        Whether it did; `False` leaves the variable to Keras's own path
-        (the full value is drawn, then sliced).
-    """
+    """Creates only this rank's shard of `variable`; `False` where Keras's
+    own path (the full value drawn, then sliced) must run."""
     convert_to_tensor = compat.torch_core().convert_to_tensor
     get_device = compat.torch_core().get_device
-
     layout = as_backend_layout(
         variable._layout, path=variable.path, shape=variable._shape
     )
@@ -143,9 +123,7 @@ def _initialize_shard_only(variable, initializer):
         return False
     shape = tuple(variable._shape)
     ranges = local_slices(shape, mesh, placements)
-    # An int seed (or none: Zeros, Ones, Constant) starts the same stream
-    # on every call, so the initializer can run once per block of rows; a
-    # SeedGenerator advances per call, so it runs once.
+    # An int seed (or none) starts the same stream at every call.
     seed = getattr(initializer, "seed", None)
     blockwise = seed is None or isinstance(seed, int)
     value = sharded_init.LocalDraws(shape, ranges).run(
@@ -169,7 +147,7 @@ def _initialize_shard_only(variable, initializer):
         placements,
         run_check=False,
         shape=torch.Size(shape),
-        stride=torch.empty(shape, device="meta").stride(),
+        stride=contiguous_strides(shape),
     )
     variable._value = torch.nn.Parameter(
         dtensor, requires_grad=variable.trainable
@@ -183,22 +161,19 @@ def wrap_direct_assign(original):
     def _direct_assign(self, value):
         if not isinstance(self._value, DTensor):
             if context.current() is None:
-                # Nothing distributed: Keras's own assign, and nothing here
-                # that torch.compile cannot trace (optimizer and metric
-                # updates run inside a compiled step).
+                # (Nothing here torch.compile cannot trace.)
                 return original(self, value)
             if model_parallel.in_local_run():
-                # A model on local rows: this rank's value must not land
-                # in a global variable; the call reruns as DTensors.
+                # This rank's value must not land in a global variable;
+                # the call reruns as DTensors.
                 raise AssignedInCall(self.path)
             if isinstance(value, DTensor):
-                # A variable made before the distribution (a metric built
-                # outside its scope) holds the global value, as on JAX.
+                # A variable made outside the distribution's scope holds
+                # the global value, as on JAX.
                 value = value.full_tensor()
             return original(self, value)
         if model_parallel.recording():
-            # The DTensor run a local run is checked against: it runs
-            # again for real if needed; nothing may be written twice.
+            # The run a local run is checked against writes nothing.
             raise AssignedInCall(self.path)
         with torch.no_grad():
             self._value.copy_(_to_dtensor(self, value))
@@ -207,11 +182,8 @@ def wrap_direct_assign(original):
 
 
 def wrap_convert_to_numpy(original):
-    """Wraps `convert_to_numpy`: a DTensor is gathered to its global value.
-
-    Every rank must convert the same DTensors in the same order (the
-    gather is a collective); Keras's save, `get_weights` and `predict` do.
-    """
+    """Wraps `convert_to_numpy`: a DTensor is gathered to its global value
+    (a collective: every rank converts the same DTensors in order)."""
 
     def _convert_to_numpy(x):
         if isinstance(x, DTensor):
@@ -242,16 +214,10 @@ def _in_layout_of(grad, variable):
 
 
 def wrap_filter_empty_gradients(original):
-    """Wraps `BaseOptimizer._filter_empty_gradients(grads, variables)`.
-
-    The first thing `optimizer.apply` does with the pairs. Backward leaves
-    a gradient in whatever placement the last op's strategy produced: a
-    partial sum, or sharded along another dim (a layout that shards a
-    dimension smaller than the mesh axis, as `Dense(1)` under
-    `(None, "model")`). The optimizer's in-place updates then fail ("in-place
-    operations that require placement changes"). Each gradient is laid out
-    as its variable here, once, for every optimizer.
-    """
+    """Wraps `BaseOptimizer._filter_empty_gradients(grads, variables)`, the
+    first thing `optimizer.apply` does: each gradient, left by backward
+    partial or split along another dim, is laid out as its variable, so
+    the optimizer's in-place updates need no placement change."""
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)

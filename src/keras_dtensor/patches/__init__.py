@@ -1,26 +1,11 @@
 """The only code that touches Keras or torch internals: the `PATCHES` table.
 
-Two kinds of entries (`patch_kinds`):
-
-- `Patch`: one attribute of Keras or torch (`module`, dotted
-  `attribute`), why it is replaced, the Keras and torch versions it
-  applies to, and a factory that builds the replacement from the
-  original.
-- `Registration`: a DTensor sharding strategy registered for torch ops
-  (through the public `register_sharding`), with the rule it replaces
-  saved.
-
-Tables: `keras_patches` and `saving_patches` (Keras),
-`keras_3_16_patches` (Keras 3.16's own torch distribution stood down),
-`torch_patches` (torch).
-
-`apply()` skips the entries outside the installed versions, resolves every
-other entry's target before touching anything, applies all or none, is
-idempotent, and tags every replacement; `restore()` puts back only what
-still holds our replacement (someone else's later wrapper is left alone,
-with a warning), then takes off the attributes hooks set on single
-objects (`backend.object_state`), so `keras_dtensor.uninstall()` leaves Keras
-and torch as they were.
+Its entries (`patch_kinds`) are split by what they patch: `keras_patches`,
+`saving_patches`, `keras_3_16_patches` (Keras 3.16's own torch
+distribution stood down) and `torch_patches`. `apply()` is all or none and
+idempotent; `restore()` puts back only what still holds our replacement,
+then the attributes hooks set on single objects. See
+docs/internals/patches.md.
 """
 
 from keras_dtensor.backend import object_state
@@ -56,19 +41,18 @@ def is_applied() -> bool:
 
 
 def apply():
-    """Applies every entry of `PATCHES`, once.
+    """Applies every entry of `PATCHES` that applies here, once.
 
     Raises:
-        RuntimeError: the installed Keras or torch is outside an entry's
-            range (checked for all entries before anything is replaced).
+        RuntimeError: an entry's target is missing (checked for all entries
+            before anything is replaced).
     """
     if not is_applied():
         patch_kinds.apply_all(PATCHES, _ORIGINALS)
 
 
 def restore():
-    """Restores the originals of every entry we still own, and the attributes
-    set on single objects."""
+    """Restores every entry we still own, and attributes set on objects."""
     patch_kinds.restore_all(PATCHES, _ORIGINALS)
     object_state.restore()
 

@@ -1,8 +1,4 @@
-"""The Keras entries of the `PATCHES` table: attributes of Keras replaced.
-
-Each entry names its target, why it is replaced and the Keras versions it was
-checked against; `keras_dtensor.patches` applies and restores them.
-"""
+"""The Keras entries of the `PATCHES` table: attributes of Keras replaced."""
 
 import functools
 
@@ -52,8 +48,8 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.distribution.distribution_lib",
         "ModelParallel.get_tensor_layout",
-        "Layer.__call__ looks up its output's layout on every call: every "
-        "key tried as a regex, per layer, per step (once per trace on JAX).",
+        "Layer.__call__ looks up its output's layout on every call, each "
+        "key tried as a regex (once per trace on JAX).",
         output_layouts.wrap_get_tensor_layout,
     ),
     Patch(
@@ -83,8 +79,8 @@ KERAS_PATCHES = (
     Patch(
         KERAS.torch_ops,
         "convert_to_numpy",
-        "Second binding of convert_to_numpy (package re-export; "
-        "backend.ops.convert_to_numpy on 3.16: saving and predict).",
+        "Second binding of convert_to_numpy (package re-export; 3.16's "
+        "backend.ops: saving and predict).",
         variables.wrap_convert_to_numpy,
     ),
     Patch(
@@ -135,17 +131,15 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}._compute_loss",
-        "DataParallel: Keras updates compiled metrics after the optimizer "
-        "step, so summing them was one more collective every step; they "
-        "are updated with the loss and summed while backward runs.",
+        "DataParallel: compiled metrics are updated with the loss and "
+        "summed while backward runs, not in a collective of their own.",
         data_parallel.wrap_compute_loss,
     ),
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}.compute_loss",
-        "DataParallel: a batch with fewer entries than processes leaves some "
-        "ranks none; Keras's loss over no entries is an empty tensor, whose "
-        "backward raises. There it is a zero that contributes nothing.",
+        "DataParallel: a rank with no entries of a small batch gets a zero "
+        "loss, not Keras's empty tensor whose backward raises.",
         data_parallel.wrap_compute_loss_without_rows,
     ),
     Patch(
@@ -159,9 +153,8 @@ KERAS_PATCHES = (
         Patch(
             module,
             f"{cls}._backend_update_step",
-            "DataParallel: every rank applying the whole update repeats the "
-            "same work; each updates the variables it owns, then they are "
-            "broadcast (ZeRO stage 1 on whole variables).",
+            "DataParallel: each rank updates the variables it owns, then they "
+            "are broadcast (ZeRO stage 1 on whole variables).",
             data_parallel.wrap_backend_update_step,
         )
         for module, cls in (
@@ -175,18 +168,16 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.optimizers.base_optimizer",
         "BaseOptimizer._filter_empty_gradients",
-        "Backward can leave a gradient partial or sharded along another "
-        "dim (Dense(1) under (None, 'model')); the optimizer's in-place "
-        "update then fails. Gradients are laid out as their variables.",
+        "A gradient left partial or split along another dim (Dense(1) "
+        "under (None, 'model')) is laid out as its variable for the update.",
         variables.wrap_filter_empty_gradients,
     ),
     Patch(
         "keras.src.backend.torch.optimizers.torch_adam",
         "Adam._parallel_update_step",
         "Keras's Adam (and AdamW) holds three temporaries the size of all "
-        "weights at once: on sharded weights, 3 extra shards per rank at "
-        "each step's peak (torch's Adam: 1). Under a distribution it runs "
-        "on local shards in bounded pieces, the same arithmetic.",
+        "weights at once; here it runs on local shards in bounded pieces, "
+        "the same arithmetic.",
         sharded_adam.wrap_adam_update,
     ),
     Patch(
@@ -199,20 +190,16 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.backend.torch.random",
         "dropout",
-        "Under DataParallel a seeded Dropout drew its mask for this rank's "
-        "entries only: every rank got the first entries of one process's mask; "
-        "on an activation split over the model axis (a DTensor), each rank "
-        "drew a mask for its own shard. It draws one process's mask for "
-        "the global shape and keeps this rank's part.",
+        "Each rank drew a mask for its own entries or shard: one process's "
+        "mask is drawn for the global shape, each rank keeps its part.",
         dropout.wrap_dropout,
     ),
     *(
         Patch(
             "keras.src.backend.torch.random",
             name,
-            "Seeded draws shaped like the batch (GaussianNoise, "
-            "augmentation layers, keras.random in call) under DataParallel: "
-            "this rank's entries of the global draw, as for dropout.",
+            "DataParallel: draws shaped like the batch (GaussianNoise, "
+            "augmentation) take this rank's entries of the global draw.",
             data_parallel.wrap_shaped_draw,
         )
         for name in data_parallel.SHAPED_DRAWS
@@ -220,34 +207,29 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.layers.normalization.batch_normalization",
         "BatchNormalization.__init__",
-        "synchronized=True raised 'only supported with the TensorFlow "
-        "backend'; under DataParallel it means global-batch statistics "
-        "(the default there, as on JAX, unless SYNC_BATCH_NORM=0).",
+        "synchronized=True raised on torch; under DataParallel it means "
+        "global-batch statistics (the default unless SYNC_BATCH_NORM=0).",
         data_parallel.wrap_batch_norm_init,
     ),
     Patch(
         KERAS.torch_nn,
         "moments",
-        "Its synchronized=True raised; under DataParallel on N processes it "
-        "computes the global batch's mean and variance (one all-reduce), "
-        "flag or not unless SYNC_BATCH_NORM=0.",
+        "DataParallel on N processes: the global batch's mean and "
+        "variance (one all-reduce), unless SYNC_BATCH_NORM=0.",
         data_parallel.wrap_moments,
     ),
     Patch(
         KERAS.torch_nn,
         "dot_product_attention",
-        "DTensor attention: 3.15's torch rule cannot move the mask (shape "
-        "error), 3.16 drops a Partial or sequence split with no error. "
-        "q/k/v are split alike or replicated, the mask follows the query.",
+        "3.15's torch rule cannot move the mask; 3.16 drops a Partial or "
+        "sequence split silently. It runs on alike-split local shards.",
         attention.wrap_dot_product_attention,
     ),
     Patch(
         _TRAINER,
         f"{KERAS.torch_trainer}.fit",
-        "DataParallel splits optimizer updates only inside fit, and its "
-        "end must bring the slots stale off their owner back; callbacks' "
-        "file operations are shared (as evaluate/predict below); replicas "
-        "of the weights are compared when it returns (silent divergence).",
+        "DataParallel's split update lives inside fit; callbacks' file "
+        "operations are shared; replicas are compared when it returns.",
         lambda original: fit_guard.wrap_trainer_call(
             replicate_check.wrap_fit(data_parallel.wrap_fit(original))
         ),
@@ -256,9 +238,8 @@ KERAS_PATCHES = (
         Patch(
             _TRAINER,
             f"{KERAS.torch_trainer}.{method}",
-            "Callbacks' file operations on N processes: rank 0 performs "
-            "each, every rank gets its outcome (shared_files.py); a failed "
-            "collective says a peer died or stalled (fit_guard.py).",
+            "Callbacks' file operations are shared (rank 0 acts); a failed "
+            "collective says a peer died or stalled.",
             fit_guard.wrap_trainer_call,
         )
         for method in ("evaluate", "predict")
@@ -276,16 +257,15 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.callbacks.tensorboard",
         "TensorBoard.set_model",
-        "Every rank wrote its own event files into the shared log_dir "
-        "(one run per rank); the others write to a scratch directory.",
+        "Every rank wrote event files into the shared log_dir; the others "
+        "write to a scratch directory.",
         shared_files.wrap_tensorboard_set_model,
     ),
     Patch(
         _TRAINER,
         f"{KERAS.torch_trainer}.{KERAS.should_compile}",
-        "torch.compile of the whole train_step fails on DTensor tangents "
-        "after the graph break at loss.backward(); compile the forward "
-        "(Keras 3.16 turns jit_compile off under ModelParallel).",
+        "torch.compile of the whole train_step fails on DTensor tangents; "
+        "the forward is compiled instead.",
         jit.wrap_should_torch_compile,
     ),
     Patch(
@@ -311,16 +291,14 @@ KERAS_PATCHES = (
         "keras.src.layers.layer",
         "Layer.add_loss",
         "DataParallel: a loss a layer adds from its whole input (an MoE "
-        "load-balancing loss, an activity regularizer) was each rank's "
-        "own; the layer is marked, and runs over the global batch.",
+        "balancing loss) is computed over the global batch.",
         data_parallel.wrap_add_loss,
     ),
     Patch(
         "keras.src.layers.layer",
         "Layer.__call__",
-        "Eager model(x) outside fit gets plain inputs; the outermost call "
-        "lays them out like a fit batch, and tensors a layer creates are "
-        "global values.",
+        "Each call goes to its strategy; model(x) outside fit lays its "
+        "inputs out like a fit batch.",
         layer_call.wrap_call,
     ),
     Patch(
@@ -333,28 +311,22 @@ KERAS_PATCHES = (
     Patch(
         KERAS.torch_numpy,
         "einsum",
-        "torch's einsum over DTensors reshapes a sharded dim into a merged "
-        "one for some shapes (one token at a time in generate) and then "
-        "gathers the kernel or all-reduces a column split's output; the "
-        "subscripts say the layout, as for mm.",
+        "torch's einsum over DTensors merges a sharded dim for some shapes, "
+        "then gathers; the subscripts say the layout, as for mm.",
         model_parallel.wrap_einsum,
     ),
     Patch(
         KERAS.torch_numpy,
         "matmul",
-        "A tensor-parallel Dense runs on its local shards (DTensor's "
-        "per-op dispatch is most of a small layer's step on a GPU); its "
-        "kernel's product is placed there by the einsum rules. Returns at "
-        "once outside such a call.",
+        "A tensor-parallel Dense runs on its local shards, placed by the "
+        "einsum rules. Returns at once outside such a call.",
         model_parallel.wrap_matmul,
     ),
     Patch(
         KERAS.torch_numpy,
         "reshape",
-        "A tensor-parallel model's own ops run on local tensors; a reshape "
-        "to a shape from its config (keras_hub's attention, by its global "
-        "head count) takes the local shape of the DTensor run it is "
-        "checked against. Returns at once outside such a run.",
+        "In a local run, a reshape to a global shape from the config takes "
+        "the recorded local one. Returns at once outside such a run.",
         model_parallel.wrap_reshape,
     ),
     Patch(
@@ -368,9 +340,8 @@ KERAS_PATCHES = (
         Patch(
             module,
             "distribute_tensor",
-            "DataParallel keeps tensors plain; a tensor laid out by hand (the "
-            "inputs of keras_hub's generate) would be a DTensor meeting plain "
-            "variables.",
+            "DataParallel keeps tensors plain; one laid out by hand would meet "
+            "plain variables.",
             data_parallel.wrap_distribute_tensor,
         )
         for module in (
@@ -384,10 +355,8 @@ KERAS_PATCHES = (
             module,
             "set_distribution",
             "Plain tensors are global values while a distribution is set, as "
-            "on JAX: keras_hub's generate loop or user code between calls "
-            "would raise 'got mixed torch.Tensor and DTensor'. Meanwhile a "
-            "warnings filter quiets torch's 'non-scalar tensor with "
-            "numel=1' warning, printed on every rank.",
+            "on JAX (else 'got mixed torch.Tensor and DTensor'); torch's "
+            "'numel=1' warning is quieted.",
             context.wrap_set_distribution,
         )
         for module in (

@@ -1,7 +1,7 @@
-"""The two kinds of entries of the `PATCHES` table (`keras_dtensor.patches`).
+"""The kinds of entries of the `PATCHES` table (`keras_dtensor.patches`).
 
-Each entry knows how to apply itself (returning what it saved), restore
-what it saved, and tell whether its replacement is still in place.
+Each entry applies itself (returning what it saved), restores what it
+saved, and tells whether its replacement is still in place.
 """
 
 import dataclasses
@@ -26,16 +26,28 @@ __all__ = [
     "status_of",
 ]
 
-# An entry's versions unless it names its own: the whole supported range.
-_ANY_KERAS = str(compat.SUPPORTED_KERAS)
-_ANY_TORCH = str(compat.SUPPORTED_TORCH)
-
 TAG = "__keras_dtensor_patch__"
 MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
-class Patch:
+class _Entry:
+    """The Keras and torch versions an entry applies to (keyword-only; by
+    default the whole supported range)."""
+
+    keras: str = dataclasses.field(
+        default=str(compat.SUPPORTED_KERAS), kw_only=True
+    )
+    torch: str = dataclasses.field(
+        default=str(compat.SUPPORTED_TORCH), kw_only=True
+    )
+
+    def check(self):
+        """Raises unless the entry's target resolves on this install."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch(_Entry):
     """One replaced attribute of Keras or torch.
 
     Attributes:
@@ -43,16 +55,12 @@ class Patch:
         attribute: attribute name; `Class.method` for a class attribute.
         why: what breaks without it.
         factory: `original -> replacement`; `None` original when absent.
-        keras: the Keras versions the entry applies to.
-        torch: the torch versions the entry applies to.
     """
 
     module: str
     attribute: str
     why: str
     factory: Callable[[Any], Any]
-    keras: str = _ANY_KERAS
-    torch: str = _ANY_TORCH
 
     @property
     def target(self) -> str:
@@ -70,7 +78,6 @@ class Patch:
         return self.attribute.rsplit(".", 1)[-1]
 
     def check(self):
-        """Raises unless the target's owner resolves on this install."""
         try:
             self.owner()
         except (ImportError, AttributeError) as e:
@@ -120,19 +127,16 @@ def _propagator():
 
 
 @dataclasses.dataclass(frozen=True)
-class Registration:
+class Registration(_Entry):
     """A DTensor sharding strategy registered for some torch ops.
 
     Attributes:
         name: a short name for the ops, shown by `keras-dtensor info`.
-        ops: `() -> [OpOverload]`, resolved when applied (an empty list
-            registers nothing).
+        ops: `() -> [OpOverload]`, resolved when applied (may be empty).
         strategy: the `register_sharding` strategy function.
         why: what breaks without it.
         refine: `(OpStrategy, OpSchema) -> OpStrategy`, applied to what
-            the strategy expands to (e.g. to drop invalid combinations).
-        keras: the Keras versions the entry applies to.
-        torch: the torch versions the entry applies to.
+            the strategy expands to.
     """
 
     name: str
@@ -140,11 +144,6 @@ class Registration:
     strategy: Callable[..., Any]
     why: str
     refine: Callable[..., Any] | None = None
-    keras: str = _ANY_KERAS
-    torch: str = _ANY_TORCH
-
-    def check(self):
-        """Nothing to resolve before applying: `ops()` may be empty."""
 
     @property
     def target(self) -> str:
@@ -159,8 +158,7 @@ class Registration:
             before = (
                 propagator.op_strategy_funcs.get(op, MISSING),
                 propagator.op_to_schema_info.get(op, MISSING),
-                # A single-dim rule of torch's own wins over ours: set
-                # aside while ours is installed.
+                # torch's own single-dim rule would win: set aside.
                 _single_dim(propagator).pop(op, MISSING),
             )
             register_sharding(op)(self.strategy)
@@ -207,26 +205,20 @@ def _single_dim(propagator):
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheKey:
-    """Arguments DTensor must hash into an op's sharding-propagation key.
-
-    DTensor caches an op's sharding by the arguments from `static_argnum`
-    on; an op registered with too large a `static_argnum` gets another
-    call's output shape back from the cache.
+class CacheKey(_Entry):
+    """Arguments DTensor must hash into an op's sharding-propagation key
+    (with too large a `static_argnum`, another call's output shape comes
+    back from the cache).
 
     Attributes:
         op: `() -> OpOverload`.
         static_argnum: the first argument that must be part of the key.
         why: what breaks without it.
-        keras: the Keras versions the entry applies to.
-        torch: the torch versions the entry applies to.
     """
 
     op: Callable[[], Any]
     static_argnum: int
     why: str
-    keras: str = _ANY_KERAS
-    torch: str = _ANY_TORCH
 
     def check(self):
         self.op()
@@ -238,8 +230,7 @@ class CacheKey:
         )
 
     def _table(self, propagator, op):
-        """The schema-info table that holds `op` (torch 2.14 keeps
-        single-dimension strategies' in a table of their own)."""
+        """The schema-info table that holds `op` (torch 2.14 has two)."""
         for name in (
             "op_to_schema_info",
             "op_to_schema_info_for_single_dim_strategy",
@@ -291,12 +282,9 @@ def applies(entry):
 
 
 def apply_all(entries, saved):
-    """Applies the entries that apply here, recording each original in
-    `saved[entry.target]`; all or nothing.
-
-    Every target is resolved before the first replacement; if an entry still
-    fails, the entries applied before it are restored and the error raised.
-    """
+    """Applies the entries that apply here, each original saved in
+    `saved[entry.target]`: every target resolved first, then all or
+    nothing."""
     entries = [entry for entry in entries if applies(entry)[0]]
     for entry in entries:
         entry.check()
@@ -317,9 +305,8 @@ def restore_all(entries, saved):
 
 
 def status_of(entries, saved):
-    """`[(target, state, why)]`: state `applied`, `original`, `replaced by
-    another library`, or `skipped: <reason>` for an entry that does not apply
-    to the installed versions."""
+    """`[(target, state, why)]`; state `applied`, `original`, `replaced by
+    another library` or `skipped: <reason>`."""
     result = []
     for entry in entries:
         original = saved.get(entry.target)

@@ -1,8 +1,4 @@
-"""The Keras entries of the `PATCHES` table that save and load weights.
-
-Each entry names its target, why it is replaced and the Keras versions it was
-checked against; `keras_dtensor.patches` applies and restores them.
-"""
+"""The Keras entries of the `PATCHES` table that save and load weights."""
 
 import functools
 
@@ -18,9 +14,8 @@ SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.__getitem__",
-        "load_weights/load_model read every variable whole on every rank: "
-        "a model that fits only sharded could not be loaded. Under a "
-        "distribution the store hands out the dataset, read lazily.",
+        "Loads read every variable whole on every rank; here the store "
+        "hands out the dataset, read lazily.",
         saving.wrap_h5_store_getitem,
     ),
     Patch(
@@ -46,10 +41,8 @@ SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.__init__",
-        "A store opened for writing outside save_weights/model.save "
-        "(keras_hub's save_lora_weights) was opened by every rank: h5py's "
-        "lock failed on all but one, whose gathers then hung; under a "
-        "distribution it is written as save_weights writes.",
+        "A store opened for writing elsewhere (save_lora_weights) was "
+        "opened by every rank; it is written as save_weights writes.",
         saving.wrap_h5_store_init,
     ),
     Patch(
@@ -62,18 +55,15 @@ SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.__setitem__",
-        "Converting a sharded variable to numpy gathered it whole on every "
-        "rank (2x the model per rank while saving); inside a save rank 0 "
-        "writes it in pieces from the shards' owners (h5_stream.py).",
+        "A sharded variable was gathered whole on every rank; inside a "
+        "save rank 0 writes it in pieces from its owners.",
         saving.wrap_h5_store_setitem,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "ShardedH5IOStore.__setitem__",
-        "save_weights(max_shard_size=...) converted every variable to "
-        "numpy first (a whole gather) to size its shard files; inside a "
-        "save a sharded value passes as its shape and dtype and is "
-        "written in pieces (stores.py).",
+        "max_shard_size gathered every variable to size its files; a "
+        "sharded value passes as shape and dtype, written in pieces.",
         saving.wrap_sharded_h5_store_setitem,
     ),
     Patch(
@@ -86,10 +76,8 @@ SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "_save_model_to_fileobj",
-        "model.save built the whole weights file in memory on rank 0 (a "
-        "BytesIO, then a copy), or in a temporary file copied into the "
-        "zip (written twice); inside a save h5py writes it in place in "
-        "the zip (zip_writer.py).",
+        "model.save built the weights file in memory or wrote it twice; "
+        "h5py writes it in place in the zip.",
         saving.wrap_save_model_to_fileobj,
     ),
 )

@@ -1,10 +1,5 @@
 """The torch entries of the `PATCHES` table: torch attributes replaced, DTensor
-sharding strategies registered and sharding-cache keys fixed.
-
-Each entry declares the Keras and torch versions it applies to (by default
-the whole supported range, `compat.SUPPORTED_*`); a torch outside that
-range is refused at import.
-"""
+sharding strategies registered and sharding-cache keys fixed."""
 
 import torch
 
@@ -23,18 +18,15 @@ TORCH_PATCHES = (
     Patch(
         "torch.distributed.tensor.placement_types",
         "Partial.__hash__",
-        "It hashes the reduce-op string, salted per process "
-        "(PYTHONHASHSEED); DTensor breaks strategy ties in set order, so "
-        "ranks launched by plain torchrun could choose different "
-        "collectives and hang.",
+        "It hashes a string salted per process; DTensor breaks strategy "
+        "ties in set order: ranks could choose different collectives.",
         lambda original: placement_order.partial_hash,
     ),
     Patch(
         "torch.distributed.tensor.placement_types",
         "_MaskPartial.__hash__",
-        "It hashes a memory address, which differs between processes; "
-        "DTensor orders strategies by hash, so ranks could choose "
-        "different collectives (vocabulary-sharded Embedding).",
+        "It hashes a memory address: ranks could choose different "
+        "collectives (vocabulary-sharded Embedding).",
         lambda original: placement_order.mask_partial_hash,
     ),
     Patch(
@@ -46,85 +38,71 @@ TORCH_PATCHES = (
     Patch(
         "torch.distributed.tensor._redistribute",
         "DTensorRedistributePlanner.__init__",
-        "Its sets of target reduce-op strings iterate in per-process "
-        "string-hash order; insertion-ordered sets make the planned "
-        "collectives agree across ranks.",
+        "Its sets of reduce-op strings iterate in per-process hash order; "
+        "insertion-ordered, the planned collectives agree across ranks.",
         placement_order.wrap_planner_init,
     ),
     Patch(
         "torch.distributed.tensor",
         "DTensor._stable_hash_for_caching",
-        "torch keys a DTensor in its on-disk compile cache (AOTAutograd) "
-        "by the spec alone, the same on every rank; ranks of one machine "
-        "share the cache, and a warm run loaded another rank's compiled "
-        "forward: different numbers, no error. The key names the rank.",
+        "The on-disk compile cache keyed a DTensor by spec alone: a warm "
+        "run loaded another rank's forward. The key names the rank.",
         compile_fixes.wrap_stable_hash_for_caching,
     ),
     Patch(
         "torch._functorch._aot_autograd.runtime_wrappers",
         "gen_alias_from_base",
-        "torch 2.13 rebuilds a compiled piece's output that is a view of its "
-        "input with as_strided, which DTensor refuses: jit_compile fell back "
-        "to eager on Keras's MultiHeadAttention (a transposed view across a "
-        "graph break) and keras_hub's Qwen-MoE (a reshape). A permutation "
-        "is rebuilt with permute, a reshape with view.",
+        "A compiled output that views its input is rebuilt with "
+        "as_strided, which DTensor refuses; here with permute or view.",
         compile_fixes.wrap_gen_alias_from_base,
     ),
     Patch(
         "torch.distributed.tensor._redistribute",
         "_redistribute_backward",
-        "A vocabulary-sharded embedding's masked partial output meets a "
-        "plain partial gradient from a column-parallel layer: 'Redistribution"
-        " from one partial type (P(sum)) to another (MaskP(...)) is "
-        "unsupported' in backward. The gradient is summed first.",
+        "Backward from P(sum) to a vocabulary-sharded embedding's "
+        "MaskP(...) is unsupported; the gradient is summed first.",
         redistribute.wrap_redistribute_backward,
     ),
     Patch(
         "torch.distributed.tensor._dispatch",
         "redistribute_local_tensor",
-        "Indices that must be both gathered (batch-sharded input) and "
-        "masked (vocabulary-sharded table) record their mask before the "
-        "gather: a wrong-shape mask (keras_hub Gemma on a 2 x 2 mesh).",
+        "Indices both gathered and masked (vocabulary-sharded table) "
+        "recorded their mask before the gather: a wrong-shape mask.",
         redistribute.wrap_redistribute_local_tensor,
     ),
     Patch(
         "torch.nn.functional",
         "embedding",
-        "A table sharded on its entries (vocabulary-parallel) gets its "
-        "gradient from DTensor's embedding_dense_backward replicated: the "
-        "whole table's gradient on every rank. Its lookup goes through an "
-        "autograd function whose backward computes this rank's entries only.",
+        "A vocabulary-sharded table got its whole gradient on every rank; "
+        "its backward computes this rank's entries only.",
         embedding_grad.wrap_embedding,
     ),
     CacheKey(
         lambda: torch.ops.aten.topk.default,
         1,
-        "torch 2.13 keys topk's sharding cache from `dim` on, without `k`: "
-        "a later topk with another k gets the first one's output shape "
-        "(keras_hub's TopKSampler in generate).",
+        "torch 2.13 keys topk's sharding cache without `k`: another k "
+        "got the first one's output shape (TopKSampler).",
     ),
     Registration(
         "comparison ops torch lacks (eq, ne, lt, le, gt, ge)",
         strategies.missing_comparisons,
         strategies.elementwise,
         "Keras's optimizer EMA compares `iterations`; torch 2.11 has no "
-        "DTensor rule for aten.ne.Tensor (2.13 has all: nothing registered).",
+        "rule for aten.ne.Tensor (2.13 has all).",
     ),
     Registration(
         "aten.scatter_reduce",
         strategies.scatter_reduce_ops,
         strategies.scatter_reduce,
-        "No DTensor rule in torch 2.13: Keras's segment_sum, and so every "
-        "thresholded metric (AUC, Precision(thresholds=...)), crashed under "
-        "ModelParallel.",
+        "No DTensor rule: segment_sum, so AUC and thresholded metrics, "
+        "crashed under ModelParallel.",
     ),
     Registration(
         "aten.multinomial, replicated",
         strategies.sample_ops,
         strategies.replicated_sample,
-        "torch samples each rank's entries of a batch-sharded DTensor from the "
-        "start of the same generator stream: keras.random.categorical and "
-        "keras_hub's samplers would draw other tokens than one process.",
+        "Each rank sampled its entries from the same stream's start: "
+        "other tokens than one process draws.",
     ),
     Registration(
         "aten._scaled_dot_product_flash_attention_for_cpu",
