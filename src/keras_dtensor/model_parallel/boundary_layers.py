@@ -20,9 +20,7 @@ from torch.distributed.tensor import Replicate
 
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.model_parallel import local_split
-from keras_dtensor.model_parallel.reference_run import fingerprint
-from keras_dtensor.model_parallel.reference_run import next_key
-from keras_dtensor.model_parallel.reference_run import scoped
+from keras_dtensor.model_parallel import reference_run
 
 __all__ = [
     "Mismatch",
@@ -78,7 +76,7 @@ class Replay:
 
 def replaying(replay):
     """A context in which layer calls follow `replay`."""
-    return scoped(_REPLAY, replay)
+    return reference_run.scoped(_REPLAY, replay)
 
 
 def current_replay():
@@ -89,7 +87,7 @@ def current_replay():
 def checked_call(replay, layer, original, args, kwargs):
     """A layer call of a local run being traced: its outputs must have
     the fingerprint the DTensor run's had, else the runs part here."""
-    key = next_key(replay.counts, layer)
+    key = reference_run.next_key(replay.counts, layer)
     outputs = original(layer, *args, **kwargs)
     expected, specs = replay.record.fingerprints.get(key, (None, ()))
     flat = fast_tree.flatten(outputs)
@@ -98,7 +96,7 @@ def checked_call(replay, layer, original, args, kwargs):
         flat = [
             _as_shard(x, s, replay) for x, s in zip(flat, specs, strict=True)
         ]
-    got = fingerprint(flat)
+    got = reference_run.fingerprint(flat)
     if got != expected:
         failed_in(layer)
         shapes = [f[0] for f in got]
@@ -171,7 +169,7 @@ def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
     """Runs a boundary layer inside a local run: on its shards
     (`local_split`), or as DTensors in `dtensor_scope(layer)`, its
     inputs laid out as recorded; returns local tensors."""
-    key = next_key(replay.counts, layer)
+    key = reference_run.next_key(replay.counts, layer)
     recorded = replay.record.calls.get(key)
     flat = fast_tree.flatten((args, kwargs))
     if recorded is None or len(recorded) != len(flat):

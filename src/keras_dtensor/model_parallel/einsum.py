@@ -17,8 +17,7 @@ from keras_dtensor import compat
 from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import local_shards
-from keras_dtensor.ops.einsum_plan import matmul_subscripts
-from keras_dtensor.ops.einsum_plan import plan_for
+from keras_dtensor.ops import einsum_plan
 
 __all__ = ["shard_plan", "wrap_einsum", "wrap_matmul"]
 
@@ -30,7 +29,7 @@ def shard_plan(subscripts, operands):
     if any(x.device_mesh != mesh for x in operands):
         return None
     specs = tuple((tuple(x.placements), tuple(x.shape)) for x in operands)
-    return plan_for(subscripts, mesh, specs)
+    return einsum_plan.plan_for(subscripts, mesh, specs)
 
 
 def _global_stride(local, shape):
@@ -104,7 +103,7 @@ def wrap_matmul(original):
         if torch.compiler.is_compiling() or not local_shards.active():
             return original(x1, x2)
         x1, x2 = _tensor(x1), _tensor(x2)
-        subscripts = matmul_subscripts(x1.ndim)
+        subscripts = einsum_plan.matmul_subscripts(x1.ndim)
         if x2.ndim != 2 or subscripts is None:
             raise local_shards.Unsupported("a matmul of another kind")
         return local_shards.contract(subscripts, [x1, x2], original)

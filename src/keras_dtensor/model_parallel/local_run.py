@@ -27,18 +27,14 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend.errors import AssignedInCall
 from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import fsdp_blocks
 from keras_dtensor.model_parallel import fsdp_weights
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import local_run_check
+from keras_dtensor.model_parallel import local_run_spec
 from keras_dtensor.model_parallel import packed_gather
-from keras_dtensor.model_parallel.local_run_spec import adding_losses
-from keras_dtensor.model_parallel.local_run_spec import forget
-from keras_dtensor.model_parallel.local_run_spec import shards_enter
-from keras_dtensor.model_parallel.local_run_spec import whole_along
 from keras_dtensor.model_parallel.reference_run import scoped
 
 __all__ = ["active", "call", "inner_call"]
@@ -69,7 +65,7 @@ def _input_rows(run_spec, flat):
                 if rows not in (None, shape):
                     return None
                 rows = shape
-            elif not whole_along(run_spec.mesh, i, placement):
+            elif not local_run_spec.whole_along(run_spec.mesh, i, placement):
                 return None
     return rows
 
@@ -111,47 +107,42 @@ def _local_weights(run_spec, layout, kept):
     batch-sharded ones gathered at once (one all-gather per dtype) or
     group by group under a `fsdp_blocks.Layout` (yields its `Session`,
     else None)."""
-    whole = {}
-    by_dtype = {}
     values = [variable._value for variable, _, _ in run_spec.weights]
+    whole = list(values)  # kept, and shards until their group gathers
     session = None
     if run_spec.gathered:
         group = run_spec.mesh.get_group(run_spec.dim)
     if layout is not None:
         session = fsdp_blocks.Session(run_spec, layout, values, group)
         for i, full in session.gather_root().items():
-            whole[id(run_spec.weights[i][0])] = full
-    grouped = () if layout is None else layout.grouped
-    read = []  # (variable, value, gradient placements): read locally
-    for i, (variable, gather, grad) in enumerate(run_spec.weights):
-        value = values[i]
-        if i in kept:  # a tensor-parallel layer's: stays a DTensor
-            whole[id(variable)] = value
-        elif not gather:
-            read.append((variable, value, grad))
-        elif layout is None:
-            by_dtype.setdefault(value.dtype, []).append((variable, value))
-            read.append((variable, value, None))
-        elif i in grouped:
-            whole[id(variable)] = value  # a shard until its group gathers
-        # else: in `layout.root`, gathered above
+            whole[i] = full
+    read, by_dtype = [], {}  # read locally; gathered at once, by dtype
+    for i, (_, gather, grad) in enumerate(run_spec.weights):
+        if i in kept or (gather and layout is not None):
+            continue
+        read.append((i, None if gather else grad))
+        if gather:
+            by_dtype.setdefault(values[i].dtype, []).append(i)
     locals_ = local_grads.local_many(
-        [value for _, value, _ in read], [grad for _, _, grad in read]
+        [values[i] for i, _ in read], [grad for _, grad in read]
     )
-    for (variable, _, _), local_tensor in zip(read, locals_, strict=True):
-        whole[id(variable)] = local_tensor  # a shard, where gathered below
-    for items in by_dtype.values():
-        shards = [whole[id(variable)] for variable, _ in items]
+    for (i, _), local_tensor in zip(read, locals_, strict=True):
+        whole[i] = local_tensor
+    for indices in by_dtype.values():
         specs = [
-            (value.placements[run_spec.dim].dim, tuple(value.shape))
-            for _, value in items
+            (values[i].placements[run_spec.dim].dim, tuple(values[i].shape))
+            for i in indices
         ]
-        fulls = packed_gather.gather_shards(shards, specs, group)
-        for (variable, _), full in zip(items, fulls, strict=True):
-            whole[id(variable)] = full
+        fulls = packed_gather.gather_shards(
+            [whole[i] for i in indices], specs, group
+        )
+        for i, full in zip(indices, fulls, strict=True):
+            whole[i] = full
     try:
-        for variable, _, _ in run_spec.weights:
-            variable._value = whole[id(variable)]
+        for (variable, _, _), value in zip(
+            run_spec.weights, whole, strict=True
+        ):
+            variable._value = value
         if session is None:
             yield None
             return
@@ -270,7 +261,7 @@ def call(layer, original, run_spec, args, kwargs, reference):
     if run_spec.boundary:
         # A compiled forward (`jit_compile=True`) cannot hold the islands.
         if (
-            not shards_enter(run_spec, flat)
+            not local_run_spec.shards_enter(run_spec, flat)
             or object_state.get_on(layer, "call") is not None
         ):
             return False, None
@@ -292,7 +283,7 @@ def call(layer, original, run_spec, args, kwargs, reference):
     assigned = False
     try:
         outputs = run(layout)
-    except AssignedInCall:
+    except errors.AssignedInCall:
         assigned = True  # caught before the write: nothing changed
     except RuntimeError as error:
         if layout is None or not _mixed(error):
@@ -310,13 +301,13 @@ def call(layer, original, run_spec, args, kwargs, reference):
             )
         try:
             outputs = run(None)
-        except AssignedInCall:
+        except errors.AssignedInCall:
             assigned = True
-    added = adding_losses(run_spec.layers)
+    added = local_run_spec.adding_losses(run_spec.layers)
     if added or assigned:
         for sub in added:
             sub._losses.clear()
-        forget(layer)
+        local_run_spec.forget(layer)
         return False, None
     return True, fast_tree.map_structure(
         lambda x: _to_global(run_spec, rows, x, layer), outputs

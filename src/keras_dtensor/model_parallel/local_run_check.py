@@ -12,7 +12,6 @@ runs as DTensors and rank 0 says why, once per distribution. See
 docs/internals/local-run.md.
 """
 
-import dataclasses
 import re
 import warnings
 
@@ -24,16 +23,15 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.errors import AssignedInCall
+from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import local_run_spec
-from keras_dtensor.model_parallel.boundary_layers import Replay
-from keras_dtensor.model_parallel.boundary_layers import outputs_global
-from keras_dtensor.model_parallel.reference_run import Record
-from keras_dtensor.model_parallel.reference_run import recording
-from keras_dtensor.model_parallel.reference_run import spec
+from keras_dtensor.model_parallel import reference_run
 
-__all__ = ["State", "agree", "call", "matches", "reason", "signature"]
+__all__ = ["agree", "call", "matches", "reason", "signature"]
 
-# On a model: `(run_spec, {signature: Record or None}, {layouts: State})`.
+# On a model: `(run_spec, {signature: Record or None}, {input layouts:
+# (layers promoted to the boundary, boundary layers handing on whole
+# outputs)})`.
 _RECORDS = "_keras_dtensor_sharded_records"
 _MISSING = object()
 _SAID = "_keras_dtensor_said_runs_as_dtensors"
@@ -47,7 +45,7 @@ def signature(flat):
     out = []
     for x in flat:
         if isinstance(x, torch.Tensor):
-            out.append((tuple(x.shape), x.dtype, spec(x)))
+            out.append((tuple(x.shape), x.dtype, reference_run.spec(x)))
         elif x is None or isinstance(x, (bool, int, float, str)):
             out.append(x)
         else:
@@ -105,15 +103,6 @@ def agree(code, mesh):
     return low, -high
 
 
-@dataclasses.dataclass
-class State:
-    """A model's layers promoted to the boundary, and its boundary layers
-    whose outputs leave replicated (ids), for one layout of its inputs."""
-
-    promoted: set = dataclasses.field(default_factory=set)
-    replicated: set = dataclasses.field(default_factory=set)
-
-
 def call(layer, run_spec, flat, reference, run):
     """A model's call with its tensor-parallel layers as DTensor islands.
 
@@ -133,13 +122,15 @@ def call(layer, run_spec, flat, reference, run):
     if record is None:  # checked: this signature runs as DTensors
         return False, None
     if record is not _MISSING:
-        outputs = run(Replay(record, run_spec.mesh))
-        return True, outputs_global(record, run_spec.mesh, outputs)
+        outputs = run(boundary_layers.Replay(record, run_spec.mesh))
+        return True, boundary_layers.outputs_global(
+            record, run_spec.mesh, outputs
+        )
     # The layers promoted depend on the placements of the inputs too.
     layouts = tuple(
         tuple(x.placements) if isinstance(x, DTensor) else None for x in flat
     )
-    state = states.setdefault(layouts, State())
+    promoted, replicated = states.setdefault(layouts, (set(), set()))
     order = {id(sub): i for i, sub in enumerate(run_spec.layers)}
     # Verdicts: a layer's index (promote it), `ok`, `trace` (trace the
     # layers' outputs to find where the runs part) or -1 (no layer).
@@ -156,23 +147,23 @@ def call(layer, run_spec, flat, reference, run):
             and id(sub) in order
             and sub is not layer
             and id(sub) not in record.boundary
-            and len(state.promoted) < _MAX_PROMOTED
+            and len(promoted) < _MAX_PROMOTED
         )
 
     # Layers made to hand on whole outputs, and why the model's own call
     # failed before the first of them.
     tried, first_why = [], None
     while True:
-        record = Record(
-            set(run_spec.boundary) | state.promoted,
+        record = reference_run.Record(
+            set(run_spec.boundary) | promoted,
             run_spec,
             children=children,
-            replicated=frozenset(state.replicated),
+            replicated=frozenset(replicated),
         )
         if tracing:
             record.fingerprints = {}
         try:
-            with torch.no_grad(), recording(record):
+            with torch.no_grad(), reference_run.recording(record):
                 expected = reference()
         except AssignedInCall:
             records[key] = None
@@ -187,18 +178,20 @@ def call(layer, run_spec, flat, reference, run):
         if record.uneven:
             # Decided from the DTensor run alone, the same on every rank.
             more = record.uneven - record.boundary
-            if None in more or len(state.promoted | more) > _MAX_PROMOTED:
+            if None in more or len(promoted | more) > _MAX_PROMOTED:
                 records[key] = None
                 return False, None
             if more:
-                state.promoted |= more
+                promoted |= more
                 continue
         code, outputs, why = -1, None, None
-        replay = Replay(record, run_spec.mesh)
+        replay = boundary_layers.Replay(record, run_spec.mesh)
         default = -1 if tracing else trace
         try:
             outputs = run(replay)
-            final = outputs_global(record, run_spec.mesh, outputs)
+            final = boundary_layers.outputs_global(
+                record, run_spec.mesh, outputs
+            )
             same, why = matches(expected, outputs, final)
             code = ok if same else default
             if replay.values_differ:  # traced to a layer on this rank
@@ -230,21 +223,19 @@ def call(layer, run_spec, flat, reference, run):
             # No layer at fault: the model's own ops. The next of its own
             # boundary layers with sharded outputs hands them on whole
             # (the same record on every rank: the same choice).
-            untried = [
-                i for i in record.sharded_outputs if i not in state.replicated
-            ]
-            if untried and len(state.replicated) < _MAX_PROMOTED:
+            untried = [i for i in record.sharded_outputs if i not in replicated]
+            if untried and len(replicated) < _MAX_PROMOTED:
                 first_why = why if first_why is None else first_why
                 tried.append(untried[0])
-                state.replicated.add(untried[0])
+                replicated.add(untried[0])
                 tracing = False
                 continue
         if low != high or low < 0 or low >= ok:
             break
-        state.promoted.add(id(run_spec.layers[low]))
+        promoted.add(id(run_spec.layers[low]))
     records[key] = None
     if tried:  # no help: said with the first reason
-        state.replicated.difference_update(tried)
+        replicated.difference_update(tried)
         why = first_why
     distribution = context.active()
     said = distribution is None or object_state.get_on(

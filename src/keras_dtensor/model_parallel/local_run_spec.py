@@ -75,32 +75,29 @@ def variables_changed():
     _created()[0] += 1
 
 
-def _excluded(layers):
+def _build(layer, batch_axis):
+    """The spec, or None. Layers owning a weight sharded over a non-batch
+    axis are the boundary, all their weights kept as DTensors; a boundary
+    layer with weighted sublayers, or the model itself, rules it out."""
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
 
-    return any(
-        isinstance(sub, BatchNormalization) or sub._seed_generators
-        for sub in layers
-    )
-
-
-def _build(layer, batch_axis):
     weights = layer.weights
     layers = tuple(layer._flatten_layers(include_self=True))
-    if not weights or _excluded(layers):
+    if not weights or any(
+        isinstance(sub, BatchNormalization) or sub._seed_generators
+        for sub in layers
+    ):
         return None
-    mesh, dim, items, kept = None, None, [], []
+    mesh, dim, items, sharded = None, None, [], set()
     for variable in weights:
         value = getattr(variable, "_value", None)
         found = fsdp_weights.batch_placement(value, batch_axis)
         if found is None:
             if not isinstance(value, DTensor):
                 return None
-            # No batch axis on its mesh (an axis of one process is left
-            # out): only a tensor-parallel layout runs here so.
-            found = (None, None)
+            found = (None, None)  # no batch axis: tensor-parallel only
         if mesh is None:
             mesh, dim = value.device_mesh, found[0]
         elif value.device_mesh != mesh:
@@ -113,34 +110,20 @@ def _build(layer, batch_axis):
             for i, p in enumerate(value.placements)
             if i != dim
         ):
-            # Tensor-parallel: its layer runs as DTensors.
             if not config.get("LOCAL_MODEL"):
                 return None
-            kept.append(len(items))
+            sharded.add(id(variable))
             items.append((variable, False, None))
             continue
         batch_ranks = 1 if dim is None else mesh.size(dim)
-        gather = shard is not None and batch_ranks > 1
         grad = list(value.placements)
         if shard is None and batch_ranks > 1:
             grad[dim] = Partial()  # this rank's rows' share of the sum
+        gather = shard is not None and batch_ranks > 1
         items.append((variable, gather, tuple(grad)))
-    gathered = tuple(i for i, (_, gather, _) in enumerate(items) if gather)
-    if not kept:
-        # (dim None: no batch axis on the mesh; the whole batch runs alike
-        # on every rank.)
-        return LocalRunSpec(mesh, dim, tuple(items), layers, gathered)
-    return _tensor_parallel(layer, mesh, dim, items, layers, kept)
-
-
-def _tensor_parallel(layer, mesh, dim, items, layers, kept):
-    """The spec with the layers owning weights sharded over a non-batch
-    axis as the boundary, all their weights kept as DTensors; None when
-    such a layer has weighted sublayers or is the model itself."""
     index = {id(variable): i for i, (variable, _, _) in enumerate(items)}
-    sharded = {id(items[i][0]) for i in kept}
-    boundary, kept = set(), set(kept)
-    for sub in layers:
+    boundary, kept = set(), {index[v] for v in sharded}
+    for sub in layers if sharded else ():
         own = list(sub._trainable_variables) + list(
             sub._non_trainable_variables
         )
@@ -152,15 +135,12 @@ def _tensor_parallel(layer, mesh, dim, items, layers, kept):
             return None
         boundary.add(id(sub))
         kept.update(index[id(v)] for v in own if id(v) in index)
-    gathered = tuple(
-        i for i, (_, gather, _) in enumerate(items) if gather and i not in kept
-    )
     return LocalRunSpec(
         mesh,
         dim,
         tuple(items),
         layers,
-        gathered,
+        tuple(i for i, item in enumerate(items) if item[1] and i not in kept),
         frozenset(kept),
         frozenset(boundary),
     )
