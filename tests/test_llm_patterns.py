@@ -188,8 +188,7 @@ def _one_element_warnings(distribution, scores):
 
 
 def _einsum_and_cache(keras, mesh):
-    """`model_parallel.einsum` on DTensors by its subscripts, and a KV cache
-    update,
+    """`ops.einsum` on DTensors by its subscripts, and a KV cache update,
     against the same ops on whole tensors: the largest difference of
     values and gradients, the output placements, and the collectives in
     forward. Heads: 4 (even) and 3 (uneven over 2 or 4 ranks); one
@@ -233,7 +232,7 @@ def _einsum_and_cache(keras, mesh):
         )
         for subscripts, whole, operands in cases:
             with CommDebugMode() as comm:
-                result = keras.model_parallel.einsum(subscripts, *operands)
+                result = keras.ops.einsum(subscripts, *operands)
             got = result.full_tensor()
             leaves = [t.clone().requires_grad_() for t in whole]
             want = torch.einsum(subscripts, *leaves)
@@ -266,8 +265,7 @@ def _einsum_and_cache(keras, mesh):
 
 
 def _einsum_against_whole(keras, subscripts, whole, operands, forward=None):
-    """`(result, largest difference)`: `model_parallel.einsum` on DTensor
-    `operands`
+    """`(result, largest difference)`: `ops.einsum` on DTensor `operands`
     against torch's on the `whole` tensors, values and gradients; the
     forward alone inside the context `forward` (a `CommDebugMode`)."""
     import contextlib
@@ -275,7 +273,7 @@ def _einsum_against_whole(keras, subscripts, whole, operands, forward=None):
     import torch
 
     with forward or contextlib.nullcontext():
-        result = keras.model_parallel.einsum(subscripts, *operands)
+        result = keras.ops.einsum(subscripts, *operands)
     leaves = [t.clone().requires_grad_() for t in whole]
     want = torch.einsum(subscripts, *leaves)
     cotangent = torch.randn(want.shape)

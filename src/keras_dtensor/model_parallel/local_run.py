@@ -242,14 +242,6 @@ def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
     return outputs
 
 
-def _mixed(error):
-    return "mixed torch.Tensor and DTensor" in str(error)
-
-
-def _to_local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def call(layer, original, run_spec, args, kwargs, reference):
     """Runs `original(layer, *args, **kwargs)` on local rows.
 
@@ -270,7 +262,7 @@ def call(layer, original, run_spec, args, kwargs, reference):
         if rows is None:
             return False, None
     local_args, local_kwargs = fast_tree.map_structure(
-        _to_local, (args, kwargs)
+        lambda x: x.to_local() if isinstance(x, DTensor) else x, (args, kwargs)
     )
     run = functools.partial(
         _run, layer, original, run_spec, local_args, local_kwargs
@@ -286,7 +278,7 @@ def call(layer, original, run_spec, args, kwargs, reference):
     except errors.AssignedInCall:
         assigned = True  # caught before the write: nothing changed
     except RuntimeError as error:
-        if layout is None or not _mixed(error):
+        if layout is None or "mixed torch.Tensor and DTensor" not in str(error):
             raise
         # A freed weight read outside its unit's call: every rank got
         # here at the same op; from now on all weights are gathered.

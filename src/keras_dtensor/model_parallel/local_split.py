@@ -79,7 +79,7 @@ def _plan(replay, layer, flat, recorded):
         weights.append((variable, value, tuple(grad)))
     if not split_axes:
         return _NEVER
-    known, inputs = [], []
+    inputs = []
     for x, spec in zip(flat, recorded, strict=True):
         if spec is None or not isinstance(x, torch.Tensor):
             inputs.append(None)
@@ -87,15 +87,14 @@ def _plan(replay, layer, flat, recorded):
         placements, shape = spec
         if any(p.is_partial() for p in placements):
             return None
-        local = placed_shape(shape, mesh, placements)
         copied = tuple(
             m
             for m in sorted(split_axes)
             if isinstance(placements[m], Replicate)
         )
-        known.append((x, placements, shape))
+        local = placed_shape(shape, mesh, placements)
         inputs.append((local, placements, shape, copied))
-    summed = _summed(layer, known, mesh)
+    summed = _summed(layer, [x for x in inputs if x is not None], mesh)
     if summed is None:
         return _NEVER
     return _SplitLayout(tuple(weights), tuple(inputs), summed)
@@ -178,32 +177,32 @@ def _summed(layer, inputs, mesh):
     kernel = getattr(layer, "_kernel", None)
     if len(inputs) != 1 or kernel is None:
         return None
-    x, x_placements, x_shape = inputs[0]
-    value = kernel._value
+    _, placements, shape, _ = inputs[0]
     if isinstance(layer, EinsumDense):
         subscripts = layer.equation
     else:
-        subscripts = einsum_plan.matmul_subscripts(len(x_shape))
-        if subscripts is None:
-            return None
+        subscripts = einsum_plan.matmul_subscripts(len(shape))
+    value = kernel._value
     specs = (
-        (tuple(x_placements), tuple(x_shape)),
+        (tuple(placements), tuple(shape)),
         (tuple(value.placements), tuple(value.shape)),
     )
-    found = einsum_plan.plan_for(subscripts, mesh, specs)
-    if found is None or any(
+    found = subscripts and einsum_plan.plan_for(subscripts, mesh, specs)
+    if not found or any(
         t != spec[0] for t, spec in zip(found[0], specs, strict=True)
     ):
         return None
     summed = [m for m, p in enumerate(found[2]) if p.is_partial()]
-    if len(summed) > 1:
-        return None
-    if summed and layer.activation not in (None, activations.linear):
-        return None
     bias = getattr(layer, "bias", None)
-    if summed and bias is not None:
-        if not bias._value.placements[summed[0]].is_replicate():
-            return None
+    if summed and (
+        len(summed) > 1
+        or layer.activation not in (None, activations.linear)
+        or (
+            bias is not None
+            and not bias._value.placements[summed[0]].is_replicate()
+        )
+    ):
+        return None
     return summed
 
 
