@@ -43,8 +43,9 @@ def _global_stride(local, shape):
     return tuple(out)
 
 
-def _tensor(x):
-    return compat.torch_core().convert_to_tensor(x)
+def _tensors(values):
+    convert_to_tensor = compat.torch_core().convert_to_tensor
+    return [convert_to_tensor(x) for x in values]
 
 
 def wrap_einsum(original):
@@ -58,7 +59,7 @@ def wrap_einsum(original):
         if local_shards.active():  # a split layer's call on its shards
             return local_shards.contract(
                 subscripts,
-                [_tensor(x) for x in operands],
+                _tensors(operands),
                 lambda *local: original(subscripts, *local, **kwargs),
             )
         # Operands may be Keras variables (`EinsumDense`'s kernel).
@@ -66,7 +67,7 @@ def wrap_einsum(original):
             isinstance(getattr(x, "_value", x), DTensor) for x in operands
         ):
             return original(subscripts, *operands, **kwargs)
-        operands = [_tensor(x) for x in operands]
+        operands = _tensors(operands)
         if not all(isinstance(x, DTensor) for x in operands):
             return original(subscripts, *operands, **kwargs)
         found = shard_plan(subscripts, operands)
@@ -102,7 +103,7 @@ def wrap_matmul(original):
     def matmul(x1, x2):
         if torch.compiler.is_compiling() or not local_shards.active():
             return original(x1, x2)
-        x1, x2 = _tensor(x1), _tensor(x2)
+        x1, x2 = _tensors((x1, x2))
         subscripts = einsum_plan.matmul_subscripts(x1.ndim)
         if x2.ndim != 2 or subscripts is None:
             raise local_shards.Unsupported("a matmul of another kind")
