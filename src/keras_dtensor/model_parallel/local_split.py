@@ -137,8 +137,11 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
     if changed:
         args, kwargs = fast_tree.pack_sequence_as((args, kwargs), inputs)
     bias = getattr(layer, "bias", None)
-    for variable, value, grad in plan.weights:
-        local = local_grads.local(value, grad)
+    locals_ = local_grads.local_many(
+        [value for _, value, _ in plan.weights],
+        [grad for _, _, grad in plan.weights],
+    )
+    for (variable, value, _), local in zip(plan.weights, locals_, strict=True):
         known.append((local, value.placements, tuple(value.shape)))
         if summed and variable is bias:  # as DTensor: each rank's share
             local = local_shards.share(local, mesh.size(summed[0]))
