@@ -64,18 +64,9 @@ class _ToLocalMany(torch.autograd.Function):
 
 
 def local_many(values, grad_placements=None):
-    """`[local(v, p) for v, p in zip(values, grad_placements)]`, the
-    leaves among `values` (variables' values) read through one autograd
-    node, anything else through torch's `to_local`.
-
-    Args:
-        values: DTensors.
-        grad_placements: one entry per value (`None`: the value's own), or
-            `None` for all.
-
-    Returns:
-        The local tensors, in order, each differentiable back to its value.
-    """
+    """`[local(v, p) for v, p in zip(values, grad_placements)]`
+    (`grad_placements` None: each value's own), the leaves among `values`
+    (variables' values) read through one autograd node."""
     if grad_placements is None:
         grad_placements = [None] * len(values)
     out = [None] * len(values)

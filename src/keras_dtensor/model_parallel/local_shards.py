@@ -65,25 +65,13 @@ def _summed(x, groups):
     return x
 
 
-class _AllReduce(torch.autograd.Function):
-    """Sum over groups; backward passes the (replicated) gradient."""
+class _GradAsIs(torch.autograd.Function):
+    """`fn(x)`, a sum or one rank's part of it; backward passes the
+    (replicated) gradient as it is."""
 
     @staticmethod
-    def forward(ctx, x, groups):
-        return _summed(x.contiguous().clone(), groups)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _Share(torch.autograd.Function):
-    """`x / n` on each of n ranks whose parts are summed: the gradient of
-    `x` is the whole one."""
-
-    @staticmethod
-    def forward(ctx, x, n):
-        return x / n
+    def forward(ctx, x, fn):
+        return fn(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -109,7 +97,9 @@ def _tracked(x):
 
 def all_reduce(x, groups):
     if _tracked(x):
-        return _AllReduce.apply(x, tuple(groups))
+        return _GradAsIs.apply(
+            x, lambda t: _summed(t.contiguous().clone(), groups)
+        )
     return _summed(x.contiguous(), groups)  # no graph: x is a new output
 
 
@@ -118,7 +108,7 @@ def copy_in(x, groups):
 
 
 def share(x, n):
-    return _Share.apply(x, n) if _tracked(x) else x / n
+    return _GradAsIs.apply(x, lambda t: t / n) if _tracked(x) else x / n
 
 
 def contract(subscripts, operands, run):
