@@ -1,32 +1,16 @@
-"""Model-sharded layers as DTensor islands in a call on local tensors.
+"""Tensor-parallel layers as DTensor islands in a call on local tensors.
 
-torch's tensor parallelism (`ColwiseParallel`, `RowwiseParallel`) keeps
-DTensors only inside the sharded modules: their inputs become DTensors at
-the module's boundary, their outputs leave as local tensors, and every op
-between them (attention's core, norms, residual adds, activations) runs on
-plain tensors without DTensor's per-op dispatch. The same here, for a model
-on the local path (`local_run`) whose layout shards weights over an axis
-other than the batch axis:
-
-- a *boundary* layer is one that owns such a weight directly (a `Dense`
-  or `EinsumDense` split by columns or rows, a sharded embedding), or owns
-  a replicated weight and is given sharded inputs (a norm over heads);
-  it runs as DTensors, its weights untouched, its inputs made DTensors
-  with the placements they had in a DTensor run of the same call, its
-  outputs reduced (`Partial` -> `Replicate`, one all-reduce, like
-  `RowwiseParallel`) and handed on as local tensors;
-- everything else runs on local tensors;
-- where a model's own ops meet a boundary layer's sharded output with a
-  whole tensor (a hidden-split embedding's output in a residual add),
-  that layer's output leaves replicated (one all-gather, torch's
-  `output_layouts=Replicate()`), and the next boundary layer cuts it to
-  the shards it had in the DTensor run.
-
-Which layers are the boundary, and whether a model's local run gives
-the DTensor run's numbers, is decided by `local_run_check`.
+In a local run (`local_run`) that follows a `Record` (`Replay`), a
+boundary layer runs as DTensors, its weights untouched: its inputs made
+DTensors with the placements they had in the DTensor run, its outputs'
+partial sums reduced (one all-reduce, as `RowwiseParallel`) and handed on
+as local tensors; or all-gathered first, where the record says its
+outputs leave replicated. A split `Dense`/`EinsumDense` runs on its
+shards instead (`local_split`). Everything else runs on local tensors.
+Which layers are the boundary is decided by `local_run_check`. See
+docs/internals/local-run.md.
 """
 
-import contextlib
 import contextvars
 import dataclasses
 
@@ -36,7 +20,7 @@ from torch.distributed.tensor import Replicate
 
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.model_parallel import local_split
-from keras_dtensor.model_parallel.reference_run import fingerprint
+from keras_dtensor.model_parallel import reference_run
 
 __all__ = [
     "Mismatch",
@@ -58,34 +42,21 @@ class Mismatch(Exception):  # noqa: N818 (a signal, not an error)
     an input laid out otherwise, or outputs that differ."""
 
 
-@contextlib.contextmanager
-def _set(var, value):
-    token = var.set(value)
-    try:
-        yield value
-    finally:
-        var.reset(token)
-
-
 @dataclasses.dataclass
 class Replay:
-    """A local run following `record` (the boundary layers' weights stay
-    DTensors in it: `Record.kept`)."""
+    """A local run following `record` (a `Record`)."""
 
-    record: object  # its `record.Record`
+    record: object
     mesh: object
     counts: dict = dataclasses.field(default_factory=dict)
-    # The innermost layer whose call raised, if one did.
-    culprit: object = None
+    culprit: object = None  # the innermost layer whose call raised
     values_differ: bool = False  # a traced layer's values differed here
     # `(local tensor, its DTensor)` of the last input wrapped: one tensor
-    # given to consecutive boundary layers (the query, key and value
-    # projections) is wrapped once, so their gradients add up as one
-    # partial sum, reduced once (torch's `PrepareModuleInput` on an
-    # attention block). One slot: earlier inputs are not kept alive.
+    # given to consecutive boundary layers (query, key, value) is wrapped
+    # once, so their gradients add up as one partial sum. One slot: no
+    # earlier input is kept alive.
     wrapped: tuple = (None, None)
-    # The same for an input of layers run on their shards (`local_split`):
-    # `(local tensor, it through copy_in, the axes)`.
+    # The same for `local_split`: `(local tensor, through copy_in, axes)`.
     copied: tuple = (None, None, None)
     reshaped: int = 0  # reshapes run so far, outside boundary layers
     sliced: int = 0  # and slice_updates
@@ -105,7 +76,7 @@ class Replay:
 
 def replaying(replay):
     """A context in which layer calls follow `replay`."""
-    return _set(_REPLAY, replay)
+    return reference_run.scoped(_REPLAY, replay)
 
 
 def current_replay():
@@ -115,42 +86,36 @@ def current_replay():
 
 def checked_call(replay, layer, original, args, kwargs):
     """A layer call of a local run being traced: its outputs must have
-    the fingerprint the DTensor run's had, else this layer is where the
-    runs part."""
-    key = (id(layer), replay.counts.get(id(layer), 0))
-    replay.counts[id(layer)] = key[1] + 1
+    the fingerprint the DTensor run's had, else the runs part here."""
+    key = reference_run.next_key(replay.counts, layer)
     outputs = original(layer, *args, **kwargs)
     expected, specs = replay.record.fingerprints.get(key, (None, ()))
     flat = fast_tree.flatten(outputs)
     if len(specs) == len(flat):
-        # An output handed on whole (`Record.replicated`) is compared by
-        # the shard the DTensor run had.
+        # An output handed on whole is compared by its recorded shard.
         flat = [
             _as_shard(x, s, replay) for x, s in zip(flat, specs, strict=True)
         ]
-    got = fingerprint(flat)
+    got = reference_run.fingerprint(flat)
     if got != expected:
         failed_in(layer)
         shapes = [f[0] for f in got]
         if expected is None or shapes != [f[0] for f in expected]:
             raise Mismatch(f"{layer.name!r}: its outputs differ")
-        # Values only, and maybe on this rank only: raising here would
-        # leave the other ranks in the run's next collective. The run goes
-        # on; the verdict is agreed once it ends (`local_run_check`).
+        # Values only, maybe on this rank only: raising would leave the
+        # other ranks in the next collective. Agreed when the run ends.
         replay.values_differ = True
     return outputs
 
 
 def _as_shard(x, recorded, replay):
-    if recorded is None or not isinstance(x, torch.Tensor):
-        return x
     if isinstance(x, DTensor):
         return x
     try:
         out = _to_dtensor(x, recorded, replay.mesh, replay.record.run_spec.dim)
     except Mismatch:
         return x
-    return out.to_local()
+    return out.to_local() if isinstance(out, DTensor) else out
 
 
 def failed_in(layer):
@@ -177,8 +142,8 @@ def _to_dtensor(x, spec, mesh, batch_dim):
     out = DTensor.from_local(x, mesh, placements, run_check=False)
     if tuple(out.shape) == shape:
         return out
-    # The output of a boundary layer in `Record.replicated`: whole along
-    # the model axes, cut to the recorded shards here (no communication).
+    # An output handed on whole: cut to the recorded shards (no
+    # communication).
     whole = _whole(placements, batch_dim)
     if whole != tuple(placements):
         out = DTensor.from_local(x, mesh, whole, run_check=False)
@@ -191,8 +156,7 @@ def _to_dtensor(x, spec, mesh, batch_dim):
 
 
 def reduce_partial(x):
-    """`x` with its partial sums (`Partial`) reduced to `Replicate`: what a
-    row-split layer's output gets at its boundary (one all-reduce)."""
+    """`x` with its partial sums reduced to `Replicate` (one all-reduce)."""
     if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
         placements = [
             Replicate() if p.is_partial() else p for p in x.placements
@@ -202,11 +166,10 @@ def reduce_partial(x):
 
 
 def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
-    """Runs a boundary layer as DTensors inside a local run: inputs laid
-    out as in the recorded DTensor run (its weights are DTensors there),
-    outputs reduced and returned as local tensors."""
-    key = (id(layer), replay.counts.get(id(layer), 0))
-    replay.counts[id(layer)] = key[1] + 1
+    """Runs a boundary layer inside a local run: on its shards
+    (`local_split`), or as DTensors in `dtensor_scope(layer)`, its
+    inputs laid out as recorded; returns local tensors."""
+    key = reference_run.next_key(replay.counts, layer)
     recorded = replay.record.calls.get(key)
     flat = fast_tree.flatten((args, kwargs))
     if recorded is None or len(recorded) != len(flat):

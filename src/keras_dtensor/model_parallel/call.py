@@ -1,21 +1,13 @@
 """The one entry of ModelParallel: a layer call under a layout.
 
 `call_layer` runs every `Layer.__call__` under a distribution other than
-`DataParallel`, in this order:
-
-1. inside a local run (`local_run`): the layer runs on this rank's rows as
-   plain tensors, or as a DTensor island (`boundary_layers`) when it is sharded;
-2. a nested call: the layer runs on DTensors, its weights gathered where a
-   layout shards them over the batch axis (`fsdp_weights`), its outputs'
-   partial sums reduced at its boundary;
-3. the outermost call: the global batch becomes batch-sharded DTensors
-   (`model(x)` outside `fit` gets numpy or plain tensors), then the model
-   runs locally when its layouts allow it (`local_run.plan`), else on
-   DTensors in the global-values scope.
-
-Gradients meet the same boundary in backward: a layer output's gradient
-that arrives as a partial sum is reduced to the output's own layout there
-(see `_reduce_partial_grad`).
+`DataParallel`: inside a local run, by `local_run.inner_call`; a nested
+call on DTensors, its batch-sharded weights gathered (`fsdp_weights`);
+the outermost call with the global batch made batch-sharded DTensors,
+then locally where the model's layouts allow it (`local_run`), else on
+DTensors. Every layer's outputs leave with their partial sums reduced,
+and their gradients are laid out as the outputs where they enter the
+layer in backward. See docs/internals/local-run.md.
 """
 
 import functools
@@ -29,6 +21,7 @@ from keras_dtensor.backend.batch_layout import distribute_batch
 from keras_dtensor.model_parallel import local_run
 from keras_dtensor.model_parallel.boundary_layers import reduce_partial
 from keras_dtensor.model_parallel.fsdp_weights import gathered_weights
+from keras_dtensor.model_parallel.local_run_spec import spec_for
 from keras_dtensor.model_parallel.reference_run import recorder
 
 __all__ = ["call_layer"]
@@ -53,20 +46,12 @@ def _grad_in_layout(placements, grad):
     return grad.redistribute(grad.device_mesh, target)
 
 
-def _reduce_partial_grad(x):
-    """Lays the gradient of layer output `x` out as `x` when it arrives.
-
-    DTensor's implicit redistributions in forward (a sharded activation
-    gathered for the next matmul) have no backward, so a matmul's input
-    gradient comes back as a partial sum and travels on through the ops
-    before it: an embedding's backward, a scatter into the whole table,
-    then makes a table-sized partial sum on every rank, reduced only when
-    the optimizer lays it out (model (a) of benchmarks/bench_memory.py
-    held the full table twice per rank). torch's `ColwiseParallel` reduces it at
-    the module's input; here it is reduced where it enters the layer that
-    produced `x`, to `x`'s own placements (a reduce-scatter for a sharded
-    output), so backward inside a layer sees what its forward produced.
-    """
+def _laid_out(x):
+    """`x` with its partial sums reduced, its gradient laid out as `x`
+    where it arrives (a partial sum reduced, as `ColwiseParallel` does at
+    a module's input): backward inside a layer sees what its forward
+    produced."""
+    x = reduce_partial(x)
     if (
         isinstance(x, DTensor)
         and x.requires_grad
@@ -77,13 +62,10 @@ def _reduce_partial_grad(x):
 
 
 def _reduced(outputs):
-    """A layer's outputs with partial sums reduced (and, under autograd,
-    their gradients laid out as the outputs when they arrive)."""
-    if torch.is_grad_enabled():
-        return fast_tree.map_structure(
-            lambda x: _reduce_partial_grad(reduce_partial(x)), outputs
-        )
-    return fast_tree.map_structure(reduce_partial, outputs)
+    """A layer's outputs with partial sums reduced (`_laid_out` under
+    autograd)."""
+    fn = _laid_out if torch.is_grad_enabled() else reduce_partial
+    return fast_tree.map_structure(fn, outputs)
 
 
 def call_layer(layer, original, args, kwargs, distribution):
@@ -121,7 +103,7 @@ def call_layer(layer, original, args, kwargs, distribution):
         with context.global_values(), gathered_weights(layer, distribution):
             return _reduced(original(layer, *args, **kwargs))
 
-    local = local_run.spec_for(layer, distribution)
+    local = spec_for(layer, distribution)
     if local is not None:
         done, outputs = local_run.call(
             layer, original, local, args, kwargs, as_dtensors

@@ -1,22 +1,11 @@
 """A DTensor weight read as its local tensor, its gradient laid out once.
 
-Local runs (`model_parallel.local_run`, `local_split`, the einsum rule)
-read each weight as its local tensor for the call:
-`value.to_local(grad_placements=...)`. In backward, torch's `to_local`
-builds a new `DTensorSpec` for the gradient (its placements hashed, its
-shard order and global stride computed) and wraps the gradient in a
-DTensor of it, for every weight at every step: on small layers, more
-host work than the weight's own backward.
-
-`local(value, grad_placements)` is the same autograd edge with the
-gradient's spec built once per weight and placements. The gradient is the
-same tensor with the same layout; it reaches the weight through autograd
-as before, so `.grad` accumulation, hooks and `torch.autograd.grad` over
-the weights are unchanged. `local_many` reads a model's weights through
-one such edge (one autograd node instead of one a weight: a Python
-Function's own cost, paid once). `like(local, value)` wraps a local tensor
-laid out as `value` the same way (a reduced gradient handed to the
-optimizer).
+`local(value, grad_placements)` is `value.to_local(grad_placements=...)`
+with the gradient's `DTensorSpec` built once per weight and placements,
+not at every step; `local_many` reads many weights through one autograd
+node. The gradient is the same tensor with the same layout and reaches
+the weight through autograd as before (`.grad`, hooks and
+`torch.autograd.grad` unchanged). See docs/internals/local-run.md.
 """
 
 import torch
@@ -48,26 +37,6 @@ def _spec(value, placements):
     return spec
 
 
-def _as_grad(grad, spec, shape, stride):
-    """A local gradient as the weight's DTensor gradient, laid out as the
-    local tensor it reached (`shape`, `stride`)."""
-    if grad.stride() != stride:  # e.g. an expanded sum's gradient
-        grad = grad.new_empty_strided(shape, stride).copy_(grad)
-    return DTensor(grad, spec, requires_grad=grad.requires_grad)
-
-
-class _ToLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, value, spec):
-        local = value._local_tensor
-        ctx.spec, ctx.shape, ctx.stride = spec, local.shape, local.stride()
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _as_grad(grad, ctx.spec, ctx.shape, ctx.stride), None
-
-
 class _ToLocalMany(torch.autograd.Function):
     @staticmethod
     def forward(ctx, specs, *values):
@@ -82,34 +51,22 @@ class _ToLocalMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (
-            None,
-            *(
-                None if grad is None else _as_grad(grad, spec, *layout)
-                for grad, spec, layout in zip(
-                    grads, ctx.specs, ctx.layouts, strict=True
-                )
-            ),
-        )
-
-
-def _cached(value):
-    return value.is_leaf and value.requires_grad and torch.is_grad_enabled()
+        out = [None]
+        for grad, spec, (shape, stride) in zip(
+            grads, ctx.specs, ctx.layouts, strict=True
+        ):
+            if grad is not None:
+                if grad.stride() != stride:  # e.g. an expanded sum's
+                    grad = grad.new_empty_strided(shape, stride).copy_(grad)
+                grad = DTensor(grad, spec, requires_grad=grad.requires_grad)
+            out.append(grad)
+        return tuple(out)
 
 
 def local_many(values, grad_placements=None):
-    """`[local(v, p) for v, p in zip(values, grad_placements)]`, the
-    weights read through one autograd node.
-
-    Args:
-        values: DTensors; the leaves among them (variables' values) share
-            one node, anything else takes torch's `to_local`.
-        grad_placements: one entry per value (`None`: the value's own), or
-            `None` for all.
-
-    Returns:
-        The local tensors, in order, each differentiable back to its value.
-    """
+    """`[local(v, p) for v, p in zip(values, grad_placements)]`
+    (`grad_placements` None: each value's own), the leaves among `values`
+    (variables' values) read through one autograd node."""
     if grad_placements is None:
         grad_placements = [None] * len(values)
     out = [None] * len(values)
@@ -117,7 +74,9 @@ def local_many(values, grad_placements=None):
     for i, (value, placements) in enumerate(
         zip(values, grad_placements, strict=True)
     ):
-        if not _cached(value):
+        if not (
+            value.is_leaf and value.requires_grad and torch.is_grad_enabled()
+        ):
             out[i] = value.to_local(grad_placements=placements)
             continue
         placements = tuple(
@@ -133,23 +92,8 @@ def local_many(values, grad_placements=None):
 
 
 def local(value, grad_placements=None):
-    """`value.to_local(grad_placements=grad_placements)` of a weight.
-
-    Args:
-        value: a DTensor; a leaf (a variable's value) takes the cached
-            path, anything else torch's `to_local`.
-        grad_placements: the gradient's placements (default: the
-            value's own).
-
-    Returns:
-        The local tensor, differentiable back to `value`.
-    """
-    if not _cached(value):
-        return value.to_local(grad_placements=grad_placements)
-    placements = tuple(
-        value.placements if grad_placements is None else grad_placements
-    )
-    return _ToLocal.apply(value, _spec(value, placements))
+    """`value.to_local(grad_placements=grad_placements)` of a weight."""
+    return local_many([value], [grad_placements])[0]
 
 
 def like(local_tensor, value):

@@ -1,10 +1,8 @@
 """Which models run on local tensors (`local_run`), decided once.
 
-A model's `LocalRunSpec`, cached on it until a variable is created
-anywhere (LoRA adds weights after build): its mesh, the batch axis's
-mesh dim, each weight and whether it is gathered, and, under a
-tensor-parallel layout, the weights kept as DTensors and the layers
-owning them.
+A model's `LocalRunSpec` is cached on it until a variable is created
+anywhere (LoRA adds weights after build). See docs/internals/local-run.md
+for what qualifies and why.
 """
 
 import dataclasses
@@ -20,18 +18,18 @@ from keras_dtensor.model_parallel import fsdp_weights
 
 __all__ = [
     "LocalRunSpec",
+    "adding_losses",
     "forget",
-    "spec_for",
     "shards_enter",
+    "spec_for",
     "variables_changed",
     "whole_along",
 ]
 
 _PLAN = "_keras_dtensor_local_batch"
 # Counts variables created, in Keras's global state (a new count after
-# `clear_session`); a model's cached spec is rebuilt when it moves (LoRA
-# adds weights after build). Walking `layer.weights` on every step instead
-# costs a traversal of every sublayer.
+# `clear_session`): a model's cached spec is rebuilt when it moves, without
+# walking every sublayer's weights each step.
 _CREATED = "keras_dtensor_variables_created"
 
 
@@ -77,32 +75,29 @@ def variables_changed():
     _created()[0] += 1
 
 
-def _excluded(layers):
+def _build(layer, batch_axis):
+    """The spec, or None. Layers owning a weight sharded over a non-batch
+    axis are the boundary, all their weights kept as DTensors; a boundary
+    layer with weighted sublayers, or the model itself, rules it out."""
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
 
-    return any(
-        isinstance(sub, BatchNormalization) or sub._seed_generators
-        for sub in layers
-    )
-
-
-def _build(layer, batch_axis):
     weights = layer.weights
     layers = tuple(layer._flatten_layers(include_self=True))
-    if not weights or _excluded(layers):
+    if not weights or any(
+        isinstance(sub, BatchNormalization) or sub._seed_generators
+        for sub in layers
+    ):
         return None
-    mesh, dim, items, kept = None, None, [], []
+    mesh, dim, items, sharded = None, None, [], set()
     for variable in weights:
         value = getattr(variable, "_value", None)
         found = fsdp_weights.batch_placement(value, batch_axis)
         if found is None:
             if not isinstance(value, DTensor):
                 return None
-            # No batch axis on its mesh (an axis of one process is left
-            # out): only a tensor-parallel layout runs here so.
-            found = (None, None)
+            found = (None, None)  # no batch axis: tensor-parallel only
         if mesh is None:
             mesh, dim = value.device_mesh, found[0]
         elif value.device_mesh != mesh:
@@ -115,38 +110,20 @@ def _build(layer, batch_axis):
             for i, p in enumerate(value.placements)
             if i != dim
         ):
-            # Sharded over another axis (tensor-parallel): its layer runs
-            # as DTensors (gathered over the batch axis there, if sharded
-            # over it too: keras_hub's layouts on a 2-D mesh).
             if not config.get("LOCAL_MODEL"):
                 return None
-            kept.append(len(items))
+            sharded.add(id(variable))
             items.append((variable, False, None))
             continue
         batch_ranks = 1 if dim is None else mesh.size(dim)
-        gather = shard is not None and batch_ranks > 1
         grad = list(value.placements)
         if shard is None and batch_ranks > 1:
             grad[dim] = Partial()  # this rank's rows' share of the sum
+        gather = shard is not None and batch_ranks > 1
         items.append((variable, gather, tuple(grad)))
-    gathered = tuple(i for i, (_, gather, _) in enumerate(items) if gather)
-    if not kept:
-        # dim None: the batch axis had one process and is left out of the
-        # mesh, every weight is whole: the layer runs on the whole batch,
-        # alike on every rank (keras_hub's final norm in `generate`).
-        return LocalRunSpec(mesh, dim, tuple(items), layers, gathered)
-    return _tensor_parallel(layer, mesh, dim, items, layers, kept)
-
-
-def _tensor_parallel(layer, mesh, dim, items, layers, kept):
-    """The spec of a model with weights sharded over a non-batch axis:
-    the layers owning them are the boundary; all their weights are kept
-    as DTensors. None when a boundary layer has weighted sublayers (the
-    boundary would cut through a layer) or is the model itself."""
     index = {id(variable): i for i, (variable, _, _) in enumerate(items)}
-    sharded = {id(items[i][0]) for i in kept}
-    boundary, kept = set(), set(kept)
-    for sub in layers:
+    boundary, kept = set(), {index[v] for v in sharded}
+    for sub in layers if sharded else ():
         own = list(sub._trainable_variables) + list(
             sub._non_trainable_variables
         )
@@ -158,15 +135,12 @@ def _tensor_parallel(layer, mesh, dim, items, layers, kept):
             return None
         boundary.add(id(sub))
         kept.update(index[id(v)] for v in own if id(v) in index)
-    gathered = tuple(
-        i for i, (_, gather, _) in enumerate(items) if gather and i not in kept
-    )
     return LocalRunSpec(
         mesh,
         dim,
         tuple(items),
         layers,
-        gathered,
+        tuple(i for i, item in enumerate(items) if item[1] and i not in kept),
         frozenset(kept),
         frozenset(boundary),
     )
@@ -174,8 +148,7 @@ def _tensor_parallel(layer, mesh, dim, items, layers, kept):
 
 def whole_along(mesh, dim, placement):
     """Whether a local tensor placed so on mesh dim `dim` is the whole
-    tensor along it: replicated, or any placement over one process (a
-    ModelParallel mesh of shape (1, 1) runs like one process)."""
+    tensor along it: replicated, or any placement over one process."""
     return placement.is_replicate() or mesh.size(dim) == 1
 
 
@@ -203,10 +176,7 @@ def spec_for(layer, distribution):
 
 def shards_enter(run_spec, flat):
     """Whether a tensor-parallel call's inputs can enter its local run as
-    their shards: DTensors on the spec's mesh with no partial sums. Inputs
-    sharded over a model axis (a KV cache sharded by heads) are handed in
-    as this rank's shard; the check against the DTensor run
-    (`local_run_check`) decides whether the call runs so."""
+    their shards: DTensors on the spec's mesh with no partial sums."""
     return all(
         not isinstance(x, DTensor)
         or (
@@ -215,3 +185,16 @@ def shards_enter(run_spec, flat):
         )
         for x in flat
     )
+
+
+def adding_losses(layers):
+    """The layers holding a loss that is a plain tensor (one rank's share,
+    from a local run): a loss must be a global value."""
+    return [
+        sub
+        for sub in layers
+        if any(
+            isinstance(loss, torch.Tensor) and not isinstance(loss, DTensor)
+            for loss in sub._losses
+        )
+    ]

@@ -1,24 +1,12 @@
 """Contractions of local shards, their collectives explicit.
 
-A tensor-parallel layer (a `Dense` or `EinsumDense` split by columns or
-rows) run as DTensors pays DTensor's per-op dispatch on every op of its
-call, forward and backward: on a GPU step of small layers, or a token of
-`generate`, that host work is the step. Run on local shards instead (what
-torch's own tensor parallelism does for its layers' compute, and Megatron's
-explicit collectives), only the contractions need to know the layout:
-inside `scope(...)`, the local tensors registered with their placements and
-global shapes (the layer's weights and inputs) meet in `einsum` or
-`matmul`, whose layout `einsum.shard_plan`'s rules give: the output is a
-local shard, or each rank's part of a partial sum, which the caller
-reduces when the layer returns (`all_reduce`; backward: the gradient
-passes as it is, as DTensor's own does for a sum). What follows the
-contraction in the layer (a bias, an activation) is elementwise on
-matching shards; a replicated bias meeting a partial sum is each rank's
-share of it (`share`: DTensor adds `bias / N` on every rank).
-
-A contraction this cannot place (an operand it does not know, layouts that
-need a redistribution) raises `Unsupported`, and the caller runs the layer
-as DTensors.
+Inside `scope(mesh, tensors)`, local tensors registered with their
+placements and global shapes meet in Keras's `einsum` or `matmul`
+(`contract`), placed by the einsum rules (`ops.einsum_plan`): the output
+is a local shard, or each rank's part of a partial sum that the caller
+reduces when the layer returns (`all_reduce`). A contraction this cannot
+place raises `Unsupported`, and the caller runs the layer as DTensors.
+See docs/internals/local-run.md.
 """
 
 import contextlib
@@ -38,12 +26,9 @@ __all__ = [
     "share",
 ]
 
-# `(mesh, {key: (tensor, placements, global shape)})` of the layer call
-# running on local shards, or None. Keyed by the tensor's memory, shape
-# and strides: a module hook may hand the layer an alias of its input
-# (torch's backward hooks wrap a module's inputs), the same values. The
-# registered tensors are alive for the scope, so no other tensor shares
-# their key.
+# `(mesh, {key: (tensor, placements, global shape)}, summed mesh dims)` of
+# the layer call running on local shards, or None. Keyed by memory, shape
+# and strides: a module hook may hand the layer an alias of its input.
 _SCOPE = contextvars.ContextVar("keras_dtensor_local_shards", default=None)
 
 
@@ -73,28 +58,20 @@ def active():
     return _SCOPE.get() is not None
 
 
-class _AllReduce(torch.autograd.Function):
-    """Sum over a group; backward passes the (replicated) gradient."""
+def _summed(x, groups):
+    """`x` summed over each group, in place (`x` is contiguous)."""
+    for group in groups:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class _GradAsIs(torch.autograd.Function):
+    """`fn(x)`, a sum or one rank's part of it; backward passes the
+    (replicated) gradient as it is."""
 
     @staticmethod
-    def forward(ctx, x, groups):
-        out = x.contiguous().clone()
-        for group in groups:
-            dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _Share(torch.autograd.Function):
-    """`x / n` on each of n ranks whose parts are summed: the gradient of
-    `x` is the whole one (the sum of the n parts' is)."""
-
-    @staticmethod
-    def forward(ctx, x, n):
-        return x / n
+    def forward(ctx, x, fn):
+        return fn(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -102,8 +79,7 @@ class _Share(torch.autograd.Function):
 
 
 class _CopyIn(torch.autograd.Function):
-    """Identity; backward sums the gradient over a group (a replicated
-    input of a split layer: each rank's gradient is its shard's part)."""
+    """Identity; backward sums the gradient over groups."""
 
     @staticmethod
     def forward(ctx, x, groups):
@@ -112,10 +88,7 @@ class _CopyIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        for group in ctx.groups:
-            dist.all_reduce(grad, group=group)
-        return grad, None
+        return _summed(grad.contiguous().clone(), ctx.groups), None
 
 
 def _tracked(x):
@@ -124,13 +97,10 @@ def _tracked(x):
 
 def all_reduce(x, groups):
     if _tracked(x):
-        return _AllReduce.apply(x, tuple(groups))
-    # No graph (a `generate` step): the sum in place, x being the layer's
-    # own new output.
-    x = x.contiguous()
-    for group in groups:
-        dist.all_reduce(x, group=group)
-    return x
+        return _GradAsIs.apply(
+            x, lambda t: _summed(t.contiguous().clone(), groups)
+        )
+    return _summed(x.contiguous(), groups)  # no graph: x is a new output
 
 
 def copy_in(x, groups):
@@ -138,19 +108,13 @@ def copy_in(x, groups):
 
 
 def share(x, n):
-    return _Share.apply(x, n) if _tracked(x) else x / n
+    return _GradAsIs.apply(x, lambda t: t / n) if _tracked(x) else x / n
 
 
 def contract(subscripts, operands, run):
-    """`run(*operands)` on local shards, laid out by `subscripts`.
-
-    Returns None outside a `scope` (the caller goes on as usual); raises
-    `Unsupported` for operands or layouts it cannot place.
-    """
-    current = _SCOPE.get()
-    if current is None:
-        return None
-    mesh, known, pending = current
+    """`run(*operands)` on local shards, laid out by `subscripts`; raises
+    `Unsupported` for operands or layouts it cannot place."""
+    mesh, known, pending = _SCOPE.get()
     specs = []
     for x in operands:
         entry = known.get(_key(x))

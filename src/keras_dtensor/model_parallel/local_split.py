@@ -1,24 +1,13 @@
 """A tensor-parallel `Dense` or `EinsumDense` in a local run, on its shards.
 
-In a local run (`local_run`), a boundary layer (`boundary_layers`) runs as
-DTensors: its inputs wrapped, every op of its call dispatched by DTensor,
-forward and backward, its outputs reduced and unwrapped. For the two
-layers that carry tensor parallelism in Keras and keras_hub models (a
-column or row split `Dense`/`EinsumDense`, no LoRA, not quantized, Keras's
-own `call`), the same computation runs here on local tensors:
-
-- the weights read as their local shards (gradients laid out as the
-  weights, a partial sum over the batch axis where the batch is split);
-- an input replicated over a model axis its weights are split on passes
-  through `local_shards.copy_in` (backward sums its gradient over that
-  axis: torch's `ColwiseParallel` input), once for consecutive layers
-  given the same tensor (query, key and value), as the DTensor run does;
-- the layer's contraction is placed by `local_shards` (a row split's
-  partial sum all-reduced at once), the rest of its call is elementwise.
-
-The values are those of the DTensor run, op for op (the exactness check
-of the local run compares them); where this cannot place a call, the layer
-runs as DTensors from then on.
+A column or row split `Dense`/`EinsumDense` (Keras's own `call`, no LoRA,
+not quantized), a boundary layer of a local run, runs on local tensors
+instead of as DTensors: its weights read as their local shards, a
+replicated input passed through `local_shards.copy_in`, its contraction
+placed by `local_shards` and a row split's partial sum all-reduced when
+it returns. The values are the DTensor run's, op for op; where a call
+cannot be placed, the layer runs as DTensors from then on. See
+docs/internals/local-run.md.
 """
 
 import dataclasses
@@ -33,8 +22,7 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend.layout import placed_shape
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import local_shards
-from keras_dtensor.ops.einsum_plan import matmul_subscripts
-from keras_dtensor.ops.einsum_plan import plan_for
+from keras_dtensor.ops import einsum_plan
 
 __all__ = ["call", "runs_on_shards"]
 
@@ -56,11 +44,10 @@ def _eligible(layer):
 
 @dataclasses.dataclass(frozen=True)
 class _SplitLayout:
-    """How one layer runs on its shards for one layout of its inputs:
-    `weights` `(variable, DTensor value, gradient placements)`; `inputs`
-    per flat input None (passed as it is) or `(local shape, placements,
-    global shape, mesh dims its gradient is summed over)`; `summed` the
-    mesh dims of the contraction's partial sum (`[]` or one)."""
+    """One layer on its shards for one layout of its inputs: `weights`
+    `(variable, value, gradient placements)`; per flat input None or
+    `(local shape, placements, global shape, mesh dims copied in)`;
+    `summed`, the mesh dims of the contraction's partial sum."""
 
     weights: tuple
     inputs: tuple
@@ -71,8 +58,8 @@ class _SplitLayout:
 
 
 def _plan(replay, layer, flat, recorded):
-    """A `_SplitLayout`, `_NEVER` (the layer cannot run on shards) or None (not
-    for these inputs)."""
+    """A `_SplitLayout`, `_NEVER` (never on shards) or None (not for these
+    inputs)."""
     mesh, batch_dim = replay.mesh, replay.record.run_spec.dim
     weights, split_axes = [], set()
     for variable in layer.weights:
@@ -92,48 +79,37 @@ def _plan(replay, layer, flat, recorded):
         weights.append((variable, value, tuple(grad)))
     if not split_axes:
         return _NEVER
-    known, inputs = [], []
+    inputs = []
     for x, spec in zip(flat, recorded, strict=True):
         if spec is None or not isinstance(x, torch.Tensor):
             inputs.append(None)
             continue
         placements, shape = spec
-        if isinstance(x, DTensor) or any(p.is_partial() for p in placements):
-            return None
-        local = placed_shape(shape, mesh, placements)
-        if tuple(x.shape) != local:
+        if any(p.is_partial() for p in placements):
             return None
         copied = tuple(
             m
             for m in sorted(split_axes)
             if isinstance(placements[m], Replicate)
         )
-        known.append((x, placements, shape))
+        local = placed_shape(shape, mesh, placements)
         inputs.append((local, placements, shape, copied))
-    summed = _summed(layer, known, mesh)
+    summed = _summed(layer, [x for x in inputs if x is not None], mesh)
     if summed is None:
         return _NEVER
     return _SplitLayout(tuple(weights), tuple(inputs), summed)
 
 
 def call(replay, layer, original, args, kwargs, flat, recorded):
-    """Runs boundary layer `layer` on local shards.
-
-    Returns `(True, outputs)`, or `(False, None)` when it must run as
-    DTensors (decided on its first call, kept on the layer).
-    """
+    """Runs boundary layer `layer` on local shards: `(True, outputs)`,
+    or `(False, None)` when it must run as DTensors."""
     state = object_state.get_on(layer, _STATE)
-    if state is False:
-        return False, None
     if state is None:
         state = object_state.set_on(layer, _STATE, _eligible(layer))
-        if not state:
-            return False, None
     record = replay.record
-    if id(layer) in record.replicated:
+    if not state or id(layer) in record.replicated:
         return False, None
-    # Worked out once per layer and layout of its inputs (every token of
-    # `generate` asks again), again when a weight's value is replaced.
+    # Once per layer and inputs' layout, again when a weight is replaced.
     key = (id(layer), recorded)
     plan = record.split_plans.get(key)
     if plan is None or not plan.current():
@@ -161,16 +137,16 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
     if changed:
         args, kwargs = fast_tree.pack_sequence_as((args, kwargs), inputs)
     bias = getattr(layer, "bias", None)
-    for variable, value, grad in plan.weights:
-        local = local_grads.local(value, grad)
+    locals_ = local_grads.local_many(
+        [value for _, value, _ in plan.weights],
+        [grad for _, _, grad in plan.weights],
+    )
+    for (variable, value, _), local in zip(plan.weights, locals_, strict=True):
         known.append((local, value.placements, tuple(value.shape)))
-        if summed and variable is bias:
-            # DTensor adds a replicated bias to a partial sum as each
-            # rank's share of it.
+        if summed and variable is bias:  # as DTensor: each rank's share
             local = local_shards.share(local, mesh.size(summed[0]))
         variable._value = local
-    # Keras checks the input's last dim against the whole kernel's; the
-    # DTensor run passed it with the global shape. Set aside for the call.
+    # Keras checks the input's last dim against the whole kernel's.
     try:
         with (
             object_state.swapped(layer, "_input_spec", None),
@@ -194,42 +170,42 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
 
 
 def _summed(layer, inputs, mesh):
-    """The mesh dims over which the layer's contraction leaves pending
-    sums (`[]` or one dim), or None for a call this cannot place: one
-    input, its product with the kernel placed without redistribution,
-    and no activation after a partial sum (DTensor would reduce first)."""
+    """The mesh dims of the contraction's partial sum (`[]` or one), or
+    None for a call this cannot place: one input, its product with the
+    kernel placed without redistribution, and no activation after a
+    partial sum (DTensor would reduce first)."""
     from keras import activations
     from keras.layers import EinsumDense
 
     kernel = getattr(layer, "_kernel", None)
     if len(inputs) != 1 or kernel is None:
         return None
-    x, x_placements, x_shape = inputs[0]
-    value = kernel._value
+    _, placements, shape, _ = inputs[0]
     if isinstance(layer, EinsumDense):
         subscripts = layer.equation
     else:
-        subscripts = matmul_subscripts(len(x_shape))
-        if subscripts is None:
-            return None
+        subscripts = einsum_plan.matmul_subscripts(len(shape))
+    value = kernel._value
     specs = (
-        (tuple(x_placements), tuple(x_shape)),
+        (tuple(placements), tuple(shape)),
         (tuple(value.placements), tuple(value.shape)),
     )
-    found = plan_for(subscripts, mesh, specs)
-    if found is None or any(
+    found = subscripts and einsum_plan.plan_for(subscripts, mesh, specs)
+    if not found or any(
         t != spec[0] for t, spec in zip(found[0], specs, strict=True)
     ):
         return None
     summed = [m for m, p in enumerate(found[2]) if p.is_partial()]
-    if len(summed) > 1:
-        return None
-    if summed and layer.activation not in (None, activations.linear):
-        return None
     bias = getattr(layer, "bias", None)
-    if summed and bias is not None:
-        if not bias._value.placements[summed[0]].is_replicate():
-            return None
+    if summed and (
+        len(summed) > 1
+        or layer.activation not in (None, activations.linear)
+        or (
+            bias is not None
+            and not bias._value.placements[summed[0]].is_replicate()
+        )
+    ):
+        return None
     return summed
 
 

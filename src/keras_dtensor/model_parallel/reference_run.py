@@ -1,10 +1,10 @@
 """The DTensor run a local run is checked against, as it ran.
 
-`local_run_check` runs a model's call once as DTensors, recording (`recording`)
-each nested layer call with weights: its inputs' layouts, whether it joins
-the boundary (`boundary_layers`), its outputs' layouts; and the layouts of the
-reshapes in the model's own code (`reshapes`). The local run then follows
-the `Record`.
+`local_run_check` runs a model's call once as DTensors inside
+`recording(Record(...))`: each nested layer call with weights notes its
+inputs' layouts, whether it joins the boundary (`boundary_layers`) and its
+outputs' layouts; the reshapes and `slice_update`s of the model's own code
+note theirs (`reshapes`). The local run then follows the `Record`.
 """
 
 import contextlib
@@ -17,9 +17,28 @@ from torch.distributed.tensor import DTensor
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.layout import even_shards
 
-__all__ = ["Record", "fingerprint", "recorder", "recording", "spec"]
+__all__ = [
+    "Record",
+    "even",
+    "fingerprint",
+    "next_key",
+    "recorder",
+    "recording",
+    "scoped",
+    "spec",
+]
 
 _RECORDING = contextvars.ContextVar("keras_dtensor_recording", default=None)
+
+
+@contextlib.contextmanager
+def scoped(var, value):
+    """A context in which context variable `var` holds `value`."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
 
 
 def spec(x):
@@ -29,12 +48,32 @@ def spec(x):
     return None
 
 
+def even(recorded, mesh, skip=None):
+    """Whether a recorded `(placements, shape)` has no partial sums and
+    shards of one shape on every rank (a shard over mesh dim `skip`
+    aside): then every rank takes the same decisions."""
+    if recorded is None:
+        return False
+    placements, shape = recorded
+    return not any(p.is_partial() for p in placements) and even_shards(
+        shape, mesh, placements, skip=skip
+    )
+
+
+def next_key(counts, layer):
+    """`(id(layer), n)` of the layer's n-th call so far, counted."""
+    key = (id(layer), counts.get(id(layer), 0))
+    counts[id(layer)] = key[1] + 1
+    return key
+
+
 @dataclasses.dataclass
 class Record:
     """A DTensor run's layer calls: `calls[(id(layer), n)]` holds the
     input specs of the n-th call of a layer with weights; `weights` each
     such layer's weights; `outputs` the specs of the model's outputs;
-    `boundary` the ids of the layers that run as DTensors."""
+    `boundary` the ids of the layers that run as DTensors; `replicated`
+    those among them whose outputs leave replicated."""
 
     boundary: set
     run_spec: object
@@ -42,50 +81,36 @@ class Record:
     outputs: tuple = ()
     counts: dict = dataclasses.field(default_factory=dict)
     weights: dict = dataclasses.field(default_factory=dict)
-    # `{(id(layer), n): fingerprint of its outputs}` of every layer call,
-    # when a local run that differed is being traced to its layer.
+    # `{key: (fingerprint, output specs)}` of every layer call, while a
+    # local run that differed is traced to its layer.
     fingerprints: dict | None = None
-    # Layer calls that run locally: with none (a stack of split Dense
-    # layers), the local run only adds conversions at every boundary.
-    between: int = 0
-    # The model's own sublayers (ids), and those among the boundary
-    # layers whose outputs were sharded over a model axis, in call order:
-    # the candidates for `replicated`.
+    between: int = 0  # layer calls that run locally
+    # The model's own sublayers (ids); those among the boundary layers
+    # whose outputs were sharded over a model axis, in call order.
     children: frozenset = frozenset()
     sharded_outputs: list = dataclasses.field(default_factory=list)
-    # Boundary layers whose outputs leave replicated (all-gathered over
-    # the model axes, torch's `output_layouts=Replicate()`): for a model
-    # whose own ops meet such an output with a whole tensor (a
-    # hidden-split embedding's output in a residual add).
     replicated: frozenset = frozenset()
-    # The layouts of each reshape's input and result outside the boundary
-    # layers, in call order (None for a plain tensor): a reshape to a
-    # shape from the model's config (keras_hub's attention splits its
-    # global head count into groups) takes its local shape (`reshapes`).
+    # `(input spec, result spec)` of each reshape and `slice_update`
+    # outside the boundary layers, in call order.
     reshapes: list = dataclasses.field(default_factory=list)
     reshape_plans: dict = dataclasses.field(default_factory=dict)
-    # The same for each `slice_update`: the layouts of the updated tensor
-    # and of the result (a replicated KV cache filled with head-sharded
-    # keys comes out split by heads: `hooks.slice_update`).
     slice_updates: list = dataclasses.field(default_factory=list)
     inside: int = 0  # boundary layer calls under way
     # `local_split`'s plans, by `(id(layer), its inputs' specs)`.
     split_plans: dict = dataclasses.field(default_factory=dict)
-    # The layers (ids) whose own ops meet a boundary layer's output cut
-    # into shards of different sizes (a single key/value head over two
-    # ranks); None for the model's: on local tensors a rank's ops could
-    # fail where its peers' do not, leaving them in a collective.
+    # The layers (ids; None: the model) whose own ops meet a boundary
+    # layer's output cut into shards of different sizes.
     uneven: set = dataclasses.field(default_factory=set)
     stack: list = dataclasses.field(default_factory=list)
     _kept: frozenset | None = None
 
+    def _whole(self, specs):
+        return all(s is None or self.run_spec.whole(s[0]) for s in specs)
+
     def enter(self, layer, args, kwargs):
-        """Notes a nested layer call of the DTensor run; returns its key.
-        Layers with weights get their inputs' layouts noted: a replicated
-        weight given sharded inputs joins the boundary (its gradient is a
-        sum over the shards, which only the DTensor run makes)."""
-        key = (id(layer), self.counts.get(id(layer), 0))
-        self.counts[id(layer)] = key[1] + 1
+        """Notes a nested layer call; returns its key. A layer with a
+        replicated weight given sharded inputs joins the boundary."""
+        key = next_key(self.counts, layer)
         self.stack.append(id(layer))
         if not (
             id(layer) in self.boundary
@@ -95,9 +120,7 @@ class Record:
             self.between += 1
             return key
         inputs = tuple(spec(x) for x in fast_tree.flatten((args, kwargs)))
-        if id(layer) not in self.boundary and not all(
-            spec is None or self.run_spec.whole(spec[0]) for spec in inputs
-        ):
+        if not self._whole(inputs):
             self.boundary.add(id(layer))
         self.inside += id(layer) in self.boundary
         self.calls[key] = inputs
@@ -122,33 +145,25 @@ class Record:
         return self._kept
 
     def leave(self, key, outputs):
+        specs = tuple(spec(x) for x in fast_tree.flatten(outputs))
         if self.fingerprints is not None:
-            specs = tuple(spec(x) for x in fast_tree.flatten(outputs))
             self.fingerprints[key] = (fingerprint(outputs), specs)
         layer_id = key[0]
         self.stack.pop()
-        self.inside -= layer_id in self.boundary
-        if layer_id in self.boundary and not self.inside:
-            specs = [spec(x) for x in fast_tree.flatten(outputs)]
-            if any(self._uneven(s) for s in specs):
-                self.uneven.add(self.stack[-1] if self.stack else None)
-        if (
-            layer_id in self.boundary
-            and layer_id in self.children
-            and layer_id not in self.sharded_outputs
+        if layer_id not in self.boundary:
+            return
+        self.inside -= 1
+        mesh, dim = self.run_spec.mesh, self.run_spec.dim
+        if not self.inside and not all(
+            s is None or even(s, mesh, skip=dim) for s in specs
         ):
-            specs = [spec(x) for x in fast_tree.flatten(outputs)]
-            if not all(s is None or self.run_spec.whole(s[0]) for s in specs):
-                self.sharded_outputs.append(layer_id)
-
-    def _uneven(self, recorded):
-        """Whether a DTensor's shards over a model axis differ in size."""
-        if recorded is None:
-            return False
-        placements, shape = recorded
-        return not even_shards(
-            shape, self.run_spec.mesh, placements, skip=self.run_spec.dim
-        )
+            self.uneven.add(self.stack[-1] if self.stack else None)
+        if (
+            layer_id in self.children
+            and layer_id not in self.sharded_outputs
+            and not self._whole(specs)
+        ):
+            self.sharded_outputs.append(layer_id)
 
     def note_reshape(self, x, out):
         """Notes a reshape's input and result in the DTensor run."""
@@ -164,14 +179,9 @@ class Record:
         self.outputs = tuple(spec(x) for x in fast_tree.flatten(outputs))
 
 
-@contextlib.contextmanager
 def recording(record):
     """A context in which layer calls are noted in `record`."""
-    token = _RECORDING.set(record)
-    try:
-        yield record
-    finally:
-        _RECORDING.reset(token)
+    return scoped(_RECORDING, record)
 
 
 def recorder():

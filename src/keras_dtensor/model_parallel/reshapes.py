@@ -1,19 +1,13 @@
 """Reshapes to global shapes in a local run, made local; and a replicated
 KV cache cut to this rank's heads.
 
-A model's own code often reshapes to a shape computed from its config:
-keras_hub's Gemma attention splits its query heads into key/value groups
-by its global head counts, and merges them back the same way. In a local
-run (`boundary_layers`) those heads are this rank's share, and the
-shape does not fit. The DTensor run the local run is checked against
-notes the layout of each reshape's result outside the boundary layers,
-in call order
-(`Record.note_reshape`); the local run's reshape of the same rank takes
-that result's local shape. A reshape that did not come out as recorded
-fails the local run's check like any other op.
-
-`wrap_reshape` wraps Keras's torch `reshape` for both; everywhere else it
-returns at once.
+A reshape in a model's own code to a shape from its config (keras_hub's
+Gemma attention splits its global head count into groups) takes, in a
+local run, the local shape of the same reshape in the DTensor run it
+follows (`Record.note_reshape`, in call order); a `slice_update` whose
+DTensor run cut a replicated cache to head shards does the same cut.
+Where the recorded shards differ in size, nothing is changed. See
+docs/internals/local-run.md.
 """
 
 import functools
@@ -21,23 +15,21 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_dtensor.backend.layout import even_shards
 from keras_dtensor.backend.layout import local_slices
 from keras_dtensor.backend.layout import placed_shape
 from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import local_run
 from keras_dtensor.model_parallel import local_shards
-from keras_dtensor.model_parallel.reference_run import recorder
+from keras_dtensor.model_parallel import reference_run
 
-__all__ = ["local_cache", "local_reshape", "wrap_reshape"]
+__all__ = ["local_cache", "wrap_reshape"]
 
 _UNSEEN = object()
 
 
-def local_reshape(x, newshape):
+def _local_reshape(x, newshape):
     """The shape to give `reshape(x, newshape)` in a local run that
-    follows a DTensor run; None anywhere else (and for `newshape` as it
-    is)."""
+    follows a DTensor run; None for `newshape` as it is."""
     replay = _replay_for(x)
     if replay is None:
         return None
@@ -74,12 +66,12 @@ def wrap_reshape(original):
         # (Checked first: a traced call must not read the context.)
         if torch.compiler.is_compiling():
             return original(x, newshape)
-        record = recorder()
+        record = reference_run.recorder()
         if record is not None:
             out = original(x, newshape)
             record.note_reshape(x, out)
             return out
-        shape = local_reshape(x, newshape)
+        shape = _local_reshape(x, newshape)
         return original(x, newshape if shape is None else shape)
 
     return reshape
@@ -88,22 +80,18 @@ def wrap_reshape(original):
 def local_cache(inputs, updates):
     """`inputs` of a `slice_update` in a local run, cut to this rank's
     shard where the DTensor run's result was split and its `inputs`
-    replicated (keras_hub's first cached call: a replicated cache filled
-    with head-sharded keys, cut by `hooks.slice_update` there); None
-    anywhere else (and for `inputs` as it is)."""
+    replicated; None for `inputs` as it is."""
     replay = _replay_for(inputs) if isinstance(updates, torch.Tensor) else None
     if replay is None:
         return None
     i = replay.sliced
     replay.sliced += 1
     recorded = replay.record.slice_updates
-    if i >= len(recorded) or recorded[i][0] is None:
-        return None
-    (before, whole), after = recorded[i]
-    if after is None or not (
-        _even(recorded[i][0], replay.mesh) and _even(after, replay.mesh)
+    if i >= len(recorded) or not all(
+        reference_run.even(r, replay.mesh) for r in recorded[i]
     ):
         return None
+    (before, whole), after = recorded[i]
     if inputs.shape != placed_shape(whole, replay.mesh, before):
         return None
     batch_dim = replay.record.run_spec.dim
@@ -136,27 +124,17 @@ def _replay_for(x):
 
 def _plan(recorded, mesh):
     """`(input's local shape, result's global shape, its local shape)` of a
-    recorded reshape, or None where its shards differ in size: a rank
-    could then take another path here than its peers, which would wait in
-    the next collective."""
+    recorded reshape, or None where its shards differ in size (a rank
+    could take another path than its peers)."""
     if recorded is None:
         return None
     before, after = recorded
-    if not (_even(before, mesh) and _even(after, mesh)):
+    if not (
+        reference_run.even(before, mesh) and reference_run.even(after, mesh)
+    ):
         return None
     return (
         torch.Size(placed_shape(before[1], mesh, before[0])),
         after[1],
         placed_shape(after[1], mesh, after[0]),
-    )
-
-
-def _even(spec, mesh):
-    """Whether a recorded `(placements, shape)` is a DTensor's whose shards
-    all have one shape (the same decisions on every rank)."""
-    if spec is None:
-        return False
-    placements, shape = spec
-    return not any(p.is_partial() for p in placements) and even_shards(
-        shape, mesh, placements
     )
