@@ -1,12 +1,9 @@
 """A batch laid out by the distribution: arrays become batch-sharded
 DTensors.
 
-Every array of a batch gets the distribution's data layout for its rank
-(`Distribution.get_data_layout`), cached on the distribution object. The
-batch is either the global one, the same on every process, this
-process's slice of it (`per_process`), or this process's shard of a
-global batch, tagged with its place in it (`tag_shard`: a loader that
-loaded only this shard).
+The batch is the global one (the same on every process), this process's
+slice of it (`per_process`), or this process's shard of a global batch
+tagged with its place (`tag_shard`). No communication.
 """
 
 import numpy as np
@@ -34,9 +31,8 @@ _SHARD = "_keras_dtensor_batch_shard"
 
 
 class BatchShard:
-    """Where a batch that holds only this process's shard sits in its
-    global batch: rows `[start, start + rows)` of `total`, whose indices
-    have checksum `digest` (equal on every rank that drew them)."""
+    """Rows `[start, start + rows)` of a global batch of `total`, whose
+    indices have checksum `digest`."""
 
     __slots__ = ("start", "total", "digest")
 
@@ -49,13 +45,8 @@ def _first_leaf(batch):
 
 
 def tag_shard(batch, start, total, digest):
-    """Marks `batch` (this process's shard of a global batch) with its
-    place: on its first array, which the step reads the rows from. NumPy
-    leaves become tensors (no copy) so the mark can travel.
-
-    Returns:
-        The batch, its arrays as tensors.
-    """
+    """`batch` (this process's shard) with its place marked on its first
+    array; NumPy leaves become tensors (no copy) to carry the mark."""
 
     def as_tensor(x):
         return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
@@ -68,20 +59,17 @@ def tag_shard(batch, start, total, digest):
 
 
 def batch_shard(batch):
-    """The `BatchShard` a batch was tagged with, or `None` (a global batch,
-    or a process's own slice)."""
+    """The `BatchShard` a batch was tagged with, or `None`."""
     return getattr(_first_leaf(batch), _SHARD, None)
 
 
 def data_placements(distribution):
-    """`(placements, mesh)` of the distribution's batch layout (a batch of
-    any rank: only the batch dim is split)."""
+    """`(placements, mesh)` of the distribution's batch layout."""
     layout = _data_layout(distribution, 1)
     return tuple(layout.placements), layout.device_mesh
 
 
 def _data_layout(distribution, ndim):
-    """The batch layout for `ndim`, cached on the distribution object."""
     cache = object_state.get_on(distribution, _LAYOUTS)
     if cache is None:
         cache = object_state.set_on(distribution, _LAYOUTS, {})

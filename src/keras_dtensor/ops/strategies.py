@@ -1,37 +1,13 @@
-"""Sharding strategies for ops DTensor lacks in torch 2.13.
+"""Sharding strategies for ops DTensor lacks in torch 2.13, registered
+with `register_sharding` by the torch entries of the `PATCHES` table:
 
-They are registered through the public experimental `register_sharding` by
-the torch entries of the `PATCHES` table, and only affect ops whose inputs are
-DTensors.
-
-CPU flash attention (`torch.nn.functional.scaled_dot_product_attention` on
-CPU, which Keras's `MultiHeadAttention` calls) has no strategy in torch
-2.13, so head-parallel attention crashes in backward. Attention is
-independent per batch row and per head: with q/k/v/out all sharded on the
-batch dimension (0) or the head dimension (1), the op runs on local
-shards, exactly like the single-device op on a slice.
-
-Sampling from a batch-sharded DTensor (`torch.multinomial`, which
-`keras.random.categorical` and keras_hub's top-k/top-p/random samplers
-call) runs, by torch's rule, on each rank's rows with the caller's
-generator: every rank draws from the start of the same stream, so rows
-past the first shard get other samples than one process gives them. Here
-the op is replicated: the probabilities are gathered (batch x classes)
-and every rank draws the whole sample from the same generator state, the
-one-process result.
-
-`scatter_reduce` (Keras's `ops.segment_sum`/`segment_max`, which every
-thresholded metric's update runs: `AUC`, `Precision(thresholds=...)`)
-has no strategy in torch 2.13: all replicated, or sharded on a dim other
-than the scattered one where every operand has the same size there (each
-rank reduces its own slices), as torch's `scatter_add`.
-
-Comparison ops (`eq`, `ne`, `lt`, ... on tensors and scalars) have
-strategies from torch 2.13 on; torch 2.11 lacks some (`aten.ne.Tensor`,
-which Keras's optimizer EMA runs on its replicated `iterations`). Where torch
-has none, an elementwise one is registered: all replicated, or every input
-sharded like the output when the shapes match (no broadcasting over a
-sharded dim). Ops torch already covers are left alone.
+- CPU flash attention (Keras's `MultiHeadAttention`): all operands
+  sharded on the batch or the head dim, run on local shards;
+- `multinomial` (Keras's and keras_hub's samplers): replicated, so every
+  rank draws the one-process sample from the same generator state;
+- `scatter_reduce` (`segment_sum`/`segment_max`, thresholded metrics):
+  replicated, or sharded on a dim other than the scattered one;
+- comparisons torch lacks (`aten.ne.Tensor` in torch 2.11): elementwise.
 """
 
 import torch
@@ -160,14 +136,8 @@ def missing_comparisons():
 
 
 def keep_kwargs_in_place(strategy, op_schema):
-    """Drops the strategies that would move a tensor keyword argument.
-
-    DTensor redistributes an op's positional tensors to the chosen
-    strategy, never its keyword tensors (the attention mask of CPU flash
-    attention): a strategy that needs the mask elsewhere would run the
-    local op on mismatched shapes ("shape '[1, 1, 8, 8]' is invalid").
-    Only strategies that leave every keyword tensor where it is are kept.
-    """
+    """Keeps the strategies that leave every keyword tensor (CPU flash
+    attention's mask) where it is: DTensor never redistributes those."""
     current = [
         tuple(s.strategies[0].output_spec.placements)
         for s in op_schema.kwargs_strategy
@@ -200,10 +170,6 @@ def flash_cpu_backward_ops():
 
 
 def register_elementwise(ops):
-    """Gives each op in `ops` the elementwise strategy, outside the table.
-
-    For tests only: they pass ops torch already covers, to run the fallback
-    on a torch that needs none (in a process of their own).
-    """
+    """Gives each op in `ops` the elementwise strategy (for tests)."""
     for op in ops:
         register_sharding(op)(elementwise)
