@@ -3,6 +3,8 @@ split `(dim, block, period)` (the index along `dim` cut as
 `(index // block) % parts`, `period` = `block * parts`) passes a view or
 meets a weight's atoms."""
 
+from keras_dtensor.planning.dataflow import IDENTITY
+
 __all__ = [
     "ALONG",
     "ATTENTION",
@@ -24,20 +26,7 @@ class Conflict(Exception):  # noqa: N818 (a verdict, not an error)
 
 
 PARTIAL = "partial"
-SHAPE_ONLY = {
-    "detach",
-    "lift_fresh",
-    "lift_fresh_copy",
-    "clone",
-    "to_copy",
-    "empty_like",
-    "alias",
-    "contiguous",
-    "type_as",
-    "dropout",
-    "native_dropout",
-    "copy",
-}
+SHAPE_ONLY = IDENTITY | {"empty_like", "dropout", "native_dropout", "copy"}
 REDUCTIONS = {
     "mean",
     "sum",
