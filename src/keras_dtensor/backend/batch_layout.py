@@ -15,7 +15,7 @@ from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import distribute_data_input
-from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.backend.shards import shard_global_tensor
 
 __all__ = [
@@ -92,16 +92,9 @@ def _distribute_leaf(x, distribution, per_process, total=None):
             return x
         layout = _data_layout(distribution, x.ndim)
         if total is not None:  # this rank's shard, loaded as such
+            mesh, placements = layout.device_mesh, layout.placements
             shape = (total, *x.shape[1:])
-            x = x.contiguous()
-            return DTensor.from_local(
-                x,
-                layout.device_mesh,
-                layout.placements,
-                run_check=False,
-                shape=torch.Size(shape),
-                stride=contiguous_strides(shape),
-            )
+            return from_local(x.contiguous(), mesh, placements, shape)
         if per_process:
             return distribute_data_input(x, layout, distribution.batch_dim_name)
         return shard_global_tensor(x, layout)
@@ -109,17 +102,8 @@ def _distribute_leaf(x, distribution, per_process, total=None):
 
 
 def distribute_batch(batch, distribution, per_process=False):
-    """Converts every array in a batch to a DTensor sharded by batch.
-
-    Args:
-        batch: a nested structure of arrays and tensors.
-        distribution: the active `keras.distribution.Distribution`.
-        per_process: whether the batch is this process's slice (else it
-            is the global batch, identical on every process).
-
-    Returns:
-        The same structure with `DTensor` leaves.
-    """
+    """`batch` (global, or this process's slice if `per_process`) with
+    every array a DTensor sharded by batch."""
     shard = batch_shard(batch)
     total = None if shard is None else shard.total
     return fast_tree.map_structure(

@@ -1,14 +1,9 @@
 """One outcome on every rank: failures shared, rank 0's answer broadcast.
 
-A step that fails on some ranks only (a file rank 0 cannot create, a
-write that fails on one rank) would leave the others waiting at their next
-collective until the timeout; it ends here instead, and every rank raises.
-`files_shared()` is the scope in which Keras's file operations are decided
-on rank 0 (`hooks/shared_files.py`). Messages travel as bytes in tensors
-(`launch`): nothing from a peer is unpickled.
-
-Example:
->>> problem = consensus.first_failure(problem)  # the same on every rank
+A step that fails on some ranks only (a file rank 0 cannot create) would
+leave the others waiting at their next collective; it ends here instead,
+and every rank raises. Messages travel as bytes in tensors: nothing from a
+peer is unpickled.
 """
 
 import contextlib

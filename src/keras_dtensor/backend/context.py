@@ -39,25 +39,13 @@ def _distribution_getter():
 
 
 def current():
-    """The active Keras distribution, or `None` (traced by `torch.compile`).
-
-    Example:
-    >>> with keras.distribution.DataParallel().scope():
-    ...     context.current()
-    <DataParallel ...>
-    """
+    """The active Keras distribution, or `None` (traced by `torch.compile`)."""
     return _distribution_getter()()
 
 
 def active():
     """The current distribution if it spans several processes, else `None`
-    (Keras's `Distribution._is_multi_process`).
-
-    Example:
-    >>> with keras.distribution.DataParallel().scope():  # plain python
-    ...     context.active()
-    None
-    """
+    (Keras's `Distribution._is_multi_process`)."""
     distribution = current()
     if distribution is None or not getattr(
         distribution, "_is_multi_process", True
@@ -82,13 +70,9 @@ def is_data_parallel(distribution=None) -> bool:
 
 @contextlib.contextmanager
 def global_values():
-    """Inside: a plain tensor meeting a DTensor counts as replicated.
-
-    Keras programs are single-program, so a tensor a layer creates holds
-    the same global value on every process; data, the exception, becomes
-    DTensors first (`batch_layout`). Re-entrant, unlike torch's
-    `implicit_replication`.
-    """
+    """Inside: a plain tensor meeting a DTensor counts as replicated (a
+    layer's tensors are global values; data becomes DTensors first).
+    Re-entrant, unlike torch's `implicit_replication`."""
     from torch.distributed.tensor import DTensor
 
     dispatcher = DTensor._op_dispatcher

@@ -16,8 +16,8 @@ from torch.distributed.tensor import Replicate
 from keras_dtensor import compat
 from keras_dtensor.backend import launch
 from keras_dtensor.backend.errors import describe_mesh
-from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.layout import to_placements
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.backend.shards import shard_global_tensor
 
 __all__ = [
@@ -61,12 +61,7 @@ def _keras_device_type(device_type=None):
 
 def list_devices(device_type=None):
     """Return all the available devices based on the device type: one per
-    process, named by global rank (`cpu:0 .. cpu:N-1`, or `gpu:...`).
-
-    Example:
-    >>> keras.distribution.list_devices()  # under torchrun, 2 CPU ranks
-    ['cpu:0', 'cpu:1']
-    """
+    process, named by global rank (`cpu:0 .. cpu:N-1`, or `gpu:...`)."""
     kind = _keras_device_type(device_type)
     return [f"{kind}:{i}" for i in range(launch.num_processes())]
 
@@ -77,11 +72,8 @@ def get_device_count(device_type=None):
 
 
 def initialize(job_addresses, num_processes, process_id):
-    """Starts the process group and agrees on one random seed.
-
-    Under torchrun all arguments may be `None`; otherwise `job_addresses`
-    is `"host:port[,host:port...]"`, the first being the rendezvous.
-    """
+    """Starts the process group (the arguments `None` under torchrun) and
+    agrees on one random seed."""
     launch.init_process_group(job_addresses, num_processes, process_id)
     launch.agree_on_seed()
 
@@ -204,10 +196,6 @@ def distribute_tensor(tensor, layout):
     A plain tensor is the global value: each rank keeps its shard; a
     `DTensor` is redistributed. In a job of one process a plain tensor is
     checked against the layout and returned as is.
-
-    Example:
-    >>> layout = keras.distribution.TensorLayout((None, "model"), mesh)
-    >>> keras.distribution.distribute_tensor(torch.ones(4, 8), layout)
     """
     if isinstance(tensor, DTensor):
         layout = as_backend_layout(layout)
@@ -272,11 +260,4 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     shape = list(per_process_batch.shape)
     if shape and parts > 1:
         shape[0] = shape[0] * parts
-    return DTensor.from_local(
-        per_process_batch,
-        mesh,
-        layout.placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
-    )
+    return from_local(per_process_batch, mesh, layout.placements, shape)

@@ -17,15 +17,9 @@ def describe_mesh(mesh_shape, axis_names) -> str:
 def layout_error(
     reason, *, axes, mesh_shape, axis_names, path=None, shape=None
 ) -> ValueError:
-    """The `ValueError` for a layout that cannot be applied: it names the
-    path and shape (when known), the axes and the mesh, then `reason`.
-
-    Example:
-    >>> str(layout_error("unknown axis 'x'", axes=("x",), mesh_shape=(2,),
-    ...     axis_names=("model",), path="dense/kernel", shape=(4, 8)))
-    "Cannot shard `dense/kernel` (4, 8) with axes ('x',) on mesh shape (2,), \
-axis_names ('model',): unknown axis 'x'."
-    """
+    """The `ValueError` for a layout that cannot be applied: "Cannot shard
+    `dense/kernel` (4, 8) with axes ('x',) on mesh shape (2,), axis_names
+    ('model',): unknown axis 'x'." """
     what = f"`{path}`" if path else "tensor"
     if shape is not None:
         what += f" {tuple(shape)}"

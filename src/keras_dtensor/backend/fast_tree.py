@@ -1,12 +1,7 @@
 """Keras's `tree.flatten`, `pack_sequence_as` and `map_structure`, fast
-for a layer call's usual arguments.
-
-On torch, Keras's tree functions go through torch's pytree, rebuilding
-dicts in sorted order first; the package walks every layer call's
-arguments several times. Plain tuples, lists and dicts of tensors,
-numbers, strings and None are walked here, in Keras's order (a dict's keys
-sorted: Keras 3.15 at the outermost level only, 3.16 at every level, asked
-of the installed Keras at the first walk); anything else goes to Keras's.
+for a layer call's usual arguments (plain tuples, lists and dicts of
+tensors, numbers, strings and None), in Keras's order (asked of the
+installed Keras at the first walk); anything else goes to Keras's.
 """
 
 import torch

@@ -1,9 +1,8 @@
 """Saves that appear whole: staged next to the target, moved into place.
 
-A reader finds the old file or the new one, never half of one; what a
-killed save leaves behind, the next save cleans up or puts back
-(`remove_leftovers`). Pure filesystem helpers: which rank stages, and
-when, is the caller's. The scheme is in `docs/internals/backend.md`.
+A reader finds the old file or the new one, never half of one; the next
+save cleans up or puts back what a killed one left (`remove_leftovers`).
+Which rank stages, and when, is the caller's.
 
 Example:
 >>> staging = files.staging_path("ckpt/epoch-3")

@@ -76,18 +76,11 @@ def _backend():
 def init_process_group(
     job_addresses=None, num_processes=None, process_id=None, timeout=None
 ):
-    """Starts the default process group, once.
+    """Starts the default process group, once; `True` if this call did.
 
-    Args:
-        job_addresses: Keras's comma-separated job addresses, the first
-            being the rendezvous; `None` under torchrun.
-        num_processes: world size when `job_addresses` is given.
-        process_id: this process's rank when `job_addresses` is given.
-        timeout: seconds (or `timedelta`) for collectives; defaults to
-            `$KERAS_DTENSOR_TIMEOUT`.
-
-    Returns:
-        `True` if this call started the group, `False` if one was running.
+    The rendezvous is the first of Keras's `job_addresses` (with
+    `num_processes` and `process_id`) or torchrun's environment;
+    `timeout` (seconds or `timedelta`) defaults to `$KERAS_DTENSOR_TIMEOUT`.
     """
     if dist.is_initialized():
         world = dist.get_world_size()

@@ -25,14 +25,8 @@ __all__ = [
 
 
 def chunk(length, parts, index) -> tuple:
-    """The `(start, size)` of chunk `index` of `length` split in `parts`.
-
-    DTensor's rule (`torch.chunk`): chunks of `ceil(length / parts)`, the
-    last ones shorter or empty.
-
-    Example:
-    >>> [chunk(5, 4, i) for i in range(4)]
-    [(0, 2), (2, 2), (4, 1), (5, 0)]
+    """The `(start, size)` of chunk `index` of `length` split in `parts`,
+    by DTensor's (`torch.chunk`'s) rule: the last chunks shorter or empty.
     """
     step = math.ceil(length / parts) if length else 0
     start = min(index * step, length)
@@ -91,12 +85,7 @@ def contiguous_strides(shape) -> tuple:
 
 
 def normalize_axes(axes) -> tuple:
-    """The axes with every entry a tuple of mesh-axis names.
-
-    Example:
-    >>> normalize_axes((None, "model", ("batch", "model")))
-    ((), ('model',), ('batch', 'model'))
-    """
+    """The axes with every entry a tuple of mesh-axis names."""
     return tuple(
         () if e is None else (e,) if isinstance(e, str) else tuple(e)
         for e in axes

@@ -1,10 +1,8 @@
 """Attributes keras_dtensor sets on individual Keras objects.
 
-Hooks keep a little state on the objects it belongs to (a model's step
-function, a distribution's layout caches). Every such attribute is set
-through `set_on`, which remembers what it replaced; `uninstall()` calls
-`restore()`, which puts it back on every object still alive. Attributes
-are set with `object.__setattr__`, out of Keras's tracking.
+Set through `set_on` (with `object.__setattr__`, out of Keras's tracking),
+which remembers what each replaced; `uninstall()` calls `restore()`, which
+puts it back on every object still alive.
 """
 
 import contextlib

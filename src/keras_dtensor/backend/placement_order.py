@@ -1,12 +1,10 @@
 """Sharding choices that agree across ranks, whatever `PYTHONHASHSEED` is.
 
-DTensor breaks cost ties between sharding strategies in the order it
-enumerates candidates, some out of Python sets: of placements, ordered by
-`Placement.__hash__` (`Partial` hashes a salted string, `_MaskPartial` a
-memory address), and the redistribute planner's sets. Ranks that choose
-differently run different collectives and hang. The hashes here depend
-on the placement's value alone and the planner's sets keep insertion
-order; `order_digest()` is compared across ranks when the group starts.
+DTensor breaks strategy cost ties in the order it enumerates candidates,
+some out of Python sets ordered by salted hashes; ranks that choose
+differently run different collectives and hang. Hashes here depend on a
+placement's value alone, the planner's sets keep insertion order, and
+`order_digest()` is compared across ranks when the group starts.
 """
 
 import functools

@@ -1,11 +1,8 @@
 """Starting the next training epoch at a given batch (a one-shot request).
 
-A checkpoint written mid-epoch resumes at its batch when the input can be
-positioned (arrays and tensors, a torch `DataLoader`, a `PyDataset`, each
-read from its start every epoch): the epoch's shuffle is drawn again and
-the batches already trained are dropped. The checkpoint callback asks
-(`request`), the epoch iterator takes the request (`take`) and reports
-back through `done`. Otherwise the epoch restarts from its first batch.
+The checkpoint callback asks (`request`); the epoch iterator takes it
+(`take`), skips the batches already trained where its input can be
+positioned (its shuffle drawn again), and reports back through `done`.
 """
 
 import dataclasses

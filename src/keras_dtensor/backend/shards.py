@@ -4,12 +4,27 @@ A plain tensor is the global value, the same on every process; laying it
 out keeps this rank's shard, with no communication.
 """
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.layout import local_slices
 
-__all__ = ["shard_global_tensor"]
+__all__ = ["from_local", "shard_global_tensor"]
+
+
+def from_local(local, mesh, placements, shape):
+    """A DTensor of contiguous global `shape` from this rank's `local`
+    shard, unchecked (no communication)."""
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
+    )
 
 
 def shard_global_tensor(tensor, layout):

@@ -37,12 +37,10 @@ def _per_row_or_head(num_outputs, num_tensors, num_scalars, attn_mask):
     """Strategies: all replicated, or all sharded on dim 0 or dim 1."""
     strategies = []
     for placement in (Replicate(), Shard(0), Shard(1)):
-        if attn_mask is not None and isinstance(placement, Shard):
-            # A mask broadcast along the sharded dim stays replicated.
-            mask = placement if attn_mask.shape[placement.dim] > 1 else None
-            mask = mask or Replicate()
-        else:
-            mask = None if attn_mask is None else Replicate()
+        # A mask broadcast along the sharded dim stays replicated.
+        mask = None if attn_mask is None else Replicate()
+        if mask and placement.is_shard() and attn_mask.shape[placement.dim] > 1:
+            mask = placement
         outputs = [placement] * num_outputs
         inputs = [placement] * num_tensors + [None] * num_scalars + [mask]
         strategies.append((outputs, inputs))
@@ -63,18 +61,11 @@ def flash_cpu_backward(
 
 def elementwise(self, other=None, **kwargs):
     # -> one output; inputs self and, for `.Tensor` overloads, other.
-    tensors = [self] + ([other] if hasattr(other, "shape") else [])
-    scalars = 0 if len(tensors) == 2 else 1
-    strategies = [
-        ([Replicate()], [Replicate()] * len(tensors) + [None] * scalars)
-    ]
-    if all(tuple(t.shape) == tuple(self.shape) for t in tensors):
-        for dim in range(len(self.shape)):
-            shard = Shard(dim)
-            strategies.append(
-                ([shard], [shard] * len(tensors) + [None] * scalars)
-            )
-    return strategies
+    tensors = 2 if hasattr(other, "shape") else 1
+    placements = [Replicate()]
+    if tensors == 1 or tuple(other.shape) == tuple(self.shape):
+        placements += [Shard(dim) for dim in range(len(self.shape))]
+    return [([p], [p] * tensors + [None] * (2 - tensors)) for p in placements]
 
 
 def replicated_sample(self, num_samples, replacement=False, **kwargs):
