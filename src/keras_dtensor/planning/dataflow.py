@@ -182,25 +182,15 @@ def _projection(index, node, views):
     left, right = views.get(c.a), views.get(c.b)
     if (left is None) == (right is None):
         return None
-    if right is not None:
-        var, dims = right
-        free, contracted = dims[-1], dims[-2]
-        activation, kernel_on_right = c.a, True
-    else:
-        var, dims = left
-        free, contracted = dims[-2], dims[-1]
-        activation, kernel_on_right = c.b, False
+    on_right = right is not None
+    var, dims = right if on_right else left
+    free, contracted = (
+        (dims[-1], dims[-2]) if on_right else (dims[-2], dims[-1])
+    )
+    activation = c.a if on_right else c.b
     batch = dims[0] if c.batched else ()
     return Projection(
-        index,
-        var,
-        activation,
-        c.out,
-        kernel_on_right,
-        free,
-        contracted,
-        batch,
-        c.bias,
+        index, var, activation, c.out, on_right, free, contracted, batch, c.bias
     )
 
 

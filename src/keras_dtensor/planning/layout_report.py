@@ -102,15 +102,12 @@ def finish(
         if any(axes):
             layout_map["^" + re.escape(var.path) + "$"] = tuple(axes)
         entries.append(Entry(var.path, tuple(var.shape), tuple(axes), why))
-    fwd, bwd, gathers = counts
     return AutoLayout(
         entries,
         mesh,
         model_axis,
         batch_axis,
-        fwd,
-        bwd,
-        gathers,
+        *counts,
         layout_map,
         full,
         per_rank,
