@@ -23,27 +23,23 @@ _MAX_TRIES = 256
 _LARGE_EMBEDDING = 2**20
 
 
-def _options(p, fixed, parts):
-    """A producer's choices: a splittable output atom each, then None."""
+def _options(flow, p, fixed, parts):
+    """A producer's choices: `(output dim, atoms, index)` per splittable
+    output atom, then None (whole)."""
     if p.var.path in fixed:
         return [None]
+    nd = len(flow.trace.shapes[p.out])
+    free_dim = nd - 1 if p.kernel_on_right else nd - 2
     out = []
-    for kind, atoms in (("free", p.free), ("batch", p.batch)):
+    for dim, atoms in ((free_dim, p.free), (0, p.batch)):
         for j, (_, size, outer) in enumerate(atoms):
             if outer and size % parts == 0:
-                out.append((kind, atoms, j))
+                out.append((dim, atoms, j))
     return [*out, None]
 
 
-def _output_dim(flow, p, kind):
-    nd = len(flow.trace.shapes[p.out])
-    if kind == "batch":
-        return 0
-    return nd - 1 if p.kernel_on_right else nd - 2
-
-
-def _combinations(producers, fixed, parts):
-    options = [_options(p, fixed, parts) for p in producers]
+def _combinations(flow, producers, fixed, parts):
+    options = [_options(flow, p, fixed, parts) for p in producers]
     combos = itertools.product(*options)
     ranked = sorted(
         itertools.islice(combos, _MAX_TRIES * 4),
@@ -58,20 +54,16 @@ def _split_region(flow, root, parts, fixed, min_bytes):
         return None, None
     first_reason = None
     open_ = [p for p in producers if p.var.path not in fixed]
-    if open_ and all(_options(p, fixed, parts) == [None] for p in open_):
+    if open_ and all(_options(flow, p, fixed, parts) == [None] for p in open_):
         p = open_[0]
         sizes = [size for _, size, _ in (*p.batch, *p.free)]
         return None, (
             f"{p.var.path}: its output dims {sizes} do not divide by {parts}"
         )
-    for combo in _combinations(producers, fixed, parts):
+    for combo in _combinations(flow, producers, fixed, parts):
         if all(c is None for c in combo):
             break
-        choices = {
-            p: (_output_dim(flow, p, c[0]), c[1], c[2])
-            for p, c in zip(producers, combo, strict=True)
-            if c is not None
-        }
+        choices = {p: c for p, c in zip(producers, combo, strict=True) if c}
         try:
             split = propagate.propagate(flow, root, parts, choices)
         except propagate.Conflict as conflict:
@@ -190,20 +182,12 @@ def auto_layout(
                 taken[path] = label
                 decided[path] = (dim, f"{role}, {label}")
         for p in flow.projections:
-            path = p.var.path
-            if path in decided and decided[path][0] is not None:
+            if decided.get(p.var.path, (None,))[0] is not None or not p.free:
                 continue
-            size = p.free[0][1] if p.free else 0
-            if (
-                p.free
-                and p.free[0][2]
-                and size in vocab_split
-                and _reaches_output(flow, p)
-            ):
-                decided[path] = (
-                    p.free[0][0],
-                    "output head by vocabulary, as its embedding",
-                )
+            dim, size, outer = p.free[0]
+            if outer and size in vocab_split and _reaches_output(flow, p):
+                why = "output head by vocabulary, as its embedding"
+                decided[p.var.path] = (dim, why)
                 gathers += 1
     return layout_report.finish(
         model,
