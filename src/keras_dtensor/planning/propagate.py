@@ -1,18 +1,12 @@
 """Whether one region can run split over the model axis, op by op.
 
-Given a region and a choice per producer (split its output dim, or
-leave it whole), the split is carried through the region's ops in
-execution order, as DTensor's sharding propagation would carry a
-`Shard(dim)`, with rules for the ops a region holds (elementwise ops with
-broadcasting, views, permutes, reductions over other dims, attention,
-contractions). It ends at the consumers, whose contracted dim it must be
-(their kernel is then split by rows, and their output is a partial sum:
-one all-reduce). Anything else (a norm over the split dim, a gather, the
-model's output) is a conflict, and its reason says which op and why.
-
-The result is the layout of every weight the split touches (producers by
-columns, consumers by rows, biases and per-head weights alongside) and
-the collectives it costs per training step.
+Given a choice per producer (split its output dim, or leave it whole),
+the split is carried through the region's ops in execution order, as
+DTensor's sharding propagation carries a `Shard(dim)`, to the consumers,
+whose contracted dim it must be (their kernel split by rows, their output
+a partial sum: one all-reduce). Anything else (a norm over the split dim,
+the model's output) is a `Conflict` whose reason names the op. The result
+is every touched weight's layout and the all-reduces per training step.
 """
 
 import dataclasses
