@@ -118,8 +118,7 @@ def device_ranks(device_mesh):
 
 
 def _kept_axes(device_mesh):
-    """The mesh axes of size > 1 (the first, for one device): a size-1
-    mesh dimension only adds no-op work to every DTensor op."""
+    """The mesh axes of size > 1 (the first, for one device)."""
     kept = [i for i, n in enumerate(device_mesh.shape) if n > 1]
     return kept or [0]
 
@@ -219,8 +218,7 @@ def _as_tensor(x):
 
 
 def check_layout(layout, shape, path=None):
-    """Raises for `layout` what `as_backend_layout` would, building no
-    torch mesh (a job of one process computes on plain tensors)."""
+    """Raises for `layout` what `as_backend_layout` would, with no mesh."""
     from keras.src.distribution import TensorLayout
 
     if isinstance(layout, TensorLayout) and layout.device_mesh is not None:

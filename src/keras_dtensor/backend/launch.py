@@ -179,8 +179,7 @@ def ensure_process_group():
 
 
 def world() -> tuple[int, int]:
-    """`(world size, rank)` of the running group; `(1, 0)` without one
-    (never starts a group)."""
+    """`(world size, rank)` of the running group, else `(1, 0)`."""
     if dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0

@@ -50,8 +50,7 @@ def local_slices(shape, mesh, placements, coordinate=None) -> list:
 
 
 def placed_shape(shape, mesh, placements) -> tuple:
-    """This rank's shape of a tensor of global `shape` laid out by
-    `placements` on `mesh`."""
+    """This rank's shape of a tensor of global `shape`."""
     return tuple(n for _, n in local_slices(shape, mesh, placements))
 
 

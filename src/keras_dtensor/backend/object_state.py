@@ -78,8 +78,7 @@ def status():
 
 @contextlib.contextmanager
 def swapped(obj, name, value):
-    """`obj.<name>` is `value` for the block (out of Keras's tracking),
-    then what it was."""
+    """`obj.<name>` is `value` for the block, then what it was."""
     previous = obj.__dict__.get(name, _MISSING)
     obj.__dict__[name] = value
     try:

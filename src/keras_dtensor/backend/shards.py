@@ -60,8 +60,7 @@ def shard_global_tensor(tensor, layout):
 
 
 def _cut_here(placements):
-    """Whether some dims are sharded, each over one mesh dim, the rest
-    replicated."""
+    """Whether some dims are sharded, each over one mesh dim, no partial."""
     dims = [p.dim for p in placements if p.is_shard()]
     return (
         bool(dims)

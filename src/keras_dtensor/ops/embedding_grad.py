@@ -23,28 +23,20 @@ __all__ = ["wrap_embedding"]
 def _layouts(weight_placements, indices):
     """Per mesh dim: the output gradient's, the indices' and the weight
     gradient's placements."""
-    grad_out, index, grad_weight = [], [], []
+    out = []
     last = indices.ndim  # the output's feature dim
     for weight_p, index_p in zip(
         weight_placements, indices.placements, strict=True
     ):
         if weight_p.is_shard(0):  # rows: every index, masked locally
-            grad_out.append(Replicate())
-            index.append(Replicate())
-            grad_weight.append(weight_p)
+            out.append((Replicate(), Replicate(), weight_p))
         elif weight_p.is_shard(1):  # features: this rank's columns
-            grad_out.append(Shard(last))
-            index.append(Replicate())
-            grad_weight.append(weight_p)
+            out.append((Shard(last), Replicate(), weight_p))
         elif index_p.is_shard():  # a replicated table, sharded indices
-            grad_out.append(index_p)
-            index.append(index_p)
-            grad_weight.append(Partial())
+            out.append((index_p, index_p, Partial()))
         else:
-            grad_out.append(Replicate())
-            index.append(Replicate())
-            grad_weight.append(Replicate())
-    return grad_out, index, grad_weight
+            out.append((Replicate(), Replicate(), Replicate()))
+    return zip(*out, strict=True)
 
 
 class _RowShardedLookup(torch.autograd.Function):

@@ -29,15 +29,13 @@ def _local(x):
 
 def _aligned(tensors):
     """Whether DTensors `tensors` share mesh, placements and local shape."""
-    first = tensors[0]
     if not all(isinstance(t, DTensor) for t in tensors):
         return False
-    mesh, placements = first.device_mesh, first.placements
-    shape = first._local_tensor.shape
+    first = tensors[0]
     return all(
-        t.device_mesh == mesh
-        and t.placements == placements
-        and t._local_tensor.shape == shape
+        t.device_mesh == first.device_mesh
+        and t.placements == first.placements
+        and t._local_tensor.shape == first._local_tensor.shape
         for t in tensors[1:]
     )
 
@@ -122,8 +120,6 @@ def wrap_adam_update(original):
             if not _aligned(row):
                 return original(self, grads, variables, learning_rate)
             rows.append(tuple(_local(t) for t in row))
-        if not rows:
-            return original(self, grads, variables, learning_rate)
         step_size = _step_size(self, learning_rate, rows[0][0].dtype)
         for group in _pieces(rows):
             _update(self, group, step_size)
