@@ -190,12 +190,9 @@ def as_backend_layout(layout, path=None, shape=None):
 
 
 def distribute_tensor(tensor, layout):
-    """Distribute the tensor based on the layout.
-
-    A plain tensor is the global value: each rank keeps its shard; a
-    `DTensor` is redistributed. In a job of one process a plain tensor is
-    checked against the layout and returned as is.
-    """
+    """Distribute the tensor based on the layout: a plain tensor is the
+    global value, of which each rank keeps its shard (in a job of one
+    process: checked and returned); a `DTensor` is redistributed."""
     if isinstance(tensor, DTensor):
         layout = as_backend_layout(layout)
         if tensor.device_mesh == layout.device_mesh and tuple(
@@ -237,12 +234,9 @@ def distribute_variable(value, layout):
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
-    """Distribute the input data with the corresponding layout.
-
-    The input is this process's slice of the global batch; the result is
-    the global batch `DTensor` (the plain batch in a job of one process).
-    No communication.
-    """
+    """Distribute the input data with the corresponding layout: this
+    process's slice becomes the global batch `DTensor` (no communication;
+    the plain batch in a job of one process)."""
     if isinstance(per_process_batch, DTensor):
         return distribute_tensor(per_process_batch, layout)
     per_process_batch = _as_tensor(per_process_batch)

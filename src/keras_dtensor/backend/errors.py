@@ -44,10 +44,8 @@ _PEER_FAILURE = (
 
 
 def collective_failure(error, *, operation, rank, world, timeout):
-    """A `RuntimeError` to raise from `error` when it is a collective that
-    failed because of a peer (else `None`), naming `operation`, the rank
-    and the timeout.
-    """
+    """A `RuntimeError` naming `operation`, the rank and the timeout for
+    a collective that failed because of a peer, else `None`."""
     message = str(error)
     if not any(f in message.lower() for f in _PEER_FAILURE):
         return None

@@ -76,12 +76,9 @@ def _backend():
 def init_process_group(
     job_addresses=None, num_processes=None, process_id=None, timeout=None
 ):
-    """Starts the default process group, once; `True` if this call did.
-
-    The rendezvous is the first of Keras's `job_addresses` (with
-    `num_processes` and `process_id`) or torchrun's environment;
-    `timeout` (seconds or `timedelta`) defaults to `$KERAS_DTENSOR_TIMEOUT`.
-    """
+    """Starts the default process group, once (`True` if this call did),
+    at the first of Keras's `job_addresses` or torchrun's rendezvous;
+    `timeout` defaults to `$KERAS_DTENSOR_TIMEOUT`."""
     if dist.is_initialized():
         world = dist.get_world_size()
         if num_processes is not None and num_processes != world:
@@ -278,14 +275,10 @@ def _destroy():
 
 
 def every_rank_joins(what: str, why: str) -> None:
-    """Raises on the ranks that arrived if some rank does not join `what`.
-
-    The ranks meet in the process group's store, which no collective can
-    pair with (a collective on some ranks only would pair with the others'
-    next one), for up to `$KERAS_DTENSOR_SAVE_TIMEOUT` seconds; later
-    arrivals at an abandoned call raise at once. `why` says what makes the
-    call collective.
-    """
+    """Raises on the ranks that arrived if some rank does not join `what`
+    (`why` says what makes it collective) within
+    `$KERAS_DTENSOR_SAVE_TIMEOUT`: the ranks meet in the process group's
+    store, which no collective can pair with."""
     if not multi_process():
         return
     timeout = config.get("SAVE_TIMEOUT")

@@ -94,9 +94,8 @@ def normalize_axes(axes) -> tuple:
 def to_placements(axes, mesh_shape, axis_names, *, path=None, shape=None):
     """Converts layout axes to one DTensor placement per mesh dimension.
 
-    Raises `ValueError` (naming `path` and `shape` where given) for an
-    unknown axis, an axis used twice, more axes than dimensions, or a
-    dimension sharded over mesh axes out of the mesh's order.
+    Raises `ValueError` (naming `path` and `shape`) for an unknown or
+    repeated axis, too many axes, or axes out of the mesh's order.
 
     Example:
     >>> to_placements((None, "model"), (1, 2), ("batch", "model"))

@@ -28,10 +28,8 @@ def from_local(local, mesh, placements, shape):
 
 
 def shard_global_tensor(tensor, layout):
-    """This rank's shard of the global `tensor` as a `DTensor` laid out by
-    the (checked) `DTensorLayout`; no communication. A tensor that needs
-    a gradient goes through `redistribute`, so its gradient is the full
-    one; any other is sliced directly."""
+    """This rank's shard of the global `tensor`, laid out by a checked
+    `DTensorLayout` (no communication; differentiable)."""
     mesh = layout.device_mesh
     placements = tuple(layout.placements)
     if not tensor.requires_grad and _cut_here(placements):
