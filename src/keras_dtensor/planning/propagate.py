@@ -57,10 +57,13 @@ class _Run:
         """Split the variable behind weight view `tid` where its dim
         `tensor_dim` holds the activation's split."""
         var, dims = self.flow.views[tid]
-        atoms = dims[tensor_dim]
+        self.place(var, dims[tensor_dim], split, role, node, "a weight dim")
+
+    def place(self, var, atoms, split, role, node, what="a dim"):
+        """Split `var` on the atom of `atoms` that `split` cuts."""
         j = matching_atom(atoms, split[1], split[2], self.parts)
         if j is None:
-            fail(node, f"{var.path}: the split falls inside a weight dim")
+            fail(node, f"{var.path}: the split falls inside {what}")
         self.weight_atom(var, atoms[j], role, node)
 
     def weight_atom(self, var, atom, role, node):
@@ -134,20 +137,13 @@ class _Run:
         if p is not None:
             act = sa if p.kernel_on_right else sb
             contracted = na - 1 if p.kernel_on_right else nb - 2
-            atoms = p.contracted
             if act[0] == contracted:  # a consumer: rows, a partial sum
-                j = matching_atom(atoms, act[1], act[2], self.parts)
-                if j is None:
-                    fail(node, f"{p.var.path}: the split falls inside a dim")
-                self.weight_atom(p.var, atoms[j], "row", node)
+                self.place(p.var, p.contracted, act, "row", node)
                 self.split[c.out] = PARTIAL
                 self.forward += 1
                 return
             if act[0] == batch:  # batched experts
-                j = matching_atom(p.batch, act[1], act[2], self.parts)
-                if j is None:
-                    fail(node, f"{p.var.path}: the split falls inside a dim")
-                self.weight_atom(p.var, p.batch[j], "experts", node)
+                self.place(p.var, p.batch, act, "experts", node)
                 self.split[c.out] = act
                 return
             fail(node, f"feeds {p.var.path} on a dim it does not contract")
