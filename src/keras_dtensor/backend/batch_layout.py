@@ -1,12 +1,9 @@
 """A batch laid out by the distribution: arrays become batch-sharded
 DTensors.
 
-Every array of a batch gets the distribution's data layout for its rank
-(`Distribution.get_data_layout`), cached on the distribution object. The
-batch is either the global one, the same on every process, this
-process's slice of it (`per_process`), or this process's shard of a
-global batch, tagged with its place in it (`tag_shard`: a loader that
-loaded only this shard).
+The batch is the global one (the same on every process), this process's
+slice of it (`per_process`), or this process's shard of a global batch
+tagged with its place (`tag_shard`). No communication.
 """
 
 import numpy as np
@@ -18,7 +15,7 @@ from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import distribute_data_input
-from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.backend.shards import shard_global_tensor
 
 __all__ = [
@@ -34,9 +31,8 @@ _SHARD = "_keras_dtensor_batch_shard"
 
 
 class BatchShard:
-    """Where a batch that holds only this process's shard sits in its
-    global batch: rows `[start, start + rows)` of `total`, whose indices
-    have checksum `digest` (equal on every rank that drew them)."""
+    """Rows `[start, start + rows)` of a global batch of `total`, whose
+    indices have checksum `digest`."""
 
     __slots__ = ("start", "total", "digest")
 
@@ -49,13 +45,8 @@ def _first_leaf(batch):
 
 
 def tag_shard(batch, start, total, digest):
-    """Marks `batch` (this process's shard of a global batch) with its
-    place: on its first array, which the step reads the rows from. NumPy
-    leaves become tensors (no copy) so the mark can travel.
-
-    Returns:
-        The batch, its arrays as tensors.
-    """
+    """`batch` (this process's shard) with its place marked on its first
+    array; NumPy leaves become tensors (no copy) to carry the mark."""
 
     def as_tensor(x):
         return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
@@ -68,20 +59,17 @@ def tag_shard(batch, start, total, digest):
 
 
 def batch_shard(batch):
-    """The `BatchShard` a batch was tagged with, or `None` (a global batch,
-    or a process's own slice)."""
+    """The `BatchShard` a batch was tagged with, or `None`."""
     return getattr(_first_leaf(batch), _SHARD, None)
 
 
 def data_placements(distribution):
-    """`(placements, mesh)` of the distribution's batch layout (a batch of
-    any rank: only the batch dim is split)."""
+    """`(placements, mesh)` of the distribution's batch layout."""
     layout = _data_layout(distribution, 1)
     return tuple(layout.placements), layout.device_mesh
 
 
 def _data_layout(distribution, ndim):
-    """The batch layout for `ndim`, cached on the distribution object."""
     cache = object_state.get_on(distribution, _LAYOUTS)
     if cache is None:
         cache = object_state.set_on(distribution, _LAYOUTS, {})
@@ -104,16 +92,9 @@ def _distribute_leaf(x, distribution, per_process, total=None):
             return x
         layout = _data_layout(distribution, x.ndim)
         if total is not None:  # this rank's shard, loaded as such
+            mesh, placements = layout.device_mesh, layout.placements
             shape = (total, *x.shape[1:])
-            x = x.contiguous()
-            return DTensor.from_local(
-                x,
-                layout.device_mesh,
-                layout.placements,
-                run_check=False,
-                shape=torch.Size(shape),
-                stride=contiguous_strides(shape),
-            )
+            return from_local(x.contiguous(), mesh, placements, shape)
         if per_process:
             return distribute_data_input(x, layout, distribution.batch_dim_name)
         return shard_global_tensor(x, layout)
@@ -121,17 +102,8 @@ def _distribute_leaf(x, distribution, per_process, total=None):
 
 
 def distribute_batch(batch, distribution, per_process=False):
-    """Converts every array in a batch to a DTensor sharded by batch.
-
-    Args:
-        batch: a nested structure of arrays and tensors.
-        distribution: the active `keras.distribution.Distribution`.
-        per_process: whether the batch is this process's slice (else it
-            is the global batch, identical on every process).
-
-    Returns:
-        The same structure with `DTensor` leaves.
-    """
+    """`batch` (global, or this process's slice if `per_process`) with
+    every array a DTensor sharded by batch."""
     shard = batch_shard(batch)
     total = None if shard is None else shard.total
     return fast_tree.map_structure(

@@ -1,29 +1,9 @@
 """One outcome on every rank: failures shared, rank 0's answer broadcast.
 
-A step that fails on one rank while the others go on to the next
-collective leaves them waiting until the process group's timeout. The
-steps that can fail on some ranks only (a file rank 0 cannot create, a
-write that fails on one rank) end here instead, and every rank raises:
-
-- `failures` gathers every rank's failure message (an all-gather);
-  `first_failure` keeps the lowest rank's;
-- `on_rank_0` runs an operation on rank 0 alone and hands its result (or
-  its error, rebuilt with its type) to every rank (a broadcast);
-- `files_shared()` is the scope in which Keras's file operations are
-  such decisions (`hooks/shared_files.py`, inside `fit`), and
-  `files_shared(False)` the one in which each rank's are its own again
-  (a save, where every rank runs Keras's writer on its own target).
-
-Messages travel as bytes in tensors (`launch`): nothing from a peer is
-unpickled. Without a group of several processes each is the rank's own.
-
-Example:
->>> problem = None
->>> try:
-...     os.makedirs(path)
-... except OSError as e:
-...     problem = e
->>> problem = consensus.first_failure(problem)  # the same on every rank
+A step that fails on some ranks only (a file rank 0 cannot create) would
+leave the others waiting at their next collective; it ends here instead,
+and every rank raises. Messages travel as bytes in tensors: nothing from a
+peer is unpickled.
 """
 
 import contextlib
@@ -61,30 +41,21 @@ _ERRORS = {
 
 
 def failures(problem: BaseException | str | None) -> list[tuple[int, str]]:
-    """Every rank's failure, on every rank (a collective).
-
-    Args:
-        problem: this rank's failure (an error, sent as `str(problem)`, or
-            a message), or `None` if it has none.
-
-    Returns:
-        `[(rank, message), ...]` of the ranks that failed, by rank.
-    """
+    """`[(rank, message), ...]` of the ranks whose `problem` (an error, a
+    message or `None`) is not `None`, on every rank (an all-gather)."""
     mine = "" if problem is None else str(problem)
     gathered = launch.all_gather_bytes(mine.encode())
     return [(r, m.decode()) for r, m in enumerate(gathered) if m]
 
 
 def first_failure(problem: BaseException | str | None) -> str | None:
-    """The lowest failing rank's message on every rank, or `None` (a
-    collective; see `failures`)."""
+    """The lowest failing rank's message on every rank, or `None`."""
     found = failures(problem)
     return found[0][1] if found else None
 
 
 def _path_text(filename):
-    """An error's filename as JSON can carry it (bytes and path-likes as
-    text), so rank 0 always reaches the broadcast."""
+    """An error's filename as JSON can carry it."""
     if filename is None or isinstance(filename, (str, int)):
         return filename
     try:
@@ -104,8 +75,7 @@ def _error_fields(error):
 
 
 def _rebuilt(outcome, where):
-    """Rank 0's error, its type kept where it is a known one (else a
-    `RuntimeError`), `where` appended to its message."""
+    """Rank 0's error, its type kept if known, `where` appended."""
     cls = _ERRORS.get(outcome["error"], RuntimeError)
     if issubclass(cls, OSError) and outcome["errno"] is not None:
         # OSError(errno, strerror, filename) prints "[Errno N] ...: 'f'".
@@ -117,20 +87,9 @@ def _rebuilt(outcome, where):
 
 
 def on_rank_0(operation, what):
-    """Runs `operation()` on rank 0; its result on every rank (a
-    collective).
-
-    If it raises, every rank raises the same error, its type kept for
-    file-system errors and `ValueError`, saying it happened on rank 0 on
-    behalf of every rank.
-
-    Args:
-        operation: a callable returning something JSON can carry.
-        what: the operation's name, for the error message.
-
-    Returns:
-        Rank 0's result.
-    """
+    """Runs `operation()` (JSON-serializable result) on rank 0 and
+    returns its result on every rank (a broadcast); if it raises, every
+    rank raises the same error, naming `what`."""
     size, rank = launch.world()
     payload = None
     if rank == 0:
@@ -148,8 +107,7 @@ def on_rank_0(operation, what):
 
 @contextlib.contextmanager
 def files_shared(shared: bool = True):
-    """The scope in which Keras's file operations are decided on rank 0
-    for every rank (`shared`), or are each rank's own (not `shared`)."""
+    """Keras's file operations decided on rank 0 (`shared`) or per rank."""
     token = _FILES_SHARED.set(shared)
     try:
         yield

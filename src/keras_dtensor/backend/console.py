@@ -1,8 +1,5 @@
-"""Which rank speaks: messages, warnings and progress bars from one rank.
-
-Logged values are global and the same on every rank, so every other rank's
-copy is dropped; `KERAS_DTENSOR_LOG_ALL_RANKS=1` prints on every rank.
-"""
+"""Which rank speaks: messages, warnings and progress bars from rank 0
+(every rank with `KERAS_DTENSOR_LOG_ALL_RANKS=1`)."""
 
 import torch.distributed as dist
 
@@ -13,8 +10,7 @@ __all__ = ["silent"]
 
 
 def silent() -> bool:
-    """Whether this rank keeps quiet (all but rank 0, unless
-    `KERAS_DTENSOR_LOG_ALL_RANKS=1`)."""
+    """Whether this rank keeps quiet (all but rank 0)."""
     return (
         multi_process()
         and dist.get_rank() != 0

@@ -1,12 +1,9 @@
 """Keras backend distribution module for torch, on DTensor.
 
-Same functions and signatures as `keras/src/backend/jax/distribution_lib.py`.
-Installed as `keras.src.backend.distribution_lib` by `keras_dtensor.install()`.
-
-One device per process: global device `i` is rank `i`. A Keras `DeviceMesh`
-becomes a torch `DeviceMesh` over those ranks (built once, cached); a
-`TensorLayout` becomes a `DTensorLayout`, the torch mesh plus one placement
-per mesh dimension.
+The functions and signatures of `keras/src/backend/jax/distribution_lib.py`,
+installed as `keras.src.backend.distribution_lib`. One device per process:
+device `i` is rank `i`; a Keras `DeviceMesh` becomes a cached torch
+`DeviceMesh`, a `TensorLayout` a `DTensorLayout`.
 """
 
 import collections
@@ -19,8 +16,8 @@ from torch.distributed.tensor import Replicate
 from keras_dtensor import compat
 from keras_dtensor.backend import launch
 from keras_dtensor.backend.errors import describe_mesh
-from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.layout import to_placements
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.backend.shards import shard_global_tensor
 
 __all__ = [
@@ -44,13 +41,8 @@ _MESH_CACHE = "keras_dtensor_backend_meshes"
 DTensorLayout = collections.namedtuple(
     "DTensorLayout", ["device_mesh", "placements"]
 )
-DTensorLayout.__doc__ = """The torch form of a Keras `TensorLayout`.
-
-Fields:
-    device_mesh: the torch `DeviceMesh` (the Keras mesh without its
-        size-1 axes).
-    placements: one `Shard`/`Replicate` per torch mesh dimension.
-"""
+DTensorLayout.__doc__ = """A Keras `TensorLayout` as a torch mesh (without
+the Keras mesh's size-1 axes) and one placement per mesh dimension."""
 
 
 def _keras_device_type(device_type=None):
@@ -68,49 +60,20 @@ def _keras_device_type(device_type=None):
 
 
 def list_devices(device_type=None):
-    """Return all the available devices based on the device type.
-
-    One device per process, so this lists `world_size` devices named by
-    global rank: `cpu:0 .. cpu:N-1`, or `gpu:0 .. gpu:N-1` on CUDA.
-
-    Args:
-        device_type: `"cpu"` or `"gpu"`. Defaults to this process's type.
-
-    Returns:
-        List of device names, one per process.
-
-    Example:
-    >>> keras.distribution.list_devices()  # under torchrun, 2 CPU ranks
-    ['cpu:0', 'cpu:1']
-    """
+    """Return all the available devices based on the device type: one per
+    process, named by global rank (`cpu:0 .. cpu:N-1`, or `gpu:...`)."""
     kind = _keras_device_type(device_type)
     return [f"{kind}:{i}" for i in range(launch.num_processes())]
 
 
 def get_device_count(device_type=None):
-    """Returns the number of devices: one per process.
-
-    Args:
-        device_type: `"cpu"` or `"gpu"`; every process has one of either.
-
-    Returns:
-        The world size.
-    """
+    """Returns the number of devices: one per process."""
     return len(list_devices(device_type))
 
 
 def initialize(job_addresses, num_processes, process_id):
-    """Starts the process group and agrees on one random seed.
-
-    Under torchrun all arguments may be `None`: the environment has them.
-    Otherwise `job_addresses` is `"host:port[,host:port...]"`, the first
-    being the rendezvous, with `num_processes` and `process_id` as in Keras.
-
-    Args:
-        job_addresses: comma separated addresses, or `None`.
-        num_processes: world size, or `None`.
-        process_id: this process's rank, or `None`.
-    """
+    """Starts the process group (the arguments `None` under torchrun) and
+    agrees on one random seed."""
     launch.init_process_group(job_addresses, num_processes, process_id)
     launch.agree_on_seed()
 
@@ -155,29 +118,14 @@ def device_ranks(device_mesh):
 
 
 def _kept_axes(device_mesh):
-    """Indices of the mesh axes the torch mesh keeps: those of size > 1.
-
-    Sharding over one device is replication, and a size-1 mesh dimension
-    only adds per-op work and no-op collectives to every DTensor op. A
-    mesh of one device keeps its first axis.
-    """
+    """The mesh axes of size > 1 (the first, for one device)."""
     kept = [i for i, n in enumerate(device_mesh.shape) if n > 1]
     return kept or [0]
 
 
 def _to_backend_mesh(device_mesh):
-    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`.
-
-    Axes of size 1 are left out (see `_kept_axes`). Building a
-    multi-dimensional torch mesh creates process groups (a collective), so
-    meshes are cached by devices, shape and axis names.
-
-    Args:
-        device_mesh: `keras.distribution.DeviceMesh` instance to convert.
-
-    Returns:
-        A `torch.distributed.device_mesh.DeviceMesh`.
-    """
+    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`, cached:
+    building one creates process groups (a collective)."""
     from keras.src.backend.common import global_state
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -200,14 +148,7 @@ def _to_backend_mesh(device_mesh):
 
 
 def _to_backend_layout(tensor_layout):
-    """Convert the `TensorLayout` to a `DTensorLayout`.
-
-    Args:
-        tensor_layout: `TensorLayout` instance to convert.
-
-    Returns:
-        A `DTensorLayout` (torch mesh, placements).
-    """
+    """Convert the `TensorLayout` to a `DTensorLayout`."""
     if tensor_layout.device_mesh is None:
         raise ValueError(
             "Cannot create sharding when device mesh is not set "
@@ -225,13 +166,8 @@ def _to_backend_layout(tensor_layout):
 
 
 def as_backend_layout(layout, path=None, shape=None):
-    """The `DTensorLayout` of `layout`, checked against `path`'s shape.
-
-    Args:
-        layout: `TensorLayout` or `DTensorLayout`.
-        path: the variable or tensor path, for error messages.
-        shape: the tensor's global shape, when known.
-    """
+    """The `DTensorLayout` of `layout` (either kind), checked against
+    `shape` where given; `path` names the tensor in errors."""
     from keras.src.distribution import TensorLayout
 
     if isinstance(layout, TensorLayout):
@@ -254,26 +190,9 @@ def as_backend_layout(layout, path=None, shape=None):
 
 
 def distribute_tensor(tensor, layout):
-    """Distribute the tensor based on the layout.
-
-    A plain tensor is the global value: each rank keeps its shard. A
-    `DTensor` with other placements is redistributed (differentiably). A
-    tensor already in place is returned unchanged. In a job of one process
-    every layout is replication: a plain tensor is checked against the
-    layout and returned as a plain tensor, as plain Keras computes.
-
-    Args:
-        tensor: `torch.Tensor` or `DTensor`.
-        layout: `TensorLayout` or `DTensorLayout`.
-
-    Returns:
-        A `DTensor` with the layout's placements (a plain tensor in a job
-        of one process).
-
-    Example:
-    >>> layout = keras.distribution.TensorLayout((None, "model"), mesh)
-    >>> keras.distribution.distribute_tensor(torch.ones(4, 8), layout)
-    """
+    """Distribute the tensor based on the layout: a plain tensor is the
+    global value, of which each rank keeps its shard (in a job of one
+    process: checked and returned); a `DTensor` is redistributed."""
     if isinstance(tensor, DTensor):
         layout = as_backend_layout(layout)
         if tensor.device_mesh == layout.device_mesh and tuple(
@@ -281,10 +200,7 @@ def distribute_tensor(tensor, layout):
         ) == tuple(layout.placements):
             return tensor
         return tensor.redistribute(layout.device_mesh, layout.placements)
-    if not isinstance(tensor, torch.Tensor):
-        convert_to_tensor = compat.torch_core().convert_to_tensor
-
-        tensor = convert_to_tensor(tensor)
+    tensor = _as_tensor(tensor)
     if launch.num_processes() == 1:
         check_layout(layout, tuple(tensor.shape))
         return tensor
@@ -292,9 +208,14 @@ def distribute_tensor(tensor, layout):
     return shard_global_tensor(tensor, layout)
 
 
+def _as_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    return compat.torch_core().convert_to_tensor(x)
+
+
 def check_layout(layout, shape, path=None):
-    """Raises for `layout` what `as_backend_layout` would, building no
-    torch mesh (a job of one process computes on plain tensors)."""
+    """Raises for `layout` what `as_backend_layout` would, with no mesh."""
     from keras.src.distribution import TensorLayout
 
     if isinstance(layout, TensorLayout) and layout.device_mesh is not None:
@@ -307,41 +228,18 @@ def check_layout(layout, shape, path=None):
 
 
 def distribute_variable(value, layout):
-    """Create a distributed variable value for the layout.
-
-    Args:
-        value: the variable's initial global value.
-        layout: `TensorLayout` or `DTensorLayout`.
-
-    Returns:
-        A `torch.nn.Parameter` holding a `DTensor` (a plain tensor in a job
-        of one process).
-    """
+    """Create a distributed variable value for the layout (a
+    `torch.nn.Parameter` of `distribute_tensor(value, layout)`)."""
     return torch.nn.Parameter(distribute_tensor(value, layout))
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
-    """Distribute the input data with the corresponding layout.
-
-    Note that the input here is this process's batch: its slice of the
-    global batch along the batch axis (processes that share a batch-axis
-    coordinate hold the same slice). No communication.
-
-    Args:
-        per_process_batch: `torch.Tensor` (or array) of this process.
-        layout: `TensorLayout` or `DTensorLayout` of the global batch.
-        batch_dim_name: name of the mesh axis that shards the batch.
-
-    Returns:
-        A global batch `DTensor` distributed according to `layout` (the
-        plain batch in a job of one process, where it is the global one).
-    """
+    """Distribute the input data with the corresponding layout: this
+    process's slice becomes the global batch `DTensor` (no communication;
+    the plain batch in a job of one process)."""
     if isinstance(per_process_batch, DTensor):
         return distribute_tensor(per_process_batch, layout)
-    if not isinstance(per_process_batch, torch.Tensor):
-        convert_to_tensor = compat.torch_core().convert_to_tensor
-
-        per_process_batch = convert_to_tensor(per_process_batch)
+    per_process_batch = _as_tensor(per_process_batch)
     if launch.num_processes() == 1:
         check_layout(layout, tuple(per_process_batch.shape))
         return per_process_batch
@@ -354,11 +252,4 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     shape = list(per_process_batch.shape)
     if shape and parts > 1:
         shape[0] = shape[0] * parts
-    return DTensor.from_local(
-        per_process_batch,
-        mesh,
-        layout.placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
-    )
+    return from_local(per_process_batch, mesh, layout.placements, shape)

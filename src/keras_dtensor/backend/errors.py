@@ -17,25 +17,9 @@ def describe_mesh(mesh_shape, axis_names) -> str:
 def layout_error(
     reason, *, axes, mesh_shape, axis_names, path=None, shape=None
 ) -> ValueError:
-    """Builds the `ValueError` raised for a layout that cannot be applied.
-
-    Args:
-        reason: what is wrong, in a few words.
-        axes: the layout's axes, as given by the user.
-        mesh_shape: shape of the device mesh.
-        axis_names: axis names of the device mesh.
-        path: the variable or tensor path, when known.
-        shape: the tensor's global shape, when known.
-
-    Returns:
-        A `ValueError` to raise.
-
-    Example:
-    >>> str(layout_error("unknown axis 'x'", axes=("x",), mesh_shape=(2,),
-    ...     axis_names=("model",), path="dense/kernel", shape=(4, 8)))
-    "Cannot shard `dense/kernel` (4, 8) with axes ('x',) on mesh shape (2,), \
-axis_names ('model',): unknown axis 'x'."
-    """
+    """The `ValueError` for a layout that cannot be applied: "Cannot shard
+    `dense/kernel` (4, 8) with axes ('x',) on mesh shape (2,), axis_names
+    ('model',): unknown axis 'x'." """
     what = f"`{path}`" if path else "tensor"
     if shape is not None:
         what += f" {tuple(shape)}"
@@ -60,24 +44,8 @@ _PEER_FAILURE = (
 
 
 def collective_failure(error, *, operation, rank, world, timeout):
-    """A clearer error for a collective that failed because of a peer.
-
-    Args:
-        error: the exception torch raised.
-        operation: what this rank was running, e.g. `"fit"`.
-        rank: this process's rank.
-        world: number of processes.
-        timeout: the group's collective timeout, in seconds.
-
-    Returns:
-        A `RuntimeError` to raise from `error`, or `None` when `error` is
-        not a failed collective.
-
-    Example:
-    >>> str(collective_failure(RuntimeError("gloo: Connection closed by peer"),
-    ...     operation="fit", rank=0, world=2, timeout=300)).split(":")[0]
-    'fit on rank 0 of 2 stopped'
-    """
+    """A `RuntimeError` naming `operation`, the rank and the timeout for
+    a collective that failed because of a peer, else `None`."""
     message = str(error)
     if not any(f in message.lower() for f in _PEER_FAILURE):
         return None
@@ -103,6 +71,5 @@ def local_output_error(*, layer, shape, rows, rank, mesh) -> ValueError:
 
 
 class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised before a variable is assigned inside a local call (or the
-    DTensor run a local run is checked against): the call runs again as
-    DTensors, and nothing was written twice."""
+    """Raised before a variable is assigned inside a local call: the call
+    runs again as DTensors, and nothing was written twice."""

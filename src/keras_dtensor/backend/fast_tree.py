@@ -1,19 +1,7 @@
 """Keras's `tree.flatten`, `pack_sequence_as` and `map_structure`, fast
-for a layer call's usual arguments.
-
-On torch, Keras's tree functions go through torch's pytree, with a dict
-rebuilt in sorted order at every level first: about a hundred Python calls
-for a call's `(args, kwargs)` of a few tensors. The package walks each
-layer call's arguments several times (a tensor-parallel layer in a local
-run, every token of `generate`). A structure of plain tuples, lists and
-dicts holding tensors, numbers, strings and None is walked here directly,
-in Keras's order; anything else goes to Keras's.
-
-Keras's order for `flatten` and `pack_sequence_as` is a dict's keys sorted:
-Keras 3.15 sorts the outermost dicts only, Keras 3.16 every level. Which
-one is asked of the installed Keras, at the first walk, so the walk
-follows it (not at import: `import keras_dtensor` checks the environment
-before anything loads Keras).
+for a layer call's usual arguments (plain tuples, lists and dicts of
+tensors, numbers, strings and None), in Keras's order (asked of the
+installed Keras at the first walk); anything else goes to Keras's.
 """
 
 import torch
@@ -25,8 +13,7 @@ _SIMPLE = (tuple, list, dict)
 
 
 def _simple(x):
-    """Whether `x` is plain tuples, lists and dicts (keys of one sortable
-    kind) over tensors, numbers, strings and None."""
+    """Whether `x` is a structure this module walks."""
     kind = type(x)
     if kind is tuple or kind is list:
         return all(_simple(v) for v in x)
@@ -52,9 +39,7 @@ def _sorts_nested():
 
 
 def _walk(x, leaf, top=True):
-    """`x` (`_simple`) rebuilt with `leaf(v)` for each leaf, in Keras's
-    order: a dict's keys sorted where `top`, and inside it where Keras
-    sorts nested dicts (`_sorts_nested`)."""
+    """`x` rebuilt with `leaf(v)` for each leaf, in Keras's order."""
     kind = type(x)
     if kind is tuple or kind is list:
         return kind([_walk(v, leaf, top) for v in x])

@@ -1,16 +1,8 @@
 """Saves that appear whole: staged next to the target, moved into place.
 
-A save writes into a hidden staging path next to its target (the same
-directory, so the same filesystem), then moves it into place with a
-rename: a reader finds the old file or the new one, never half of one. A
-save killed in between leaves its staging path behind; the next save
-removes it (`remove_leftovers`). A directory replaces a directory in two
-renames (the old one aside, the new one in): a kill between them leaves
-the old one aside, complete, under a hidden name; `in_place_or_aside`
-finds it there and the next save puts it back. A process's private
-scratch directory (`scratch_dir`) carries its process id: the next save
-of any process removes those of processes that no longer run. Pure
-filesystem helpers: which rank stages, and when, is the caller's.
+A reader finds the old file or the new one, never half of one; the next
+save cleans up or puts back what a killed one left (`remove_leftovers`).
+Which rank stages, and when, is the caller's.
 
 Example:
 >>> staging = files.staging_path("ckpt/epoch-3")
@@ -55,28 +47,16 @@ def split(target) -> tuple[str, str]:
 
 
 def staging_path(target, token: str | None = None) -> str:
-    """A hidden path next to `target` for a save to write into.
-
-    Args:
-        target: the path the save is for.
-        token: what makes it unique (a `uuid4().hex`; a new one if
-            `None`); ranks that share one staging path pass the same.
-
-    Returns:
-        The staging path (nothing is created).
-    """
+    """A hidden path next to `target` for a save to write into, unique by
+    `token` (a new `uuid4().hex` if `None`); nothing is created."""
     directory, name = split(target)
     token = uuid.uuid4().hex if token is None else token
     return os.path.join(directory, f".{token}.{name}{_SUFFIX}")
 
 
 def move_into_place(source, target) -> None:
-    """Renames `source` to `target`, replacing what is there.
-
-    A file replaces a file in one rename. A directory `source` replaces
-    an existing `target` in two: the target is first moved aside next to
-    `source`, and removed once `source` is in place.
-    """
+    """Renames `source` to `target`, replacing what is there (a directory
+    in two renames: the old target aside, then removed)."""
     source, target = os.fspath(source), os.fspath(target)
     aside = None
     if os.path.isdir(source) and os.path.lexists(target):
@@ -101,8 +81,7 @@ _ASIDE_NAME = re.compile(
 
 
 def _orphans(directory):
-    """`{target name: aside path}` of targets moved aside and not replaced
-    (a kill between `move_into_place`'s two renames)."""
+    """`{target name: aside path}` of targets moved aside, not replaced."""
     out = {}
     with contextlib.suppress(OSError):
         for entry in sorted(os.listdir(directory)):
@@ -115,8 +94,8 @@ def _orphans(directory):
 
 
 def in_place_or_aside(directory) -> dict[str, str]:
-    """`{name: path}` of the visible entries of `directory`, and of the
-    targets a killed replacement left aside (their hidden path)."""
+    """`{name: path}` of `directory`'s visible entries and of the targets
+    a killed replacement left aside."""
     out = {
         entry: os.path.join(directory, entry)
         for entry in os.listdir(directory)
@@ -127,15 +106,9 @@ def in_place_or_aside(directory) -> dict[str, str]:
 
 
 def remove_leftovers(directory, name: str | None = None) -> None:
-    """Cleans up after killed saves in `directory`: puts back targets a
-    replacement had moved aside, removes staging paths.
-
-    Args:
-        directory: where the saves' targets are.
-        name: only those of the target `name` (those of every target if
-            `None`); staging paths of earlier versions of this package
-            too.
-    """
+    """Cleans up after killed saves in `directory` (of target `name`, or
+    of all): puts back targets moved aside, removes staging paths (of
+    earlier versions of this package too) and dead processes' scratch."""
     for target, aside in _orphans(directory).items():
         if name is None or target == name:
             with contextlib.suppress(OSError):
@@ -155,8 +128,7 @@ _SCRATCH = "keras_dtensor_save_"
 
 
 def scratch_dir() -> str:
-    """A new private directory under the system's temporary folder, named
-    with this process's id."""
+    """A new private temporary directory named with this process's id."""
     return tempfile.mkdtemp(prefix=f"{_SCRATCH}{os.getpid()}_")
 
 

@@ -1,10 +1,8 @@
-"""Process-group lifecycle: torchrun environment -> `init_process_group`.
+"""Process-group lifecycle, and collectives of small values.
 
-One device per process. Under `torchrun` the rank, world size and
-rendezvous come from the environment; `keras.distribution.initialize()`
-may also pass Keras's own `job_addresses`/`num_processes`/`process_id`.
-Without either, the job is a single process and a world-size-1 group is
-started in memory when a mesh needs one.
+One device per process. The rendezvous comes from torchrun's environment
+or from `keras.distribution.initialize()`'s arguments; without either, a
+world-size-1 group is started in memory when a mesh needs one.
 """
 
 import atexit
@@ -40,12 +38,8 @@ __all__ = [
 
 
 def under_launcher() -> bool:
-    """Whether this process was started by torchrun (or sets its env).
-
-    That is `RANK` and `WORLD_SIZE`, with either torchrun's `MASTER_ADDR`
-    or `KERAS_DTENSOR_INIT_METHOD` (a `file://` or `tcp://` rendezvous URL,
-    e.g. a file on a shared filesystem).
-    """
+    """Whether `RANK` and `WORLD_SIZE` are set, with torchrun's
+    `MASTER_ADDR` or `KERAS_DTENSOR_INIT_METHOD` (a rendezvous URL)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and (
         "MASTER_ADDR" in os.environ or config.get("INIT_METHOD") is not None
     )
@@ -58,11 +52,7 @@ def device_type() -> str:
 
 
 def local_device() -> torch.device:
-    """This process's own device: `cuda:LOCAL_RANK` on GPUs, else `cpu`.
-
-    The global rank is never used as a CUDA index: rank 9 of a job with 8
-    GPUs per node is `cuda:1` on the second node.
-    """
+    """This process's own device: `cuda:LOCAL_RANK` on GPUs, else `cpu`."""
     if device_type() == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
@@ -86,19 +76,9 @@ def _backend():
 def init_process_group(
     job_addresses=None, num_processes=None, process_id=None, timeout=None
 ):
-    """Starts the default process group, once.
-
-    Args:
-        job_addresses: Keras's comma-separated job addresses; the first one
-            (`host:port`) is the rendezvous. `None` under torchrun.
-        num_processes: world size when `job_addresses` is given.
-        process_id: this process's rank when `job_addresses` is given.
-        timeout: seconds (or `timedelta`) for collectives; defaults to
-            `$KERAS_DTENSOR_TIMEOUT` or 300 s, far below torch's 30 min.
-
-    Returns:
-        `True` if this call started the group, `False` if one was running.
-    """
+    """Starts the default process group, once (`True` if this call did),
+    at the first of Keras's `job_addresses` or torchrun's rendezvous;
+    `timeout` defaults to `$KERAS_DTENSOR_TIMEOUT`."""
     if dist.is_initialized():
         world = dist.get_world_size()
         if num_processes is not None and num_processes != world:
@@ -110,13 +90,12 @@ def init_process_group(
     timeout = _timeout(timeout)
     if job_addresses:
         addresses = job_addresses.split(",")
-        if num_processes is not None and len(addresses) > 1:
-            if num_processes != len(addresses):
-                raise ValueError(
-                    f"The provided job_addresses {addresses} has "
-                    f"{len(addresses)} jobs, but num_processes is "
-                    f"{num_processes}"
-                )
+        if num_processes not in (None, len(addresses)) and len(addresses) > 1:
+            raise ValueError(
+                f"The provided job_addresses {addresses} has "
+                f"{len(addresses)} jobs, but num_processes is "
+                f"{num_processes}"
+            )
         if num_processes is None:
             num_processes = len(addresses)
         if process_id is None:
@@ -143,8 +122,7 @@ def init_process_group(
         )
     else:
         store, rank, world = dist.HashStore(), 0, 1
-    # A fresh key space per torchrun restart: keys left by the failed
-    # attempt in the agent's store would otherwise be read by this one.
+    # A fresh key space per torchrun restart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"keras_dtensor/{restart}", store)
     if device_type() == "cuda":
@@ -159,13 +137,8 @@ def init_process_group(
 
 
 def agree_on_seed():
-    """Makes every process use the same global Keras seed.
-
-    If `keras.utils.set_random_seed()` was not called, rank 0 draws a seed
-    and broadcasts it (Keras-JAX's `initialize_rng` does this with a psum),
-    so initial weights and shuffles agree on every rank. Runs whenever the
-    group starts, lazily or through `initialize()`.
-    """
+    """Makes every process use the same global Keras seed: unless one was
+    set, rank 0's is broadcast (as Keras-JAX's `initialize_rng`)."""
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
 
@@ -182,13 +155,8 @@ def agree_on_seed():
 
 
 def _check_placement_order():
-    """Raises unless every rank orders sets of placements the same way.
-
-    DTensor breaks ties between equally cheap sharding strategies in that
-    order; `placement_order` makes it independent of `PYTHONHASHSEED`.
-    Ranks that disagree (its hashes taken off by `uninstall()` on some
-    ranks only) could run different collectives and hang: fail at start.
-    """
+    """Raises unless every rank orders sets of placements the same way
+    (DTensor breaks strategy ties in that order; see `placement_order`)."""
     digests = all_gather_ints(placement_order.order_digest())
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -208,22 +176,14 @@ def ensure_process_group():
 
 
 def world() -> tuple[int, int]:
-    """`(world size, rank)` of the running group; `(1, 0)` without one.
-
-    Never starts a group (unlike `num_processes`/`process_id`).
-    """
+    """`(world size, rank)` of the running group, else `(1, 0)`."""
     if dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
 
 
 def all_gather_ints(value: int) -> list[int]:
-    """Every rank's `value`, in rank order (a collective; `[value]` alone).
-
-    Example:
-    >>> launch.all_gather_ints(rows)  # on 2 ranks with 3 and 4 rows
-    [3, 4]
-    """
+    """Every rank's `value`, in rank order (a collective)."""
     return [row[0] for row in all_gather_int_lists([value])]
 
 
@@ -246,10 +206,7 @@ def _as_uint8(data: bytes) -> torch.Tensor:
 
 
 def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
-    """`src`'s `data` on every rank (a collective; `data` alone at size 1).
-
-    Bytes travel as uint8 tensors: nothing from a peer is unpickled.
-    """
+    """`src`'s `data` on every rank (a collective; as uint8 tensors)."""
     size, rank = world()
     if size == 1:
         return data
@@ -284,41 +241,29 @@ def multi_process() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _started() -> bool:
+    if not dist.is_initialized() and under_launcher():
+        ensure_process_group()
+    return dist.is_initialized()
+
+
 def num_processes() -> int:
     """World size; starts the group lazily under torchrun."""
-    if dist.is_initialized():
-        return dist.get_world_size()
-    if under_launcher():
-        ensure_process_group()
-        return dist.get_world_size()
-    return 1
+    return dist.get_world_size() if _started() else 1
 
 
 def process_id() -> int:
     """Global rank; starts the group lazily under torchrun."""
-    if dist.is_initialized():
-        return dist.get_rank()
-    if under_launcher():
-        ensure_process_group()
-        return dist.get_rank()
-    return 0
+    return dist.get_rank() if _started() else 0
 
 
-# How long `_destroy` lets go of the GIL at exit; see there.
+# How long `_destroy` lets go of the GIL at exit.
 _EXIT_GRACE_S = 0.05
 
 
 def _destroy():
-    # A gloo worker thread drops its last reference to a finished collective
-    # after the waiter has already woken up, and for tensors Python has seen
-    # that drop needs the GIL. Once the interpreter is finalizing, a thread
-    # asking for the GIL is ended with `pthread_exit`, whose unwinding through
-    # gloo's `noexcept` frames calls `std::terminate` ("terminate called
-    # without an active exception", SIGABRT, a failed torchrun job). Main
-    # holds the GIL from the last collective to here, so a worker may still
-    # be queued for it: sleeping hands it over while Python is still alive.
-    # `destroy_process_group` does not join gloo's threads (the group lives on
-    # in Python references), so it cannot do this.
+    # Hands the GIL to gloo workers still queued for it before Python
+    # finalizes (else SIGABRT at exit); see docs/internals/backend.md.
     time.sleep(_EXIT_GRACE_S)
     if dist.is_initialized():
         try:
@@ -329,47 +274,19 @@ def _destroy():
             )
 
 
-def _default_store():
-    """The default group's store, or `None` where torch hides it."""
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None:
-        return None
-    try:
-        return getter()
-    except (RuntimeError, ValueError):
-        return None
-
-
 def every_rank_joins(what: str, why: str) -> None:
-    """Raises on the ranks that arrived if some rank does not join `what`.
-
-    A collective called on some ranks only waits for the others until the
-    process group's timeout, and meanwhile pairs with whatever collective
-    the others run next (corrupting both). The ranks first meet in the
-    process group's store, which no collective can pair with, for up to
-    `$KERAS_DTENSOR_SAVE_TIMEOUT` seconds; a rank that waits that long
-    raises an error naming the call, and the ranks that arrive at the same
-    call later raise at once. No-op without a group of several processes.
-
-    Args:
-        what: the call, e.g. `"save_checkpoint('ckpt/3')"`.
-        why: what makes it collective, for the message.
-    """
+    """Raises on the ranks that arrived if some rank does not join `what`
+    (`why` says what makes it collective) within
+    `$KERAS_DTENSOR_SAVE_TIMEOUT`: the ranks meet in the process group's
+    store, which no collective can pair with."""
     if not multi_process():
         return
     timeout = config.get("SAVE_TIMEOUT")
     size, rank = dist.get_world_size(), dist.get_rank()
     start = time.monotonic()
-    store = _default_store()
     try:
-        if store is None:  # a torch without the getter: gloo's barrier
-            dist.monitored_barrier(
-                timeout=datetime.timedelta(seconds=timeout),
-                wait_all_ranks=True,
-            )
-            return
-        # The n-th join of every rank meets at key n (each rank counts its
-        # own joins in the store: no state in this process).
+        store = dist.distributed_c10d._get_default_store()
+        # The n-th join of every rank meets at key n.
         prefix = "keras_dtensor/joins"
         call = store.add(f"{prefix}/rank{rank}", 1)
         key = f"{prefix}/{call}"

@@ -1,10 +1,8 @@
-"""Pure layout translation: Keras `TensorLayout` axes -> DTensor placements.
+"""Pure layout arithmetic: Keras axes to DTensor placements, local shapes.
 
-Nothing here touches a process group, so all of it is unit-tested without
-one. A Keras layout names, for every tensor dimension, the mesh axis (or
-axes, major to minor as in a JAX `PartitionSpec`) that shards it. A DTensor
-placement list names, for every *mesh* dimension, what it does to the
-tensor. This module converts the first into the second.
+A Keras layout names, per tensor dimension, the mesh axes that shard it
+(major to minor, as a JAX `PartitionSpec`); a DTensor placement list
+names, per mesh dimension, what it does to the tensor. No process group.
 """
 
 import math
@@ -27,14 +25,8 @@ __all__ = [
 
 
 def chunk(length, parts, index) -> tuple:
-    """The `(start, size)` of chunk `index` of `length` split in `parts`.
-
-    DTensor's rule (`torch.chunk`): chunks of `ceil(length / parts)`, the
-    last ones shorter or empty.
-
-    Example:
-    >>> [chunk(5, 4, i) for i in range(4)]
-    [(0, 2), (2, 2), (4, 1), (5, 0)]
+    """The `(start, size)` of chunk `index` of `length` split in `parts`,
+    by DTensor's (`torch.chunk`'s) rule: the last chunks shorter or empty.
     """
     step = math.ceil(length / parts) if length else 0
     start = min(index * step, length)
@@ -42,12 +34,8 @@ def chunk(length, parts, index) -> tuple:
 
 
 def local_slices(shape, mesh, placements, coordinate=None) -> list:
-    """This rank's `(start, length)` along every dim of `shape`.
-
-    Mesh dims are applied in order, each splitting what the previous left
-    (`chunk`). `coordinate` (a mesh coordinate) asks for another rank's
-    slices; by default, this rank's.
-    """
+    """The `(start, length)` along every dim of `shape` of this rank (or
+    of mesh `coordinate`), mesh dims applied in order (`chunk`)."""
     ranges = [(0, n) for n in shape]
     if coordinate is None:
         coordinate = mesh.get_coordinate()
@@ -62,8 +50,7 @@ def local_slices(shape, mesh, placements, coordinate=None) -> list:
 
 
 def placed_shape(shape, mesh, placements) -> tuple:
-    """This rank's shape of a tensor of global `shape` laid out by
-    `placements` on `mesh`."""
+    """This rank's shape of a tensor of global `shape`."""
     return tuple(n for _, n in local_slices(shape, mesh, placements))
 
 
@@ -97,50 +84,18 @@ def contiguous_strides(shape) -> tuple:
 
 
 def normalize_axes(axes) -> tuple:
-    """Returns the axes with every entry a tuple of mesh-axis names.
-
-    Args:
-        axes: a sequence whose entries are `None`, one axis name, or a
-            tuple/list of axis names (one dimension over several axes).
-
-    Returns:
-        A tuple of tuples; `()` for a replicated dimension.
-
-    Example:
-    >>> normalize_axes((None, "model", ("batch", "model")))
-    ((), ('model',), ('batch', 'model'))
-    """
-    result = []
-    for entry in axes:
-        if entry is None:
-            result.append(())
-        elif isinstance(entry, str):
-            result.append((entry,))
-        else:
-            result.append(tuple(entry))
-    return tuple(result)
+    """The axes with every entry a tuple of mesh-axis names."""
+    return tuple(
+        () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        for e in axes
+    )
 
 
 def to_placements(axes, mesh_shape, axis_names, *, path=None, shape=None):
     """Converts layout axes to one DTensor placement per mesh dimension.
 
-    Args:
-        axes: the `TensorLayout.axes`, one entry per tensor dimension
-            (trailing dimensions may be left out: they are replicated).
-        mesh_shape: shape of the device mesh.
-        axis_names: names of the mesh axes.
-        path: the variable or tensor path, used in error messages.
-        shape: the tensor's global shape, when known; checked against
-            the number of axes.
-
-    Returns:
-        A tuple of `Shard`/`Replicate`, one per mesh dimension.
-
-    Raises:
-        ValueError: an unknown axis name, an axis used twice, more axes
-            than tensor dimensions, or a dimension sharded over several
-            mesh axes in an order other than the mesh's (DTensor shards a
-            dimension over mesh axes in mesh order).
+    Raises `ValueError` (naming `path` and `shape`) for an unknown or
+    repeated axis, too many axes, or axes out of the mesh's order.
 
     Example:
     >>> to_placements((None, "model"), (1, 2), ("batch", "model"))

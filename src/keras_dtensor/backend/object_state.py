@@ -1,16 +1,8 @@
 """Attributes keras_dtensor sets on individual Keras objects.
 
-Besides the class and module attributes of the `PATCHES` table, hooks
-keep a little state on the objects it belongs to: a model's wrapped step
-function, its compiled `call`, its DataParallel state, an optimizer's
-slot records, a distribution's layout caches. Every such attribute is set
-through `set_on`, which remembers what it replaced; `keras_dtensor.
-uninstall()` calls `restore()`, which puts back the previous value (or
-removes the attribute) and runs the attribute's `undo` (e.g. removing
-gradient hooks), on every object still alive.
-
-Attributes are set with `object.__setattr__`: Keras's tracking (layers,
-optimizers) must not see them.
+Set through `set_on` (with `object.__setattr__`, out of Keras's tracking),
+which remembers what each replaced; `uninstall()` calls `restore()`, which
+puts it back on every object still alive.
 """
 
 import contextlib
@@ -19,11 +11,9 @@ import weakref
 __all__ = ["get_on", "restore", "set_on", "status", "swapped"]
 
 _MISSING = object()
-# On each object: {name: (previous value, our value, undo)}, the saved
-# originals. Kept on the object itself, not in a registry keyed by it: the
-# values (a model's step functions) refer back to the object, so a
-# WeakKeyDictionary entry would keep every model that ever trained alive,
-# with its weights and optimizer state, after the program dropped it.
+# On each object: {name: (previous value, our value, undo)}. On the object,
+# not in a WeakKeyDictionary, whose values (step functions referring back
+# to the model) would keep every model alive.
 _RECORD = "_keras_dtensor_saved"
 # The objects that hold a record, for `restore()` and `status()`.
 _OBJECTS = weakref.WeakSet()
@@ -34,17 +24,8 @@ def _record(obj):
 
 
 def set_on(obj, name, value, undo=None):
-    """Sets `obj.<name> = value`, recorded for `restore()`.
-
-    Args:
-        obj: the Keras object (model, optimizer, distribution).
-        name: the attribute.
-        value: the new value.
-        undo: called with `value` when `restore()` takes it off.
-
-    Returns:
-        `value`.
-    """
+    """Sets and returns `obj.<name> = value`, recorded for `restore()`,
+    which calls `undo(value)` when it takes it off."""
     saved = obj.__dict__.get(_RECORD)
     if saved is None:
         saved = {}
@@ -60,10 +41,7 @@ def set_on(obj, name, value, undo=None):
 
 
 def get_on(obj, name, default=None):
-    """`obj.<name>` if keras_dtensor set it (else `default`).
-
-    Called on every layer call of a DataParallel step: the record is read
-    inline (one dict lookup when the object has none)."""
+    """`obj.<name>` if keras_dtensor set it (else `default`)."""
     attributes = obj.__dict__
     saved = attributes.get(_RECORD)
     entry = None if saved is None else saved.get(name)
@@ -100,9 +78,7 @@ def status():
 
 @contextlib.contextmanager
 def swapped(obj, name, value):
-    """`obj.<name>` is `value` for the block (in its instance dict, out of
-    Keras's tracking), then what it was: a value for one call, never left
-    behind, so nothing for `restore()` to undo."""
+    """`obj.<name>` is `value` for the block, then what it was."""
     previous = obj.__dict__.get(name, _MISSING)
     obj.__dict__[name] = value
     try:

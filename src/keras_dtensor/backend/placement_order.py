@@ -1,26 +1,10 @@
 """Sharding choices that agree across ranks, whatever `PYTHONHASHSEED` is.
 
-Every rank must choose the same sharding strategy for an op, or the ranks
-run different collectives and the job dies ("collective mismatch") or
-hangs. DTensor's strategy search breaks cost ties by the order in which it
-enumerates candidates, and in torch 2.13 and 2.14 some of those come out of
-Python sets:
-
-- sets of placements (`_get_unique_placements`, the allowed partials per
-  input of a single-dim strategy), ordered by `Placement.__hash__`.
-  `Shard`, `_StridedShard` and `Replicate` hash integers, the same in
-  every process; `Partial` hashes its reduce-op *string*, and Python
-  salts string hashes per process (`PYTHONHASHSEED`); `_MaskPartial`
-  also hashes `id(mask_buffer)`, a memory address.
-- the redistribute planner's sets of target reduce-op strings and strided
-  shards (`DTensorRedistributePlanner`), when a target mixes reduce ops.
-
-The hashes below depend on the placement's value alone (a CRC of its
-`repr`), so sets of placements iterate in the same order on every rank;
-the planner's sets are replaced by insertion-ordered ones. Launching with
-plain `torchrun train.py` is then safe, and `order_digest()` is compared
-across ranks when the process group starts, in case the hashes are not
-in effect.
+DTensor breaks strategy cost ties in the order it enumerates candidates,
+some out of Python sets ordered by salted hashes; ranks that choose
+differently run different collectives and hang. Hashes here depend on a
+placement's value alone, the planner's sets keep insertion order, and
+`order_digest()` is compared across ranks when the group starts.
 """
 
 import functools
@@ -42,12 +26,7 @@ __all__ = [
 
 
 def stable_hash(value) -> int:
-    """A hash of str/int/float/tuple values, equal in every process.
-
-    Example:
-    >>> stable_hash(("sum", (8, 4), 0)) == stable_hash(("sum", (8, 4), 0))
-    True
-    """
+    """A hash of str/int/float/tuple values, equal in every process."""
     return zlib.crc32(repr(value).encode())
 
 
@@ -57,19 +36,13 @@ def _reduce_op_hash(reduce_op):
 
 
 def partial_hash(self):
-    """`Partial.__hash__` from the reduce op's value, not its string hash.
-
-    Cached per reduce op: DTensor hashes placements on every dispatch.
-    """
+    """`Partial.__hash__` from the reduce op's value (cached)."""
     return _reduce_op_hash(self.reduce_op)
 
 
 def mask_partial_hash(self):
-    """`_MaskPartial.__hash__` without a memory address or a string hash.
-
-    A hash may be coarser than `__eq__` (which compares the mask buffer by
-    identity); it only has to agree across ranks.
-    """
+    """`_MaskPartial.__hash__` without a memory address or a string hash
+    (coarser than `__eq__`, which is allowed)."""
     return 1 + stable_hash(
         (self.reduce_op, tuple(self.offset_shape), self.offset_dim)
     )
@@ -104,10 +77,7 @@ def wrap_planner_init(original):
 
 
 def order_digest() -> int:
-    """A digest of how a set of placements iterates in this process.
-
-    Ranks whose digests differ would break strategy ties differently.
-    """
+    """A digest of how a set of placements iterates in this process."""
     placements = [
         Shard(0),
         Partial("sum"),

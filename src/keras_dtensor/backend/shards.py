@@ -1,43 +1,39 @@
 """A rank's shard of a global value, as a DTensor.
 
-Keras programs are single-program: a plain tensor is the global value,
-the same on every process. Laying it out by a layout keeps this rank's
-shard, with no communication (`shard_global_tensor`): every batch of a
-ModelParallel step, every variable's initial value and
-`keras.distribution.distribute_tensor` of a plain tensor come here.
+A plain tensor is the global value, the same on every process; laying it
+out keeps this rank's shard, with no communication.
 """
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.layout import local_slices
 
-__all__ = ["shard_global_tensor"]
+__all__ = ["from_local", "shard_global_tensor"]
+
+
+def from_local(local, mesh, placements, shape):
+    """A DTensor of contiguous global `shape` from this rank's `local`
+    shard, unchecked (no communication)."""
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
+    )
 
 
 def shard_global_tensor(tensor, layout):
-    """Cuts this rank's shard out of a global value held by every rank.
-
-    No communication: every rank holds the same global `tensor` (Keras's
-    single-program semantics) and keeps its own slice. A tensor that
-    needs a gradient goes through DTensor's `redistribute`, so the
-    gradient of `tensor` is the full (gathered) gradient on every rank;
-    any other (a batch, an initial value) is sliced directly.
-
-    Args:
-        tensor: a plain `torch.Tensor` with the global shape.
-        layout: a `DTensorLayout`, already checked against the tensor's
-            shape (see `as_backend_layout`).
-
-    Returns:
-        A `DTensor`.
-    """
+    """This rank's shard of the global `tensor`, laid out by a checked
+    `DTensorLayout` (no communication; differentiable)."""
     mesh = layout.device_mesh
     placements = tuple(layout.placements)
     if not tensor.requires_grad and _cut_here(placements):
-        # What Replicate -> Shard computes (`torch.chunk`'s chunks),
-        # without redistribute's planning: every batch of a step comes
-        # here. Not differentiable: with a gradient, the slow way.
+        # What Replicate -> Shard computes, without its planning.
         local = tensor
         for dim, (start, length) in enumerate(
             local_slices(tensor.shape, mesh, placements)
@@ -62,9 +58,7 @@ def shard_global_tensor(tensor, layout):
 
 
 def _cut_here(placements):
-    """Whether this rank's shard can be cut out directly: some dims
-    sharded, each over one mesh dim (several mesh dims over one tensor dim
-    take DTensor's shard order), nothing else but replication."""
+    """Whether some dims are sharded, each over one mesh dim, no partial."""
     dims = [p.dim for p in placements if p.is_shard()]
     return (
         bool(dims)

@@ -1,12 +1,9 @@
 """The layout of an einsum of sharded operands, from its subscripts.
 
-`plan_for(subscripts, mesh, specs)` says how an einsum of operands laid
-out as `specs` (`(placements, global shape)` each) runs on local shards:
-which placements each operand must have, its gradient's, and the output's
-placements and global shape. A pure function of its arguments, so it is
-worked out once per signature (a layer's einsum repeats every step and
-every token). Used by `einsum` (DTensor operands) and `local_shards`
-(a split layer's call on its shards).
+`plan_for(subscripts, mesh, specs)` gives, for operands laid out as
+`specs` (`(placements, global shape)` each), the placements each operand
+must have, its gradient's, and the output's placements and global shape.
+A pure function, cached per signature.
 """
 
 import functools
@@ -20,8 +17,8 @@ __all__ = ["matmul_subscripts", "plan_for"]
 
 
 def matmul_subscripts(ndim):
-    """The einsum of `matmul(x, kernel)` for an `ndim`-dim `x` and a 2-D
-    kernel (a `Dense` layer's product), or None past 8 dims."""
+    """The einsum of `matmul(x, kernel)` (a `Dense` layer's product) for
+    an `ndim`-dim `x`, or None past 8 dims."""
     if not 1 <= ndim <= 8:
         return None
     rows = "abcdefgh"[: ndim - 1]
@@ -70,10 +67,8 @@ def plan_for(subscripts, mesh, specs):
         if not letters:
             placements.append(Replicate())
             continue
-        # Two letters on one mesh dim (query groups against one key/value
-        # head): a letter every rank holds part of stays over one that
-        # leaves a rank empty, then the one cutting the most elements;
-        # operands cut on another are gathered (the same on every rank).
+        # Two letters on one mesh dim: keep one no rank is empty of, then
+        # the one cutting the most elements; gather operands cut otherwise.
         letter = min(
             letters,
             key=lambda k: (sizes[k] < mesh.size(m), -letters[k], k),
@@ -88,8 +83,7 @@ def plan_for(subscripts, mesh, specs):
         placements.append(
             Shard(output.index(letter)) if letter in output else Partial()
         )
-    # One dim over several mesh dims (given, or after the cuts): left to
-    # torch.
+    # One dim over several mesh dims: left to torch.
     for target in targets:
         dims = [p.dim for p in target if isinstance(p, Shard)]
         if len(dims) != len(set(dims)):

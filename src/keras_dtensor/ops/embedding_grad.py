@@ -1,16 +1,10 @@
 """A vocabulary-sharded embedding's gradient, computed shard only.
 
-DTensor looks a table sharded on its rows (`("model", None)`) up with
-masked indices (a masked partial output), but its backward,
-`embedding_dense_backward`, has no rule that gives a row-sharded gradient:
-from a replicated output gradient it computes the whole table's gradient on
-every rank (a replicated `(vocab, dim)` tensor), which the optimizer then
-slices (`benchmarks/bench_memory.py`, model b; torch's `RowwiseParallel`
-embedding does the same). Here the lookup of such a table goes through an
-autograd function whose backward computes only this rank's rows: the
-output gradient (activation-sized) is masked to the indices this rank
-holds and scattered into a gradient shaped like the local shard, laid out
-as the table.
+DTensor's `embedding_dense_backward` computes a row-sharded table's whole
+gradient on every rank, which the optimizer then slices. Here the lookup
+goes through an autograd function whose backward masks the output
+gradient to the indices this rank holds and scatters it into a gradient
+shaped like the local shard.
 """
 
 import functools
@@ -27,30 +21,22 @@ __all__ = ["wrap_embedding"]
 
 
 def _layouts(weight_placements, indices):
-    """Per mesh dim: placements for the output gradient and the indices
-    to compute this rank's gradient on, and the gradient's placements."""
-    grad_out, index, grad_weight = [], [], []
+    """Per mesh dim: the output gradient's, the indices' and the weight
+    gradient's placements."""
+    out = []
     last = indices.ndim  # the output's feature dim
     for weight_p, index_p in zip(
         weight_placements, indices.placements, strict=True
     ):
         if weight_p.is_shard(0):  # rows: every index, masked locally
-            grad_out.append(Replicate())
-            index.append(Replicate())
-            grad_weight.append(weight_p)
+            out.append((Replicate(), Replicate(), weight_p))
         elif weight_p.is_shard(1):  # features: this rank's columns
-            grad_out.append(Shard(last))
-            index.append(Replicate())
-            grad_weight.append(weight_p)
+            out.append((Shard(last), Replicate(), weight_p))
         elif index_p.is_shard():  # a replicated table, sharded indices
-            grad_out.append(index_p)
-            index.append(index_p)
-            grad_weight.append(Partial())
+            out.append((index_p, index_p, Partial()))
         else:
-            grad_out.append(Replicate())
-            index.append(Replicate())
-            grad_weight.append(Replicate())
-    return grad_out, index, grad_weight
+            out.append((Replicate(), Replicate(), Replicate()))
+    return zip(*out, strict=True)
 
 
 class _RowShardedLookup(torch.autograd.Function):
@@ -90,8 +76,7 @@ class _RowShardedLookup(torch.autograd.Function):
 def _as_dtensor(indices, weight):
     if isinstance(indices, DTensor):
         return indices
-    # Under a distribution a plain tensor meeting a DTensor is a global
-    # value (replicated), as the forward lookup takes it.
+    # A plain tensor is a global value, as the forward lookup takes it.
     mesh = weight.device_mesh
     return DTensor.from_local(
         indices, mesh, [Replicate()] * mesh.ndim, run_check=False
@@ -99,13 +84,9 @@ def _as_dtensor(indices, weight):
 
 
 def wrap_embedding(original):
-    """Wraps `torch.nn.functional.embedding(input, weight, ...)`.
-
-    A DTensor table sharded on its rows, looked up while gradients are
-    recorded (and with none of `padding_idx`, `max_norm`,
-    `scale_grad_by_freq`, `sparse`), goes through `_RowShardedLookup`;
-    anything else runs `original`.
-    """
+    """Wraps `torch.nn.functional.embedding`: a row-sharded DTensor table
+    looked up with gradients (and no other option) goes through
+    `_RowShardedLookup`."""
 
     @functools.wraps(original)
     def embedding(input, weight, *args, **kwargs):

@@ -1,9 +1,6 @@
-"""Redistributions torch 2.13 gets wrong between partial placements.
-
-Both functions wrap DTensor internals and are installed by the torch entries of
-the `PATCHES` table: a masked partial meeting a plain partial gradient in
-backward, and indices both gathered and masked in one redistribution.
-"""
+"""Redistributions torch 2.13 gets wrong between partial placements:
+a masked partial meeting a plain partial gradient in backward, and indices
+both gathered and masked in one redistribution."""
 
 from torch.distributed.tensor import Replicate
 
@@ -22,17 +19,9 @@ def _mixed_partial(grad_placements, forward_placements):
 
 
 def wrap_redistribute_backward(original):
-    """Wraps DTensor's `_redistribute_backward(grad, previous_spec, ...)`.
-
-    Backward of a redistribution brings the gradient back to the forward
-    input's placements. When the forward input was a masked partial sum
-    (a vocabulary-sharded embedding lookup) and the gradient arrives as a
-    plain partial sum (from a column-parallel layer downstream), DTensor
-    has no rule from one partial type to the other and raises. The
-    gradient of a partial tensor is its full value, so the gradient is
-    summed (Partial -> Replicate) first; DTensor then keeps it replicated,
-    as it does for every replicated gradient of a partial input.
-    """
+    """Wraps DTensor's `_redistribute_backward`: a plain partial gradient
+    meeting a masked partial forward input (which DTensor cannot convert)
+    is summed first (Partial -> Replicate)."""
 
     def _redistribute_backward(grad_output, previous_spec, **kwargs):
         dims = _mixed_partial(grad_output.placements, previous_spec.placements)
@@ -50,17 +39,10 @@ def wrap_redistribute_backward(original):
 
 
 def wrap_redistribute_local_tensor(original):
-    """Wraps the `redistribute_local_tensor` DTensor's dispatcher calls.
-
-    An embedding's indices that must become a masked partial on one mesh
-    dimension (the vocabulary-sharded table) and be gathered on another
-    (a batch-sharded input meeting a table sharded on its feature axis
-    over the batch axis, as keras_hub's Gemma layout does on a 2 x 2
-    mesh) get their mask recorded before the gather, for this rank's rows
-    only; the partial sum is then masked with the wrong rows ("The shape
-    of the mask [2, 8] ... does not match ... [4, 8, 8]"). Here the other
-    dimensions are redistributed first, then the partial ones.
-    """
+    """Wraps DTensor's `redistribute_local_tensor`: when some mesh dims
+    become partial and others change too, the others go first (else a
+    masked partial records its mask before the gather, for this rank's
+    rows only)."""
 
     def redistribute_local_tensor(
         local_tensor, current_spec, target_spec, **kw

@@ -1,24 +1,12 @@
 """Adam's update under a distribution: on local shards, in bounded pieces.
 
-Keras's torch `Adam` (and `AdamW`, which inherits its update) updates every
-variable at once with `torch._foreach_*` ops over whole lists. Its last
-statement holds three temporaries the size of all trainable weights at the
-same time (the scaled first moment, the denominator and their quotient),
-after a fourth (the squared gradient) was freed: on a sharded model, three
-more shard-sized copies of every weight at each step's peak, where torch's
-foreach Adam holds one (`benchmarks/bench_memory.py`; BENCHMARKS.md has
-the figures).
-
-Under `ModelParallel` every variable, its slots and its gradient are
-DTensors laid out alike (`variables.wrap_filter_empty_gradients` lays each
-gradient out as its variable), and Adam is elementwise: the update is
-the same on each local shard. Here it runs Keras's arithmetic, in Keras's
-order and dtypes, on the local tensors, a piece of at most `_PIECE`
-elements at a time (small variables grouped, large ones sliced), so its
-temporaries are bounded by three pieces; each element goes through the same
-operations as in Keras's update, and DTensor's per-op dispatch is skipped.
-Anything else (plain tensors, layouts that differ, a custom subclass
-overriding the update) runs Keras's own update.
+Keras's torch `Adam` (and `AdamW`) updates every variable at once with
+`torch._foreach_*` ops, holding several temporaries the size of all
+weights at its peak. Under `ModelParallel` a variable, its slots and its
+gradient are laid out alike and Adam is elementwise, so here Keras's
+arithmetic (its order and dtypes) runs on the local tensors a piece at a
+time, its temporaries bounded by a few pieces. Anything else runs
+Keras's own update.
 """
 
 import functools
@@ -30,7 +18,7 @@ from keras_dtensor import compat
 
 __all__ = ["wrap_adam_update"]
 
-# Elements per piece: 4 MiB of float32, so at most ~12 MiB of temporaries.
+# Elements per piece.
 _PIECE = 1 << 20
 
 
@@ -41,30 +29,20 @@ def _local(x):
 
 def _aligned(tensors):
     """Whether DTensors `tensors` share mesh, placements and local shape."""
-    first = tensors[0]
     if not all(isinstance(t, DTensor) for t in tensors):
         return False
-    mesh, placements = first.device_mesh, first.placements
-    shape = first._local_tensor.shape
+    first = tensors[0]
     return all(
-        t.device_mesh == mesh
-        and t.placements == placements
-        and t._local_tensor.shape == shape
+        t.device_mesh == first.device_mesh
+        and t.placements == first.placements
+        and t._local_tensor.shape == first._local_tensor.shape
         for t in tensors[1:]
     )
 
 
 def _pieces(rows):
-    """Cuts aligned local tensors into pieces of at most `_PIECE` elements.
-
-    Args:
-        rows: per variable, a tuple of same-shaped local tensors (value,
-            slots, gradient).
-
-    Returns:
-        Groups of pieces, each group a list of tuples of views (one per
-        tensor of the row), holding about `_PIECE` elements in all.
-    """
+    """Groups of pieces of `rows` (per variable, same-shaped local
+    tensors: value, slots, gradient), about `_PIECE` elements a group."""
     pieces = []
     for row in rows:
         numel = row[0].numel()
@@ -87,15 +65,10 @@ def _pieces(rows):
 
 
 def _step_size(optimizer, learning_rate, dtype):
-    """`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` as Keras computes it.
-
-    The same operations on the same dtypes as Keras's torch Adam (a float32
-    step count from the int64 `iterations`, powers of the betas cast to
-    `dtype`), on the local values of the replicated scalars.
-    """
+    """`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` as Keras's torch Adam
+    computes it (the same ops and dtypes), on local values."""
     convert_to_tensor = compat.torch_core().convert_to_tensor
 
-    # Variables, tensors or DTensors (replicated): their local values.
     lr = _local(convert_to_tensor(learning_rate)).to(dtype)
     t = (_local(convert_to_tensor(optimizer.iterations)) + 1).to(dtype)
     decay_1 = torch.pow(torch.tensor(optimizer.beta_1, dtype=dtype), t)
@@ -128,12 +101,9 @@ def _update(optimizer, group, step_size):
 
 
 def wrap_adam_update(original):
-    """Wraps Keras's torch `Adam._parallel_update_step(grads, vars, lr)`.
-
-    DTensor variables whose slots and gradients share their layout are
-    updated on their local shards in bounded pieces; anything else runs
-    `original`.
-    """
+    """Wraps Keras's torch `Adam._parallel_update_step`: DTensor variables
+    whose slots and gradients share their layout are updated on their
+    local shards in bounded pieces; anything else runs `original`."""
 
     @functools.wraps(original)
     def _parallel_update_step(self, grads, variables, learning_rate):
@@ -150,8 +120,6 @@ def wrap_adam_update(original):
             if not _aligned(row):
                 return original(self, grads, variables, learning_rate)
             rows.append(tuple(_local(t) for t in row))
-        if not rows:
-            return original(self, grads, variables, learning_rate)
         step_size = _step_size(self, learning_rate, rows[0][0].dtype)
         for group in _pieces(rows):
             _update(self, group, step_size)

@@ -1,37 +1,13 @@
-"""Sharding strategies for ops DTensor lacks in torch 2.13.
+"""Sharding strategies for ops DTensor lacks in torch 2.13, registered
+with `register_sharding` by the torch entries of the `PATCHES` table:
 
-They are registered through the public experimental `register_sharding` by
-the torch entries of the `PATCHES` table, and only affect ops whose inputs are
-DTensors.
-
-CPU flash attention (`torch.nn.functional.scaled_dot_product_attention` on
-CPU, which Keras's `MultiHeadAttention` calls) has no strategy in torch
-2.13, so head-parallel attention crashes in backward. Attention is
-independent per batch row and per head: with q/k/v/out all sharded on the
-batch dimension (0) or the head dimension (1), the op runs on local
-shards, exactly like the single-device op on a slice.
-
-Sampling from a batch-sharded DTensor (`torch.multinomial`, which
-`keras.random.categorical` and keras_hub's top-k/top-p/random samplers
-call) runs, by torch's rule, on each rank's rows with the caller's
-generator: every rank draws from the start of the same stream, so rows
-past the first shard get other samples than one process gives them. Here
-the op is replicated: the probabilities are gathered (batch x classes)
-and every rank draws the whole sample from the same generator state, the
-one-process result.
-
-`scatter_reduce` (Keras's `ops.segment_sum`/`segment_max`, which every
-thresholded metric's update runs: `AUC`, `Precision(thresholds=...)`)
-has no strategy in torch 2.13: all replicated, or sharded on a dim other
-than the scattered one where every operand has the same size there (each
-rank reduces its own slices), as torch's `scatter_add`.
-
-Comparison ops (`eq`, `ne`, `lt`, ... on tensors and scalars) have
-strategies from torch 2.13 on; torch 2.11 lacks some (`aten.ne.Tensor`,
-which Keras's optimizer EMA runs on its replicated `iterations`). Where torch
-has none, an elementwise one is registered: all replicated, or every input
-sharded like the output when the shapes match (no broadcasting over a
-sharded dim). Ops torch already covers are left alone.
+- CPU flash attention (Keras's `MultiHeadAttention`): all operands
+  sharded on the batch or the head dim, run on local shards;
+- `multinomial` (Keras's and keras_hub's samplers): replicated, so every
+  rank draws the one-process sample from the same generator state;
+- `scatter_reduce` (`segment_sum`/`segment_max`, thresholded metrics):
+  replicated, or sharded on a dim other than the scattered one;
+- comparisons torch lacks (`aten.ne.Tensor` in torch 2.11): elementwise.
 """
 
 import torch
@@ -61,12 +37,10 @@ def _per_row_or_head(num_outputs, num_tensors, num_scalars, attn_mask):
     """Strategies: all replicated, or all sharded on dim 0 or dim 1."""
     strategies = []
     for placement in (Replicate(), Shard(0), Shard(1)):
-        if attn_mask is not None and isinstance(placement, Shard):
-            # A mask broadcast along the sharded dim stays replicated.
-            mask = placement if attn_mask.shape[placement.dim] > 1 else None
-            mask = mask or Replicate()
-        else:
-            mask = None if attn_mask is None else Replicate()
+        # A mask broadcast along the sharded dim stays replicated.
+        mask = None if attn_mask is None else Replicate()
+        if mask and placement.is_shard() and attn_mask.shape[placement.dim] > 1:
+            mask = placement
         outputs = [placement] * num_outputs
         inputs = [placement] * num_tensors + [None] * num_scalars + [mask]
         strategies.append((outputs, inputs))
@@ -87,18 +61,11 @@ def flash_cpu_backward(
 
 def elementwise(self, other=None, **kwargs):
     # -> one output; inputs self and, for `.Tensor` overloads, other.
-    tensors = [self] + ([other] if hasattr(other, "shape") else [])
-    scalars = 0 if len(tensors) == 2 else 1
-    strategies = [
-        ([Replicate()], [Replicate()] * len(tensors) + [None] * scalars)
-    ]
-    if all(tuple(t.shape) == tuple(self.shape) for t in tensors):
-        for dim in range(len(self.shape)):
-            shard = Shard(dim)
-            strategies.append(
-                ([shard], [shard] * len(tensors) + [None] * scalars)
-            )
-    return strategies
+    tensors = 2 if hasattr(other, "shape") else 1
+    placements = [Replicate()]
+    if tensors == 1 or tuple(other.shape) == tuple(self.shape):
+        placements += [Shard(dim) for dim in range(len(self.shape))]
+    return [([p], [p] * tensors + [None] * (2 - tensors)) for p in placements]
 
 
 def replicated_sample(self, num_samples, replacement=False, **kwargs):
@@ -160,14 +127,8 @@ def missing_comparisons():
 
 
 def keep_kwargs_in_place(strategy, op_schema):
-    """Drops the strategies that would move a tensor keyword argument.
-
-    DTensor redistributes an op's positional tensors to the chosen
-    strategy, never its keyword tensors (the attention mask of CPU flash
-    attention): a strategy that needs the mask elsewhere would run the
-    local op on mismatched shapes ("shape '[1, 1, 8, 8]' is invalid").
-    Only strategies that leave every keyword tensor where it is are kept.
-    """
+    """Keeps the strategies that leave every keyword tensor (CPU flash
+    attention's mask) where it is: DTensor never redistributes those."""
     current = [
         tuple(s.strategies[0].output_spec.placements)
         for s in op_schema.kwargs_strategy
@@ -200,10 +161,6 @@ def flash_cpu_backward_ops():
 
 
 def register_elementwise(ops):
-    """Gives each op in `ops` the elementwise strategy, outside the table.
-
-    For tests only: they pass ops torch already covers, to run the fallback
-    on a torch that needs none (in a process of their own).
-    """
+    """Gives each op in `ops` the elementwise strategy (for tests)."""
     for op in ops:
         register_sharding(op)(elementwise)

@@ -1,26 +1,16 @@
 """`keras_dtensor.auto_layout_map`: a LayoutMap derived from the model.
 
-The model is built and run once where nothing is allocated (`trace`);
-its dataflow, not its variable names, gives the layout (`dataflow`,
-`propagate`):
-
-- the regions between projections, in graph order: the producers of a
-  region that can run split are split by columns, its consumers by rows
-  (one all-reduce forward, one backward, as Megatron-LM's pairs), their
-  biases and per-head weights alongside; batched expert kernels by
-  experts; a region that cannot (the residual stream: a norm over the
-  hidden dim) stays whole, and so do the projections around it;
-- embeddings: by vocabulary when tied to the output head or large (one
-  all-reduce), else by the hidden dim (one all-gather); an untied output
-  head as its embedding;
-- everything else (norms, the biases of row layers, small layers) and
-  every dim the axis does not divide: replicated, with the reason.
-
-The result is the same on every rank and every run.
+The model is run once where nothing is allocated (`trace`); its dataflow,
+not its variable names, gives the layout (`dataflow`, `propagate`):
+regions between projections that can run split have their producers
+split by columns and consumers by rows (one all-reduce forward, one
+backward, as Megatron-LM's pairs), biases and per-head weights alongside,
+batched expert kernels by experts; embeddings by vocabulary when tied to
+the output head or large, else by hidden dim; everything else replicated,
+with the reason. The result is the same on every rank and every run.
 """
 
 import itertools
-import math
 
 from keras_dtensor.planning import dataflow
 from keras_dtensor.planning import layout_report
@@ -33,28 +23,23 @@ _MAX_TRIES = 256
 _LARGE_EMBEDDING = 2**20
 
 
-def _options(p, fixed, parts):
-    """A producer's choices: `(output dim, atoms)` per splittable dim of
-    its kernel's output, then None (whole)."""
+def _options(flow, p, fixed, parts):
+    """A producer's choices: `(output dim, atoms, index)` per splittable
+    output atom, then None (whole)."""
     if p.var.path in fixed:
         return [None]
+    nd = len(flow.trace.shapes[p.out])
+    free_dim = nd - 1 if p.kernel_on_right else nd - 2
     out = []
-    for kind, atoms in (("free", p.free), ("batch", p.batch)):
+    for dim, atoms in ((free_dim, p.free), (0, p.batch)):
         for j, (_, size, outer) in enumerate(atoms):
             if outer and size % parts == 0:
-                out.append((kind, atoms, j))
+                out.append((dim, atoms, j))
     return [*out, None]
 
 
-def _output_dim(flow, p, kind):
-    nd = len(flow.trace.shapes[p.out])
-    if kind == "batch":
-        return 0
-    return nd - 1 if p.kernel_on_right else nd - 2
-
-
-def _combinations(producers, fixed, parts):
-    options = [_options(p, fixed, parts) for p in producers]
+def _combinations(flow, producers, fixed, parts):
+    options = [_options(flow, p, fixed, parts) for p in producers]
     combos = itertools.product(*options)
     ranked = sorted(
         itertools.islice(combos, _MAX_TRIES * 4),
@@ -63,30 +48,22 @@ def _combinations(producers, fixed, parts):
     return ranked[:_MAX_TRIES]
 
 
-def _bytes(var):
-    return math.prod(var.shape) * tracing.keras_itemsize(var.dtype)
-
-
 def _split_region(flow, root, parts, fixed, min_bytes):
     producers = flow.producers(root)
     if not producers:
         return None, None
     first_reason = None
     open_ = [p for p in producers if p.var.path not in fixed]
-    if open_ and all(_options(p, fixed, parts) == [None] for p in open_):
+    if open_ and all(_options(flow, p, fixed, parts) == [None] for p in open_):
         p = open_[0]
         sizes = [size for _, size, _ in (*p.batch, *p.free)]
         return None, (
             f"{p.var.path}: its output dims {sizes} do not divide by {parts}"
         )
-    for combo in _combinations(producers, fixed, parts):
+    for combo in _combinations(flow, producers, fixed, parts):
         if all(c is None for c in combo):
             break
-        choices = {
-            p: (_output_dim(flow, p, c[0]), c[1], c[2])
-            for p, c in zip(producers, combo, strict=True)
-            if c is not None
-        }
+        choices = {p: c for p, c in zip(producers, combo, strict=True) if c}
         try:
             split = propagate.propagate(flow, root, parts, choices)
         except propagate.Conflict as conflict:
@@ -95,7 +72,7 @@ def _split_region(flow, root, parts, fixed, min_bytes):
         if any(path in fixed for path in split.weights):
             first_reason = first_reason or "its weights are split elsewhere"
             continue
-        size = sum(_bytes(v) for v, _, _ in split.weights.values())
+        size = sum(tracing.nbytes(v) for v, _, _ in split.weights.values())
         if size < min_bytes:
             return None, f"{size} bytes, under min_shard_bytes"
         return split, None
@@ -104,7 +81,7 @@ def _split_region(flow, root, parts, fixed, min_bytes):
 
 def _embedding(flow, var, parts, tied):
     vocab, hidden = var.shape[0], var.shape[-1]
-    if (tied or _bytes(var) >= _LARGE_EMBEDDING) and vocab % parts == 0:
+    if (tied or tracing.nbytes(var) >= _LARGE_EMBEDDING) and vocab % parts == 0:
         why = "tied to the output head" if tied else "large"
         return 0, f"embedding by vocabulary ({why}): one all-reduce"
     if hidden % parts == 0:
@@ -114,7 +91,7 @@ def _embedding(flow, var, parts, tied):
 
 def _reaches_output(flow, p):
     """Whether `p`'s output reaches a model output through elementwise
-    ops and views only (an output head)."""
+    ops and views only."""
     live = {p.out}
     for node in flow.trace.nodes:
         ins = [i for i in node.inputs if isinstance(i, int)]
@@ -186,12 +163,10 @@ def auto_layout(
                     if reason:
                         _note(p, f"whole: {reason}", decided)
                 continue
-            size = sum(_bytes(v) for v, _, _ in split.weights.values())
+            size = sum(tracing.nbytes(v) for v, _, _ in split.weights.values())
             found.append((-size, number, split))
-        # A weight belongs to one split region (a row of one region is not
-        # also a column of the next): the plan is the set of regions that
-        # shards the most bytes (fewest per rank), then has the fewest
-        # collectives.
+        # A weight belongs to one split region: the plan shards the most
+        # bytes, then has the fewest collectives.
         taken = {}
         for split in _plan(sorted(found, key=lambda f: f[:2])):
             shared = sorted(set(split.weights) & set(taken))
@@ -207,20 +182,12 @@ def auto_layout(
                 taken[path] = label
                 decided[path] = (dim, f"{role}, {label}")
         for p in flow.projections:
-            path = p.var.path
-            if path in decided and decided[path][0] is not None:
+            if decided.get(p.var.path, (None,))[0] is not None or not p.free:
                 continue
-            size = p.free[0][1] if p.free else 0
-            if (
-                p.free
-                and p.free[0][2]
-                and size in vocab_split
-                and _reaches_output(flow, p)
-            ):
-                decided[path] = (
-                    p.free[0][0],
-                    "output head by vocabulary, as its embedding",
-                )
+            dim, size, outer = p.free[0]
+            if outer and size in vocab_split and _reaches_output(flow, p):
+                why = "output head by vocabulary, as its embedding"
+                decided[p.var.path] = (dim, why)
                 gathers += 1
     return layout_report.finish(
         model,
@@ -236,8 +203,8 @@ def auto_layout(
 
 
 def _compatible(splits):
-    """`splits` in order, each kept unless a weight of it is already in a
-    kept one."""
+    """`splits` in order, each kept unless it shares a weight with one
+    kept before."""
     kept, seen = [], set()
     for split in splits:
         if seen.isdisjoint(split.weights):
@@ -248,12 +215,9 @@ def _compatible(splits):
 
 def _plan(found):
     """The regions to split, from `(-bytes, number, split)` sorted largest
-    first: the largest-first choice, or the one that starts from another
-    region where that shards more bytes (a residual stream split by hidden
-    can hold the projections of both the attention and the MLP pairs,
-    Megatron's plan, which shards more) or, equal, needs fewer
-    collectives. Every split of `found` is returned, the unchosen last (they
-    are reported whole)."""
+    first: the largest-first choice, or one starting from another region
+    where that shards more bytes or, equal, needs fewer collectives (the
+    residual stream against Megatron's pairs). The unchosen come last."""
     splits = [split for *_, split in found]
     size = {id(s): -f[0] for f, s in zip(found, splits, strict=True)}
 

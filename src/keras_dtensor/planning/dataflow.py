@@ -1,26 +1,22 @@
 """A recorded forward pass read as projections and the regions between them.
 
-- *Weight views*: a tensor made from one variable by views, permutes,
-  casts and copies. Each of its dims lists the variable dims it holds,
-  outermost first, as *atoms* `(var_dim, size, outer)`; `outer` is false
-  for the inner piece of a variable dim a view has split.
+- *Weight views*: tensors made from one variable by views, permutes and
+  copies; each dim lists the variable dims it holds as *atoms*
+  `(var_dim, size, outer)` (`outer` false for the inner piece of a dim a
+  view split).
 - *Projections*: contractions (`mm`, `bmm`, `addmm`, `baddbmm`) of an
-  activation with a weight view: `Dense`, `EinsumDense`, a reversed
-  embedding, batched expert kernels.
-- *Regions*: the activations between projections, found by joining the
-  inputs and outputs of every other op that a projection's or an
-  embedding's output reaches. A region's producers write into it, its
-  consumers read from it; an attention core with its q/k/v producers and
-  its output consumer is one region, a gated MLP another, the residual
-  stream a third. Masks and rotary tables (made from the inputs or from
-  nothing) join no region.
+  activation with a weight view.
+- *Regions*: the activations between projections, joined through every
+  other op a projection's or an embedding's output reaches (an attention
+  core, a gated MLP, the residual stream); a region's producers write
+  into it, its consumers read from it.
 """
 
 import dataclasses
 
-__all__ = ["Contraction", "Dataflow", "analyze", "contraction"]
+__all__ = ["IDENTITY", "Contraction", "Dataflow", "analyze", "contraction"]
 
-_IDENTITY = {
+IDENTITY = {
     "detach",
     "lift_fresh",
     "lift_fresh_copy",
@@ -86,14 +82,12 @@ class Dataflow:
     projections: list
     by_node: dict  # node index -> Projection
     embeddings: list  # (node index, variable, output id)
-    stream: set  # ids of tensors downstream of a projection or lookup
     regions: dict  # root -> set of tensor ids
     region_of: dict  # tensor id -> root
     parent: dict  # tensor id -> the tensor it is a view or copy of
 
     def base(self, tid):
-        """The tensor `tid` is a view or copy of (an activation once, read
-        by several projections through their own views)."""
+        """The tensor `tid` is a view or copy of."""
         while tid in self.parent:
             tid = self.parent[tid]
         return tid
@@ -112,8 +106,7 @@ class Dataflow:
 
 
 def _regroup(dims, shape):
-    """The atoms of a view of a weight view to `shape`; None if a view
-    splits an atom unevenly."""
+    """The atoms of a weight view viewed as `shape`, or None (uneven)."""
     queue = [atom for dim in dims for atom in dim if atom[1] > 1]
     out = []
     for size in shape:
@@ -143,7 +136,7 @@ def _regroup(dims, shape):
 def _view_of(node, dims, shapes):
     """Atoms of a shape op's output given its input's, or None."""
     op, args = node.op, node.args
-    if node.op in _IDENTITY or (node.pointwise and _tensor_count(node) == 1):
+    if node.op in IDENTITY or (node.pointwise and _tensor_count(node) == 1):
         return list(dims)
     if op == "permute":
         return [dims[i] for i in args[1]]
@@ -189,25 +182,15 @@ def _projection(index, node, views):
     left, right = views.get(c.a), views.get(c.b)
     if (left is None) == (right is None):
         return None
-    if right is not None:
-        var, dims = right
-        free, contracted = dims[-1], dims[-2]
-        activation, kernel_on_right = c.a, True
-    else:
-        var, dims = left
-        free, contracted = dims[-2], dims[-1]
-        activation, kernel_on_right = c.b, False
+    on_right = right is not None
+    var, dims = right if on_right else left
+    free, contracted = (
+        (dims[-1], dims[-2]) if on_right else (dims[-2], dims[-1])
+    )
+    activation = c.a if on_right else c.b
     batch = dims[0] if c.batched else ()
     return Projection(
-        index,
-        var,
-        activation,
-        c.out,
-        kernel_on_right,
-        free,
-        contracted,
-        batch,
-        c.bias,
+        index, var, activation, c.out, on_right, free, contracted, batch, c.bias
     )
 
 
@@ -266,7 +249,7 @@ def analyze(trace) -> Dataflow:
         if (
             len(tensors) == 1
             and len(outs) == 1
-            and (node.op in _IDENTITY or node.op in _VIEWS)
+            and (node.op in IDENTITY or node.op in _VIEWS)
         ):
             parent[outs[0]] = tensors[0]
         ins = [i for i in tensors if i in stream and i not in views]
@@ -279,14 +262,12 @@ def analyze(trace) -> Dataflow:
         root = union.find(tid)
         regions.setdefault(root, set()).add(tid)
         region_of[tid] = root
-    # Roots named by their first tensor, so regions come in graph order.
     return Dataflow(
         trace,
         views,
         projections,
         by_node,
         embeddings,
-        stream,
         regions,
         region_of,
         parent,

@@ -1,9 +1,13 @@
 """What `auto_layout` decided, as a table and a LayoutMap."""
 
 import dataclasses
+import math
 import re
 
+from keras_dtensor.backend.layout import local_shape
+from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning.trace import keras_itemsize
+from keras_dtensor.planning.trace import nbytes
 
 __all__ = ["AutoLayout", "Entry", "finish"]
 
@@ -74,7 +78,7 @@ def finish(
         axes = [None] * len(var.shape)
         if dim is not None:
             axes[dim] = model_axis
-        if fsdp and data > 1 and _nbytes(var) >= max(min_bytes, 1):
+        if fsdp and data > 1 and nbytes(var) >= max(min_bytes, 1):
             free = [
                 d
                 for d in range(len(var.shape))
@@ -92,31 +96,19 @@ def finish(
             )
         elif dim is None and "FSDP" not in why:
             why = "replicated, " + why
-        local = 1
-        for n, a in zip(var.shape, axes, strict=True):
-            local *= -(-n // sizes[a]) if a else n
-        full += _nbytes(var)
-        per_rank += local * keras_itemsize(var.dtype)
+        local = local_shape(var.shape, normalize_axes(axes), sizes)
+        full += nbytes(var)
+        per_rank += math.prod(local) * keras_itemsize(var.dtype)
         if any(axes):
             layout_map["^" + re.escape(var.path) + "$"] = tuple(axes)
         entries.append(Entry(var.path, tuple(var.shape), tuple(axes), why))
-    fwd, bwd, gathers = counts
     return AutoLayout(
         entries,
         mesh,
         model_axis,
         batch_axis,
-        fwd,
-        bwd,
-        gathers,
+        *counts,
         layout_map,
         full,
         per_rank,
     )
-
-
-def _nbytes(var):
-    n = keras_itemsize(var.dtype)
-    for size in var.shape:
-        n *= size
-    return n

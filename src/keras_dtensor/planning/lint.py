@@ -1,7 +1,4 @@
-"""Checks of a LayoutMap against a model, before anything is sharded.
-
-Nothing here allocates or communicates.
-"""
+"""Checks of a LayoutMap against a model; nothing allocated or sent."""
 
 import re
 import warnings
@@ -9,19 +6,25 @@ import warnings
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 
-__all__ = ["warn_unmatched_layout_keys"]
+__all__ = ["unmatched_keys", "warn_unmatched_layout_keys"]
 
 _WARNED = "_keras_dtensor_warned_keys"
 
 
-def warn_unmatched_layout_keys(model, distribution):
-    """Warns (rank 0, once per key) about LayoutMap keys no weight matched.
+def unmatched_keys(layout_map, paths):
+    """The LayoutMap keys (layer outputs, `.../output`, aside) that
+    full-match none of `paths`."""
+    return [
+        key
+        for key in layout_map
+        if not key.endswith("/output")
+        and not any(key == p or re.fullmatch(key, p) for p in paths)
+    ]
 
-    A key is a regex full-matched against `variable.path`, so
-    `"dense.*kernel"` does not match `"sequential/dense/kernel"`; the weight
-    then silently stays replicated. Keys ending in `/output` name layer
-    outputs, not weights, and are skipped.
-    """
+
+def warn_unmatched_layout_keys(model, distribution):
+    """Warns (rank 0, once per key) about LayoutMap keys no weight matched:
+    the weights they were meant for would silently stay replicated."""
     layout_map = getattr(distribution, "_layout_map", None)
     if layout_map is None or world()[1] != 0:
         return
@@ -29,10 +32,8 @@ def warn_unmatched_layout_keys(model, distribution):
     if warned is None:
         warned = object_state.set_on(distribution, _WARNED, set())
     paths = [v.path for v in model.weights]
-    for key in layout_map:
-        if key in warned or key.endswith("/output"):
-            continue
-        if not any(key == p or re.fullmatch(key, p) for p in paths):
+    for key in unmatched_keys(layout_map, paths):
+        if key not in warned:
             warned.add(key)
             example = paths[0] if paths else "<none>"
             warnings.warn(

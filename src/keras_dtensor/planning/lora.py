@@ -1,7 +1,4 @@
-"""Layouts of LoRA factors, derived from their base weight's layout.
-
-Nothing here allocates or communicates.
-"""
+"""Layouts of LoRA factors, from their base weight's; nothing allocated."""
 
 __all__ = ["lora_layout"]
 
@@ -15,21 +12,12 @@ _LORA = {
 
 
 def lora_layout(distribution, variable):
-    """The layout of a LoRA factor that no LayoutMap key names.
+    """The layout of a LoRA factor no LayoutMap key names, or `None`.
 
-    Keras's `enable_lora` adds `A` (the base weight's input dims, rank)
-    and `B` (rank, its output dim) next to a base `kernel`/`embeddings`.
-    Laid out like their base weight, `A` keeps the base's input-dim axes
-    and `B` its output-dim axis, so `A @ B` is sharded exactly like the
-    base weight and adding it needs no communication.
-
-    Args:
-        distribution: the active distribution.
-        variable: a Keras variable, shape known.
-
-    Returns:
-        A `TensorLayout`, or `None` (not a LoRA factor, a key names it, or
-        its base weight has no layout of its own).
+    Keras's `enable_lora` adds `A` (input dims, rank) and `B` (rank,
+    output dim) beside a base weight; `A` keeps the base's input-dim axes
+    and `B` its output-dim axis, so `A @ B` is sharded like the base and
+    adding it needs no communication.
 
     Example:
     >>> layout_map["dense/kernel"] = (None, "model")

@@ -1,33 +1,27 @@
 """`keras_dtensor.plan`: per-rank memory of a layout, before allocating.
 
-The model (and its optimizer's slots) is built on torch's `meta` device,
-which records shapes and dtypes and allocates nothing; each weight's layout
-comes from the distribution (`get_variable_layout`, the LayoutMap's regexes
-on `variable.path`, LoRA factors as their base weight). Its local shape on
-the largest shard (DTensor's `torch.chunk` rule) gives the bytes per rank.
-Lint in the same pass: LayoutMap keys that match no weight, large weights
-left replicated, dims that shard unevenly.
+The model and its optimizer's slots are built on torch's `meta` device
+(shapes and dtypes, nothing allocated); each weight's layout comes from
+the distribution, its largest shard (DTensor's `torch.chunk` rule) gives
+the bytes per rank. Lint in the same pass: LayoutMap keys that match no
+weight, large weights left replicated, dims that shard unevenly.
 
 Example:
 ```python
-mesh = keras.distribution.DeviceMesh((1, 8), ["batch", "model"],
-                                     [f"gpu:{i}" for i in range(8)])
-layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-print(keras_dtensor.plan(lambda: keras_hub.models.GemmaBackbone(**config),
-                         keras.distribution.ModelParallel(layout_map=layout_map),
-                         optimizer="adamw"))
+print(keras_dtensor.plan(build_model, distribution, optimizer="adamw"))
 ```
 """
 
 import dataclasses
 import math
-import re
 
 from keras_dtensor import compat
 from keras_dtensor.backend import context
 from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import lora
+from keras_dtensor.planning.lint import unmatched_keys
+from keras_dtensor.planning.trace import keras_itemsize
 
 __all__ = ["MemoryPlan", "VariablePlan", "plan"]
 
@@ -96,14 +90,6 @@ class MemoryPlan:
         return self.table()
 
 
-def _itemsize(dtype):
-    import numpy as np
-
-    if dtype == "bfloat16":
-        return 2
-    return np.dtype(dtype).itemsize
-
-
 def _build_on_meta(model_or_build_fn, optimizer):
     import keras
 
@@ -135,9 +121,8 @@ def plan(
     """Per-rank bytes of `distribution`'s layouts, computed on `meta`.
 
     Args:
-        model_or_build_fn: a function that builds the Keras model (it runs
-            on torch's `meta` device: nothing is allocated), or a built
-            model.
+        model_or_build_fn: a function that builds the Keras model (run on
+            torch's `meta` device), or a built model.
         distribution: the `ModelParallel` or `DataParallel` to plan for;
             its mesh may name more devices than this machine has.
         optimizer: an optimizer (instance or name, e.g. `"adamw"`) whose
@@ -164,11 +149,11 @@ def plan(
             else ((),) * len(shape)
         )
         local = local_shape(shape, axes, sizes)
-        itemsize = _itemsize(variable.dtype)
+        itemsize = keras_itemsize(variable.dtype)
         own = math.prod(local) * itemsize
         prefix = variable.path.replace("/", "_") + "_"
         slot_bytes = sum(
-            math.prod(local) * _itemsize(s.dtype)
+            math.prod(local) * keras_itemsize(s.dtype)
             for s in slots
             if s.name.startswith(prefix) and tuple(s.shape) == shape
         )
@@ -202,11 +187,8 @@ def plan(
     layout_map = getattr(distribution, "_layout_map", None)
     if layout_map is not None:
         paths = [v.path for v in model.weights]
-        for key in layout_map.keys():
-            if key.endswith("/output"):  # a layer output, not a weight
-                continue
-            if not any(re.fullmatch(key, p) or key == p for p in paths):
-                warnings.append(f"LayoutMap key {key!r} matches no weight")
+        for key in unmatched_keys(layout_map, paths):
+            warnings.append(f"LayoutMap key {key!r} matches no weight")
     return MemoryPlan(
         variables=tuple(rows),
         mesh_shape=tuple(mesh.shape),

@@ -1,18 +1,12 @@
 """Whether one region can run split over the model axis, op by op.
 
-Given a region and a choice per producer (split its output dim, or
-leave it whole), the split is carried through the region's ops in
-execution order, as DTensor's sharding propagation would carry a
-`Shard(dim)`, with rules for the ops a region holds (elementwise ops with
-broadcasting, views, permutes, reductions over other dims, attention,
-contractions). It ends at the consumers, whose contracted dim it must be
-(their kernel is then split by rows, and their output is a partial sum:
-one all-reduce). Anything else (a norm over the split dim, a gather, the
-model's output) is a conflict, and its reason says which op and why.
-
-The result is the layout of every weight the split touches (producers by
-columns, consumers by rows, biases and per-head weights alongside) and
-the collectives it costs per training step.
+Given a choice per producer (split its output dim, or leave it whole),
+the split is carried through the region's ops in execution order, as
+DTensor's sharding propagation carries a `Shard(dim)`, to the consumers,
+whose contracted dim it must be (their kernel split by rows, their output
+a partial sum: one all-reduce). Anything else (a norm over the split dim,
+the model's output) is a `Conflict` whose reason names the op. The result
+is every touched weight's layout and the all-reduces per training step.
 """
 
 import dataclasses
@@ -63,10 +57,13 @@ class _Run:
         """Split the variable behind weight view `tid` where its dim
         `tensor_dim` holds the activation's split."""
         var, dims = self.flow.views[tid]
-        atoms = dims[tensor_dim]
+        self.place(var, dims[tensor_dim], split, role, node, "a weight dim")
+
+    def place(self, var, atoms, split, role, node, what="a dim"):
+        """Split `var` on the atom of `atoms` that `split` cuts."""
         j = matching_atom(atoms, split[1], split[2], self.parts)
         if j is None:
-            fail(node, f"{var.path}: the split falls inside a weight dim")
+            fail(node, f"{var.path}: the split falls inside {what}")
         self.weight_atom(var, atoms[j], role, node)
 
     def weight_atom(self, var, atom, role, node):
@@ -140,20 +137,13 @@ class _Run:
         if p is not None:
             act = sa if p.kernel_on_right else sb
             contracted = na - 1 if p.kernel_on_right else nb - 2
-            atoms = p.contracted
             if act[0] == contracted:  # a consumer: rows, a partial sum
-                j = matching_atom(atoms, act[1], act[2], self.parts)
-                if j is None:
-                    fail(node, f"{p.var.path}: the split falls inside a dim")
-                self.weight_atom(p.var, atoms[j], "row", node)
+                self.place(p.var, p.contracted, act, "row", node)
                 self.split[c.out] = PARTIAL
                 self.forward += 1
                 return
             if act[0] == batch:  # batched experts
-                j = matching_atom(p.batch, act[1], act[2], self.parts)
-                if j is None:
-                    fail(node, f"{p.var.path}: the split falls inside a dim")
-                self.weight_atom(p.var, p.batch[j], "experts", node)
+                self.place(p.var, p.batch, act, "experts", node)
                 self.split[c.out] = act
                 return
             fail(node, f"feeds {p.var.path} on a dim it does not contract")

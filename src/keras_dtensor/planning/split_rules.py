@@ -3,6 +3,10 @@ split `(dim, block, period)` (the index along `dim` cut as
 `(index // block) % parts`, `period` = `block * parts`) passes a view or
 meets a weight's atoms."""
 
+import math
+
+from keras_dtensor.planning.dataflow import IDENTITY
+
 __all__ = [
     "ALONG",
     "ATTENTION",
@@ -24,20 +28,7 @@ class Conflict(Exception):  # noqa: N818 (a verdict, not an error)
 
 
 PARTIAL = "partial"
-SHAPE_ONLY = {
-    "detach",
-    "lift_fresh",
-    "lift_fresh_copy",
-    "clone",
-    "to_copy",
-    "empty_like",
-    "alias",
-    "contiguous",
-    "type_as",
-    "dropout",
-    "native_dropout",
-    "copy",
-}
+SHAPE_ONLY = IDENTITY | {"empty_like", "dropout", "native_dropout", "copy"}
 REDUCTIONS = {
     "mean",
     "sum",
@@ -85,13 +76,6 @@ def pos(dim, ndim):
     return dim % ndim if ndim else 0
 
 
-def _suffix(shape, d):
-    n = 1
-    for s in shape[d:]:
-        n *= s
-    return n
-
-
 def atom_split(atoms, j, parts):
     """`(block, period)` of splitting atom `j` of a dim into `parts`."""
     stride = 1
@@ -116,10 +100,10 @@ def through_view(node, split, shape_in, shape_out):
     """A split `(dim, block, period)` of a view's input, on its output:
     the index along `dim` is cut as `(index // block) % parts`."""
     d, block, period = split
-    inner = _suffix(shape_in, d + 1)
+    inner = math.prod(shape_in[d + 1 :])
     block, period = block * inner, period * inner  # in elements
     for o in range(len(shape_out)):
-        below, span = _suffix(shape_out, o + 1), _suffix(shape_out, o)
+        below, span = math.prod(shape_out[o + 1 :]), math.prod(shape_out[o:])
         if shape_out[o] > 1 and block % below == 0 and span % period == 0:
             return (o, block // below, period // below)
     fail(

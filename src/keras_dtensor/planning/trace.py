@@ -1,15 +1,11 @@
 """One forward pass of a model recorded as aten ops, on the `meta` device.
 
-`auto_layout` reads a model's dataflow from this record rather than from
-its variable names: which weight feeds which contraction, what runs
-between two contractions, what reaches the model's outputs. The model is
-built and called on torch's `meta` device (shapes and dtypes only, nothing
-allocated); a model whose build or call needs values falls back to the CPU
-with a warning that names the layer.
-
-The record is at the dispatch level (`TorchDispatchMode`), where Keras's
-ops have become a small, fixed vocabulary of aten ops: an `einsum` is
-permutes, views and a `bmm`; a `Dense` is a view and an `mm`.
+`auto_layout` reads a model's dataflow from this record, not from its
+variable names. The model is built and called where nothing is allocated
+(torch's `meta` device, fake tensors); one whose build or call needs
+values falls back to the CPU with a warning naming the layer. At the
+dispatch level Keras's ops are a small vocabulary of aten ops (an
+`einsum` is permutes, views and a `bmm`).
 """
 
 import copy
@@ -29,10 +25,9 @@ __all__ = ["Node", "Trace", "record"]
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """One aten op: its name (`"mm"`, `"view"`, ...), whether torch tags
-    it elementwise (`pointwise`), its tensor
-    arguments as ids in argument order (`None` for non-tensors), its
-    other arguments, and the ids of its tensor outputs."""
+    """One aten op: its name (`"mm"`), whether torch tags it `pointwise`,
+    its tensor arguments as ids (`None` for others), its other arguments,
+    and its tensor outputs' ids."""
 
     op: str
     pointwise: bool
@@ -44,16 +39,14 @@ class Node:
 
 @dataclasses.dataclass
 class Trace:
-    """A forward pass: `nodes` in execution order, `shapes` of every
-    tensor by id, `weights` (id of a variable's value -> the variable),
-    the ids of the model's `inputs` and `outputs`, and the device used."""
+    """A forward pass: `nodes` in execution order, `shapes` of tensors by
+    id, `weights` (a variable's value's id -> the variable), the ids of
+    the model's `outputs`; `keep` holds the tensors so ids stay unique."""
 
     nodes: list
     shapes: dict
     weights: dict
-    inputs: set
     outputs: set
-    device: str
     keep: list = dataclasses.field(default_factory=list, repr=False)
 
 
@@ -108,19 +101,16 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _sample_value(spec, batch, length, device):
-    import keras
-
+def _sample_value(spec, batch=2, length=8):
     shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
-    dtype = keras.backend.standardize_dtype(spec.dtype)
-    if "int" in dtype or dtype == "bool":
-        return torch.ones(shape, dtype=getattr(torch, dtype), device=device)
-    return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    dtype = _standard_dtype(spec.dtype)
+    fill = torch.ones if "int" in dtype or dtype == "bool" else torch.zeros
+    return fill(shape, dtype=getattr(torch, dtype), device="cpu")
 
 
-def sample_inputs(model, device, batch=2, length=8):
-    """Inputs shaped like the model's `inputs` (unknown dims: `batch`
-    first, `length` elsewhere), on `device`."""
+def sample_inputs(model):
+    """Inputs shaped like the model's `inputs` (unknown dims: 2 first, 8
+    elsewhere)."""
     import keras
 
     try:
@@ -132,9 +122,7 @@ def sample_inputs(model, device, batch=2, length=8):
             f"model {model.name!r} has no symbolic inputs (a subclassed "
             "model): pass `sample_input=` to auto_layout"
         )
-    return keras.tree.map_structure(
-        lambda s: _sample_value(s, batch, length, device), specs
-    )
+    return keras.tree.map_structure(_sample_value, specs)
 
 
 def _layer_in_traceback(error):
@@ -150,12 +138,7 @@ def _layer_in_traceback(error):
     return name
 
 
-def _fake_like(variable):
-    dtype = getattr(torch, keras_standard_dtype(variable.dtype))
-    return torch.empty(tuple(variable.shape), dtype=dtype)
-
-
-def keras_standard_dtype(dtype) -> str:
+def _standard_dtype(dtype) -> str:
     import keras
 
     return keras.backend.standardize_dtype(dtype)
@@ -174,8 +157,7 @@ def _build(build, device):
 
 def _trace_call(model, sample_input, fake):
     """Calls `model` once, statelessly, on values whose ids are known:
-    fake CPU tensors (`FakeTensorMode`: shapes only, Keras's ordinary CPU
-    code paths) when `fake`, the model's own values otherwise."""
+    fake CPU tensors (shapes only) when `fake`, else copies of its own."""
     import contextlib
 
     import keras
@@ -189,43 +171,29 @@ def _trace_call(model, sample_input, fake):
         else contextlib.nullcontext()
     )
     with mode, device_scope("cpu"):
-        if fake:
-            trainable = [_fake_like(v) for v in model.trainable_variables]
-            frozen = [_fake_like(v) for v in model.non_trainable_variables]
-        else:  # plain tensors: Keras keeps their identity
-            trainable = [
-                v.value.detach().clone() for v in model.trainable_variables
-            ]
-            frozen = [
-                v.value.detach().clone() for v in model.non_trainable_variables
-            ]
+        trainable = len(model.trainable_variables)
+        variables = [*model.trainable_variables, *model.non_trainable_variables]
+        values = [  # plain tensors: Keras keeps their identity
+            torch.empty(
+                tuple(v.shape), dtype=getattr(torch, _standard_dtype(v.dtype))
+            )
+            if fake
+            else v.value.detach().clone()
+            for v in variables
+        ]
         if sample_input is None:
-            inputs = sample_inputs(model, "cpu")
+            inputs = sample_inputs(model)
         else:
             inputs = keras.tree.map_structure(torch.as_tensor, sample_input)
-        weights = {}
-        shapes = {}
-        keep = [*trainable, *frozen]
-        for v, value in zip(
-            [*model.trainable_variables, *model.non_trainable_variables],
-            keep,
-            strict=True,
-        ):
-            weights[id(value)] = v
-            shapes[id(value)] = tuple(value.shape)
+        keep = [*values, *keras.tree.flatten(inputs)]
         trace = Trace(
             nodes=[],
-            shapes=shapes,
-            weights=weights,
-            inputs=set(),
+            shapes={id(x): tuple(x.shape) for x in keep},
+            weights={id(x): v for v, x in zip(variables, values, strict=True)},
             outputs=set(),
-            device="meta" if fake else "cpu",
             keep=keep,
         )
-        for x in keras.tree.flatten(inputs):
-            trace.inputs.add(id(x))
-            trace.shapes[id(x)] = tuple(x.shape)
-            trace.keep.append(x)
+        trainable, frozen = values[:trainable], values[trainable:]
         with _Recorder(trace):
             outputs, _ = model.stateless_call(
                 trainable, frozen, inputs, training=False
@@ -240,6 +208,11 @@ def keras_itemsize(dtype) -> int:
     import numpy as np
 
     return 2 if str(dtype) == "bfloat16" else np.dtype(str(dtype)).itemsize
+
+
+def nbytes(variable) -> int:
+    """A variable's size in bytes."""
+    return math.prod(variable.shape) * keras_itemsize(variable.dtype)
 
 
 def _short(error):
@@ -280,10 +253,7 @@ def record(build, sample_input=None):
             layer = _layer_in_traceback(error)
             where = f"layer {layer!r}" if layer else "the model"
             if model is not None:
-                need = sum(
-                    math.prod(v.shape) * keras_itemsize(v.dtype)
-                    for v in model.weights
-                )
+                need = sum(nbytes(v) for v in model.weights)
                 have = _host_memory_bytes()
                 if have is not None and need > have // 2:
                     raise RuntimeError(
