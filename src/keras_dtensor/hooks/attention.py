@@ -3,11 +3,9 @@ shards (q/k/v split alike over batch or heads, else replicated; the mask
 and bias follow the query), the output placed as the query is.
 """
 
-import torch
-
 from keras_dtensor.backend import context
-from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.layout import even_shards
+from keras_dtensor.backend.shards import from_local
 
 __all__ = ["wrap_dot_product_attention"]
 
@@ -44,14 +42,7 @@ def wrap_dot_product_attention(original):
         shape = (*query.shape[:-1], value.shape[-1])
         if even_shards(shape, mesh, placements):  # (the output is a view)
             return DTensor.from_local(out, mesh, placements, run_check=False)
-        return DTensor.from_local(
-            out.contiguous(),
-            mesh,
-            placements,
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=contiguous_strides(shape),
-        )
+        return from_local(out.contiguous(), mesh, placements, shape)
 
     return dot_product_attention
 

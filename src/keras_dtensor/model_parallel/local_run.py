@@ -27,7 +27,7 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import fsdp_blocks
 from keras_dtensor.model_parallel import fsdp_weights
@@ -87,14 +87,7 @@ def _to_global(run_spec, rows, x, layer):
     else:
         placements[run_spec.dim] = Shard(0)
         shape = (rows[0], *x.shape[1:])
-    out = DTensor.from_local(
-        x,
-        run_spec.mesh,
-        placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
-    )
+    out = from_local(x, run_spec.mesh, placements, shape)
     mask = getattr(x, "_keras_mask", None)
     if mask is not None:
         out._keras_mask = _to_global(run_spec, rows, mask, layer)
