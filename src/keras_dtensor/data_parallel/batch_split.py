@@ -32,9 +32,8 @@ def _to_tensor(x):
 
 
 def local_rows(batch, distribution, shard=None):
-    """`(this process's rows of batch, how many)`: a rank left without
-    rows gets zero rows, shapes and dtypes kept. `batch` already is its
-    rows with `auto_shard_dataset=False` or a `shard` (`BatchShard`)."""
+    """`(this process's rows of batch, how many)`, maybe none; `batch`
+    already is them with `auto_shard_dataset=False` or a `shard`."""
     from keras.src import tree
 
     leaves = [x for x in tree.flatten(batch) if x is not None]
@@ -81,8 +80,8 @@ def row_counts(batch, distribution, shard=None):
 
 
 def gather_rows(outputs, counts):
-    """Each rank's rows of `outputs` (a nested structure) all-gathered
-    back into global order; `counts`: every rank's rows, in rank order."""
+    """Each rank's rows of `outputs` (nested) all-gathered in global order;
+    `counts`: every rank's rows, in rank order."""
     from keras.src import tree
 
     size, _ = world()

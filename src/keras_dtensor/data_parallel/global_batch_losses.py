@@ -1,17 +1,13 @@
 """Losses a layer adds in its call, computed over the global batch.
 
-On JAX a DataParallel step runs on global arrays, so a loss a layer adds
-from statistics of its whole input (a mixture of experts' load-balancing
-loss) is the global batch's; a share-weighted mean of per-rank values is
-another function. So a layer seen calling `add_loss` runs its calls in a
-DataParallel train step on DTensors over the batch mesh (`call_layer`):
-its batch-aligned inputs sharded, its weights replicated, every reduction
-over the batch global. Gradients crossing it are rescaled so that, after
-the reducer weighs each rank by its share of the rows, every path counts
-once. A global batch split unevenly runs the layer on the gathered batch
-on every rank instead. Design notes: `docs/internals/data-parallel.md`.
+As on JAX, whose DataParallel step runs on global arrays, a layer seen
+calling `add_loss` runs in a train step on DTensors over the batch mesh
+(`call_layer`), or on the gathered batch where the split is uneven;
+gradients crossing it are rescaled so every path counts once after the
+reducer's row weighting. Design notes: `docs/internals/data-parallel.md`.
 """
 
+import contextlib
 import functools
 import warnings
 
@@ -26,6 +22,7 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.data_parallel.batch_split import gather_rows
 from keras_dtensor.data_parallel.batch_split import split_counts
 
@@ -45,8 +42,7 @@ _STEP = "keras_dtensor_data_parallel_step"
 
 
 class _Step:
-    """The running train step: this rank's rows and the global batch's
-    (`None` until counted)."""
+    """The running train step: this rank's rows and the global batch's."""
 
     def __init__(self, rows, global_rows):
         self.rows = rows
@@ -55,8 +51,7 @@ class _Step:
         self.inside = False  # a layer of the step runs over the batch
 
     def count(self):
-        """Every rank's rows, in rank order (a collective when each
-        process feeds its own rows; counted once)."""
+        """Every rank's rows, in rank order (counted once)."""
         if self.counts is None:
             if self.global_rows is None:
                 self.counts = all_gather_ints(self.rows)
@@ -67,8 +62,8 @@ class _Step:
 
 
 class _GatherRows(torch.autograd.Function):
-    """Forward: every rank's rows, in order (the global batch); backward:
-    this rank's rows of the gradient (the same on every rank)."""
+    """Forward: the global batch; backward: this rank's rows of the
+    gradient."""
 
     @staticmethod
     def forward(ctx, x, counts):
@@ -83,8 +78,8 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _OwnRows(torch.autograd.Function):
-    """Forward: this rank's rows of a global-batch tensor; backward: every
-    rank's gradient of its rows, gathered (the global gradient)."""
+    """Forward: this rank's rows of the global batch; backward: the
+    gathered gradient."""
 
     @staticmethod
     def forward(ctx, x, counts):
@@ -99,7 +94,7 @@ class _OwnRows(torch.autograd.Function):
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `scale`."""
+    """Identity; backward multiplies the gradient by `scale`."""
 
     @staticmethod
     def forward(ctx, x, scale):
@@ -122,20 +117,17 @@ def _global_state():
     return global_state
 
 
-class step_scope:  # noqa: N801 (a context manager, used as `with`)
+@contextlib.contextmanager
+def step_scope(rows, global_rows):
     """Marks a DataParallel train step on this rank's `rows` of a global
     batch of `global_rows` (`None`: counted when needed)."""
-
-    def __init__(self, rows, global_rows):
-        self.step = _Step(rows, global_rows)
-
-    def __enter__(self):
-        state = _global_state()
-        self.previous = state.get_global_attribute(_STEP)
-        state.set_global_attribute(_STEP, self.step)
-
-    def __exit__(self, *exc):
-        _global_state().set_global_attribute(_STEP, self.previous)
+    state = _global_state()
+    previous = state.get_global_attribute(_STEP)
+    state.set_global_attribute(_STEP, _Step(rows, global_rows))
+    try:
+        yield
+    finally:
+        state.set_global_attribute(_STEP, previous)
 
 
 def _to_local(x):
@@ -144,8 +136,8 @@ def _to_local(x):
 
 
 def wrap_add_loss(original):
-    """Wraps `Layer.add_loss`: marks the layer as adding losses, and hands
-    Keras a loss computed on DTensors as its global value."""
+    """Wraps `Layer.add_loss`: marks the layer, and hands Keras a loss
+    computed on DTensors as its global value."""
 
     @functools.wraps(original)
     def add_loss(self, loss):
@@ -154,20 +146,17 @@ def wrap_add_loss(original):
         step = current_step()
         if step is None or not step.inside:  # DTensors are ours only there
             return original(self, loss)
-        if isinstance(loss, DTensor):
-            loss = _to_local(loss)
-        elif isinstance(loss, (list, tuple)):
+        if isinstance(loss, (list, tuple)):
             loss = type(loss)(_to_local(x) for x in loss)
-        return original(self, loss)
+        return original(self, _to_local(loss))
 
     return add_loss
 
 
 def find_loss_layers(model, batch):
-    """Marks the layers of `model` that add losses in a training call:
-    `model` runs symbolically on `batch`'s shapes with `training=True`
-    (Keras builds with `training=False`, where keras_hub's MoE blocks add
-    none); no state changes, no collectives."""
+    """Marks the layers of `model` that add losses in a training call, by a
+    symbolic run on `batch`'s shapes (Keras builds with `training=False`,
+    where keras_hub's MoE blocks add none); no collectives."""
     from keras.src import backend
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -188,15 +177,13 @@ def find_loss_layers(model, batch):
 
 
 def current_step():
-    """The running DataParallel step on split rows (`step_scope`), or
-    None."""
+    """The running DataParallel step (`step_scope`), or None."""
     return _global_state().get_global_attribute(_STEP)
 
 
 def gather_with_grad(x, counts, share):
-    """This rank's rows `x` as the global batch, on every rank; backward
-    hands each rank its rows' gradient divided by its `share` of the
-    rows, which the reducer weighs back."""
+    """This rank's rows `x` as the global batch; backward divides its rows'
+    gradient by its `share`, which the reducer weighs back."""
     if share:
         x = _scaled(x, 1.0 / share)
     return _GatherRows.apply(x, counts)
@@ -258,13 +245,13 @@ def _batch_aligned(x, step):
 
 def _gathered(layer, original, args, kwargs, step, counts, share):
     """The layer on the gathered global batch; this rank keeps its rows
-    of the outputs (an uneven split DTensor's shards cannot hold)."""
+    of the outputs."""
     from keras.src import tree
 
     def gather(x):
-        if not _batch_aligned(x, step):
-            return x
-        return gather_with_grad(x, counts, share)
+        if _batch_aligned(x, step):
+            return gather_with_grad(x, counts, share)
+        return x
 
     args, kwargs = tree.map_structure(gather, (args, kwargs))
     outputs = original(layer, *args, **kwargs)
@@ -272,16 +259,16 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
     def own(x):
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return x
-        if x.shape[0] != step.global_rows:
-            return x
-        return _scaled(_OwnRows.apply(x, counts), share)
+        if x.shape[0] == step.global_rows:
+            return _scaled(_OwnRows.apply(x, counts), share)
+        return x
 
     return tree.map_structure(own, outputs)
 
 
 def _as_dtensors(layer, original, args, kwargs, step, share):
-    """The layer on DTensors: this rank's rows as its shard, the
-    trainable weights replicated."""
+    """The layer on DTensors: this rank's rows its shard, the trainable
+    weights replicated."""
     from keras.src import tree
 
     mesh = context.current().device_mesh.backend_mesh
@@ -292,15 +279,7 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
             return x
         if share:
             x = _scaled(x, 1.0 / share)
-        shape = (global_rows, *x.shape[1:])
-        return DTensor.from_local(
-            x,
-            mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=shape,
-            stride=torch.empty(shape, device="meta").stride(),
-        )
+        return from_local(x, mesh, [Shard(0)], (global_rows, *x.shape[1:]))
 
     args, kwargs = tree.map_structure(shard, (args, kwargs))
     swapped = []

@@ -1,11 +1,8 @@
 """A compiled loss that is no mean over rows, over the global batch.
 
-The reducer weighs each rank by its share of the rows: exact for a mean
-over rows (Keras's default reduction). A loss reduced otherwise (`"sum"`,
-`"mean_with_sample_weight"`), or one from outside Keras that returns one
-value for the whole batch (probed on Keras's symbolic build), runs inside
-a DataParallel step on the gathered global batch on every rank, `y_pred`
-gathered with autograd, so the loss and its gradient are one process's.
+The reducer's row weighting is exact only for a mean over rows; a loss
+reduced otherwise, or one from outside Keras returning one value for the
+whole batch, runs on the gathered global batch, `y_pred` with autograd.
 """
 
 from keras_dtensor import compat
@@ -15,14 +12,13 @@ from keras_dtensor.data_parallel.batch_split import gather_rows
 
 __all__ = ["needs_global", "over_global_batch"]
 
-# Reductions that are not a mean over rows of per-row terms.
 _GLOBAL = ("sum", "mean_with_sample_weight")
 _WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
 
 
 def needs_global(model):
     """Whether `model`'s compiled loss has a loss that is no mean over
-    rows (from structure and shapes only: the same on every rank)."""
+    rows (the same on every rank)."""
     for loss_fn in _flat_losses(model):
         if getattr(loss_fn, "reduction", None) in _GLOBAL:
             return True
@@ -33,8 +29,7 @@ def needs_global(model):
 
 def probe(model, y_true, y_pred):
     """Notes which losses from outside Keras return one value for the
-    whole batch, from the meta tensors of Keras's symbolic build (nested
-    outputs are not probed)."""
+    whole batch, on the meta tensors of Keras's symbolic build."""
     from keras.src import tree
 
     device_scope = compat.torch_core().device_scope
@@ -63,7 +58,7 @@ def _flat_losses(model):
 
 def over_global_batch(compiled, step):
     """`compiled(y_true, y_pred, sample_weight)` on the global batch of
-    `step` (a `global_batch_losses` step), the same value on every rank."""
+    `step`, the same value on every rank."""
     import torch
     from keras.src import tree
     from keras.src.backend.common.masking import get_keras_mask

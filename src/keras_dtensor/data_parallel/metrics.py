@@ -1,12 +1,9 @@
 """Metric reduction of a DataParallel step: every log is the global one.
 
-Metric states are summed across ranks. The loss tracker's, updated before
-backward, and the compiled metrics', updated here right after the loss
-(`wrap_compute_loss`; they depend only on `y` and `y_pred`), ride in the
-gradient reducer's last bucket (`EarlyMetrics`): one collective a step.
-States changed later (a custom step) are summed by one all-reduce when
-Keras reads the results. A custom step's logs get each metric's global
-result in place of this rank's (`global_logs`).
+Metric states are summed across ranks: those set before backward ride in
+the gradient reducer's last bucket (`EarlyMetrics`), those changed later
+are summed by one all-reduce when Keras reads the results. Design notes:
+`docs/internals/data-parallel.md`.
 """
 
 import contextlib
@@ -37,16 +34,9 @@ __all__ = [
 
 
 class EarlyMetrics:
-    """Metric states summed over every rank, launched with backward.
-
-    The sum travels in the tail of the last gradient bucket (`reducer`),
-    or on its own (`launch()`) where no bucket can carry it. `summed()`
-    gives the sum of each state not written in place since (same
-    `_version`); the others are summed when read, on every rank alike.
-
-    `states`: the metric states, in the same order on every rank;
-    `frozen`: `{id(state): value}` to sum instead (`without_rows`).
-    """
+    """`states` (the same order on every rank) summed with backward, in
+    the last bucket's tail or alone (`launch()`); `frozen`:
+    `{id(state): value}` to sum instead (`without_rows`)."""
 
     def __init__(self, states, frozen=None):
         self.states = states
@@ -57,8 +47,8 @@ class EarlyMetrics:
 
     @staticmethod
     def states_of(model, with_compiled):
-        """The states a train step sums early: the loss tracker's, and
-        with `with_compiled` every other metric's."""
+        """The loss tracker's states, and with `with_compiled` every
+        other metric's."""
         tracker = getattr(model, "_loss_tracker", None)
         if tracker is None:
             return []
@@ -73,7 +63,7 @@ class EarlyMetrics:
         return states
 
     def launch(self):
-        """All-reduces the states on their own (no bucket carries them)."""
+        """All-reduces the states on their own."""
         self.pending = False
         self.work = dist.all_reduce(self.flat, async_op=True)
 
@@ -82,6 +72,13 @@ class EarlyMetrics:
         self.pending = False
         self.flat = flat
 
+    def unchanged(self):
+        """Whether each state is as it was summed (same `_version`)."""
+        return [
+            s._version == version
+            for s, version in zip(self.states, self.versions, strict=True)
+        ]
+
     def summed(self):
         """`{id(state): summed value}` for the states unchanged since."""
         if self.pending:  # the step ended before any bucket ran
@@ -89,16 +86,14 @@ class EarlyMetrics:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        out = {}
-        for s, version, value in zip(
-            self.states,
-            self.versions,
-            _unflatten(self.flat, self.states),
-            strict=True,
-        ):
-            if s._version == version:
-                out[id(s)] = value
-        return out
+        values = _unflatten(self.flat, self.states)
+        return {
+            id(s): value
+            for s, value, same in zip(
+                self.states, values, self.unchanged(), strict=True
+            )
+            if same
+        }
 
 
 def _flat_double(tensors, frozen=None):
@@ -109,9 +104,8 @@ def _flat_double(tensors, frozen=None):
 
 @contextlib.contextmanager
 def without_rows(model, rows):
-    """A step of a rank with no rows contributes nothing to the metrics:
-    their states are summed as they were before the step, and put back
-    when it ends (a mean over no rows is NaN)."""
+    """A rank with no rows adds nothing to the metrics (a mean over none
+    is NaN): their states are summed as before the step, then restored."""
     if rows:
         yield
         return
@@ -121,23 +115,19 @@ def without_rows(model, rows):
     try:
         yield
     finally:
-        # The early sum took the frozen values: it stays current for the
-        # states nothing wrote since, as on the other ranks.
-        early = None if state.reducer is None else state.reducer.early
-        current = set()
-        if early is not None:
-            current = {
-                id(s)
-                for s, version in zip(early.states, early.versions, strict=True)
-                if s._version == version
-            }
+        early = getattr(state.reducer, "early", None)
+        unchanged = None if early is None else early.unchanged()
         with torch.no_grad():
             for s in states:
                 s.copy_(state.frozen[id(s)])
         if early is not None:
+            # The early sum took the frozen values: it stays current for
+            # the states nothing wrote since, as on the other ranks.
             early.versions = [
-                s._version if id(s) in current else version
-                for s, version in zip(early.states, early.versions, strict=True)
+                s._version if same else version
+                for s, version, same in zip(
+                    early.states, early.versions, unchanged, strict=True
+                )
             ]
         state.frozen = None
 
@@ -154,8 +144,7 @@ def _unflatten(flat, like):
 
 def wrap_get_metrics_result(original):
     """Wraps `Trainer.get_metrics_result`: results from metric states
-    summed over every rank, early (`EarlyMetrics`) or by one all-reduce
-    now (which states: decided by structure, the same on every rank)."""
+    summed over every rank, early or by one all-reduce now."""
 
     def get_metrics_result(self):
         distribution = context.active()
@@ -169,15 +158,14 @@ def wrap_get_metrics_result(original):
         if not flat_states or any(s.is_meta for s in flat_states):
             return original(self)
         state = state_of(self, create=False)
-        reducer = None if state is None else state.reducer
-        early = None if reducer is None else reducer.early
+        early = getattr(getattr(state, "reducer", None), "early", None)
         summed = {} if early is None else early.summed()
         late = [s for s in flat_states if id(s) not in summed]
         if late:
-            flat = _flat_double(late, None if state is None else state.frozen)
+            flat = _flat_double(late, getattr(state, "frozen", None))
             dist.all_reduce(flat)
-            for s, value in zip(late, _unflatten(flat, late), strict=True):
-                summed[id(s)] = value
+            values = _unflatten(flat, late)
+            summed.update(zip(map(id, late), values, strict=True))
         results = {}
         for metric, group in zip(metrics, states, strict=True):
             result = metric.stateless_result([summed[id(s)] for s in group])
@@ -203,12 +191,9 @@ def is_keras_train_step(model):
 
 
 def global_logs(model, kind, logs):
-    """The logs of a DataParallel train or test step, global.
-
-    Keras's own steps' logs already are. In a custom step's, every value
-    whose key names a metric result (nested dicts too) becomes the global
-    result; the others stay this rank's own, with one warning per model.
-    """
+    """The logs of a DataParallel train or test step, global: in a custom
+    step's, each value whose key names a metric result becomes the global
+    result; the others stay this rank's, with one warning per model."""
     name = f"{kind}_step"
     if getattr(type(model), name) is getattr(_keras_steps()[2], name):
         return logs
@@ -250,15 +235,11 @@ def global_logs(model, kind, logs):
 
 def _armed_reducer(model):
     """The model's reducer while a DataParallel train step runs Keras's own
-    `train_step` and `compute_metrics`, else `None` (nothing distributed:
-    before any lookup a compiled step would guard on)."""
-    if context.current() is None:
+    `train_step` and `compute_metrics`, else `None`."""
+    if context.current() is None:  # before any lookup torch.compile guards
         return None
-    state = state_of(model, create=False)
-    reducer = None if state is None else state.reducer
-    if reducer is None or not reducer.active:
-        return None
-    if not is_keras_train_step(model):
+    reducer = getattr(state_of(model, create=False), "reducer", None)
+    if reducer is None or not reducer.active or not is_keras_train_step(model):
         return None
     if type(model).compute_metrics is not _keras_steps()[1]:
         return None
@@ -267,8 +248,8 @@ def _armed_reducer(model):
 
 def wrap_compute_loss(original):
     """Wraps `Trainer._compute_loss`: in Keras's own DataParallel train
-    step, the compiled metrics are updated right after the loss, so their
-    states are summed with the gradients."""
+    step the compiled metrics are updated right after the loss (summed
+    with the gradients)."""
 
     @functools.wraps(original)
     def _compute_loss(self, *args, **kwargs):
@@ -291,10 +272,9 @@ def wrap_compute_loss(original):
 
 
 def wrap_compute_loss_without_rows(original):
-    """Wraps `Trainer.compute_loss` under DataParallel: a compiled loss
-    that is no mean over rows runs on the global batch (`global_loss`); on
-    a rank with no rows, Keras's empty `(0,)` loss becomes a scalar zero
-    that still reaches every weight, so backward runs as on the others."""
+    """Wraps `Trainer.compute_loss` under DataParallel: a loss that is no
+    mean over rows runs on the global batch (`global_loss`); a rank with
+    no rows gets a scalar zero loss, so backward runs as on the others."""
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):

@@ -1,9 +1,8 @@
 """Seeded random draws under DataParallel: this rank's rows of the global draw.
 
-In a train step on a split global batch, a seeded draw shaped like this
-rank's rows is drawn for the global batch from the same seed state and cut
-to this rank's rows: the values one process would use. Unseeded draws
-(torch's global generator, which no two processes share) are left alone.
+In a train step a seeded draw shaped like this rank's rows is drawn for the
+global batch and cut to its rows: the values one process would use.
+Unseeded draws (torch's global generator) are left alone.
 """
 
 import collections
@@ -41,8 +40,7 @@ _ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
 
 @contextlib.contextmanager
 def split_rows(start, length, total):
-    """The scope of a train step on rows `[start, start + length)` of
-    `total`."""
+    """A train step on rows `[start, start + length)` of `total`."""
     token = _ROWS.set(_Rows(start, length, total) if length != total else None)
     try:
         yield
@@ -104,8 +102,7 @@ def wrap_dropout(original):
         rows = _rows_for(shape, seed)
         if rows is None or inputs.device.type == "meta":
             return original(inputs, rate, noise_shape, seed)
-        # The global mask, drawn as one process draws it, then this
-        # rank's rows, applied as Keras applies it.
+        # The global mask as one process draws it, cut to this rank's rows.
         from keras.src.backend.torch.random import torch_seed_generator
 
         keep_prob = 1.0 - rate

@@ -1,11 +1,10 @@
 """Gradient reduction of a DataParallel train step, as DDP's reducer does it.
 
-Buckets of gradients (`ops.flat_buffers`) are all-reduced from
-post-accumulate-grad hooks while backward goes on, each rank weighted by
-its share of the rows, so the update is the one-process update; to owners
-only, point to point, when the update is split and nothing else reads
-them (ZeRO stage 2). The step's metric states and row count ride in the
-last bucket's tail: one collective a step.
+Buckets (`ops.flat_buffers`) are all-reduced from post-accumulate-grad
+hooks while backward goes on, each rank weighted by its share of the rows
+(the one-process update); point to point to their owners when the update
+is split (ZeRO stage 2). Metric states and the row count ride in the last
+bucket's tail. Design notes: `docs/internals/data-parallel.md`.
 """
 
 import weakref
@@ -23,30 +22,21 @@ from keras_dtensor.ops.flat_buffers import nbytes
 
 __all__ = ["GradientReducer"]
 
-# The first bucket is small, so the first all-reduce starts early.
-_FIRST_BUCKET_BYTES = 1024 * 1024
-# Spare elements after each bucket for the step's other sums (grown on
-# demand): the loss tracker's two states and a row count fit.
-_TAIL_ROOM = 16
+_FIRST_BUCKET_BYTES = 1024 * 1024  # small: the first all-reduce starts early
+_TAIL_ROOM = 16  # spare elements after each bucket, grown on demand
 
 
 class GradientReducer:
-    """Bucketed, overlapped gradient all-reduce of `params`.
-
-    Buckets follow reverse registration order (roughly backward's), one
-    dtype each, each one flat buffer kept across steps; `.grad` becomes
-    its gradient's view of it (DDP's `gradient_as_bucket_view`), so
-    nothing is copied back. With `owners` (the rank updating each
-    parameter), each bucket is laid out by owner, one segment each.
-    `model`'s metric states are summed with the gradients.
-    """
+    """Bucketed, overlapped gradient all-reduce of `params`, `.grad` a
+    view of its bucket (DDP's `gradient_as_bucket_view`); with `owners`
+    each bucket is laid out by owner. `model`'s metric states are summed
+    with the gradients."""
 
     def __init__(self, params, model, owners=None):
         bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
         self.params = list(params)
         order = self.params[::-1]
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
-        # Within a bucket, parameters sit by owner: one segment each.
         runs = buckets(
             [nbytes(p) for p in order],
             bucket_bytes,
@@ -58,8 +48,7 @@ class GradientReducer:
             for b in runs
         ]
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
-        # The widest state every bucket's dtype sums without rounding (0:
-        # a bucket that is not float32/float64 carries no other sums).
+        # The widest state every bucket sums without rounding (0: none).
         self.tail_width = min(
             (
                 b[0].element_size()
@@ -71,8 +60,8 @@ class GradientReducer:
         )
         self._allocate(_TAIL_ROOM)
         self.world, self.rank = world()
-        # Per bucket: {owner: (start, stop) of its segment}, and the (peer,
-        # buffer) pairs this rank receives its segment's shares into.
+        # Per bucket: {owner: (start, stop)}, and the (peer, buffer) pairs
+        # this rank receives its segment's shares into.
         self.segments, self.inbox = [], []
         for index, bucket in enumerate(self.buckets):
             segments, offset = {}, 0
@@ -83,19 +72,19 @@ class GradientReducer:
                 offset += p.numel()
             self.segments.append(segments)
             start, stop = segments.get(self.rank, (0, 0))
-            peers = [r for r in range(self.world) if r != self.rank]
-            if not owners or stop <= start:
-                peers = []
-            buffer = self.buffers[index]
+            peers = range(self.world) if owners and stop > start else ()
             self.inbox.append(
-                [(r, buffer.new_empty(stop - start)) for r in peers]
+                [
+                    (r, self.buffers[index].new_empty(stop - start))
+                    for r in peers
+                    if r != self.rank
+                ]
             )
         self.owners = bool(owners) and None not in owner_of.values()
         self.model = weakref.ref(model)
         self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
-        # Keras's own train step updated the compiled metrics with the loss
-        self.metrics_updated = False
+        self.metrics_updated = False  # by `metrics.wrap_compute_loss`
         self.weight = 1.0
         self.rows = None
         self.to_owners = False
@@ -106,8 +95,7 @@ class GradientReducer:
         ]
 
     def _allocate(self, tail_room):
-        """The bucket buffers, `tail_room` spare elements each, and the
-        views `.grad` becomes."""
+        """The bucket buffers, `tail_room` spare elements each."""
         self.tail_room = tail_room
         self.buffers, self.slot = [], {}  # slot: id(param) -> (bucket, view)
         for index, bucket in enumerate(self.buckets):
@@ -126,8 +114,7 @@ class GradientReducer:
 
     def begin(self, rows, global_rows=None, to_owners=False):
         """Arms the reducer for a train step on `rows` of `global_rows`
-        (`None`: each process feeds its own rows, summed with the
-        gradients); `to_owners`: reduce each gradient to its owner only."""
+        (`None`: summed with the gradients); `to_owners`: to owners only."""
         self.active = True
         self.to_owners = bool(to_owners) and self.owners
         self.metrics_updated = False
@@ -161,8 +148,7 @@ class GradientReducer:
             self._launch(index)
 
     def _arm_tail(self):
-        """The step's other sums, for the last bucket's tail, or launched
-        alone where no bucket carries them exactly."""
+        """The step's other sums: the last bucket's tail, or alone."""
         model = self.model()
         states = EarlyMetrics.states_of(model, self.metrics_updated)
         self.early = None
@@ -188,8 +174,7 @@ class GradientReducer:
                 )
             return
         tail = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if tail.numel() > self.tail_room:
-            # No gradient is in the buckets yet: grow every tail once.
+        if tail.numel() > self.tail_room:  # no gradient is in yet
             self._allocate(tail.numel())
         self.tail = tail
 
@@ -208,7 +193,6 @@ class GradientReducer:
                 self.buffers[index][:n], async_op=True
             )
             return
-        # Each owner gets every other rank's share of its segment.
         buffer, ops = self.buffers[index], []
         for owner, (start, stop) in self.segments[index].items():
             if owner != self.rank and stop > start:

@@ -1,5 +1,5 @@
 """The DataParallel state a model carries between steps, kept on the model
-(`object_state`, so `uninstall()` takes it off and removes the hooks)."""
+(`object_state`: `uninstall()` takes it off and removes the hooks)."""
 
 from keras_dtensor.backend import object_state
 
@@ -9,28 +9,17 @@ _ATTRIBUTE = "_keras_dtensor_data_parallel"
 
 
 class ModelState:
-    """One model's DataParallel machinery.
-
-    Attributes:
-        step: the train function the reducer and split were built for.
-        reducer: its `GradientReducer`.
-        split: its `UpdateSplit` of the optimizer update.
-        fit_depth: how many `fit` calls of this model are running.
-        statistics: its BatchNormalization moving statistics.
-        probed: whether the layers adding losses were looked for.
-        frozen: a rank without rows' metric states before the step.
-        local_logs_warned: the step kinds warned of rank-local logs.
-    """
+    """One model's DataParallel machinery."""
 
     def __init__(self):
-        self.step = None
-        self.reducer = None
-        self.split = None
-        self.fit_depth = 0
-        self.statistics = []
-        self.frozen = None
-        self.probed = False
-        self.local_logs_warned = set()
+        self.step = None  # the train function the rest was built for
+        self.reducer = None  # its `GradientReducer`
+        self.split = None  # its `UpdateSplit`
+        self.fit_depth = 0  # how many `fit` calls of the model run
+        self.statistics = []  # BatchNormalization moving statistics
+        self.frozen = None  # a rank without rows' metric states
+        self.probed = False  # the layers adding losses were looked for
+        self.local_logs_warned = set()  # step kinds warned of local logs
 
     def close(self):
         """Removes the gradient hooks; parameters get their own storage."""

@@ -1,12 +1,9 @@
 """The one entry of DataParallel: a step on this process's rows.
 
-`run_step` runs every train, test and predict step under `DataParallel`
-(`hooks.data`), in this order: take this process's rows; on a new train
-function, bring stale optimizer slots back, broadcast rank 0's weights
-(as DDP does at construction) and build the reducer and the update split
-(`_prepare`); run Keras's own step on the rows, the reducer armed and,
-inside `fit`, the update split; send rank 0's BatchNormalization moving
-statistics to every rank; for predict, gather the outputs back.
+`run_step` runs every step under `DataParallel` (`hooks.data`): this
+process's rows; on a new train function, rank 0's weights broadcast and
+the reducer and update split built (`_prepare`); Keras's own step on the
+rows; rank 0's moving statistics everywhere; predict outputs gathered.
 """
 
 import contextlib
@@ -69,8 +66,8 @@ def _prepare(model, step):
 
 
 def _moving_statistics(model):
-    """The moving statistics of `model`'s BatchNormalization layers, which
-    each train step sets to rank 0's, as DDP broadcasts its buffers."""
+    """`model`'s BatchNormalization moving statistics (each train step
+    sets them to rank 0's, as DDP broadcasts its buffers)."""
     from keras.layers import BatchNormalization
 
     out = []
@@ -82,8 +79,8 @@ def _moving_statistics(model):
 
 def run_step(model, step, kind, data, distribution):
     """Runs Keras's `step` (`kind`: `"train"`, `"test"` or `"predict"`)
-    on this process's rows of `data`, `(batch,)`; for predict, returns the
-    outputs of the global batch."""
+    on this process's rows of `data`, `(batch,)`; predict returns the
+    global batch's outputs."""
     if world()[0] == 1:
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data
@@ -158,7 +155,7 @@ def wrap_fit(original):
 
 def update_is_split(model):
     """Whether `model`'s DataParallel training splits its optimizer update
-    by variable: `None` before it trained on several processes."""
+    (`None` before it trained on several processes)."""
     state = state_of(model, create=False)
     if state is None or state.split is None:
         return None
@@ -168,8 +165,7 @@ def update_is_split(model):
 
 def wrap_distribute_tensor(original):
     """Wraps `keras.distribution.distribute_tensor(tensor, layout)`: under
-    `DataParallel` the tensor stays plain, as the variables are (code that
-    lays out its inputs, as keras_hub's `generate`, gets it unchanged)."""
+    `DataParallel` the tensor stays plain, as the variables are."""
 
     @functools.wraps(original)
     def distribute_tensor(tensor, layout):

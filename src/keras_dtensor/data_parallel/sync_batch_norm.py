@@ -1,14 +1,10 @@
 """BatchNormalization under DataParallel: statistics of the global batch.
 
-As on JAX, whose DataParallel step runs on global arrays, every
-`ops.moments` over the batch axis (`$KERAS_DTENSOR_SYNC_BATCH_NORM`, on by
-default) or of a layer with `synchronized=True` (which Keras accepts only
-on TensorFlow; torch's `SyncBatchNorm`) uses the global batch's mean and
-variance: one all-reduce of `[sum, sum of squares, count]` per layer per
-step, and its backward weighted so that, after the reducer's row
-weighting, every path counts once. Statistics over other axes stay local;
-so do masked ones. Under `ModelParallel` or in one process Keras's own
-`moments` runs.
+As on JAX, every `ops.moments` over the batch axis
+(`$KERAS_DTENSOR_SYNC_BATCH_NORM`) or of a layer with `synchronized=True`
+(torch's `SyncBatchNorm`) uses the global batch's mean and variance: one
+all-reduce a layer a step, its backward weighted against the reducer's.
+Other axes and masked statistics stay local.
 """
 
 import functools
@@ -44,8 +40,7 @@ class _WeightedSum(torch.autograd.Function):
     def forward(ctx, local):
         total = local.clone()
         dist.all_reduce(total)
-        # This rank's share of the elements, the reducer's weight for it
-        # (a tensor: reading it back would wait for the device).
+        # This rank's share, the reducer's weight (a tensor: no host sync).
         ctx.share = local[-1] / total[-1]
         return total
 

@@ -1,12 +1,9 @@
 """The optimizer update split by variable (ZeRO stage 1 on whole variables).
 
-Inside `fit`, once every rank holds the global gradient, each rank applies
-Keras's update to the variables it owns and broadcasts them. Slots of the
-variables a rank does not own go stale there; `sync_optimizer_state`
-brings them back at the end of `fit`, before every save and before a new
-train function. Where nothing but Keras's update reads the gradients
-(`UpdateSplit.to_owners`), they are reduced to their owners only (ZeRO
-stage 2, `reducer`).
+Inside `fit` each rank applies Keras's update to the variables it owns and
+broadcasts them; the slots it does not own go stale until
+`sync_optimizer_state` (end of `fit`, every save, a new train function).
+Design notes: `docs/internals/data-parallel.md`.
 """
 
 import contextlib
@@ -34,7 +31,6 @@ __all__ = [
 ]
 
 _SLOTS = "_keras_dtensor_slots"
-# The UpdateSplit of the running DataParallel train step, if any.
 _ACTIVE = contextvars.ContextVar("keras_dtensor_update_split", default=None)
 
 
@@ -45,13 +41,10 @@ def broadcast_from_rank0(variables):
 
 
 class UpdateSplit:
-    """Which rank applies the optimizer update to which variable.
-
-    Whole variables (so every Keras update stays exact, factored ones
-    included) are dealt out, largest first, to the rank with the fewest
-    elements so far. No split with fewer variables than ranks or fewer
-    trainable bytes than `$KERAS_DTENSOR_SPLIT_UPDATE_MB`.
-    """
+    """Which rank updates which variable: whole variables (every Keras
+    update stays exact) dealt out largest first to the least-loaded rank;
+    none with fewer variables than ranks or a model under
+    `$KERAS_DTENSOR_SPLIT_UPDATE_MB`."""
 
     def __init__(self, variables):
         self.world, self.rank = world()
@@ -60,12 +53,10 @@ class UpdateSplit:
         # optimizer -> {id(model variable): owner} of stale slots
         self.stale = weakref.WeakKeyDictionary()
         self.depth = 0
-        # This step's gradients went to their owners only: split it.
-        self.partial = False
+        self.partial = False  # gradients went to their owners only
         self.buffers = None  # the parameters' `FlatParams`
         variables = list(variables)
-        # A variable Keras overwrites with its gradient (float8 scales)
-        # needs the global gradient on every rank.
+        # Gradient overwrite (float8 scales) needs every global gradient.
         self.overwritten = any(v.overwrite_with_gradient for v in variables)
         if len(variables) < self.world:
             return
@@ -75,7 +66,6 @@ class UpdateSplit:
             for size, v in zip(sizes, variables, strict=True)
         )
         if nbytes < config.get("SPLIT_UPDATE_MB") * 2**20:
-            # A small model: DDP's whole update costs less.
             return
         load = [0] * self.world
         for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
@@ -93,11 +83,8 @@ class UpdateSplit:
         return known
 
     def to_owners(self, optimizer):
-        """Whether a train step may reduce gradients to their owners only:
-        when `optimizer`'s update is known to split and only Keras's own
-        per-variable code reads them (no global norm clipping, gradient
-        accumulation, loss scaling, gradient overwrite, or override of the
-        methods that see every gradient)."""
+        """Whether gradients may go to their owners only: the update
+        splits and only Keras's per-variable code reads them."""
         if self.checked.get(optimizer) is not True:
             return False
         if optimizer.global_clipnorm or optimizer.gradient_accumulation_steps:
@@ -109,8 +96,7 @@ class UpdateSplit:
         return not self.overwritten
 
 
-# Methods of Keras's optimizer that see the whole gradient before the
-# per-variable update.
+# Optimizer methods that see every gradient before the per-variable update.
 _WHOLE_GRADIENT_METHODS = (
     "apply",
     "_backend_apply_gradients",
@@ -127,26 +113,21 @@ def _base_optimizer():
     return BaseOptimizer
 
 
-def _keras_defined(cls, name):
-    function = getattr(cls, name, None)
-    return function is None or getattr(function, "__module__", "").startswith(
-        "keras."
-    )
-
-
 def _slots(optimizer):
     """`[(slot, the model variable it was made for)]` of `optimizer`."""
     return object_state.get_on(optimizer, _SLOTS, [])
 
 
 def _splittable(optimizer):
-    """Whether the update is Keras's own per-variable one and every
-    non-scalar optimizer variable a slot of one model variable (so it can
-    be brought back from that variable's owner)."""
+    """Keras's own per-variable update, every non-scalar optimizer
+    variable a slot of one model variable (brought back from its owner)."""
     if not config.get("SPLIT_UPDATE"):
         return False
     # A custom parallel step may couple variables.
-    if not _keras_defined(type(optimizer), "_parallel_update_step"):
+    step = getattr(type(optimizer), "_parallel_update_step", None)
+    if step is not None and not getattr(step, "__module__", "").startswith(
+        "keras."
+    ):
         return False
     slots = {id(slot) for slot, _ in _slots(optimizer)}
     return all(id(v) in slots or len(v.shape) == 0 for v in optimizer.variables)
@@ -154,10 +135,9 @@ def _splittable(optimizer):
 
 def wrap_backend_update_step(original):
     """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`:
-    inside a DataParallel train step in `fit`, each rank updates the
-    variables it owns, then they are broadcast from their owners (Keras's
-    clipping and loss-scale check ran before, on the whole gradient; EMA
-    and constraints run after, on the synced variables)."""
+    inside `fit` each rank updates its own variables, then broadcasts them
+    (clipping ran before on the whole gradient; EMA and constraints after,
+    on the synced variables)."""
 
     @functools.wraps(original)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -188,17 +168,14 @@ def wrap_backend_update_step(original):
         find = split.buffers.flat_of if split.buffers else None
         broadcast_packed([v.value for v in variables], owners, find)
         stale = split.stale.setdefault(self, {})
-        for v, owner in zip(variables, owners, strict=True):
-            stale[id(v)] = owner
+        stale.update(zip(map(id, variables), owners, strict=True))
 
     return _backend_update_step
 
 
 def _raise_partial(optimizer, variables, owners, split):
     unknown = [
-        v.path
-        for v, owner in zip(variables, owners, strict=True)
-        if owner is None
+        v.path for v, o in zip(variables, owners, strict=True) if o is None
     ]
     raise RuntimeError(
         f"keras_dtensor DataParallel (rank {split.rank} of {split.world}): "
@@ -214,8 +191,7 @@ def _raise_partial(optimizer, variables, owners, split):
 
 @contextlib.contextmanager
 def splitting_updates(split):
-    """Optimizer updates inside this context are split by `split` (`None`:
-    whole, as in a `train_on_batch` loop)."""
+    """Optimizer updates inside are split by `split` (`None`: whole)."""
     token = _ACTIVE.set(split)
     try:
         yield
@@ -242,8 +218,7 @@ def wrap_add_variable_from_reference(original):
 def has_stale_state(model):
     """Whether some of `model`'s optimizer slots are held by their owners
     only."""
-    state = state_of(model, create=False)
-    split = None if state is None else state.split
+    split = getattr(state_of(model, create=False), "split", None)
     return split is not None and any(split.stale.values())
 
 
@@ -259,8 +234,7 @@ def sync_optimizer_state(model):
     Example:
     >>> keras_dtensor.data_parallel.sync_optimizer_state(model)
     """
-    state = state_of(model, create=False)
-    split = None if state is None else state.split
+    split = getattr(state_of(model, create=False), "split", None)
     if split is None:
         return
     if world()[0] == 1:  # no group (any more): nothing to bring back
