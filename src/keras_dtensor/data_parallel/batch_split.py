@@ -1,7 +1,5 @@
-"""A batch split into balanced per-rank rows (no communication), and
-gathered back."""
+"""A batch split into balanced per-rank rows, and gathered back."""
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -19,16 +17,8 @@ __all__ = [
 ]
 
 
-def _row_split(total, size):
-    sizes = [len(part) for part in np.array_split(np.arange(total), size)]
-    starts = np.cumsum([0] + sizes[:-1]).tolist()
-    return list(zip(starts, sizes, strict=True))
-
-
 def _to_tensor(x):
-    convert_to_tensor = compat.torch_core().convert_to_tensor
-
-    return None if x is None else convert_to_tensor(x)
+    return None if x is None else compat.torch_core().convert_to_tensor(x)
 
 
 def local_rows(batch, distribution, shard=None):
@@ -42,8 +32,7 @@ def local_rows(batch, distribution, shard=None):
     total = int(leaves[0].shape[0])
     if shard is not None or not distribution.auto_shard_dataset:
         return tree.map_structure(_to_tensor, batch), total
-    size, rank = world()
-    start, length = _row_split(total, size)[rank]
+    start, length = row_range(total)
 
     def cut(x):
         return None if x is None else _to_tensor(x)[start : start + length]
@@ -52,14 +41,17 @@ def local_rows(batch, distribution, shard=None):
 
 
 def split_counts(total):
-    """Rows of each rank, in rank order, of a global batch of `total`."""
-    return [n for _, n in _row_split(total, world()[0])]
+    """Rows of each rank, in rank order, of a global batch of `total`: the
+    first `total % size` ranks get one more."""
+    size, _ = world()
+    return [total // size + (rank < total % size) for rank in range(size)]
 
 
 def row_range(total):
     """`(start, length)` of this process's rows of a global batch."""
-    size, rank = world()
-    return _row_split(total, size)[rank]
+    counts = split_counts(total)
+    rank = world()[1]
+    return sum(counts[:rank]), counts[rank]
 
 
 def leading_rows(batch):
@@ -70,8 +62,7 @@ def leading_rows(batch):
 
 
 def row_counts(batch, distribution, shard=None):
-    """Rows every rank computes on, in rank order (exchanged only with
-    `auto_shard_dataset=False`)."""
+    """Rows every rank computes on, in rank order."""
     if shard is not None:
         return split_counts(shard.total)
     if distribution.auto_shard_dataset:

@@ -62,8 +62,7 @@ class _Step:
 
 
 class _GatherRows(torch.autograd.Function):
-    """Forward: the global batch; backward: this rank's rows of the
-    gradient."""
+    """Forward: the global batch; backward: this rank's rows."""
 
     @staticmethod
     def forward(ctx, x, counts):
@@ -78,8 +77,7 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _OwnRows(torch.autograd.Function):
-    """Forward: this rank's rows of the global batch; backward: the
-    gathered gradient."""
+    """Forward: this rank's rows; backward: the gathered gradient."""
 
     @staticmethod
     def forward(ctx, x, counts):
@@ -136,8 +134,7 @@ def _to_local(x):
 
 
 def wrap_add_loss(original):
-    """Wraps `Layer.add_loss`: marks the layer, and hands Keras a loss
-    computed on DTensors as its global value."""
+    """Wraps `Layer.add_loss`: marks the layer; a DTensor loss made global."""
 
     @functools.wraps(original)
     def add_loss(self, loss):
@@ -244,8 +241,7 @@ def _batch_aligned(x, step):
 
 
 def _gathered(layer, original, args, kwargs, step, counts, share):
-    """The layer on the gathered global batch; this rank keeps its rows
-    of the outputs."""
+    """The layer on the gathered batch; this rank keeps its output rows."""
     from keras.src import tree
 
     def gather(x):
@@ -267,8 +263,7 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
 
 
 def _as_dtensors(layer, original, args, kwargs, step, share):
-    """The layer on DTensors: this rank's rows its shard, the trainable
-    weights replicated."""
+    """The layer on DTensors: rows sharded, trainable weights replicated."""
     from keras.src import tree
 
     mesh = context.current().device_mesh.backend_mesh

@@ -17,8 +17,7 @@ _WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
 
 
 def needs_global(model):
-    """Whether `model`'s compiled loss has a loss that is no mean over
-    rows (the same on every rank)."""
+    """Whether `model` compiled a loss that is no mean over rows."""
     for loss_fn in _flat_losses(model):
         if getattr(loss_fn, "reduction", None) in _GLOBAL:
             return True
@@ -57,8 +56,7 @@ def _flat_losses(model):
 
 
 def over_global_batch(compiled, step):
-    """`compiled(y_true, y_pred, sample_weight)` on the global batch of
-    `step`, the same value on every rank."""
+    """`compiled(y_true, y_pred, sample_weight)` on `step`'s global batch."""
     import torch
     from keras.src import tree
     from keras.src.backend.common.masking import get_keras_mask

@@ -47,8 +47,7 @@ class EarlyMetrics:
 
     @staticmethod
     def states_of(model, with_compiled):
-        """The loss tracker's states, and with `with_compiled` every
-        other metric's."""
+        """The loss tracker's states; with `with_compiled`, every metric's."""
         tracker = getattr(model, "_loss_tracker", None)
         if tracker is None:
             return []
@@ -248,8 +247,7 @@ def _armed_reducer(model):
 
 def wrap_compute_loss(original):
     """Wraps `Trainer._compute_loss`: in Keras's own DataParallel train
-    step the compiled metrics are updated right after the loss (summed
-    with the gradients)."""
+    step the compiled metrics are updated right after the loss."""
 
     @functools.wraps(original)
     def _compute_loss(self, *args, **kwargs):

@@ -220,9 +220,8 @@ class GradientReducer:
         for index, bucket in enumerate(self.buckets):
             if index in self.works:
                 continue
-            # Some parameters got no gradient: they contribute zeros.
-            for p in bucket:
-                if p.grad is None or p.grad is not self.slot[id(p)][1]:
+            for p in bucket:  # no gradient (yet): a zero contribution
+                if p.grad is not self.slot[id(p)][1]:
                     self.slot[id(p)][1].zero_()
             self._launch(index)
         rows = self.works.pop("rows", None)

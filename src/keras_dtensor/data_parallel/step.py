@@ -50,15 +50,14 @@ def _prepare(model, step):
     state.close()
     broadcast_from_rank0(model.variables)
     variables = model.trainable_weights
+    params = [v.value for v in variables]
     state.split = UpdateSplit(variables)
-    owners = [state.split.owner.get(id(v)) for v in variables]
-    if state.split.owner and config.get("SPLIT_UPDATE"):
-        state.split.buffers = FlatParams([v.value for v in variables], owners)
-    state.reducer = GradientReducer(
-        [v.value for v in variables],
-        model,
-        owners=owners if state.split.owner else None,
-    )
+    owners = None
+    if state.split.owner:
+        owners = [state.split.owner.get(id(v)) for v in variables]
+        if config.get("SPLIT_UPDATE"):
+            state.split.buffers = FlatParams(params, owners)
+    state.reducer = GradientReducer(params, model, owners=owners)
     state.statistics = _moving_statistics(model)
     state.probed = False
     state.step = step
@@ -66,8 +65,7 @@ def _prepare(model, step):
 
 
 def _moving_statistics(model):
-    """`model`'s BatchNormalization moving statistics (each train step
-    sets them to rank 0's, as DDP broadcasts its buffers)."""
+    """`model`'s BatchNormalization moving statistics."""
     from keras.layers import BatchNormalization
 
     out = []
@@ -105,8 +103,7 @@ def run_step(model, step, kind, data, distribution):
         find_loss_layers(model, local)
     random_rows = contextlib.nullcontext()
     if global_rows is not None:
-        start, _ = row_range(global_rows)
-        random_rows = split_rows(start, rows, global_rows)
+        random_rows = split_rows(row_range(global_rows)[0], rows, global_rows)
     split = state.split if state.fit_depth else None
     to_owners = (
         split is not None
@@ -124,7 +121,7 @@ def run_step(model, step, kind, data, distribution):
             step_scope(rows, global_rows),
         ):
             logs = step([local])
-        if state.statistics:
+        if state.statistics:  # as DDP broadcasts its buffers
             broadcast_from_rank0(state.statistics)
         return global_logs(model, kind, logs)
     finally:

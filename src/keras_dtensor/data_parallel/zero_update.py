@@ -135,9 +135,8 @@ def _splittable(optimizer):
 
 def wrap_backend_update_step(original):
     """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`:
-    inside `fit` each rank updates its own variables, then broadcasts them
-    (clipping ran before on the whole gradient; EMA and constraints after,
-    on the synced variables)."""
+    inside `fit` each rank updates its variables, then broadcasts them
+    (clipping ran before, EMA and constraints run after)."""
 
     @functools.wraps(original)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
