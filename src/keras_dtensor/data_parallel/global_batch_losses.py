@@ -167,10 +167,8 @@ def find_loss_layers(model, batch):
         ),
         x,
     )
-    try:
+    with contextlib.suppress(Exception):  # one Keras cannot trace: as is
         backend.compute_output_spec(model, spec, training=True)
-    except Exception:  # noqa: S110 - a model Keras cannot trace: as before
-        pass
 
 
 def current_step():
@@ -189,9 +187,7 @@ def gather_with_grad(x, counts, share):
 def call_layer(layer, original, args, kwargs):
     """`layer(*args, **kwargs)` in a DataParallel step: over the global
     batch if the layer adds losses and a train step runs, else as is."""
-    step = None
-    if object_state.get_on(layer, _ADDS_LOSSES):
-        step = current_step()
+    step = current_step() if object_state.get_on(layer, _ADDS_LOSSES) else None
     if (
         step is None
         or step.inside
@@ -209,8 +205,7 @@ def call_layer(layer, original, args, kwargs):
 def _on_global_batch(layer, original, args, kwargs, step):
     counts = step.count()
     share = step.rows / step.global_rows
-    size, _ = world()
-    if step.global_rows % size == 0 and not object_state.get_on(
+    if step.global_rows % world()[0] == 0 and not object_state.get_on(
         layer, _GATHERED
     ):
         try:
@@ -267,14 +262,14 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
     from keras.src import tree
 
     mesh = context.current().device_mesh.backend_mesh
-    global_rows = step.global_rows
 
     def shard(x):
         if not _batch_aligned(x, step):
             return x
         if share:
             x = _scaled(x, 1.0 / share)
-        return from_local(x, mesh, [Shard(0)], (global_rows, *x.shape[1:]))
+        shape = (step.global_rows, *x.shape[1:])
+        return from_local(x, mesh, [Shard(0)], shape)
 
     args, kwargs = tree.map_structure(shard, (args, kwargs))
     swapped = []

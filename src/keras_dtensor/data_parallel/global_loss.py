@@ -5,6 +5,8 @@ reduced otherwise, or one from outside Keras returning one value for the
 whole batch, runs on the gathered global batch, `y_pred` with autograd.
 """
 
+import contextlib
+
 from keras_dtensor import compat
 from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel import global_batch_losses
@@ -18,20 +20,17 @@ _WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
 
 def needs_global(model):
     """Whether `model` compiled a loss that is no mean over rows."""
-    for loss_fn in _flat_losses(model):
-        if getattr(loss_fn, "reduction", None) in _GLOBAL:
-            return True
-        if object_state.get_on(loss_fn, _WHOLE_BATCH):
-            return True
-    return False
+    return any(
+        getattr(loss_fn, "reduction", None) in _GLOBAL
+        or object_state.get_on(loss_fn, _WHOLE_BATCH)
+        for loss_fn in _flat_losses(model)
+    )
 
 
 def probe(model, y_true, y_pred):
     """Notes which losses from outside Keras return one value for the
     whole batch, on the meta tensors of Keras's symbolic build."""
     from keras.src import tree
-
-    device_scope = compat.torch_core().device_scope
 
     if tree.is_nested(y_true) or tree.is_nested(y_pred):
         return
@@ -41,12 +40,10 @@ def probe(model, y_true, y_pred):
             continue
         if object_state.get_on(loss_fn, _WHOLE_BATCH) is not None:
             continue
-        whole = False
-        try:
-            with device_scope("meta"):
-                whole = loss_fn.call(y_true, y_pred).dim() == 0
-        except Exception:  # noqa: S110 - not probed: as a mean over rows
-            pass
+        whole = False  # not probed: as a mean over rows
+        meta = compat.torch_core().device_scope("meta")
+        with contextlib.suppress(Exception), meta:
+            whole = loss_fn.call(y_true, y_pred).dim() == 0
         object_state.set_on(loss_fn, _WHOLE_BATCH, whole)
 
 

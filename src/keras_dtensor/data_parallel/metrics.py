@@ -20,6 +20,7 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel import global_batch_losses
 from keras_dtensor.data_parallel import global_loss
 from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.ops.flat_buffers import offsets
 
 __all__ = [
     "EarlyMetrics",
@@ -133,12 +134,11 @@ def without_rows(model, rows):
 
 def _unflatten(flat, like):
     """Views of `flat` shaped (and cast) like each tensor of `like`."""
-    out, offset = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[offset : offset + n].view_as(t).to(t.dtype))
-        offset += n
-    return out
+    places = offsets([t.shape for t in like])
+    return [
+        flat[start : start + n].view_as(t).to(t.dtype)
+        for (start, n), t in zip(places, like, strict=True)
+    ]
 
 
 def wrap_get_metrics_result(original):

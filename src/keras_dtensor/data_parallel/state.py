@@ -18,7 +18,6 @@ class ModelState:
         self.fit_depth = 0  # how many `fit` calls of the model run
         self.statistics = []  # BatchNormalization moving statistics
         self.frozen = None  # a rank without rows' metric states
-        self.probed = False  # the layers adding losses were looked for
         self.local_logs_warned = set()  # step kinds warned of local logs
 
     def close(self):

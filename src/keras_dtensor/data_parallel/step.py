@@ -41,8 +41,9 @@ __all__ = [
 ]
 
 
-def _prepare(model, step):
-    """The model's state for train function `step`, built once."""
+def _prepare(model, step, local):
+    """The model's state for train function `step`, built once (on this
+    rank's rows `local`)."""
     state = state_of(model)
     if state.step is step:
         return state
@@ -59,8 +60,8 @@ def _prepare(model, step):
             state.split.buffers = FlatParams(params, owners)
     state.reducer = GradientReducer(params, model, owners=owners)
     state.statistics = _moving_statistics(model)
-    state.probed = False
     state.step = step
+    find_loss_layers(model, local)
     return state
 
 
@@ -97,10 +98,7 @@ def run_step(model, step, kind, data, distribution):
     if kind != "train":
         with without_rows(model, rows), step_scope(rows, global_rows):
             return global_logs(model, kind, step([local]))
-    state = _prepare(model, step)
-    if not state.probed:
-        state.probed = True
-        find_loss_layers(model, local)
+    state = _prepare(model, step, local)
     random_rows = contextlib.nullcontext()
     if global_rows is not None:
         random_rows = split_rows(row_range(global_rows)[0], rows, global_rows)

@@ -9,6 +9,7 @@ Other axes and masked statistics stay local.
 
 import functools
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
@@ -55,9 +56,7 @@ def _global_moments(x, axes, keepdims):
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
         x = x.float()  # as Keras does for float16 statistics
-    count = 1
-    for axis in axes:
-        count *= x.shape[axis]
+    count = math.prod(x.shape[axis] for axis in axes)
     local = torch.cat(
         [
             torch.sum(x, dim=axes).reshape(-1),
@@ -71,10 +70,8 @@ def _global_moments(x, axes, keepdims):
     if not keepdims:
         kept = [n for i, n in enumerate(x.shape) if i not in axes]
     mean = (total[:channels] / total[-1]).reshape(kept)
-    variance = (total[channels:-1] / total[-1]).reshape(kept) - torch.square(
-        mean
-    )
-    return mean.to(dtype), variance.to(dtype)
+    square = (total[channels:-1] / total[-1]).reshape(kept)
+    return mean.to(dtype), (square - torch.square(mean)).to(dtype)
 
 
 def wrap_moments(original):

@@ -11,14 +11,13 @@ import contextvars
 import functools
 import weakref
 
-import numpy as np
-
 from keras_dtensor import config
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.state import state_of
 from keras_dtensor.ops.flat_buffers import broadcast_packed
+from keras_dtensor.ops.flat_buffers import nbytes
 
 __all__ = [
     "UpdateSplit",
@@ -60,12 +59,9 @@ class UpdateSplit:
         self.overwritten = any(v.overwrite_with_gradient for v in variables)
         if len(variables) < self.world:
             return
-        sizes = [int(np.prod(v.shape)) for v in variables]
-        nbytes = sum(
-            size * v.value.element_size()
-            for size, v in zip(sizes, variables, strict=True)
-        )
-        if nbytes < config.get("SPLIT_UPDATE_MB") * 2**20:
+        values = [v.value for v in variables]
+        sizes = [p.numel() for p in values]
+        if sum(map(nbytes, values)) < config.get("SPLIT_UPDATE_MB") * 2**20:
             return
         load = [0] * self.world
         for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
