@@ -1,12 +1,9 @@
 """`ShardedCheckpoint`: sharded checkpoints from `fit`, with resume.
 
-It saves into `<directory>/ckpt-<batches>` (zero-padded: the names
-sort), keeps the newest `keep`, and when `fit` starts resumes from the
-newest complete one. On a termination signal the ranks agree on a step
-(`preemption`), save there and exit with code 75. That checkpoint resumes
-at its exact batch (`position`) where the input can be positioned;
-otherwise the epoch restarts from its first batch with the weights it
-holds (Keras's `BackupAndRestore` semantics).
+Saves into `<directory>/ckpt-<batches>` (zero-padded: the names sort).
+A checkpoint resumes at its exact batch (`position`) where the input can
+be positioned; otherwise its epoch restarts from its first batch with the
+weights it holds (Keras's `BackupAndRestore` semantics).
 """
 
 import contextlib
@@ -21,6 +18,7 @@ import keras
 from keras_dtensor.backend import launch
 from keras_dtensor.backend import resume
 from keras_dtensor.checkpoint import api
+from keras_dtensor.checkpoint import manifest
 from keras_dtensor.checkpoint import position
 from keras_dtensor.checkpoint import preemption
 
@@ -114,8 +112,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         latest = launch.broadcast_bytes((latest or "").encode()).decode()
         if not latest:
             return
-        manifest = api.load_checkpoint(self.model, latest)
-        extra = manifest.get("extra") or {}
+        extra = api.load_checkpoint(self.model, latest).get("extra") or {}
         # fit resumes at the start of `epoch`: count batches from there.
         self._batches = int(extra.get("resume_batches", 0))
         self._saved_at = int(extra.get("batches", -1))
@@ -191,7 +188,8 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             self._finish()
         finally:
             self._stop_listening()
-        self._fill_history()
+        if self._resumed_epochs:
+            self._fill_history()
 
     def _stop_listening(self):
         if self._signals is not None:
@@ -201,18 +199,14 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def _fill_history(self):
         """Gives `fit`'s History the epochs trained before a resume."""
         history = getattr(self.model, "history", None)
-        epochs, logs = self._history
-        if self._resumed_epochs == 0 or not isinstance(
-            history, keras.callbacks.History
-        ):
-            return
-        history.epoch = list(epochs)
-        history.history = {key: list(values) for key, values in logs.items()}
+        if isinstance(history, keras.callbacks.History):
+            epochs, logs = self._history
+            history.epoch = list(epochs)
+            history.history = {k: list(v) for k, v in logs.items()}
 
     def _preempted(self, number, in_epoch, epoch=None):
-        """Every rank is here: save this step (if not saved yet) and exit
-        with `preemption.EXIT_CODE`. A second signal during the save is
-        only noted: the save finishes."""
+        """Every rank is here: save this step (if not yet) and exit; a
+        second signal during the save is only noted."""
         started = time.monotonic()
         vote, self._vote = self._vote, None
         if vote is not None:
@@ -230,9 +224,8 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         )
 
     def _save_here(self, in_epoch, epoch=None, force_sync=False):
-        """A checkpoint of now: after `in_epoch` batches of the current
-        epoch (resumed at that batch), or at an epoch's end (`epoch` is
-        the next one)."""
+        """A checkpoint after `in_epoch` batches of this epoch, or at its
+        end (`epoch`: the next one)."""
         extra = {"epoch": self._epoch if epoch is None else epoch}
         if in_epoch:
             extra["resume_batches"] = self._epoch_start
@@ -265,16 +258,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def _prune(self):
         if launch.world()[1] != 0:
             return
-        complete = sorted(
-            name
-            for name in os.listdir(self.directory)
-            if name.startswith(_PREFIX)
-            and os.path.exists(os.path.join(self.directory, name, api.MANIFEST))
-        )
-        for name in complete[: -self.keep]:
+        for path in api.complete(self.directory, _PREFIX)[: -self.keep]:
             # The manifest first: a kill while the rest goes leaves an
             # incomplete checkpoint, never one that looks complete.
-            path = os.path.join(self.directory, name)
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(path, api.MANIFEST))
+                os.remove(os.path.join(path, manifest.MANIFEST))
             shutil.rmtree(path, ignore_errors=True)

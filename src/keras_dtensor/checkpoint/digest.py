@@ -1,17 +1,8 @@
 """The checksums of a checkpoint file: a CRC-32 per block.
 
-A file's digest (`crc32_blocks`) is the CRC-32 (zlib's) of each of its
-blocks of `BLOCK` bytes (the last one shorter; none for an empty file),
-as 8 hex digits each, in order. A CRC-32, not a cryptographic hash: what
-a checkpoint meets is accidental damage, and a cryptographic hash of
-every byte would cost more than the save itself. It is not
-tamper-evident (nor is the unsigned manifest).
-
-Example:
->>> digest = BlockDigest()
->>> digest.update(b"abc")
->>> digest.hexdigest() == hash_file("abc.bin")["crc32_blocks"]
-True
+A file's digest (`crc32_blocks`) is zlib's CRC-32 of each of its blocks
+of `BLOCK` bytes (the last one shorter), 8 hex digits each, in order: it
+finds accidental damage, cheaply; it is not tamper-evident.
 """
 
 import hashlib
@@ -57,8 +48,7 @@ class BlockDigest:
 
 
 def _read(path, update):
-    """Feeds the file's first `size` bytes (its size when opened) to
-    `update`; returns `size`."""
+    """Feeds the file's bytes (as long as when opened) to `update`."""
     buffer = memoryview(bytearray(_READ))
     with open(path, "rb", buffering=0) as f:
         size = left = os.fstat(f.fileno()).st_size
@@ -76,8 +66,8 @@ def hash_file(path, block=BLOCK):
 
 
 def first_difference(found, expected, block):
-    """`(start, stop)` bytes of the first block whose checksums differ
-    (`crc32_blocks` of the same size), or `None`."""
+    """`(start, stop)` bytes of the first block whose CRCs differ, or
+    `None`."""
     for i in range(0, max(len(found), len(expected)), 8):
         if found[i : i + 8] != expected[i : i + 8]:
             return i // 8 * block, (i // 8 + 1) * block
@@ -85,8 +75,7 @@ def first_difference(found, expected, block):
 
 
 def hash_whole_file(path):
-    """`{"sha256", "size"}`: one SHA-256 of the whole file (the manifests of
-    `keras-dtensor-checkpoint/1`)."""
+    """`{"sha256", "size"}` of the whole file (format 1's digest)."""
     digest = hashlib.sha256()
     size = _read(path, digest.update)
     return {"sha256": digest.hexdigest(), "size": size}

@@ -1,13 +1,11 @@
-"""The files of a sharded checkpoint, and how they are checked.
+"""The manifest of a sharded checkpoint, and how its files are checked.
 
-A checkpoint directory holds DCP's files (`.metadata`, `__<rank>_<i>.distcp`)
-and the manifest `keras_dtensor.json`, written last: the digest and size of
-every file, the keys with their global shapes and dtypes. Nothing here
-trusts the files: the manifest is JSON, every file is checked before a load
-touches the model (the ranks share the files), and DCP's pickled
-`.metadata` is read through an allow-list of DCP's own metadata types.
-Format `keras-dtensor-checkpoint/2` digests are `crc32_blocks` (`digest`);
-format 1's (`sha256` of the whole file) are still read and checked.
+The manifest `keras_dtensor.json`, written last, holds the digest and
+size of every file and the keys with their global shapes and dtypes.
+Nothing here trusts the files: the manifest is JSON, the ranks share the
+checks of every file before a load, and DCP's pickled `.metadata` is read
+through an allow-list of DCP's metadata types. Format 2 digests are
+`crc32_blocks` (`digest`); format 1's (a SHA-256 per file) are still read.
 """
 
 import io
@@ -43,8 +41,7 @@ DCP_METADATA = ".metadata"
 
 
 def hash_file(path):
-    """`{"crc32_blocks", "size"}` of the file at `path` (this version's
-    digest, as `DigestingWriter` takes it)."""
+    """`{"crc32_blocks", "size"}` of the file at `path`."""
     return digest.hash_file(path, DIGEST["block_bytes"])
 
 
@@ -56,9 +53,9 @@ def _merged(mine):
 
 
 def gathered_hashes(directory, names, mine):
-    """`{name: {crc32_blocks, size}}` for `names` from every rank's digests
-    (`mine`: this rank's, taken while writing); files no rank has a digest
-    for are hashed here, the ranks sharing them."""
+    """`{name: digest}` for `names` from every rank's digests (`mine`);
+    files no rank has a digest for are hashed here, the ranks sharing
+    them."""
     merged = _merged(mine)
     missing = [n for n in names if n not in merged]
     if missing:
@@ -117,7 +114,7 @@ def files_of(metadata):
 
 
 def _check(directory, name, expected, block):
-    """What is wrong with file `name` (a message), or `None`."""
+    """What is wrong with file `name`, or `None`."""
     path = os.path.join(directory, name)
     try:
         size = os.stat(path).st_size
@@ -143,7 +140,7 @@ def _check(directory, name, expected, block):
 
 
 def _block_bytes(directory, manifest):
-    """The block size of a format 2 manifest's `crc32_blocks`."""
+    """The block size of a format 2 manifest's digests."""
     kind = manifest.get("digest") or {}
     block = kind.get("block_bytes")
     if manifest["format"] == FORMAT and (

@@ -1,12 +1,9 @@
 """Where a run is inside an epoch, so a checkpoint resumes at that batch.
 
-Beside the weights, continuing mid-epoch needs the random state the
-epoch's shuffle was drawn from, the random state at the checkpoint, and
-the epoch's metric states. Each rank's share goes into the manifest
-(JSON, no pickle). On the same number of processes each rank gets its
-own back; on another, every rank takes rank 0's random state (the ranks
-draw the same shuffle) and the metric states are combined (DataParallel
-ranks hold partial sums; other distributions the global state).
+The random states at the epoch's start (its shuffle) and now, and the
+epoch's metric states, each rank's in the manifest (JSON, no pickle). On
+another number of processes every rank takes rank 0's random state and
+the metric states are combined (DataParallel ranks hold partial sums).
 """
 
 import base64
@@ -54,8 +51,7 @@ def _metric_states(model):
 
 
 def capture(model, batches: int, epoch_begin: dict) -> dict:
-    """The position after `batches` batches of the current epoch (a
-    collective: every rank calls it; every rank gets the whole)."""
+    """The position after `batches` batches of this epoch (collective)."""
     mine = {
         "begin": epoch_begin,
         "moment": random_state(),
@@ -78,8 +74,8 @@ def _own(position):
 
 
 def restore_random(position, which: str) -> None:
-    """Sets the global generators to the state at the epoch's start
-    (`which="begin"`) or at the checkpoint (`"moment"`)."""
+    """Sets the global generators as at the epoch's start (`"begin"`) or
+    at the checkpoint (`"moment"`)."""
     share, _ = _own(position)
     _set_random_state(share[which])
 

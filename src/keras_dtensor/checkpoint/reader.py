@@ -1,10 +1,9 @@
 """Reading sharded checkpoints: allow-listed metadata, direct reads.
 
-`SafeReader` is DCP's `FileSystemReader` that reads the pickled
-`.metadata` through `manifest`'s allow-list, refuses items DCP would
-unpickle freely (`BYTE_IO`), and reads a plain contiguous tensor of the
-same dtype straight into the destination instead of into a new tensor
-that is then copied. Anything else goes through DCP's reader.
+`SafeReader` reads DCP's `.metadata` through `manifest`'s allow-list,
+refuses items DCP would unpickle freely (`BYTE_IO`), and reads a plain
+contiguous tensor straight into the destination (no new tensor to copy
+from); anything else goes through DCP's reader.
 """
 
 import collections
@@ -169,8 +168,7 @@ def _saved_tensor(window):
 
 
 def _byte_range(saved, offsets, lengths):
-    """`(first byte, count)` of the saved tensor's box, or `None` if the
-    box is not one contiguous run of its storage."""
+    """`(first byte, count)` of the box, if one run of the storage."""
     size = saved.size
     if len(size) != len(offsets) or saved.stride != contiguous_strides(size):
         return None
@@ -190,8 +188,7 @@ def _byte_range(saved, offsets, lengths):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's `FileSystemReader` with the allow-listed metadata, no
-    unrestricted unpickling, and direct reads into the destination."""
+    """DCP's `FileSystemReader`, safe and reading in place."""
 
     def read_metadata(self, *args, **kwargs):
         path = os.path.join(self.path, manifest.DCP_METADATA)

@@ -1,13 +1,9 @@
 """Writing sharded checkpoints: the digest of every file, taken on write.
 
-`DigestingWriter` is DCP's `FileSystemWriter` whose output streams
-checksum what they write (`digest.py`), so a save never reads its files
-again; a file not written in one pass (a seek, or a size other than the
-bytes counted) gets no digest and is read again at commit.
-
-While it writes, `torch.save` skips its per-record zip CRC-32: `torch.load`
-never checks it, and the manifest's checksums, checked before every load,
-cover the same bytes.
+`DigestingWriter`'s streams checksum what they write (`digest`), so a
+save never reads its files again; a file not written in one pass gets no
+digest and is read again at commit. Meanwhile `torch.save` skips its zip
+CRC-32: `torch.load` never checks it; the manifest covers the same bytes.
 """
 
 import contextlib
@@ -25,8 +21,7 @@ __all__ = ["DigestingWriter"]
 
 class _Crc32Off:
     """`torch.save` without its zip CRC-32 while any of our writes run
-    (a process-wide option: the first writer in turns it off, the last
-    one out restores it; an async save may overlap another)."""
+    (a process-wide option; an async save may overlap another)."""
 
     lock = threading.Lock()
     depth = 0
@@ -114,8 +109,8 @@ class _DigestingFileSystem(filesystem.FileSystem):
 
 
 class DigestingWriter(dcp.FileSystemWriter):
-    """`FileSystemWriter` whose `digests` are `{file name: {crc32_blocks,
-    size}}` of the files this process wrote, taken while writing."""
+    """`FileSystemWriter` whose `digests` are `{file name: digest}` of the
+    files this process wrote, taken while writing."""
 
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)
