@@ -1,25 +1,34 @@
 """`ShardedCheckpoint`: sharded checkpoints from `fit`, with resume.
 
 Saves into `<directory>/ckpt-<batches>` (zero-padded: the names sort).
-A checkpoint resumes at its exact batch (`position`) where the input can
-be positioned; otherwise its epoch restarts from its first batch with the
-weights it holds (Keras's `BackupAndRestore` semantics).
+A checkpoint resumes at its exact batch where the input can be
+positioned; otherwise its epoch restarts from its first batch with the
+weights it holds (Keras's `BackupAndRestore` semantics). Its position:
+the random states at the epoch's start (its shuffle) and now, and the
+epoch's metric states, each rank's in the manifest (JSON, no pickle). On
+another number of processes every rank takes rank 0's random state and
+the metric states are combined (DataParallel ranks hold partial sums).
 """
 
+import base64
 import contextlib
+import json
 import os
+import random
 import shutil
 import signal
 import time
 import warnings
 
 import keras
+import numpy as np
+import torch
 
+from keras_dtensor.backend import context
 from keras_dtensor.backend import launch
 from keras_dtensor.backend import resume
 from keras_dtensor.checkpoint import api
 from keras_dtensor.checkpoint import manifest
-from keras_dtensor.checkpoint import position
 from keras_dtensor.checkpoint import preemption
 
 __all__ = ["ShardedCheckpoint"]
@@ -32,6 +41,82 @@ def _number(value):
         return float(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+def _random_state():
+    """This process's global random generators, as JSON."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    torch_state = torch.get_rng_state().numpy().tobytes()
+    return {
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "python": [version, list(internal), gauss_next],
+        "torch": base64.b64encode(torch_state).decode(),
+    }
+
+
+def _own(position):
+    world, rank = launch.world()
+    same = position["processes"] == world
+    return position["ranks"][rank if same else 0], same
+
+
+def _set_random_state(position, which):
+    """Sets the global generators as at the epoch's start (`"begin"`) or
+    at the checkpoint (`"moment"`)."""
+    state = _own(position)[0][which]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(
+        (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+    )
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    raw = bytearray(base64.b64decode(state["torch"]))
+    torch.set_rng_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+
+
+def _capture(model, batches, epoch_begin):
+    """The position after `batches` batches of this epoch (collective)."""
+    mine = {
+        "begin": epoch_begin,
+        "moment": _random_state(),
+        "metrics": [
+            np.asarray(keras.ops.convert_to_numpy(v)).tolist()
+            for v in model.metrics_variables
+        ],
+    }
+    shares = launch.all_gather_bytes(json.dumps(mine).encode())
+    world, _ = launch.world()
+    return {
+        "batches": batches,
+        "processes": world,
+        "partial_metrics": context.is_data_parallel(),
+        "ranks": [json.loads(share) for share in shares],
+    }
+
+
+def _restore_metrics(model, position):
+    """Puts the epoch's metric states back (after Keras reset them)."""
+    variables = model.metrics_variables
+    share, same = _own(position)
+    partial_now = context.is_data_parallel()
+    if same and partial_now == position["partial_metrics"]:
+        values = share["metrics"]
+    else:
+        per_rank = [r["metrics"] for r in position["ranks"]]
+        if position["partial_metrics"]:  # the global state is their sum
+            values = [
+                np.sum([np.asarray(r[i]) for r in per_rank], axis=0)
+                for i in range(len(variables))
+            ]
+        else:
+            values = per_rank[0]
+        if partial_now and launch.world()[1] != 0:
+            values = [np.zeros_like(np.asarray(v)) for v in values]
+    if len(values) != len(variables):
+        return  # another model's metrics: the epoch's logs start afresh
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(np.asarray(value, dtype=variable.dtype))
 
 
 class ShardedCheckpoint(keras.callbacks.Callback):
@@ -133,7 +218,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         resumed, self._position = self._position, None
         loaded, self._loaded = self._loaded, False
         if resumed and resumed["batches"]:
-            position.restore_random(resumed, "begin")
+            _set_random_state(resumed, "begin")
             resume.request(
                 resumed["batches"],
                 lambda positioned, kind: self._resumed(
@@ -143,12 +228,12 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             )
         elif loaded:  # at an epoch's start: its shuffle all the same
             resume.request(0, None, self._resumed_epochs)
-        self._begin_state = position.random_state()
+        self._begin_state = _random_state()
 
     def _resumed(self, resumed, positioned, kind):
         if positioned:
-            position.restore_metrics(self.model, resumed)
-            position.restore_random(resumed, "moment")
+            _restore_metrics(self.model, resumed)
+            _set_random_state(resumed, "moment")
             self._batches = self._epoch_start + resumed["batches"]
         elif launch.world()[1] == 0:
             warnings.warn(
@@ -226,19 +311,19 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def _save_here(self, in_epoch, epoch=None, force_sync=False):
         """A checkpoint after `in_epoch` batches of this epoch, or at its
         end (`epoch`: the next one)."""
-        extra = {"epoch": self._epoch if epoch is None else epoch}
+        epochs, logs = self._history
+        extra = {
+            "epoch": self._epoch if epoch is None else epoch,
+            "resume_batches": self._epoch_start if in_epoch else self._batches,
+            "batches": self._batches,
+            "history": {"epoch": epochs, "logs": logs},
+        }
         if in_epoch:
-            extra["resume_batches"] = self._epoch_start
-            extra["position"] = position.capture(
+            extra["position"] = _capture(
                 self.model, in_epoch, self._begin_state
             )
-        else:
-            extra["resume_batches"] = self._batches
         self._finish()
         path = os.path.join(self.directory, f"{_PREFIX}{self._batches:010d}")
-        epochs, logs = self._history
-        extra["batches"] = self._batches
-        extra["history"] = {"epoch": epochs, "logs": logs}
         async_save = self.async_save and not force_sync
         result = api.save_checkpoint(
             self.model, path, async_save=async_save, extra=extra

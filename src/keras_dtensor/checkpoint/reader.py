@@ -75,11 +75,6 @@ class _Saved:
     data_start: int = 0  # of the storage's bytes, within the item
 
 
-class _StorageKind:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-
 def _describe(storage, offset, size, stride, *rest):
     return _Saved(storage, int(offset), tuple(size), tuple(stride))
 
@@ -98,7 +93,7 @@ class _TensorRecord(pickle.Unpickler):
                 warnings.simplefilter("ignore")
                 dtype = getattr(kind, "dtype", None)
             if isinstance(dtype, torch.dtype):
-                return _StorageKind(dtype)
+                return dtype  # the storage's class stands for its dtype
         raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
 
     def persistent_load(self, pid):
@@ -106,9 +101,9 @@ class _TensorRecord(pickle.Unpickler):
             isinstance(pid, tuple)
             and len(pid) == 5
             and pid[0] == "storage"
-            and isinstance(pid[1], _StorageKind)
+            and isinstance(pid[1], torch.dtype)
         ):
-            return _Storage(pid[1].dtype, str(pid[2]), int(pid[4]))
+            return _Storage(pid[1], str(pid[2]), int(pid[4]))
         raise pickle.UnpicklingError("not a plain tensor storage")
 
 
@@ -256,17 +251,11 @@ class SafeReader(dcp.FileSystemReader):
         if span is None:
             return False
         start, count = span
-        if count:
-            buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
-            f.seek(info.offset + start)
-            got = 0
-            while got < count:
-                n = f.readinto(buffer[got:])
-                if not n:
-                    raise ValueError(
-                        f"Checkpoint file {os.fspath(info.relative_path)} "
-                        f"ended while reading {item.dest_index.fqn}."
-                    )
-                got += n
+        f.seek(info.offset + start)  # a buffered read fills all it can
+        if f.readinto(target.view(-1).view(torch.uint8).numpy()) != count:
+            raise ValueError(
+                f"Checkpoint file {os.fspath(info.relative_path)} "
+                f"ended while reading {item.dest_index.fqn}."
+            )
         planner.commit_tensor(item, target)
         return True
