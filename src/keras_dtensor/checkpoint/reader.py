@@ -167,8 +167,9 @@ def _byte_range(saved, offsets, lengths):
     size = saved.size
     if len(size) != len(offsets) or saved.stride != contiguous_strides(size):
         return None
-    inner = [d for d, n in enumerate(lengths) if n != size[d]]
-    if inner and any(lengths[d] != 1 for d in range(inner[0])):
+    # One run: every dimension after the first of length other than 1 whole.
+    first = next((d for d, n in enumerate(lengths) if n != 1), len(lengths))
+    if tuple(lengths[first + 1 :]) != tuple(size[first + 1 :]):
         return None
     start = saved.offset + sum(
         o * s for o, s in zip(offsets, saved.stride, strict=True)
