@@ -218,12 +218,9 @@ def verify(directory, manifest):
     if name != DCP_METADATA:
         try:
             metadata = read_metadata(os.path.join(directory, DCP_METADATA))
+            stored = (metadata.storage_data or {}).items()
             keys = sorted(
-                {
-                    index.fqn
-                    for index, info in (metadata.storage_data or {}).items()
-                    if os.fspath(info.relative_path) == name
-                }
+                {i.fqn for i, s in stored if os.fspath(s.relative_path) == name}
             )
         except (OSError, pickle.UnpicklingError, EOFError):
             keys = ["(unknown: the metadata is unreadable too)"]

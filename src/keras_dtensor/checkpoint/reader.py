@@ -41,9 +41,6 @@ class _Window(io.RawIOBase):
     def seekable(self):
         return True
 
-    def tell(self):
-        return self._pos
-
     def seek(self, pos, whence=os.SEEK_SET):
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos}.get(whence)
         self._pos = max(0, (self._length if base is None else base) + pos)
