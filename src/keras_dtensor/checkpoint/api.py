@@ -84,10 +84,9 @@ def _short(error):
     return f"{type(error).__name__}: {error}"
 
 
-def _commit(names, write, state, world, extra, storage_writer):
+def _commit(final, staging, write, state, world, extra, storage_writer):
     """Runs `write()`, then writes the manifest last and moves the
     checkpoint into place; a failure on any rank raises on every rank."""
-    final, staging = names
     _, rank = launch.world()
     problem = None
     try:
@@ -103,8 +102,7 @@ def _commit(names, write, state, world, extra, storage_writer):
             "checkpoints written before it are intact."
         )
     written = sorted(os.listdir(staging))
-    digests = storage_writer.digests  # this rank's, taken as it wrote
-    hashes = manifest.gathered_hashes(staging, written, digests)
+    hashes = manifest.gathered_hashes(staging, written, storage_writer.digests)
     if rank == 0:
         contents = {
             "format": manifest.FORMAT,
@@ -197,9 +195,8 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
         write = dcp.async_save(
             state, storage_writer=storage_writer, process_group=group
         ).result
-    names = (final, staging)
     commit = functools.partial(
-        _commit, names, write, state, world, extra, storage_writer
+        _commit, final, staging, write, state, world, extra, storage_writer
     )
     return PendingCheckpoint(commit) if async_save else commit()
 
@@ -280,11 +277,11 @@ def latest_checkpoint(root, prefix=""):
     """
     if not os.path.isdir(root):
         return None
-    found = complete(os.path.abspath(root), prefix)
+    found = checkpoints(os.path.abspath(root), prefix)
     return found[-1] if found else None
 
 
-def complete(root, prefix=""):
+def checkpoints(root, prefix=""):
     """The paths of the complete checkpoints under `root`, sorted by name."""
     entries = files.in_place_or_aside(root)
     return [

@@ -1,13 +1,9 @@
 """`ShardedCheckpoint`: sharded checkpoints from `fit`, with resume.
 
-Saves into `<directory>/ckpt-<batches>` (zero-padded: the names sort).
-A checkpoint resumes at its exact batch where the input can be
-positioned; otherwise its epoch restarts from its first batch with the
-weights it holds (Keras's `BackupAndRestore` semantics). Its position:
-the random states at the epoch's start (its shuffle) and now, and the
-epoch's metric states, each rank's in the manifest (JSON, no pickle). On
-another number of processes every rank takes rank 0's random state and
-the metric states are combined (DataParallel ranks hold partial sums).
+A checkpoint resumes at its exact batch where the input can be positioned
+(its position: the random states at the epoch's start and now, and the
+epoch's metric states, each rank's, in the manifest); otherwise its epoch
+restarts from its first batch (Keras's `BackupAndRestore` semantics).
 """
 
 import base64
@@ -33,7 +29,7 @@ from keras_dtensor.checkpoint import preemption
 
 __all__ = ["ShardedCheckpoint"]
 
-_PREFIX = "ckpt-"
+_PREFIX = "ckpt-"  # then the batches trained, zero-padded: the names sort
 
 
 def _number(value):
@@ -343,7 +339,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def _prune(self):
         if launch.world()[1] != 0:
             return
-        for path in api.complete(self.directory, _PREFIX)[: -self.keep]:
+        for path in api.checkpoints(self.directory, _PREFIX)[: -self.keep]:
             # The manifest first: a kill while the rest goes leaves an
             # incomplete checkpoint, never one that looks complete.
             with contextlib.suppress(OSError):

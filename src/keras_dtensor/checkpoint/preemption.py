@@ -109,8 +109,7 @@ class Vote:
     MAX_EVERY = 64
 
     def __init__(self):
-        multi = launch.multi_process()
-        self._group = gloo_group(_GROUP) if multi else None
+        self._group = gloo_group(_GROUP) if launch.multi_process() else None
         self._pending = None
         self._every = 1  # boundaries between votes, the same on every rank
         self._count = 0

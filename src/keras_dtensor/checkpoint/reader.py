@@ -186,9 +186,8 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         path = os.path.join(self.path, manifest.DCP_METADATA)
         metadata = manifest.read_metadata(path)
-        metadata.storage_meta = metadata.storage_meta or (
-            dcp.metadata.StorageMeta()
-        )
+        if metadata.storage_meta is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
