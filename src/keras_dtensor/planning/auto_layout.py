@@ -65,7 +65,7 @@ def _split_region(flow, root, parts, fixed, min_bytes):
             break
         choices = {p: c for p, c in zip(producers, combo, strict=True) if c}
         try:
-            split = propagate.propagate(flow, root, parts, choices)
+            split = propagate.propagate(flow, parts, choices)
         except propagate.Conflict as conflict:
             first_reason = first_reason or str(conflict)
             continue
@@ -147,21 +147,16 @@ def auto_layout(
         elif dim is not None:
             gathers += 1
     if parts > 1:
-        order = _appearance(flow)
-        roots = sorted(
-            flow.regions,
-            key=lambda r: min(order.get(t, 0) for t in flow.regions[r]),
-        )
         fixed = {k for k, (d, _) in decided.items() if d is not None}
         found = []
-        for number, root in enumerate(roots):
+        for number, root in enumerate(flow.regions):
             split, reason = _split_region(
                 flow, root, parts, fixed, min_shard_bytes
             )
             if split is None:
                 for p in (*flow.producers(root), *flow.consumers(root)):
-                    if reason:
-                        _note(p, f"whole: {reason}", decided)
+                    if reason and decided.get(p.var.path, (None,))[0] is None:
+                        decided[p.var.path] = (None, f"whole: {reason}")
                 continue
             size = sum(tracing.nbytes(v) for v, _, _ in split.weights.values())
             found.append((-size, number, split))
@@ -248,19 +243,6 @@ def _label(split):
 
     cols, rows = short("column"), short("row") + short("experts")
     return f"{'+'.join(cols)} -> {'+'.join(rows) or 'sum'}"
-
-
-def _appearance(flow):
-    order = {}
-    for i, node in enumerate(flow.trace.nodes):
-        for o in node.outputs:
-            order.setdefault(o, i)
-    return order
-
-
-def _note(p, why, decided):
-    if decided.get(p.var.path, (None,))[0] is None:
-        decided[p.var.path] = (None, why)
 
 
 def auto_layout_map(

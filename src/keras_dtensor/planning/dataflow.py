@@ -12,6 +12,7 @@
   into it, its consumers read from it.
 """
 
+import collections
 import dataclasses
 
 __all__ = ["IDENTITY", "Contraction", "Dataflow", "analyze", "contraction"]
@@ -40,15 +41,10 @@ _VIEWS = {
 CONTRACTIONS = {"mm", "bmm", "addmm", "baddbmm"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Contraction:
-    """`out = bias + a @ b` with `a` `[B?, m, k]` and `b` `[B?, k, n]`."""
-
-    a: int
-    b: int
-    bias: int | None
-    out: int
-    batched: bool
+# `out = bias + a @ b` with `a` `[B?, m, k]` and `b` `[B?, k, n]`.
+Contraction = collections.namedtuple(
+    "Contraction", ["a", "b", "bias", "out", "batched"]
+)
 
 
 def contraction(node):
@@ -80,7 +76,6 @@ class Dataflow:
     trace: object
     views: dict  # tensor id -> (variable, [atoms per dim])
     projections: list
-    by_node: dict  # node index -> Projection
     embeddings: list  # (node index, variable, output id)
     regions: dict  # root -> set of tensor ids
     region_of: dict  # tensor id -> root
@@ -194,30 +189,19 @@ def _projection(index, node, views):
     )
 
 
-class _Union:
-    def __init__(self):
-        self.parent = {}
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def join(self, items):
-        items = list(items)
-        for other in items[1:]:
-            a, b = self.find(items[0]), self.find(other)
-            if a != b:
-                self.parent[max(a, b)] = min(a, b)
+def _root(union, x):
+    """The root of `x`'s region in the union-find forest `union`."""
+    while union.setdefault(x, x) != x:
+        union[x] = union[union[x]]
+        x = union[x]
+    return x
 
 
 def analyze(trace) -> Dataflow:
     """Weight views, projections, embeddings and regions of `trace`."""
     views = _weight_views(trace)
-    projections, by_node, embeddings = [], {}, []
-    stream, union = set(), _Union()
+    projections, embeddings = [], []
+    stream, union = set(), {}
     parent = {}
     order = {}  # first appearance of a tensor, for deterministic roots
 
@@ -236,14 +220,11 @@ def analyze(trace) -> Dataflow:
             p = _projection(index, node, views)
             if p is not None:
                 projections.append(p)
-                by_node[index] = p
                 stream.add(p.out)
-                union.find(p.out)
                 continue
         if node.op == "embedding" and node.inputs[0] in views:
             embeddings.append((index, views[node.inputs[0]][0], outs[0]))
             stream.add(outs[0])
-            union.find(outs[0])
             continue
         tensors = list(flat(node))
         if (
@@ -256,19 +237,14 @@ def analyze(trace) -> Dataflow:
         if ins and not node.op.endswith("_like"):  # values unread
             live = [*ins, *(o for o in outs if o not in views)]
             stream.update(live)
-            union.join(live)
+            for other in live[1:]:
+                a, b = _root(union, live[0]), _root(union, other)
+                union[max(a, b)] = min(a, b)
     regions, region_of = {}, {}
     for tid in sorted(stream, key=lambda t: order.get(t, -1)):
-        root = union.find(tid)
+        root = _root(union, tid)
         regions.setdefault(root, set()).add(tid)
         region_of[tid] = root
     return Dataflow(
-        trace,
-        views,
-        projections,
-        by_node,
-        embeddings,
-        regions,
-        region_of,
-        parent,
+        trace, views, projections, embeddings, regions, region_of, parent
     )
