@@ -7,9 +7,8 @@
 - `lora_layout` (`lora`): the layout of a LoRA factor no key names,
   derived from its base weight's;
 - `auto_layout_map`, `auto_layout` (`auto_layout`): a LayoutMap derived
-  from a model's dataflow (`trace`, `dataflow`, `propagate`, with the op
-  families and split arithmetic of `split_rules`), reported as a table
-  and a LayoutMap (`layout_report`).
+  from a model's dataflow (`trace`, `dataflow`, `propagate`), reported as
+  a table and a LayoutMap (`layout_report`).
 """
 
 from keras_dtensor.planning.auto_layout import auto_layout

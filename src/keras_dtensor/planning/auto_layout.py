@@ -1,15 +1,12 @@
 """`keras_dtensor.auto_layout_map`: a LayoutMap derived from the model.
 
-The model is run once where nothing is allocated (`trace`); its dataflow,
-not its variable names, gives the layout (`dataflow`, `propagate`):
-regions between projections that can run split have their producers
-split by columns and consumers by rows (one all-reduce forward, one
-backward, as Megatron-LM's pairs), biases and per-head weights alongside,
-batched expert kernels by experts; embeddings by vocabulary when tied to
-the output head or large, else by hidden dim; everything else replicated,
-with the reason. The result is the same on every rank and every run.
+The model's dataflow (`trace`, `dataflow`, `propagate`), not its variable
+names, gives each weight's layout: split regions as Megatron-LM's pairs,
+embeddings by vocabulary or hidden dim, everything else replicated with
+the reason. The same on every rank and every run, with no communication.
 """
 
+import collections
 import itertools
 
 from keras_dtensor.planning import dataflow
@@ -24,8 +21,7 @@ _LARGE_EMBEDDING = 2**20
 
 
 def _options(flow, p, fixed, parts):
-    """A producer's choices: `(output dim, atoms, index)` per splittable
-    output atom, then None (whole)."""
+    """A producer's `(output dim, atoms, index)` choices, then None."""
     if p.var.path in fixed:
         return [None]
     nd = len(flow.trace.shapes[p.out])
@@ -72,9 +68,8 @@ def _split_region(flow, root, parts, fixed, min_bytes):
         if any(path in fixed for path in split.weights):
             first_reason = first_reason or "its weights are split elsewhere"
             continue
-        size = sum(tracing.nbytes(v) for v, _, _ in split.weights.values())
-        if size < min_bytes:
-            return None, f"{size} bytes, under min_shard_bytes"
+        if split.nbytes < min_bytes:
+            return None, f"{split.nbytes} bytes, under min_shard_bytes"
         return split, None
     return None, first_reason
 
@@ -90,8 +85,7 @@ def _embedding(flow, var, parts, tied):
 
 
 def _reaches_output(flow, p):
-    """Whether `p`'s output reaches a model output through elementwise
-    ops and views only."""
+    """Whether `p`'s output reaches a model output unmixed."""
     live = {p.out}
     for node in flow.trace.nodes:
         ins = [i for i in node.inputs if isinstance(i, int)]
@@ -149,7 +143,7 @@ def auto_layout(
     if parts > 1:
         fixed = {k for k, (d, _) in decided.items() if d is not None}
         found = []
-        for number, root in enumerate(flow.regions):
+        for root in flow.regions:
             split, reason = _split_region(
                 flow, root, parts, fixed, min_shard_bytes
             )
@@ -158,12 +152,10 @@ def auto_layout(
                     if reason and decided.get(p.var.path, (None,))[0] is None:
                         decided[p.var.path] = (None, f"whole: {reason}")
                 continue
-            size = sum(tracing.nbytes(v) for v, _, _ in split.weights.values())
-            found.append((-size, number, split))
-        # A weight belongs to one split region: the plan shards the most
-        # bytes, then has the fewest collectives.
+            found.append(split)
+        # A weight belongs to one split region (`_plan`).
         taken = {}
-        for split in _plan(sorted(found, key=lambda f: f[:2])):
+        for split in _plan(sorted(found, key=lambda s: -s.nbytes)):
             shared = sorted(set(split.weights) & set(taken))
             if shared:
                 why = f"whole: {shared[0]} is split with {taken[shared[0]]}"
@@ -198,8 +190,7 @@ def auto_layout(
 
 
 def _compatible(splits):
-    """`splits` in order, each kept unless it shares a weight with one
-    kept before."""
+    """`splits` in order, less those sharing a weight with one before."""
     kept, seen = [], set()
     for split in splits:
         if seen.isdisjoint(split.weights):
@@ -208,41 +199,36 @@ def _compatible(splits):
     return kept
 
 
-def _plan(found):
-    """The regions to split, from `(-bytes, number, split)` sorted largest
-    first: the largest-first choice, or one starting from another region
-    where that shards more bytes or, equal, needs fewer collectives (the
-    residual stream against Megatron's pairs). The unchosen come last."""
-    splits = [split for *_, split in found]
-    size = {id(s): -f[0] for f, s in zip(found, splits, strict=True)}
+def _score(plan):
+    """More bytes sharded first, then fewer all-reduces."""
+    return (
+        sum(s.nbytes for s in plan),
+        -sum(s.forward + s.backward for s in plan),
+    )
 
-    def score(plan):
-        return (
-            sum(size[id(s)] for s in plan),
-            -sum(s.forward + s.backward for s in plan),
-        )
 
+def _plan(splits):
+    """The regions to split, from `splits` sorted largest first: the
+    largest-first choice, or one starting from another region where that
+    scores higher (the residual stream against Megatron's pairs). The
+    unchosen come last."""
     best = _compatible(splits)
     for i, first in enumerate(splits[1:], 1):
         plan = _compatible([first, *splits[:i], *splits[i + 1 :]])
-        if score(plan) > score(best):
+        if _score(plan) > _score(best):
             best = plan
     chosen = {id(s) for s in best}
     return best + [s for s in splits if id(s) not in chosen]
 
 
 def _label(split):
-    def short(role):
-        return sorted(
-            {
-                v.path.rsplit("/", 2)[-2]
-                for v, _, r in split.weights.values()
-                if r == role
-            }
-        )
-
-    cols, rows = short("column"), short("row") + short("experts")
-    return f"{'+'.join(cols)} -> {'+'.join(rows) or 'sum'}"
+    """`up+gate -> down`: the layers split by columns, then by rows."""
+    layers = collections.defaultdict(set)
+    for v, _, role in split.weights.values():
+        if role != "alongside":
+            layers[role].add(v.path.rsplit("/", 2)[-2])
+    rows = sorted(layers["row"]) + sorted(layers["experts"])
+    return f"{'+'.join(sorted(layers['column']))} -> {'+'.join(rows) or 'sum'}"
 
 
 def auto_layout_map(

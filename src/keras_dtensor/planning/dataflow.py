@@ -1,15 +1,8 @@
 """A recorded forward pass read as projections and the regions between them.
 
-- *Weight views*: tensors made from one variable by views, permutes and
-  copies; each dim lists the variable dims it holds as *atoms*
-  `(var_dim, size, outer)` (`outer` false for the inner piece of a dim a
-  view split).
-- *Projections*: contractions (`mm`, `bmm`, `addmm`, `baddbmm`) of an
-  activation with a weight view.
-- *Regions*: the activations between projections, joined through every
-  other op a projection's or an embedding's output reaches (an attention
-  core, a gated MLP, the residual stream); a region's producers write
-  into it, its consumers read from it.
+*Weight views* hold variable dims as atoms `(var_dim, size, outer)`;
+*projections* contract an activation with a weight view; *regions* join
+the activations between projections (docs/internals/planning.md).
 """
 
 import collections

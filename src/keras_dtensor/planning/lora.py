@@ -14,10 +14,8 @@ _LORA = {
 def lora_layout(distribution, variable):
     """The layout of a LoRA factor no LayoutMap key names, or `None`.
 
-    Keras's `enable_lora` adds `A` (input dims, rank) and `B` (rank,
-    output dim) beside a base weight; `A` keeps the base's input-dim axes
-    and `B` its output-dim axis, so `A @ B` is sharded like the base and
-    adding it needs no communication.
+    `A` keeps its base weight's input-dim axes and `B` its output-dim
+    axis, so `A @ B` is sharded like the base (no communication).
 
     Example:
     >>> layout_map["dense/kernel"] = (None, "model")

@@ -1,15 +1,8 @@
 """`keras_dtensor.plan`: per-rank memory of a layout, before allocating.
 
-The model and its optimizer's slots are built on torch's `meta` device
-(shapes and dtypes, nothing allocated); each weight's layout comes from
-the distribution, its largest shard (DTensor's `torch.chunk` rule) gives
-the bytes per rank. Lint in the same pass: LayoutMap keys that match no
-weight, large weights left replicated, dims that shard unevenly.
-
-Example:
-```python
-print(keras_dtensor.plan(build_model, distribution, optimizer="adamw"))
-```
+Built on torch's `meta` device; each weight's layout comes from the
+distribution, its largest shard (`torch.chunk`'s rule) gives the bytes
+per rank. The same pass lints the layouts (docs/internals/planning.md).
 """
 
 import dataclasses
@@ -86,30 +79,26 @@ class MemoryPlan:
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
-    def __str__(self):
-        return self.table()
+    __str__ = table
 
 
 def _build_on_meta(model_or_build_fn, optimizer):
     import keras
 
-    device_scope = compat.torch_core().device_scope
-
     previous = context.current()
     keras.distribution.set_distribution(None)  # plain, shape-only weights
     try:
-        with device_scope("meta"):
+        with compat.torch_core().device_scope("meta"):
             model = model_or_build_fn
             if not isinstance(model, keras.Model) and callable(model):
                 model = model_or_build_fn()
-            slots = []
-            if optimizer is not None:
-                optimizer = keras.optimizers.get(optimizer)
-                optimizer.build(model.trainable_variables)
-                slots = list(optimizer.variables)
+            if optimizer is None:
+                return model, []
+            optimizer = keras.optimizers.get(optimizer)
+            optimizer.build(model.trainable_variables)
+            return model, list(optimizer.variables)
     finally:
         keras.distribution.set_distribution(previous)
-    return model, slots
 
 
 def plan(
@@ -131,6 +120,11 @@ def plan(
 
     Returns:
         A `MemoryPlan`; `print(plan)` shows the table.
+
+    Example:
+    ```python
+    print(keras_dtensor.plan(build_model, distribution, optimizer="adamw"))
+    ```
     """
     model, slots = _build_on_meta(model_or_build_fn, optimizer)
     mesh = distribution.device_mesh

@@ -1,13 +1,9 @@
 """Whether one region can run split over the model axis, op by op.
 
-A choice per producer (split its output dim, or leave it whole) is carried
-through the region's ops in execution order, as DTensor's sharding
-propagation carries a `Shard(dim)`, to the consumers, whose contracted dim
-it must be (their kernel split by rows, their output a partial sum: one
-all-reduce). Anything else (a norm over the split dim, the model's output)
-is a `Conflict` whose reason names the op. A split is `(dim, block,
-period)`: the index along `dim` is cut as `(index // block) % parts`,
-`period` = `block * parts`.
+A choice per producer is carried through the region's ops in execution
+order, as DTensor carries a `Shard(dim)`, to the consumers' contracted
+dims; anything else is a `Conflict` naming the op. A split is `(dim,
+block, period)`: index `i` along `dim` is on rank `(i // block) % parts`.
 """
 
 import collections
@@ -16,6 +12,7 @@ import math
 from keras_dtensor.planning.dataflow import CONTRACTIONS
 from keras_dtensor.planning.dataflow import IDENTITY
 from keras_dtensor.planning.dataflow import contraction
+from keras_dtensor.planning.trace import nbytes
 
 __all__ = ["Conflict", "Split", "propagate"]
 
@@ -105,8 +102,11 @@ def _through_view(node, split, shape_in, shape_out):
 
 
 # A region run split: `weights` maps a variable's path to `(variable, dim,
-# role)`; `forward` and `backward` count all-reduces.
-Split = collections.namedtuple("Split", ["weights", "forward", "backward"])
+# role)`; `forward` and `backward` count all-reduces; `nbytes` is the size
+# of the weights it splits.
+Split = collections.namedtuple(
+    "Split", ["weights", "forward", "backward", "nbytes"]
+)
 
 
 def _with_dim(split, d):
@@ -347,7 +347,9 @@ class _Run:
         leaked = [o for o in self.flow.trace.outputs if self.get(o) is not None]
         if leaked:
             raise Conflict("the split reaches the model's output")
-        return Split(self.weights, self.forward, len(self.column_inputs))
+        size = sum(nbytes(v) for v, _, _ in self.weights.values())
+        backward = len(self.column_inputs)
+        return Split(self.weights, self.forward, backward, size)
 
 
 def propagate(flow, parts, choices) -> Split:

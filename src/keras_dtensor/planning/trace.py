@@ -1,21 +1,20 @@
 """One forward pass of a model recorded as aten ops, on the `meta` device.
 
-`auto_layout` reads a model's dataflow from this record, not from its
-variable names. The model is built and called where nothing is allocated
-(torch's `meta` device, fake tensors); one whose build or call needs
-values falls back to the CPU with a warning naming the layer. At the
-dispatch level Keras's ops are a small vocabulary of aten ops (an
-`einsum` is permutes, views and a `bmm`).
+The model is built and called where nothing is allocated (torch's `meta`
+device, fake tensors); one whose build or call needs values falls back to
+the CPU with a warning naming the layer.
 """
 
+import collections
+import contextlib
 import copy
-import dataclasses
 import math
 import os
 import re
 import warnings
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_dtensor import compat
@@ -23,31 +22,18 @@ from keras_dtensor import compat
 __all__ = ["Node", "Trace", "record"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """One aten op: its name (`"mm"`), whether torch tags it `pointwise`,
-    its tensor arguments as ids (`None` for others), its other arguments,
-    and its tensor outputs' ids."""
-
-    op: str
-    pointwise: bool
-    inputs: tuple
-    args: tuple
-    kwargs: dict
-    outputs: tuple
-
-
-@dataclasses.dataclass
-class Trace:
-    """A forward pass: `nodes` in execution order, `shapes` of tensors by
-    id, `weights` (a variable's value's id -> the variable), the ids of
-    the model's `outputs`; `keep` holds the tensors so ids stay unique."""
-
-    nodes: list
-    shapes: dict
-    weights: dict
-    outputs: set
-    keep: list = dataclasses.field(default_factory=list, repr=False)
+# One aten op: its name (`"mm"`), whether torch tags it `pointwise`, its
+# tensor arguments as ids (`None` for others), its other arguments, and its
+# tensor outputs' ids.
+Node = collections.namedtuple(
+    "Node", ["op", "pointwise", "inputs", "args", "kwargs", "outputs"]
+)
+# A forward pass: `nodes` in execution order, `shapes` of tensors by id,
+# `weights` (a variable's value's id -> the variable), the ids of the
+# model's `outputs`; `keep` holds the tensors so ids stay unique.
+Trace = collections.namedtuple(
+    "Trace", ["nodes", "shapes", "weights", "outputs", "keep"]
+)
 
 
 def _op_name(func) -> str:
@@ -64,46 +50,41 @@ class _Recorder(TorchDispatchMode):
         self.trace = trace
 
     def _id(self, value):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, Tensor):
             self.trace.keep.append(value)  # ids stay unique while recorded
             self.trace.shapes.setdefault(id(value), tuple(value.shape))
             return id(value)
         return None
 
+    def _ids(self, arg):
+        """A tensor's id, a tuple of ids for a list holding tensors."""
+        if isinstance(arg, (list, tuple)) and any(
+            isinstance(x, Tensor) for x in arg
+        ):
+            return tuple(self._id(x) for x in arg)
+        return self._id(arg)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flat_args = []
-        for a in args:
-            if isinstance(a, (list, tuple)) and any(
-                isinstance(x, torch.Tensor) for x in a
-            ):
-                flat_args.append(tuple(self._id(x) for x in a))
-            else:
-                flat_args.append(self._id(a))
         outs = out if isinstance(out, (list, tuple)) else (out,)
-        self.trace.nodes.append(
-            Node(
-                op=_op_name(func),
-                pointwise=torch.Tag.pointwise in getattr(func, "tags", ()),
-                inputs=tuple(flat_args),
-                args=tuple(
-                    None if isinstance(a, torch.Tensor) else a for a in args
-                ),
-                kwargs={
-                    k: v
-                    for k, v in kwargs.items()
-                    if not isinstance(v, torch.Tensor)
-                },
-                outputs=tuple(self._id(o) for o in outs),
-            )
+        node = Node(
+            _op_name(func),
+            torch.Tag.pointwise in getattr(func, "tags", ()),
+            tuple(self._ids(a) for a in args),
+            tuple(None if isinstance(a, Tensor) else a for a in args),
+            {k: v for k, v in kwargs.items() if not isinstance(v, Tensor)},
+            tuple(self._id(o) for o in outs),
         )
+        self.trace.nodes.append(node)
         return out
 
 
 def _sample_value(spec, batch=2, length=8):
+    import keras
+
     shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
-    dtype = _standard_dtype(spec.dtype)
+    dtype = keras.backend.standardize_dtype(spec.dtype)
     fill = torch.ones if "int" in dtype or dtype == "bool" else torch.zeros
     return fill(shape, dtype=getattr(torch, dtype), device="cpu")
 
@@ -138,32 +119,22 @@ def _layer_in_traceback(error):
     return name
 
 
-def _standard_dtype(dtype) -> str:
-    import keras
-
-    return keras.backend.standardize_dtype(dtype)
-
-
 def _build(build, device):
     import keras
 
-    device_scope = compat.torch_core().device_scope
-
     if isinstance(build, keras.Model):
         return build
-    with device_scope(device):
+    with compat.torch_core().device_scope(device):
         return build()
 
 
 def _trace_call(model, sample_input, fake):
     """Calls `model` once, statelessly, on values whose ids are known:
     fake CPU tensors (shapes only) when `fake`, else copies of its own."""
-    import contextlib
-
     import keras
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     device_scope = compat.torch_core().device_scope
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = (
         FakeTensorMode(allow_non_fake_inputs=True)
@@ -175,7 +146,8 @@ def _trace_call(model, sample_input, fake):
         variables = [*model.trainable_variables, *model.non_trainable_variables]
         values = [  # plain tensors: Keras keeps their identity
             torch.empty(
-                tuple(v.shape), dtype=getattr(torch, _standard_dtype(v.dtype))
+                tuple(v.shape),
+                dtype=getattr(torch, keras.backend.standardize_dtype(v.dtype)),
             )
             if fake
             else v.value.detach().clone()
@@ -205,9 +177,8 @@ def _trace_call(model, sample_input, fake):
 
 
 def keras_itemsize(dtype) -> int:
-    import numpy as np
-
-    return 2 if str(dtype) == "bfloat16" else np.dtype(str(dtype)).itemsize
+    """The bytes per element of a Keras dtype (`"bfloat16"`: 2)."""
+    return getattr(torch, str(dtype)).itemsize
 
 
 def nbytes(variable) -> int:
