@@ -34,29 +34,22 @@ def _options(flow, p, fixed, parts):
     return [*out, None]
 
 
-def _combinations(flow, producers, fixed, parts):
-    options = [_options(flow, p, fixed, parts) for p in producers]
-    combos = itertools.product(*options)
-    ranked = sorted(
-        itertools.islice(combos, _MAX_TRIES * 4),
-        key=lambda c: sum(x is None for x in c),
-    )
-    return ranked[:_MAX_TRIES]
-
-
 def _split_region(flow, root, parts, fixed, min_bytes):
     producers = flow.producers(root)
     if not producers:
         return None, None
     first_reason = None
+    options = [_options(flow, p, fixed, parts) for p in producers]
     open_ = [p for p in producers if p.var.path not in fixed]
-    if open_ and all(_options(flow, p, fixed, parts) == [None] for p in open_):
+    if open_ and all(o == [None] for o in options):
         p = open_[0]
         sizes = [size for _, size, _ in (*p.batch, *p.free)]
         return None, (
             f"{p.var.path}: its output dims {sizes} do not divide by {parts}"
         )
-    for combo in _combinations(flow, producers, fixed, parts):
+    combos = itertools.islice(itertools.product(*options), _MAX_TRIES * 4)
+    ranked = sorted(combos, key=lambda c: sum(x is None for x in c))
+    for combo in ranked[:_MAX_TRIES]:
         if all(c is None for c in combo):
             break
         choices = {p: c for p, c in zip(producers, combo, strict=True) if c}

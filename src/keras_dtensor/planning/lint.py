@@ -39,9 +39,8 @@ def warn_unmatched_layout_keys(model, distribution):
             warnings.warn(
                 f"LayoutMap key {key!r} matches none of the weights of "
                 f"model {model.name!r}; the weights it was meant for stay "
-                "replicated. Keys are "
-                "regular expressions matched against the whole "
-                f"`variable.path` (e.g. {example!r}); prefix '.*' to match "
-                "any parent path.",
+                "replicated. Keys are regular expressions matched against "
+                f"the whole `variable.path` (e.g. {example!r}); prefix '.*' "
+                "to match any parent path.",
                 stacklevel=2,
             )

@@ -137,14 +137,10 @@ def plan(
                 distribution, variable
             ) or distribution.get_variable_layout(variable)
         shape = tuple(variable.shape)
-        axes = (
-            normalize_axes(layout.axes)
-            if layout is not None
-            else ((),) * len(shape)
-        )
+        raw = layout.axes if layout is not None else (None,) * len(shape)
+        axes = normalize_axes(raw)
         local = local_shape(shape, axes, sizes)
-        itemsize = keras_itemsize(variable.dtype)
-        own = math.prod(local) * itemsize
+        own = math.prod(local) * keras_itemsize(variable.dtype)
         prefix = variable.path.replace("/", "_") + "_"
         slot_bytes = sum(
             math.prod(local) * keras_itemsize(s.dtype)
@@ -171,9 +167,7 @@ def plan(
                     "shards is uneven (torch.chunk: the last shards are "
                     "smaller or empty)"
                 )
-        if own == math.prod(shape) * itemsize and (
-            own / _MIB > large_replicated_mib
-        ):
+        if local == shape and own / _MIB > large_replicated_mib:
             warnings.append(
                 f"{variable.path} {shape}: {own / _MIB:.1f} MiB replicated "
                 "on every rank"
@@ -184,8 +178,5 @@ def plan(
         for key in unmatched_keys(layout_map, paths):
             warnings.append(f"LayoutMap key {key!r} matches no weight")
     return MemoryPlan(
-        variables=tuple(rows),
-        mesh_shape=tuple(mesh.shape),
-        axis_names=tuple(mesh.axis_names),
-        warnings=tuple(warnings),
+        tuple(rows), tuple(mesh.shape), tuple(mesh.axis_names), tuple(warnings)
     )

@@ -197,7 +197,7 @@ class _Run:
         out = sp[0] if keep else sp[0] - sum(1 for x in dims if x < sp[0])
         self.split[outs[0]] = _with_dim(sp, out)
 
-    def contract(self, node, outs):
+    def contract(self, node):
         c = contraction(node)
         p = self.by_node.get(self.index)
         sa, sb = self.get(c.a), self.get(c.b)
@@ -210,30 +210,27 @@ class _Run:
             contracted = na - 1 if p.kernel_on_right else nb - 2
             if act[0] == contracted:  # a consumer: rows, a partial sum
                 self.place(p.var, p.contracted, act, "row", node)
-                self.split[c.out] = PARTIAL
-                self.forward += 1
-                return
-            if act[0] == batch:  # batched experts
+                out = PARTIAL
+            elif act[0] == batch:  # batched experts
                 self.place(p.var, p.batch, act, "experts", node)
-                self.split[c.out] = act
-                return
-            _fail(node, f"feeds {p.var.path} on a dim it does not contract")
-        if batch is not None and (da, db) in ((0, 0), (0, None), (None, 0)):
+                out = act
+            else:
+                _fail(node, f"feeds {p.var.path} on a dim it does not contract")
+        elif batch is not None and (da, db) in ((0, 0), (0, None), (None, 0)):
             if sa is not None and sb is not None and sa != sb:
                 _fail(node, "a batched contraction of operands split unlike")
-            self.split[c.out] = sa or sb
-            return
-        if da == na - 1 and db == nb - 2 and sa[1:] == sb[1:]:
-            self.split[c.out] = PARTIAL
+            out = sa or sb
+        elif da == na - 1 and db == nb - 2 and sa[1:] == sb[1:]:
+            out = PARTIAL
+        elif sb is None and da == na - 2:
+            out = sa
+        elif sa is None and db == nb - 1:
+            out = _with_dim(sb, len(self.shapes[c.out]) - 1)
+        else:
+            _fail(node, "a contraction of split operands on other dims")
+        self.split[c.out] = out
+        if out is PARTIAL:  # one all-reduce
             self.forward += 1
-            return
-        if sb is None and da == na - 2:
-            self.split[c.out] = sa
-            return
-        if sa is None and db == nb - 1:
-            self.split[c.out] = _with_dim(sb, len(self.shapes[c.out]) - 1)
-            return
-        _fail(node, "a contraction of split operands on other dims")
 
     def step(self, node):
         ins = [i for i in node.inputs if isinstance(i, int)]
@@ -249,7 +246,7 @@ class _Run:
         if op.endswith("_like") or op in ("arange", "full", "scalar_tensor"):
             return  # reads a shape or dtype, not the values
         if op in CONTRACTIONS:
-            return self.contract(node, outs)
+            return self.contract(node)
         if op in SHAPE_ONLY:
             self.split[outs[0]] = self.get(first)
             return

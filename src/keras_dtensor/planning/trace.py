@@ -37,11 +37,8 @@ Trace = collections.namedtuple(
 
 
 def _op_name(func) -> str:
-    return (
-        func.overloadpacket.__name__.lstrip("_")
-        if hasattr(func, "overloadpacket")
-        else str(func)
-    )
+    packet = getattr(func, "overloadpacket", None)
+    return str(func) if packet is None else packet.__name__.lstrip("_")
 
 
 class _Recorder(TorchDispatchMode):
@@ -145,10 +142,7 @@ def _trace_call(model, sample_input, fake):
         trainable = len(model.trainable_variables)
         variables = [*model.trainable_variables, *model.non_trainable_variables]
         values = [  # plain tensors: Keras keeps their identity
-            torch.empty(
-                tuple(v.shape),
-                dtype=getattr(torch, keras.backend.standardize_dtype(v.dtype)),
-            )
+            torch.empty(tuple(v.shape), dtype=v.value.dtype)
             if fake
             else v.value.detach().clone()
             for v in variables
@@ -158,13 +152,9 @@ def _trace_call(model, sample_input, fake):
         else:
             inputs = keras.tree.map_structure(torch.as_tensor, sample_input)
         keep = [*values, *keras.tree.flatten(inputs)]
-        trace = Trace(
-            nodes=[],
-            shapes={id(x): tuple(x.shape) for x in keep},
-            weights={id(x): v for v, x in zip(variables, values, strict=True)},
-            outputs=set(),
-            keep=keep,
-        )
+        shapes = {id(x): tuple(x.shape) for x in keep}
+        weights = {id(x): v for v, x in zip(variables, values, strict=True)}
+        trace = Trace([], shapes, weights, set(), keep)
         trainable, frozen = values[:trainable], values[trainable:]
         with _Recorder(trace):
             outputs, _ = model.stateless_call(
@@ -210,11 +200,8 @@ def record(build, sample_input=None):
 
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(None)  # plain, shape-only weights
-    # Layer names are numbered per process (`dense`, `dense_1`, ...): the
-    # traced model takes the names the user's next build will take, and
-    # gives them back, so that the map's paths are that model's paths.
-    names = global_state.get_global_attribute("object_name_uids")
-    names = None if names is None else copy.copy(names)
+    # Layer names (`dense_1`) taken here are given back for the user's build.
+    names = copy.copy(global_state.get_global_attribute("object_name_uids"))
     model = None
     try:
         try:
@@ -230,12 +217,11 @@ def record(build, sample_input=None):
                     raise RuntimeError(
                         f"auto_layout: {where} cannot run on the meta device "
                         f"({type(error).__name__}: {_short(error)}), and "
-                        "building "
-                        f"the model on the CPU needs {need / 2**30:.1f} GiB "
-                        f"of the {have / 2**30:.1f} GiB free: give "
-                        "auto_layout a smaller configuration of the same "
-                        "architecture (the layouts depend on the graph, "
-                        "not the sizes, except for divisibility)"
+                        "building the model on the CPU needs "
+                        f"{need / 2**30:.1f} GiB of the {have / 2**30:.1f} "
+                        "GiB free: give auto_layout a smaller configuration "
+                        "of the same architecture (the layouts depend on "
+                        "the graph, not the sizes, except for divisibility)"
                     ) from error
             warnings.warn(
                 f"auto_layout: {where} cannot be built or called on the "
