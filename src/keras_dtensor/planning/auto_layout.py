@@ -67,7 +67,7 @@ def _split_region(flow, root, parts, fixed, min_bytes):
     return None, first_reason
 
 
-def _embedding(flow, var, parts, tied):
+def _embedding(var, parts, tied):
     vocab, hidden = var.shape[0], var.shape[-1]
     if (tied or tracing.nbytes(var) >= _LARGE_EMBEDDING) and vocab % parts == 0:
         why = "tied to the output head" if tied else "large"
@@ -122,10 +122,10 @@ def auto_layout(
     fwd = bwd = gathers = 0
     tied = {p.var.path for p in flow.projections}
     vocab_split = set()
-    for _, var, _ in flow.embeddings:
+    for var in flow.embeddings:
         if var.path in decided:
             continue
-        dim, why = _embedding(flow, var, parts, var.path in tied)
+        dim, why = _embedding(var, parts, var.path in tied)
         decided[var.path] = (dim, why)
         if dim == 0:
             fwd += 1
@@ -201,10 +201,8 @@ def _score(plan):
 
 
 def _plan(splits):
-    """The regions to split, from `splits` sorted largest first: the
-    largest-first choice, or one starting from another region where that
-    scores higher (the residual stream against Megatron's pairs). The
-    unchosen come last."""
+    """`splits` (largest first) as kept by the best-scoring start region,
+    then the rest (the residual stream against Megatron's pairs)."""
     best = _compatible(splits)
     for i, first in enumerate(splits[1:], 1):
         plan = _compatible([first, *splits[:i], *splits[i + 1 :]])

@@ -20,7 +20,7 @@ IDENTITY = {
     "contiguous",
     "type_as",
 }
-_VIEWS = {
+_VIEWS = IDENTITY | {
     "view",
     "unsafe_view",
     "reshape",
@@ -69,7 +69,7 @@ class Dataflow:
     trace: object
     views: dict  # tensor id -> (variable, [atoms per dim])
     projections: list
-    embeddings: list  # (node index, variable, output id)
+    embeddings: list  # variables an `embedding` op reads
     regions: dict  # root -> set of tensor ids
     region_of: dict  # tensor id -> root
     parent: dict  # tensor id -> the tensor it is a view or copy of
@@ -106,17 +106,13 @@ def _regroup(dims, shape):
             if not queue:
                 return None
             var_dim, n, outer = queue.pop(0)
-            if n <= need:
-                if need % n:
-                    return None
-                group.append((var_dim, n, outer))
-                need //= n
-            else:
-                if n % need:
-                    return None
-                group.append((var_dim, need, outer))
-                queue.insert(0, (var_dim, n // need, False))
-                need = 1
+            take = min(n, need)
+            if need % take or n % take:
+                return None
+            group.append((var_dim, take, outer))
+            if n > take:  # the inner rest of the dim comes next
+                queue.insert(0, (var_dim, n // take, False))
+            need //= take
         out.append(tuple(group))
     return out if not queue else None
 
@@ -124,7 +120,7 @@ def _regroup(dims, shape):
 def _view_of(node, dims, shapes):
     """Atoms of a shape op's output given its input's, or None."""
     op, args = node.op, node.args
-    if node.op in IDENTITY or (node.pointwise and _tensor_count(node) == 1):
+    if node.op in IDENTITY or node.pointwise:  # its one tensor input
         return list(dims)
     if op == "permute":
         return [dims[i] for i in args[1]]
@@ -141,10 +137,6 @@ def _view_of(node, dims, shapes):
     if op in ("view", "unsafe_view", "reshape", "squeeze", "expand"):
         return _regroup(dims, shapes[node.outputs[0]])
     return None
-
-
-def _tensor_count(node):
-    return sum(1 for i in node.inputs if isinstance(i, int))
 
 
 def _weight_views(trace):
@@ -198,13 +190,6 @@ def analyze(trace) -> Dataflow:
     parent = {}
     order = {}  # first appearance of a tensor, for deterministic roots
 
-    def flat(node):
-        for i in node.inputs:
-            if isinstance(i, tuple):
-                yield from (x for x in i if isinstance(x, int))
-            elif isinstance(i, int):
-                yield i
-
     for index, node in enumerate(trace.nodes):
         outs = [o for o in node.outputs if isinstance(o, int)]
         for o in outs:
@@ -216,15 +201,16 @@ def analyze(trace) -> Dataflow:
                 stream.add(p.out)
                 continue
         if node.op == "embedding" and node.inputs[0] in views:
-            embeddings.append((index, views[node.inputs[0]][0], outs[0]))
+            embeddings.append(views[node.inputs[0]][0])
             stream.add(outs[0])
             continue
-        tensors = list(flat(node))
-        if (
-            len(tensors) == 1
-            and len(outs) == 1
-            and (node.op in IDENTITY or node.op in _VIEWS)
-        ):
+        tensors = [
+            x
+            for i in node.inputs
+            for x in (i if isinstance(i, tuple) else (i,))
+            if isinstance(x, int)
+        ]
+        if len(tensors) == len(outs) == 1 and node.op in _VIEWS:
             parent[outs[0]] = tensors[0]
         ins = [i for i in tensors if i in stream and i not in views]
         if ins and not node.op.endswith("_like"):  # values unread

@@ -24,8 +24,7 @@ class Entry:
 
 @dataclasses.dataclass
 class AutoLayout:
-    """What `auto_layout` decided: `entries` per weight, collectives per
-    training step, and the `layout_map`."""
+    """What `auto_layout` decided: entries, collectives and `layout_map`."""
 
     entries: list
     mesh: object
@@ -40,26 +39,23 @@ class AutoLayout:
 
     def table(self) -> str:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape, strict=True))
+        rows = [
+            f"| {e.path} | {e.shape} | {e.axes} | {e.why} |"
+            for e in self.entries
+        ]
         lines = [
             f"auto layout over {self.model_axis!r} ({sizes[self.model_axis]} "
             f"ranks) of mesh {dict(sizes)}",
             "| weight | shape | axes | why |",
             "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {e.path} | {e.shape} | {e.axes} | {e.why} |"
-            for e in self.entries
-        ]
-        lines.append(
+            *rows,
             "collectives per training step (model axis): "
             f"{self.all_reduces_forward} all-reduces forward, "
             f"{self.all_reduces_backward} backward, "
-            f"{self.all_gathers_forward} all-gathers forward"
-        )
-        lines.append(
+            f"{self.all_gathers_forward} all-gathers forward",
             f"weights per rank: {self.bytes_per_rank / 2**20:.2f} MiB of "
-            f"{self.bytes_full / 2**20:.2f} MiB"
-        )
+            f"{self.bytes_full / 2**20:.2f} MiB",
+        ]
         return "\n".join(lines)
 
     __str__ = table
@@ -79,11 +75,8 @@ def finish(
         if dim is not None:
             axes[dim] = model_axis
         if fsdp and data > 1 and nbytes(var) >= max(min_bytes, 1):
-            free = [
-                d
-                for d in range(len(var.shape))
-                if axes[d] is None and var.shape[d] % data == 0
-            ]
+            free = [d for d, a in enumerate(axes) if a is None]
+            free = [d for d in free if var.shape[d] % data == 0]
             if free:
                 d = max(free, key=lambda d: var.shape[d])
                 axes[d] = batch_axis

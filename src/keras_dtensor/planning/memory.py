@@ -57,26 +57,23 @@ class MemoryPlan:
         return self.weight_bytes_per_rank + self.slot_bytes_per_rank
 
     def table(self) -> str:
+        rows = [
+            f"| {v.path} | {v.shape} | {v.axes} | {v.local_shape} | "
+            f"{v.bytes_per_rank / _MIB:.2f} | "
+            f"{v.slot_bytes_per_rank / _MIB:.2f} |"
+            for v in self.variables
+        ]
         lines = [
             f"mesh shape {self.mesh_shape}, axis_names {self.axis_names}",
             "| weight | shape | axes | local shape | MiB/rank | slots MiB |",
             "|---|---|---|---|---|---|",
-        ]
-        for v in self.variables:
-            lines.append(
-                f"| {v.path} | {v.shape} | {v.axes} | {v.local_shape} | "
-                f"{v.bytes_per_rank / _MIB:.2f} | "
-                f"{v.slot_bytes_per_rank / _MIB:.2f} |"
-            )
-        lines.append(
+            *rows,
             f"| total | | | | {self.weight_bytes_per_rank / _MIB:.2f} | "
-            f"{self.slot_bytes_per_rank / _MIB:.2f} |"
-        )
-        lines.append(
+            f"{self.slot_bytes_per_rank / _MIB:.2f} |",
             f"weights + optimizer slots per rank: "
-            f"{self.total_bytes_per_rank / _MIB:.2f} MiB"
-        )
-        lines.extend(f"warning: {w}" for w in self.warnings)
+            f"{self.total_bytes_per_rank / _MIB:.2f} MiB",
+            *(f"warning: {w}" for w in self.warnings),
+        ]
         return "\n".join(lines)
 
     __str__ = table

@@ -94,11 +94,8 @@ def _through_view(node, split, shape_in, shape_out):
         below, span = math.prod(shape_out[o + 1 :]), math.prod(shape_out[o:])
         if shape_out[o] > 1 and block % below == 0 and span % period == 0:
             return (o, block // below, period // below)
-    _fail(
-        node,
-        f"a view of {tuple(shape_in)} to {tuple(shape_out)} spreads the "
-        f"split dim {d} over two dims",
-    )
+    shapes = f"{tuple(shape_in)} to {tuple(shape_out)}"
+    _fail(node, f"a view of {shapes} spreads the split dim {d} over two dims")
 
 
 # A region run split: `weights` maps a variable's path to `(variable, dim,
@@ -122,11 +119,9 @@ class _Run:
         self.weights = {}
         self.forward = 0
         self.column_inputs = set()
-        self.index = -1
 
     def weight(self, tid, tensor_dim, split, role, node):
-        """Split the variable behind weight view `tid` where its dim
-        `tensor_dim` holds the activation's split."""
+        """Split weight view `tid` where its dim `tensor_dim` is split."""
         var, dims = self.flow.views[tid]
         self.place(var, dims[tensor_dim], split, role, node, "a weight dim")
 
@@ -143,11 +138,8 @@ class _Run:
         if not outer:
             _fail(node, f"{var.path}: the split falls inside dim {var_dim}")
         if size % self.parts:
-            _fail(
-                node,
-                f"{var.path} dim {var_dim} of {size} does not divide by "
-                f"{self.parts}",
-            )
+            why = f"dim {var_dim} of {size} does not divide by {self.parts}"
+            _fail(node, f"{var.path} {why}")
         old = self.weights.get(var.path)
         if old is not None and old[1] != var_dim:
             _fail(node, f"{var.path} split on two dims")
@@ -169,17 +161,12 @@ class _Run:
                 if target not in (None, aligned):
                     _fail(node, "operands split unlike")
                 target = aligned
-        if target is None:
-            return
         for i in ins:
-            if self.get(i) is not None:
-                continue
             own = target[0] - (nd - len(self.shapes[i]))
-            if own < 0 or self.shapes[i][own] == 1:
-                continue  # broadcast along the split dim
-            if i in self.flow.views:
+            if self.get(i) is not None or own < 0 or self.shapes[i][own] == 1:
+                continue  # split already, or broadcast along the split dim
+            if i in self.flow.views:  # else each rank uses its part
                 self.weight(i, own, target, "alongside", node)
-            # else a whole value: each rank uses its part (no collective)
         for o in outs:
             if len(self.shapes[o]) == nd:
                 self.split[o] = target
@@ -273,11 +260,10 @@ class _Run:
                     self.split[o] = sp
             return
         if op in CUTS:
-            along = (
-                args[1]
-                if op in ("flip", "roll")
-                else (args[2] if len(args) > 2 else node.kwargs.get("dim", 0))
-            )
+            if op in ("flip", "roll"):
+                along = args[1]
+            else:
+                along = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
             along = [along] if isinstance(along, int) else list(along)
             along = [_pos(a, len(shape_in)) for a in along]
             if sp[0] in along:
@@ -331,18 +317,16 @@ class _Run:
             starts[p.index] = (out_dim, block, period)
             self.column_inputs.add(self.flow.base(p.activation))
         for self.index, node in enumerate(nodes):
-            if self.index in starts:
-                p = self.by_node[self.index]
-                self.split[p.out] = starts[self.index]
-                if p.bias is not None and p.bias in self.flow.views:
-                    nd = len(self.shapes[p.bias])
-                    self.weight(
-                        p.bias, nd - 1, starts[self.index], "alongside", node
-                    )
+            start = starts.get(self.index)
+            if start is None:
+                self.step(node)
                 continue
-            self.step(node)
-        leaked = [o for o in self.flow.trace.outputs if self.get(o) is not None]
-        if leaked:
+            p = self.by_node[self.index]
+            self.split[p.out] = start
+            if p.bias in self.flow.views:
+                nd = len(self.shapes[p.bias])
+                self.weight(p.bias, nd - 1, start, "alongside", node)
+        if any(self.get(o) is not None for o in self.flow.trace.outputs):
             raise Conflict("the split reaches the model's output")
         size = sum(nbytes(v) for v, _, _ in self.weights.values())
         backward = len(self.column_inputs)

@@ -11,6 +11,7 @@ import copy
 import math
 import os
 import re
+import traceback
 import warnings
 
 import torch
@@ -106,13 +107,11 @@ def sample_inputs(model):
 def _layer_in_traceback(error):
     import keras
 
-    tb = error.__traceback__
     name = None
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
         if isinstance(owner, keras.layers.Layer):
             name = owner.name
-        tb = tb.tb_next
     return name
 
 
@@ -131,14 +130,10 @@ def _trace_call(model, sample_input, fake):
     import keras
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    device_scope = compat.torch_core().device_scope
-
-    mode = (
-        FakeTensorMode(allow_non_fake_inputs=True)
-        if fake
-        else contextlib.nullcontext()
-    )
-    with mode, device_scope("cpu"):
+    mode = contextlib.nullcontext()
+    if fake:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, compat.torch_core().device_scope("cpu"):
         trainable = len(model.trainable_variables)
         variables = [*model.trainable_variables, *model.non_trainable_variables]
         values = [  # plain tensors: Keras keeps their identity
