@@ -235,9 +235,8 @@ def auto_layout_map(
     """A `keras.distribution.LayoutMap` for any model, from its dataflow.
 
     Args:
-        build: a function with no arguments that creates the model (run
-            once where nothing is allocated: torch's `meta` device and
-            fake tensors), or a model.
+        build: a function of no arguments that creates the model (run
+            once on torch's `meta` device, with fake tensors), or a model.
         mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
         model_axis: the mesh axis weights are split over.
         batch_axis: the mesh axis the batch is split over.

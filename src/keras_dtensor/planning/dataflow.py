@@ -35,9 +35,7 @@ CONTRACTIONS = {"mm", "bmm", "addmm", "baddbmm"}
 
 
 # `out = bias + a @ b` with `a` `[B?, m, k]` and `b` `[B?, k, n]`.
-Contraction = collections.namedtuple(
-    "Contraction", ["a", "b", "bias", "out", "batched"]
-)
+Contraction = collections.namedtuple("Contraction", "a b bias out batched")
 
 
 def contraction(node):

@@ -98,12 +98,9 @@ def _through_view(node, split, shape_in, shape_out):
     _fail(node, f"a view of {shapes} spreads the split dim {d} over two dims")
 
 
-# A region run split: `weights` maps a variable's path to `(variable, dim,
-# role)`; `forward` and `backward` count all-reduces; `nbytes` is the size
-# of the weights it splits.
-Split = collections.namedtuple(
-    "Split", ["weights", "forward", "backward", "nbytes"]
-)
+# A region run split: path -> `(variable, dim, role)`, all-reduces forward
+# and backward, and the bytes of the weights it splits.
+Split = collections.namedtuple("Split", "weights forward backward nbytes")
 
 
 def _with_dim(split, d):
@@ -228,8 +225,7 @@ class _Run:
         outs = [o for o in node.outputs if isinstance(o, int)]
         if not outs:  # a query (`prim.device`, sizes): nothing to carry
             return
-        op, args = node.op, node.args
-        first = node.inputs[0]
+        op, args, first = node.op, node.args, node.inputs[0]
         if op.endswith("_like") or op in ("arange", "full", "scalar_tensor"):
             return  # reads a shape or dtype, not the values
         if op in CONTRACTIONS:

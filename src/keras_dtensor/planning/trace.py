@@ -23,18 +23,12 @@ from keras_dtensor import compat
 __all__ = ["Node", "Trace", "record"]
 
 
-# One aten op: its name (`"mm"`), whether torch tags it `pointwise`, its
-# tensor arguments as ids (`None` for others), its other arguments, and its
-# tensor outputs' ids.
-Node = collections.namedtuple(
-    "Node", ["op", "pointwise", "inputs", "args", "kwargs", "outputs"]
-)
-# A forward pass: `nodes` in execution order, `shapes` of tensors by id,
-# `weights` (a variable's value's id -> the variable), the ids of the
-# model's `outputs`; `keep` holds the tensors so ids stay unique.
-Trace = collections.namedtuple(
-    "Trace", ["nodes", "shapes", "weights", "outputs", "keep"]
-)
+# One aten op (`"mm"`): tensor arguments and outputs as ids (`None` for
+# other arguments, kept in `args`, `kwargs`).
+Node = collections.namedtuple("Node", "op pointwise inputs args kwargs outputs")
+# `nodes` in execution order, `shapes` and `weights` (variables) by id;
+# `keep` holds the tensors so their ids stay unique.
+Trace = collections.namedtuple("Trace", "nodes shapes weights outputs keep")
 
 
 def _op_name(func) -> str:
