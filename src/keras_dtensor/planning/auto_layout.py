@@ -8,11 +8,16 @@ the reason. The same on every rank and every run, with no communication.
 
 import collections
 import itertools
+import math
+import re
 
+from keras_dtensor.backend.layout import local_shape
+from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import dataflow
-from keras_dtensor.planning import layout_report
 from keras_dtensor.planning import propagate
 from keras_dtensor.planning import trace as tracing
+from keras_dtensor.planning.layout_report import AutoLayout
+from keras_dtensor.planning.layout_report import Entry
 
 __all__ = ["auto_layout", "auto_layout_map"]
 
@@ -81,8 +86,7 @@ def _reaches_output(flow, p):
     """Whether `p`'s output reaches a model output unmixed."""
     live = {p.out}
     for node in flow.trace.nodes:
-        ins = [i for i in node.inputs if isinstance(i, int)]
-        if any(i in live for i in ins) and (
+        if any(i in live for i in node.inputs) and (
             node.pointwise or node.op in ("view", "unsafe_view", "to_copy")
         ):
             live.update(o for o in node.outputs if isinstance(o, int))
@@ -107,6 +111,8 @@ def auto_layout(
         collectives per training step and the bytes per rank;
         `.layout_map` is the `keras.distribution.LayoutMap`.
     """
+    import keras
+
     names = list(mesh.axis_names)
     for axis in (model_axis, *((batch_axis,) if fsdp else ())):
         if axis not in names:
@@ -115,9 +121,53 @@ def auto_layout(
                 f"{names} (pass model_axis=/batch_axis=)"
             )
     sizes = dict(zip(names, mesh.shape, strict=True))
-    parts = sizes[model_axis]
     model, trace = tracing.record(build, sample_input)
-    flow = dataflow.analyze(trace)
+    decided, counts = _decide(
+        dataflow.analyze(trace), sizes[model_axis], min_shard_bytes
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    entries, full, per_rank = [], 0, 0
+    data = sizes.get(batch_axis, 1)
+    for var in model.weights:
+        dim, why = decided.get(var.path, (None, None))
+        axes = [None] * len(var.shape)
+        if dim is not None:
+            axes[dim] = model_axis
+        if fsdp and data > 1 and tracing.nbytes(var) >= max(min_shard_bytes, 1):
+            free = [d for d, a in enumerate(axes) if a is None]
+            free = [d for d in free if var.shape[d] % data == 0]
+            if free:
+                d = max(free, key=lambda d: var.shape[d])
+                axes[d] = batch_axis
+                why = (why + "; " if why else "") + f"FSDP: dim {d} by batch"
+        if why is None:
+            why = (
+                "replicated: not a projection's weight"
+                if len(var.shape) < 2
+                else "replicated: used by no projection the axis can split"
+            )
+        elif dim is None and "FSDP" not in why:
+            why = "replicated, " + why
+        local = local_shape(var.shape, normalize_axes(axes), sizes)
+        full += tracing.nbytes(var)
+        per_rank += math.prod(local) * tracing.keras_itemsize(var.dtype)
+        if any(axes):
+            layout_map["^" + re.escape(var.path) + "$"] = tuple(axes)
+        entries.append(Entry(var.path, tuple(var.shape), tuple(axes), why))
+    return AutoLayout(
+        entries,
+        mesh,
+        model_axis,
+        batch_axis,
+        *counts,
+        layout_map,
+        full,
+        per_rank,
+    )
+
+
+def _decide(flow, parts, min_bytes):
+    """`(path -> (dim or None, why), collective counts)` over `parts`."""
     decided = {}  # path -> (dim or None, why)
     fwd = bwd = gathers = 0
     tied = {p.var.path for p in flow.projections}
@@ -137,9 +187,7 @@ def auto_layout(
         fixed = {k for k, (d, _) in decided.items() if d is not None}
         found = []
         for root in flow.regions:
-            split, reason = _split_region(
-                flow, root, parts, fixed, min_shard_bytes
-            )
+            split, reason = _split_region(flow, root, parts, fixed, min_bytes)
             if split is None:
                 for p in (*flow.producers(root), *flow.consumers(root)):
                     if reason and decided.get(p.var.path, (None,))[0] is None:
@@ -169,17 +217,7 @@ def auto_layout(
                 why = "output head by vocabulary, as its embedding"
                 decided[p.var.path] = (dim, why)
                 gathers += 1
-    return layout_report.finish(
-        model,
-        mesh,
-        model_axis,
-        batch_axis,
-        fsdp,
-        decided,
-        sizes,
-        (fwd, bwd, gathers),
-        min_shard_bytes,
-    )
+    return decided, (fwd, bwd, gathers)
 
 
 def _compatible(splits):

@@ -169,11 +169,10 @@ def plan(
                 f"{variable.path} {shape}: {own / _MIB:.1f} MiB replicated "
                 "on every rank"
             )
-    layout_map = getattr(distribution, "_layout_map", None)
-    if layout_map is not None:
-        paths = [v.path for v in model.weights]
-        for key in unmatched_keys(layout_map, paths):
-            warnings.append(f"LayoutMap key {key!r} matches no weight")
+    layout_map = getattr(distribution, "_layout_map", None) or {}
+    paths = [v.path for v in model.weights]
+    for key in unmatched_keys(layout_map, paths):
+        warnings.append(f"LayoutMap key {key!r} matches no weight")
     return MemoryPlan(
         tuple(rows), tuple(mesh.shape), tuple(mesh.axis_names), tuple(warnings)
     )

@@ -82,8 +82,7 @@ def _sample_value(spec, batch=2, length=8):
 
 
 def sample_inputs(model):
-    """Inputs shaped like the model's `inputs` (unknown dims: 2 first, 8
-    elsewhere)."""
+    """Inputs like the model's `inputs` (unknown dims: 2 first, 8 after)."""
     import keras
 
     try:
@@ -181,9 +180,8 @@ def _host_memory_bytes():
 
 
 def record(build, sample_input=None):
-    """`(model, Trace)`: `build()` called and run once on `meta`, or on
-    the CPU (with a warning naming the layer) if `meta` fails; a model
-    that built on `meta` but would not fit in host memory raises."""
+    """`(model, Trace)` of `build()` run once on `meta`, else on the CPU
+    (warned); raises if the model would not fit in host memory."""
     import keras
     from keras.src.backend.common import global_state
 
