@@ -17,7 +17,8 @@ class Entry:
 
 @dataclasses.dataclass
 class AutoLayout:
-    """What `auto_layout` decided: entries, collectives and `layout_map`."""
+    """What `auto_layout` decided: `entries` per weight, collectives per
+    training step, and the `layout_map`."""
 
     entries: list
     mesh: object
