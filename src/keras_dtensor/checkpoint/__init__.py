@@ -3,10 +3,10 @@
 The entry points (`api`): `save_checkpoint`, `load_checkpoint`,
 `latest_checkpoint`, `export_weights`, `import_weights`;
 `ShardedCheckpoint` (`callback`) saves during `fit` and resumes. They are
-served by the manifest (`manifest`), the writer (`writer`) with its
-checksums (`digest`), the reader (`reader`), where a run is in an epoch
-(`position`) and termination signals (`preemption`). Imported on first
-use: `import keras_dtensor` does not load DCP.
+served by the manifest and its checksums (`manifest`), the writer
+(`writer`), the reader (`reader`) and termination signals
+(`preemption`). Imported on first use: `import keras_dtensor` does not
+load DCP.
 """
 
 from keras_dtensor.checkpoint.api import PendingCheckpoint

@@ -1,20 +1,15 @@
 """Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
 
 Every rank writes its own shards; any number of processes, under any
-layout, reads them back (DCP reshards on load). A checkpoint holds the
-model's variables (`model/<path>`), the optimizer's (`optimizer/<path>`,
-without its auto-numbered name; a repeated path gets `#1`, `#2`, ...),
-Keras's seed generator (`rng/keras`) and each rank's torch generator
-(`rng/torch/<rank>`, restored on the same number of processes).
-
-It is written into a hidden directory, its manifest (`manifest`) last,
-then renamed into place: a checkpoint without its manifest is never
-loaded, so a kill at any moment leaves the previous one loadable. A load
-checks every file against the manifest before the model is touched, and
-unpickles nothing but DCP's metadata (`reader`). These functions are
-collective: every rank calls them, in the same order.
+layout, reads them back (DCP reshards on load). A save is staged in a
+hidden directory, its manifest (`manifest`) written last, then renamed
+into place: a checkpoint without its manifest is never loaded. A load
+checks every file before the model is touched. Every function here is
+collective: every rank calls it, in the same order. The keys and the
+design: `docs/internals/saving.md`.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -42,8 +37,6 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT = manifest.FORMAT
-MANIFEST = manifest.MANIFEST
 _ASYNC_GROUP = "keras_dtensor_checkpoint_group"
 
 
@@ -61,53 +54,58 @@ def _keyed(prefix, variables, out, drop_first=False):
         key = f"{prefix}/{path}"
         count = seen.get(key, 0)
         seen[key] = count + 1
-        out[key if count == 0 else f"{key}#{count}"] = variable
-
-
-def _variables(model):
-    """`{key: Keras variable}` of everything a checkpoint holds."""
-    out = {}
-    _keyed("model", model.variables, out)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        _keyed("optimizer", optimizer.variables, out, drop_first=True)
-    generator = global_state.get_global_attribute("global_seed_generator")
-    if generator is not None:
-        out["rng/keras"] = generator.state
-    return out
+        out[key if count == 0 else f"{key}#{count}"] = _value(variable)
 
 
 def _state_dict(model):
     """The tensors to save or load into, by key (views of the variables)."""
     data_parallel.sync_optimizer_state(model)  # DataParallel's stale slots
-    state = {key: _value(v) for key, v in _variables(model).items()}
-    _, rank = launch.world()
-    state[f"rng/torch/{rank}"] = torch.get_rng_state()
+    state = {}
+    _keyed("model", model.variables, state)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        _keyed("optimizer", optimizer.variables, state, drop_first=True)
+    generator = global_state.get_global_attribute("global_seed_generator")
+    if generator is not None:
+        state["rng/keras"] = _value(generator.state)
+    state[f"rng/torch/{launch.world()[1]}"] = torch.get_rng_state()
     return state
 
 
-class _Names:
-    """A save's hidden directory (rank 0's name) and its final place."""
+def _short(error):
+    """One line for a failed write: each rank's error, no traceback."""
+    if isinstance(error, dcp.CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}"
+            for rank, (exc, _) in sorted(error.failures.items())
+        )
+    return f"{type(error).__name__}: {error}"
 
-    def __init__(self, directory):
-        self.final = os.path.abspath(os.fspath(directory))
-        self.parent, _ = files.split(self.final)
-        token = launch.broadcast_bytes(uuid.uuid4().hex.encode()).decode()
-        self.staging = files.staging_path(self.final, token)
 
-
-def _commit(names, state, world, extra, digests):
-    """Writes the manifest last, then moves the checkpoint into place
-    (`digests`: this rank's, taken as it wrote)."""
+def _commit(final, staging, write, state, world, extra, storage_writer):
+    """Runs `write()`, then writes the manifest last and moves the
+    checkpoint into place; a failure on any rank raises on every rank."""
     _, rank = launch.world()
-    written = sorted(os.listdir(names.staging))
-    hashes = manifest.gathered_hashes(names.staging, written, digests)
     problem = None
+    try:
+        write()
+    except (Exception, dcp.CheckpointException) as e:
+        problem = _short(e)
+    problem = consensus.first_failure(problem)
+    if problem:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(
+            f"Checkpoint {final!r} was not written ({problem}); the "
+            "checkpoints written before it are intact."
+        )
+    written = sorted(os.listdir(staging))
+    hashes = manifest.gathered_hashes(staging, written, storage_writer.digests)
     if rank == 0:
         contents = {
-            "format": FORMAT,
+            "format": manifest.FORMAT,
             "digest": manifest.DIGEST,
             "processes": world,
             "extra": extra,
@@ -119,48 +117,18 @@ def _commit(names, state, world, extra, digests):
             },
         }
         try:
-            path = os.path.join(names.staging, MANIFEST)
+            path = os.path.join(staging, manifest.MANIFEST)
             with open(path, "w") as f:
                 json.dump(contents, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
-            files.move_into_place(names.staging, names.final)
+            files.move_into_place(staging, final)
         except OSError as e:
             problem = e
     problem = consensus.first_failure(problem)
     if problem:
-        raise RuntimeError(
-            f"Checkpoint {names.final!r} was not committed: {problem}"
-        )
-    return names.final
-
-
-def _short(error):
-    """One line for a failed write (each rank's error, no tracebacks)."""
-    if isinstance(error, dcp.CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(exc).__name__}: {exc}"
-            for rank, (exc, _) in sorted(error.failures.items())
-        )
-    return f"{type(error).__name__}: {error}"
-
-
-def _written(names, write):
-    """Runs `write()`; a failure on any rank raises on every rank, the
-    staging directory removed."""
-    problem = None
-    try:
-        write()
-    except (Exception, dcp.CheckpointException) as e:
-        problem = _short(e)
-    problem = consensus.first_failure(problem)
-    if problem:
-        if launch.world()[1] == 0:
-            shutil.rmtree(names.staging, ignore_errors=True)
-        raise RuntimeError(
-            f"Checkpoint {names.final!r} was not written ({problem}); the "
-            "checkpoints written before it are intact."
-        )
+        raise RuntimeError(f"Checkpoint {final!r} was not committed: {problem}")
+    return final
 
 
 class PendingCheckpoint:
@@ -170,17 +138,12 @@ class PendingCheckpoint:
     rank calls it) and returns the checkpoint's path.
     """
 
-    def __init__(self, future, names, state, world, extra, writer):
-        self._future, self._names, self._writer = future, names, writer
-        self._commit = (names, state, world, extra)
-        self._path = None
+    def __init__(self, commit):
+        self._commit, self._path = commit, None
 
     def result(self):
         if self._path is None:
-            _written(self._names, self._future.result)
-            digests = self._writer.digests
-            self._path = _commit(*self._commit, digests)
-            self._commit = self._writer = None
+            self._path, self._commit = self._commit(), None
         return self._path
 
 
@@ -188,9 +151,8 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     """Saves `model`'s variables and optimizer state as a DCP checkpoint.
 
     Every rank writes its own shards (one copy of each replicated value).
-    The checkpoint appears at `directory` only once complete (written into
-    a staging directory, its manifest last, then renamed); an existing
-    checkpoint there is replaced.
+    The checkpoint appears at `directory` only once complete, replacing
+    any there.
 
     Args:
         model: a built Keras model (its optimizer is built if needed).
@@ -210,31 +172,33 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
         "every rank writes its shards",
     )
     world, rank = launch.world()
-    names = _Names(directory)
+    final = os.path.abspath(os.fspath(directory))
+    token = launch.broadcast_bytes(uuid.uuid4().hex.encode()).decode()
+    staging = files.staging_path(final, token)  # rank 0's name
+    parent, _ = files.split(final)
     problem = None
     if rank == 0:
         try:
-            os.makedirs(names.parent, exist_ok=True)
-            files.remove_leftovers(names.parent)
-            os.makedirs(names.staging)
+            os.makedirs(parent, exist_ok=True)
+            files.remove_leftovers(parent)
+            os.makedirs(staging)
         except OSError as e:
             problem = e
     problem = consensus.first_failure(problem)
     if problem:
-        raise RuntimeError(f"Cannot save checkpoint {names.final!r}: {problem}")
+        raise RuntimeError(f"Cannot save checkpoint {final!r}: {problem}")
     state = _state_dict(model)
-    storage_writer = writer.DigestingWriter(names.staging)
+    storage_writer = writer.DigestingWriter(staging)
+    write = functools.partial(dcp.save, state, storage_writer=storage_writer)
     if async_save:
-        future = dcp.async_save(
-            state,
-            storage_writer=storage_writer,
-            process_group=preemption.gloo_group(_ASYNC_GROUP),
-        )
-        return PendingCheckpoint(
-            future, names, state, world, extra, storage_writer
-        )
-    _written(names, lambda: dcp.save(state, storage_writer=storage_writer))
-    return _commit(names, state, world, extra, storage_writer.digests)
+        group = preemption.gloo_group(_ASYNC_GROUP)
+        write = dcp.async_save(
+            state, storage_writer=storage_writer, process_group=group
+        ).result
+    commit = functools.partial(
+        _commit, final, staging, write, state, world, extra, storage_writer
+    )
+    return PendingCheckpoint(commit) if async_save else commit()
 
 
 def _check_keys(directory, contents, state):
@@ -260,10 +224,8 @@ def _check_keys(directory, contents, state):
 def load_checkpoint(model, directory):
     """Loads a checkpoint into `model` (and its optimizer), resharding.
 
-    The model may run on another number of processes or under other
-    layouts than the one that saved: each rank reads the parts of its
-    shards. Files are checked first; a damaged checkpoint raises and
-    leaves the model as it was.
+    Any number of processes, under any layouts, may load it. Files are
+    checked first: a damaged checkpoint raises, the model untouched.
 
     Args:
         model: a built Keras model of the same architecture.
@@ -306,8 +268,7 @@ def latest_checkpoint(root, prefix=""):
         prefix: consider only names that start with it.
 
     Returns:
-        The absolute path of the newest checkpoint that has its manifest
-        (a complete one), or `None`.
+        The absolute path of the newest one with its manifest, or `None`.
 
     Example:
     >>> path = keras_dtensor.latest_checkpoint("ckpt")
@@ -316,22 +277,26 @@ def latest_checkpoint(root, prefix=""):
     """
     if not os.path.isdir(root):
         return None
-    entries = files.in_place_or_aside(os.path.abspath(root))
-    complete = [
-        name
+    found = checkpoints(os.path.abspath(root), prefix)
+    return found[-1] if found else None
+
+
+def checkpoints(root, prefix=""):
+    """The paths of the complete checkpoints under `root`, sorted by name."""
+    entries = files.in_place_or_aside(root)
+    return [
+        entries[name]
         for name in sorted(entries)
         if name.startswith(prefix)
-        and os.path.exists(os.path.join(entries[name], MANIFEST))
+        and os.path.exists(os.path.join(entries[name], manifest.MANIFEST))
     ]
-    return entries[complete[-1]] if complete else None
 
 
 def export_weights(model, directory, filepath):
     """Writes a checkpoint's weights as an ordinary Keras `.weights.h5`.
 
     Loads the checkpoint into `model` (any number of processes, any
-    layout), then `model.save_weights(filepath)`: plain single-process
-    Keras loads the file.
+    layout), then `model.save_weights(filepath)`.
 
     Example:
     >>> from keras_dtensor.checkpoint import export_weights

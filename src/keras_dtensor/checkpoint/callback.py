@@ -1,32 +1,35 @@
 """`ShardedCheckpoint`: sharded checkpoints from `fit`, with resume.
 
-It saves into `<directory>/ckpt-<batches>` (zero-padded: the names
-sort), keeps the newest `keep`, and when `fit` starts resumes from the
-newest complete one. On a termination signal the ranks agree on a step
-(`preemption`), save there and exit with code 75. That checkpoint resumes
-at its exact batch (`position`) where the input can be positioned;
-otherwise the epoch restarts from its first batch with the weights it
-holds (Keras's `BackupAndRestore` semantics).
+A checkpoint resumes at its exact batch where the input can be positioned
+(its position: the random states at the epoch's start and now, and the
+epoch's metric states, each rank's, in the manifest); otherwise its epoch
+restarts from its first batch (Keras's `BackupAndRestore` semantics).
 """
 
+import base64
 import contextlib
+import json
 import os
+import random
 import shutil
 import signal
 import time
 import warnings
 
 import keras
+import numpy as np
+import torch
 
+from keras_dtensor.backend import context
 from keras_dtensor.backend import launch
 from keras_dtensor.backend import resume
 from keras_dtensor.checkpoint import api
-from keras_dtensor.checkpoint import position
+from keras_dtensor.checkpoint import manifest
 from keras_dtensor.checkpoint import preemption
 
 __all__ = ["ShardedCheckpoint"]
 
-_PREFIX = "ckpt-"
+_PREFIX = "ckpt-"  # then the batches trained, zero-padded: the names sort
 
 
 def _number(value):
@@ -34,6 +37,82 @@ def _number(value):
         return float(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+def _random_state():
+    """This process's global random generators, as JSON."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    torch_state = torch.get_rng_state().numpy().tobytes()
+    return {
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "python": [version, list(internal), gauss_next],
+        "torch": base64.b64encode(torch_state).decode(),
+    }
+
+
+def _own(position):
+    world, rank = launch.world()
+    same = position["processes"] == world
+    return position["ranks"][rank if same else 0], same
+
+
+def _set_random_state(position, which):
+    """Sets the global generators as at the epoch's start (`"begin"`) or
+    at the checkpoint (`"moment"`)."""
+    state = _own(position)[0][which]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(
+        (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+    )
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    raw = bytearray(base64.b64decode(state["torch"]))
+    torch.set_rng_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+
+
+def _capture(model, batches, epoch_begin):
+    """The position after `batches` batches of this epoch (collective)."""
+    mine = {
+        "begin": epoch_begin,
+        "moment": _random_state(),
+        "metrics": [
+            np.asarray(keras.ops.convert_to_numpy(v)).tolist()
+            for v in model.metrics_variables
+        ],
+    }
+    shares = launch.all_gather_bytes(json.dumps(mine).encode())
+    world, _ = launch.world()
+    return {
+        "batches": batches,
+        "processes": world,
+        "partial_metrics": context.is_data_parallel(),
+        "ranks": [json.loads(share) for share in shares],
+    }
+
+
+def _restore_metrics(model, position):
+    """Puts the epoch's metric states back (after Keras reset them)."""
+    variables = model.metrics_variables
+    share, same = _own(position)
+    partial_now = context.is_data_parallel()
+    if same and partial_now == position["partial_metrics"]:
+        values = share["metrics"]
+    else:
+        per_rank = [r["metrics"] for r in position["ranks"]]
+        if position["partial_metrics"]:  # the global state is their sum
+            values = [
+                np.sum([np.asarray(r[i]) for r in per_rank], axis=0)
+                for i in range(len(variables))
+            ]
+        else:
+            values = per_rank[0]
+        if partial_now and launch.world()[1] != 0:
+            values = [np.zeros_like(np.asarray(v)) for v in values]
+    if len(values) != len(variables):
+        return  # another model's metrics: the epoch's logs start afresh
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(np.asarray(value, dtype=variable.dtype))
 
 
 class ShardedCheckpoint(keras.callbacks.Callback):
@@ -114,8 +193,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         latest = launch.broadcast_bytes((latest or "").encode()).decode()
         if not latest:
             return
-        manifest = api.load_checkpoint(self.model, latest)
-        extra = manifest.get("extra") or {}
+        extra = api.load_checkpoint(self.model, latest).get("extra") or {}
         # fit resumes at the start of `epoch`: count batches from there.
         self._batches = int(extra.get("resume_batches", 0))
         self._saved_at = int(extra.get("batches", -1))
@@ -136,7 +214,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         resumed, self._position = self._position, None
         loaded, self._loaded = self._loaded, False
         if resumed and resumed["batches"]:
-            position.restore_random(resumed, "begin")
+            _set_random_state(resumed, "begin")
             resume.request(
                 resumed["batches"],
                 lambda positioned, kind: self._resumed(
@@ -146,12 +224,12 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             )
         elif loaded:  # at an epoch's start: its shuffle all the same
             resume.request(0, None, self._resumed_epochs)
-        self._begin_state = position.random_state()
+        self._begin_state = _random_state()
 
     def _resumed(self, resumed, positioned, kind):
         if positioned:
-            position.restore_metrics(self.model, resumed)
-            position.restore_random(resumed, "moment")
+            _restore_metrics(self.model, resumed)
+            _set_random_state(resumed, "moment")
             self._batches = self._epoch_start + resumed["batches"]
         elif launch.world()[1] == 0:
             warnings.warn(
@@ -191,7 +269,8 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             self._finish()
         finally:
             self._stop_listening()
-        self._fill_history()
+        if self._resumed_epochs:
+            self._fill_history()
 
     def _stop_listening(self):
         if self._signals is not None:
@@ -201,18 +280,14 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def _fill_history(self):
         """Gives `fit`'s History the epochs trained before a resume."""
         history = getattr(self.model, "history", None)
-        epochs, logs = self._history
-        if self._resumed_epochs == 0 or not isinstance(
-            history, keras.callbacks.History
-        ):
-            return
-        history.epoch = list(epochs)
-        history.history = {key: list(values) for key, values in logs.items()}
+        if isinstance(history, keras.callbacks.History):
+            epochs, logs = self._history
+            history.epoch = list(epochs)
+            history.history = {k: list(v) for k, v in logs.items()}
 
     def _preempted(self, number, in_epoch, epoch=None):
-        """Every rank is here: save this step (if not saved yet) and exit
-        with `preemption.EXIT_CODE`. A second signal during the save is
-        only noted: the save finishes."""
+        """Every rank is here: save this step (if not yet) and exit; a
+        second signal during the save is only noted."""
         started = time.monotonic()
         vote, self._vote = self._vote, None
         if vote is not None:
@@ -230,22 +305,21 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         )
 
     def _save_here(self, in_epoch, epoch=None, force_sync=False):
-        """A checkpoint of now: after `in_epoch` batches of the current
-        epoch (resumed at that batch), or at an epoch's end (`epoch` is
-        the next one)."""
-        extra = {"epoch": self._epoch if epoch is None else epoch}
+        """A checkpoint after `in_epoch` batches of this epoch, or at its
+        end (`epoch`: the next one)."""
+        epochs, logs = self._history
+        extra = {
+            "epoch": self._epoch if epoch is None else epoch,
+            "resume_batches": self._epoch_start if in_epoch else self._batches,
+            "batches": self._batches,
+            "history": {"epoch": epochs, "logs": logs},
+        }
         if in_epoch:
-            extra["resume_batches"] = self._epoch_start
-            extra["position"] = position.capture(
+            extra["position"] = _capture(
                 self.model, in_epoch, self._begin_state
             )
-        else:
-            extra["resume_batches"] = self._batches
         self._finish()
         path = os.path.join(self.directory, f"{_PREFIX}{self._batches:010d}")
-        epochs, logs = self._history
-        extra["batches"] = self._batches
-        extra["history"] = {"epoch": epochs, "logs": logs}
         async_save = self.async_save and not force_sync
         result = api.save_checkpoint(
             self.model, path, async_save=async_save, extra=extra
@@ -265,16 +339,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def _prune(self):
         if launch.world()[1] != 0:
             return
-        complete = sorted(
-            name
-            for name in os.listdir(self.directory)
-            if name.startswith(_PREFIX)
-            and os.path.exists(os.path.join(self.directory, name, api.MANIFEST))
-        )
-        for name in complete[: -self.keep]:
+        for path in api.checkpoints(self.directory, _PREFIX)[: -self.keep]:
             # The manifest first: a kill while the rest goes leaves an
             # incomplete checkpoint, never one that looks complete.
-            path = os.path.join(self.directory, name)
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(path, api.MANIFEST))
+                os.remove(os.path.join(path, manifest.MANIFEST))
             shutil.rmtree(path, ignore_errors=True)

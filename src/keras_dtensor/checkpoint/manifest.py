@@ -1,32 +1,33 @@
-"""The files of a sharded checkpoint, and how they are checked.
+"""The manifest of a sharded checkpoint, and how its files are checked.
 
-A checkpoint directory holds DCP's files (`.metadata`, `__<rank>_<i>.distcp`)
-and the manifest `keras_dtensor.json`, written last: the digest and size of
-every file, the keys with their global shapes and dtypes. Nothing here
-trusts the files: the manifest is JSON, every file is checked before a load
-touches the model (the ranks share the files), and DCP's pickled
-`.metadata` is read through an allow-list of DCP's own metadata types.
-Format `keras-dtensor-checkpoint/2` digests are `crc32_blocks` (`digest`);
-format 1's (`sha256` of the whole file) are still read and checked.
+The manifest `keras_dtensor.json`, written last, holds the digest and
+size of every file and the keys with their global shapes and dtypes.
+A digest (`crc32_blocks`) is zlib's CRC-32 of each block of `BLOCK` bytes
+(the last one shorter), 8 hex digits each: it finds accidental damage
+cheaply; it is not tamper-evident. Format 1's (a SHA-256 per file) are
+still read. Nothing here trusts the files: the manifest is JSON, the
+ranks share the checks of every file before a load, and DCP's pickled
+`.metadata` is read through an allow-list of DCP's metadata types.
 """
 
+import hashlib
 import io
 import json
 import os
 import pickle
+import zlib
 
 import torch
 
 from keras_dtensor.backend import consensus
 from keras_dtensor.backend import launch
-from keras_dtensor.checkpoint import digest
 
 __all__ = [
+    "BlockDigest",
     "DCP_METADATA",
     "DIGEST",
     "FORMAT",
     "MANIFEST",
-    "files_of",
     "gathered_hashes",
     "hash_file",
     "read_manifest",
@@ -36,16 +37,56 @@ __all__ = [
 
 FORMAT = "keras-dtensor-checkpoint/2"
 _READS = ("keras-dtensor-checkpoint/1", FORMAT)
+BLOCK = 16 * 2**20  # bytes of one block: one CRC-32
 # How this version's digests are taken: the manifest's `digest`.
-DIGEST = {"algorithm": "crc32_blocks", "block_bytes": digest.BLOCK}
+DIGEST = {"algorithm": "crc32_blocks", "block_bytes": BLOCK}
 MANIFEST = "keras_dtensor.json"
 DCP_METADATA = ".metadata"
+_READ = 2**20  # bytes read at a time: the buffer stays in the cache
 
 
-def hash_file(path):
-    """`{"crc32_blocks", "size"}` of the file at `path` (this version's
-    digest, as `DigestingWriter` takes it)."""
-    return digest.hash_file(path, DIGEST["block_bytes"])
+class BlockDigest:
+    """A file's `crc32_blocks`, fed its bytes in order."""
+
+    def __init__(self, block=BLOCK):
+        self.block = block
+        self.size = 0
+        self._crcs = []
+        self._fill = block  # the last block is full: the next byte opens one
+
+    def update(self, data):
+        view = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(view):
+            if self._fill == self.block:
+                self._crcs.append(0)
+                self._fill = 0
+            take = min(self.block - self._fill, len(view) - pos)
+            self._crcs[-1] = zlib.crc32(view[pos : pos + take], self._crcs[-1])
+            self._fill += take
+            pos += take
+        self.size += len(view)
+
+    def hexdigest(self):
+        return "".join(f"{crc:08x}" for crc in self._crcs)
+
+
+def _read(path, update):
+    """Feeds the file's bytes (as long as when opened) to `update`."""
+    buffer = memoryview(bytearray(_READ))
+    with open(path, "rb", buffering=0) as f:
+        size = left = os.fstat(f.fileno()).st_size
+        while left and (got := f.readinto(buffer[:left])):
+            update(buffer[:got])
+            left -= got
+    return size
+
+
+def hash_file(path, block=BLOCK):
+    """`{"crc32_blocks", "size"}` of the file at `path`."""
+    digest = BlockDigest(block)
+    size = _read(path, digest.update)
+    return {"crc32_blocks": digest.hexdigest(), "size": size}
 
 
 def _merged(mine):
@@ -56,9 +97,9 @@ def _merged(mine):
 
 
 def gathered_hashes(directory, names, mine):
-    """`{name: {crc32_blocks, size}}` for `names` from every rank's digests
-    (`mine`: this rank's, taken while writing); files no rank has a digest
-    for are hashed here, the ranks sharing them."""
+    """`{name: digest}` for `names` from every rank's digests (`mine`);
+    files no rank has a digest for are hashed here, the ranks sharing
+    them."""
     merged = _merged(mine)
     missing = [n for n in names if n not in merged]
     if missing:
@@ -108,16 +149,8 @@ def read_metadata(path):
         return _MetadataUnpickler(io.BytesIO(f.read())).load()
 
 
-def files_of(metadata):
-    """`{file name: sorted keys stored in it}` from DCP's metadata."""
-    out = {}
-    for index, info in (metadata.storage_data or {}).items():
-        out.setdefault(os.fspath(info.relative_path), set()).add(index.fqn)
-    return {name: sorted(keys) for name, keys in out.items()}
-
-
 def _check(directory, name, expected, block):
-    """What is wrong with file `name` (a message), or `None`."""
+    """What is wrong with file `name`, or `None`."""
     path = os.path.join(directory, name)
     try:
         size = os.stat(path).st_size
@@ -128,22 +161,25 @@ def _check(directory, name, expected, block):
             f"{name} has {size} bytes, the manifest "
             f"{expected['size']} (truncated or replaced)"
         )
-    if "crc32_blocks" in expected:
-        found = digest.hash_file(path, block)["crc32_blocks"]
-        bad = digest.first_difference(found, expected["crc32_blocks"], block)
-        if bad is not None:
-            return (
-                f"{name} does not match its CRC-32 in bytes {bad[0]} to "
-                f"{min(bad[1], size)} (altered)"
-            )
+    if "crc32_blocks" not in expected:  # format 1: a SHA-256 per file
+        digest = hashlib.sha256()
+        _read(path, digest.update)
+        if digest.hexdigest() != expected["sha256"]:
+            return f"{name} does not match its SHA-256 (altered)"
         return None
-    if digest.hash_whole_file(path)["sha256"] != expected["sha256"]:
-        return f"{name} does not match its SHA-256 (altered)"  # format 1
+    found = hash_file(path, block)["crc32_blocks"]
+    crcs = expected["crc32_blocks"]
+    for i in range(0, max(len(found), len(crcs)), 8):  # 8 hex digits each
+        if found[i : i + 8] != crcs[i : i + 8]:
+            return (
+                f"{name} does not match its CRC-32 in bytes {i // 8 * block} "
+                f"to {min((i // 8 + 1) * block, size)} (altered)"
+            )
     return None
 
 
 def _block_bytes(directory, manifest):
-    """The block size of a format 2 manifest's `crc32_blocks`."""
+    """The block size of a format 2 manifest's digests."""
     kind = manifest.get("digest") or {}
     block = kind.get("block_bytes")
     if manifest["format"] == FORMAT and (
@@ -182,7 +218,10 @@ def verify(directory, manifest):
     if name != DCP_METADATA:
         try:
             metadata = read_metadata(os.path.join(directory, DCP_METADATA))
-            keys = files_of(metadata).get(name, [])
+            stored = (metadata.storage_data or {}).items()
+            keys = sorted(
+                {i.fqn for i, s in stored if os.fspath(s.relative_path) == name}
+            )
         except (OSError, pickle.UnpicklingError, EOFError):
             keys = ["(unknown: the metadata is unreadable too)"]
         holds = f"; it holds {', '.join(keys[:8])}"

@@ -1,13 +1,10 @@
 """Termination signals during `fit`: noticed on any rank, acted on by all.
 
-The handler only notes the signal: the process is usually inside a step
-or a collective, which must finish on every rank. At step boundaries the
-ranks agree one vote late: every few boundaries each launches a small
-all-reduce (maximum) of "was I signalled" on a gloo group of its own and
-reads the one launched at the previous vote, long done. All ranks read
-the same value at the same boundary, so none is left inside a collective
-the others have left. A signal outside `fit` goes to the handler that was
-there before.
+The handler only notes the signal: a step or a collective in flight must
+finish on every rank. At step boundaries the ranks agree one vote late
+(`Vote`), so all stop at the same boundary and none is left inside a
+collective the others have left. A signal outside `fit` goes to the
+handler that was there before.
 """
 
 import contextlib
@@ -32,20 +29,13 @@ __all__ = [
     "signal_name",
 ]
 
-# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to
-# retry". What a job script or `keras-dtensor run --max-restarts` sees when
-# a run stopped on a termination signal after writing its checkpoint.
+# EX_TEMPFAIL (sysexits.h): a run stopped on a signal, its checkpoint saved.
 EXIT_CODE = 75
 _GROUP = "keras_dtensor_preemption_group"
 
 
 class Signals:
-    """Notes termination signals while `model.fit` runs.
-
-    Args:
-        model: the model whose `fit` is running.
-        signals: the signal numbers to handle.
-    """
+    """Notes the termination signals `signals` while `model.fit` runs."""
 
     def __init__(self, model, signals):
         self.model = model
@@ -54,8 +44,7 @@ class Signals:
         self._previous = {}
 
     def install(self) -> bool:
-        """Installs the handlers; `False` where Python cannot (not the
-        main thread)."""
+        """Installs the handlers; `False` off the main thread."""
         if threading.current_thread() is not threading.main_thread():
             return False
         for number in self.signals:
@@ -98,8 +87,8 @@ def signal_name(number: int) -> str:
 
 
 def gloo_group(key):
-    """A gloo group of every rank, made once and kept in Keras's global
-    state under `key` (`None` without a process group)."""
+    """A gloo group of every rank, kept in Keras's global state under
+    `key` (`None` without a process group)."""
     group = global_state.get_global_attribute(key)
     if group is None and dist.is_initialized():
         group = dist.new_group(backend="gloo")
@@ -110,19 +99,17 @@ def gloo_group(key):
 class Vote:
     """Whether any rank was signalled, agreed one vote late.
 
-    Every rank calls `at_boundary` with the signal it received (0: none)
-    at the same boundaries; a signal number returned means stop here, on
-    every rank. A vote is launched every `every` boundaries, about every
-    `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds: each carries every rank's
-    proposal for the next `every` (from its step times), and all ranks
-    take the smallest, so they keep counting the same boundaries.
+    Every rank calls `at_boundary` at the same boundaries with the signal
+    it received (0: none); a signal number returned means stop here. About
+    every `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds each rank launches an
+    all-reduce (maximum) of its signal and its proposal for the boundaries
+    to the next vote, and reads the previous one, long done.
     """
 
     MAX_EVERY = 64
 
     def __init__(self):
-        multi = launch.multi_process()
-        self._group = gloo_group(_GROUP) if multi else None
+        self._group = gloo_group(_GROUP) if launch.multi_process() else None
         self._pending = None
         self._every = 1  # boundaries between votes, the same on every rank
         self._count = 0
@@ -153,7 +140,7 @@ class Vote:
         return stop
 
     def final(self, signalled: int) -> int:
-        """The last boundary: agrees now (blocking), nothing left pending."""
+        """The last boundary: agrees now (blocking)."""
         if self._group is None:
             return signalled
         stop = self._read()

@@ -1,10 +1,9 @@
 """Reading sharded checkpoints: allow-listed metadata, direct reads.
 
-`SafeReader` is DCP's `FileSystemReader` that reads the pickled
-`.metadata` through `manifest`'s allow-list, refuses items DCP would
-unpickle freely (`BYTE_IO`), and reads a plain contiguous tensor of the
-same dtype straight into the destination instead of into a new tensor
-that is then copied. Anything else goes through DCP's reader.
+`SafeReader` reads DCP's `.metadata` through `manifest`'s allow-list,
+refuses items DCP would unpickle freely (`BYTE_IO`), and reads a plain
+contiguous tensor straight into the destination (no new tensor to copy
+from); anything else goes through DCP's reader.
 """
 
 import collections
@@ -42,9 +41,6 @@ class _Window(io.RawIOBase):
     def seekable(self):
         return True
 
-    def tell(self):
-        return self._pos
-
     def seek(self, pos, whence=os.SEEK_SET):
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos}.get(whence)
         self._pos = max(0, (self._length if base is None else base) + pos)
@@ -76,11 +72,6 @@ class _Saved:
     data_start: int = 0  # of the storage's bytes, within the item
 
 
-class _StorageKind:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-
 def _describe(storage, offset, size, stride, *rest):
     return _Saved(storage, int(offset), tuple(size), tuple(stride))
 
@@ -99,7 +90,7 @@ class _TensorRecord(pickle.Unpickler):
                 warnings.simplefilter("ignore")
                 dtype = getattr(kind, "dtype", None)
             if isinstance(dtype, torch.dtype):
-                return _StorageKind(dtype)
+                return dtype  # the storage's class stands for its dtype
         raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
 
     def persistent_load(self, pid):
@@ -107,9 +98,9 @@ class _TensorRecord(pickle.Unpickler):
             isinstance(pid, tuple)
             and len(pid) == 5
             and pid[0] == "storage"
-            and isinstance(pid[1], _StorageKind)
+            and isinstance(pid[1], torch.dtype)
         ):
-            return _Storage(pid[1].dtype, str(pid[2]), int(pid[4]))
+            return _Storage(pid[1], str(pid[2]), int(pid[4]))
         raise pickle.UnpicklingError("not a plain tensor storage")
 
 
@@ -169,13 +160,13 @@ def _saved_tensor(window):
 
 
 def _byte_range(saved, offsets, lengths):
-    """`(first byte, count)` of the saved tensor's box, or `None` if the
-    box is not one contiguous run of its storage."""
+    """`(first byte, count)` of the box, if one run of the storage."""
     size = saved.size
     if len(size) != len(offsets) or saved.stride != contiguous_strides(size):
         return None
-    inner = [d for d, n in enumerate(lengths) if n != size[d]]
-    if inner and any(lengths[d] != 1 for d in range(inner[0])):
+    # One run: every dimension after the first of length other than 1 whole.
+    first = next((d for d, n in enumerate(lengths) if n != 1), len(lengths))
+    if tuple(lengths[first + 1 :]) != tuple(size[first + 1 :]):
         return None
     start = saved.offset + sum(
         o * s for o, s in zip(offsets, saved.stride, strict=True)
@@ -190,15 +181,13 @@ def _byte_range(saved, offsets, lengths):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's `FileSystemReader` with the allow-listed metadata, no
-    unrestricted unpickling, and direct reads into the destination."""
+    """DCP's `FileSystemReader`, safe and reading in place."""
 
     def read_metadata(self, *args, **kwargs):
         path = os.path.join(self.path, manifest.DCP_METADATA)
         metadata = manifest.read_metadata(path)
-        metadata.storage_meta = metadata.storage_meta or (
-            dcp.metadata.StorageMeta()
-        )
+        if metadata.storage_meta is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -259,17 +248,11 @@ class SafeReader(dcp.FileSystemReader):
         if span is None:
             return False
         start, count = span
-        if count:
-            buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
-            f.seek(info.offset + start)
-            got = 0
-            while got < count:
-                n = f.readinto(buffer[got:])
-                if not n:
-                    raise ValueError(
-                        f"Checkpoint file {os.fspath(info.relative_path)} "
-                        f"ended while reading {item.dest_index.fqn}."
-                    )
-                got += n
+        f.seek(info.offset + start)  # a buffered read fills all it can
+        if f.readinto(target.view(-1).view(torch.uint8).numpy()) != count:
+            raise ValueError(
+                f"Checkpoint file {os.fspath(info.relative_path)} "
+                f"ended while reading {item.dest_index.fqn}."
+            )
         planner.commit_tensor(item, target)
         return True

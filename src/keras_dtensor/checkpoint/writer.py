@@ -1,13 +1,9 @@
 """Writing sharded checkpoints: the digest of every file, taken on write.
 
-`DigestingWriter` is DCP's `FileSystemWriter` whose output streams
-checksum what they write (`digest.py`), so a save never reads its files
-again; a file not written in one pass (a seek, or a size other than the
-bytes counted) gets no digest and is read again at commit.
-
-While it writes, `torch.save` skips its per-record zip CRC-32: `torch.load`
-never checks it, and the manifest's checksums, checked before every load,
-cover the same bytes.
+`DigestingWriter`'s streams checksum what they write (`manifest`), so a
+save never reads its files again; a file not written in one pass gets no
+digest and is read again at commit. Meanwhile `torch.save` skips its zip
+CRC-32: `torch.load` never checks it; the manifest covers the same bytes.
 """
 
 import contextlib
@@ -18,15 +14,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 
-from keras_dtensor.checkpoint import digest
+from keras_dtensor.checkpoint import manifest
 
 __all__ = ["DigestingWriter"]
 
 
 class _Crc32Off:
     """`torch.save` without its zip CRC-32 while any of our writes run
-    (a process-wide option: the first writer in turns it off, the last
-    one out restores it; an async save may overlap another)."""
+    (a process-wide option; an async save may overlap another)."""
 
     lock = threading.Lock()
     depth = 0
@@ -51,7 +46,7 @@ class _DigestStream:
 
     def __init__(self, raw, digests, name):
         self._raw = raw
-        self._digest = digest.BlockDigest()
+        self._digest = manifest.BlockDigest()
         self._one_pass = True
         self._digests, self._name = digests, name
 
@@ -64,14 +59,8 @@ class _DigestStream:
         self._one_pass = False
         return self._raw.seek(*args)
 
-    def tell(self):
-        return self._raw.tell()
-
-    def flush(self):
-        self._raw.flush()
-
-    def fileno(self):
-        return self._raw.fileno()
+    def __getattr__(self, name):  # a write past `write` changes the size
+        return getattr(self._raw, name)
 
     def close(self):
         if self._raw.closed:
@@ -93,13 +82,12 @@ class _DigestingFileSystem(filesystem.FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
         name = os.path.basename(os.fspath(path))
-        self.digests.pop(name, None)
         with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            self.digests.pop(name, None)
             stream = _DigestStream(raw, self.digests, name)
             try:
                 yield stream
@@ -114,8 +102,8 @@ class _DigestingFileSystem(filesystem.FileSystem):
 
 
 class DigestingWriter(dcp.FileSystemWriter):
-    """`FileSystemWriter` whose `digests` are `{file name: {crc32_blocks,
-    size}}` of the files this process wrote, taken while writing."""
+    """`FileSystemWriter` whose `digests` are `{file name: digest}` of the
+    files this process wrote, taken while writing."""
 
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)

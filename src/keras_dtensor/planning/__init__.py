@@ -1,15 +1,11 @@
 """Layouts checked and costed before anything is allocated.
 
-- `plan` (`memory`): per-rank memory of a distribution's layouts, built on
-  the `meta` device (`keras_dtensor.plan`, `keras-dtensor plan`);
-- `warn_unmatched_layout_keys` (`lint`): LayoutMap keys that match no
-  variable of the model, said once;
-- `lora_layout` (`lora`): the layout of a LoRA factor no key names,
-  derived from its base weight's;
-- `auto_layout_map`, `auto_layout` (`auto_layout`): a LayoutMap derived
-  from a model's dataflow (`trace`, `dataflow`, `propagate`, with the op
-  families and split arithmetic of `split_rules`), reported as a table
-  and a LayoutMap (`layout_report`).
+- `plan` (`memory`): per-rank memory of a distribution's layouts, on `meta`;
+- `warn_unmatched_layout_keys` (`lint`): LayoutMap keys no weight matches;
+- `lora_layout` (`lora`): a LoRA factor's layout, from its base weight's;
+- `auto_layout_map`, `auto_layout` (`auto_layout`): a LayoutMap from the
+  model's dataflow (`trace`, `dataflow`, `propagate`), reported as a table
+  (`layout_report`).
 """
 
 from keras_dtensor.planning.auto_layout import auto_layout

@@ -1,21 +1,23 @@
 """`keras_dtensor.auto_layout_map`: a LayoutMap derived from the model.
 
-The model is run once where nothing is allocated (`trace`); its dataflow,
-not its variable names, gives the layout (`dataflow`, `propagate`):
-regions between projections that can run split have their producers
-split by columns and consumers by rows (one all-reduce forward, one
-backward, as Megatron-LM's pairs), biases and per-head weights alongside,
-batched expert kernels by experts; embeddings by vocabulary when tied to
-the output head or large, else by hidden dim; everything else replicated,
-with the reason. The result is the same on every rank and every run.
+The model's dataflow (`trace`, `dataflow`, `propagate`), not its variable
+names, gives each weight's layout: split regions as Megatron-LM's pairs,
+embeddings by vocabulary or hidden dim, everything else replicated with
+the reason. The same on every rank and every run, with no communication.
 """
 
+import collections
 import itertools
+import math
+import re
 
+from keras_dtensor.backend.layout import local_shape
+from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import dataflow
-from keras_dtensor.planning import layout_report
 from keras_dtensor.planning import propagate
 from keras_dtensor.planning import trace as tracing
+from keras_dtensor.planning.layout_report import AutoLayout
+from keras_dtensor.planning.layout_report import Entry
 
 __all__ = ["auto_layout", "auto_layout_map"]
 
@@ -24,8 +26,7 @@ _LARGE_EMBEDDING = 2**20
 
 
 def _options(flow, p, fixed, parts):
-    """A producer's choices: `(output dim, atoms, index)` per splittable
-    output atom, then None (whole)."""
+    """A producer's `(output dim, atoms, index)` choices, then None."""
     if p.var.path in fixed:
         return [None]
     nd = len(flow.trace.shapes[p.out])
@@ -38,48 +39,40 @@ def _options(flow, p, fixed, parts):
     return [*out, None]
 
 
-def _combinations(flow, producers, fixed, parts):
-    options = [_options(flow, p, fixed, parts) for p in producers]
-    combos = itertools.product(*options)
-    ranked = sorted(
-        itertools.islice(combos, _MAX_TRIES * 4),
-        key=lambda c: sum(x is None for x in c),
-    )
-    return ranked[:_MAX_TRIES]
-
-
 def _split_region(flow, root, parts, fixed, min_bytes):
     producers = flow.producers(root)
     if not producers:
         return None, None
     first_reason = None
+    options = [_options(flow, p, fixed, parts) for p in producers]
     open_ = [p for p in producers if p.var.path not in fixed]
-    if open_ and all(_options(flow, p, fixed, parts) == [None] for p in open_):
+    if open_ and all(o == [None] for o in options):
         p = open_[0]
         sizes = [size for _, size, _ in (*p.batch, *p.free)]
         return None, (
             f"{p.var.path}: its output dims {sizes} do not divide by {parts}"
         )
-    for combo in _combinations(flow, producers, fixed, parts):
+    combos = itertools.islice(itertools.product(*options), _MAX_TRIES * 4)
+    ranked = sorted(combos, key=lambda c: sum(x is None for x in c))
+    for combo in ranked[:_MAX_TRIES]:
         if all(c is None for c in combo):
             break
         choices = {p: c for p, c in zip(producers, combo, strict=True) if c}
         try:
-            split = propagate.propagate(flow, root, parts, choices)
+            split = propagate.propagate(flow, parts, choices)
         except propagate.Conflict as conflict:
             first_reason = first_reason or str(conflict)
             continue
         if any(path in fixed for path in split.weights):
             first_reason = first_reason or "its weights are split elsewhere"
             continue
-        size = sum(tracing.nbytes(v) for v, _, _ in split.weights.values())
-        if size < min_bytes:
-            return None, f"{size} bytes, under min_shard_bytes"
+        if split.nbytes < min_bytes:
+            return None, f"{split.nbytes} bytes, under min_shard_bytes"
         return split, None
     return None, first_reason
 
 
-def _embedding(flow, var, parts, tied):
+def _embedding(var, parts, tied):
     vocab, hidden = var.shape[0], var.shape[-1]
     if (tied or tracing.nbytes(var) >= _LARGE_EMBEDDING) and vocab % parts == 0:
         why = "tied to the output head" if tied else "large"
@@ -90,12 +83,10 @@ def _embedding(flow, var, parts, tied):
 
 
 def _reaches_output(flow, p):
-    """Whether `p`'s output reaches a model output through elementwise
-    ops and views only."""
+    """Whether `p`'s output reaches a model output unmixed."""
     live = {p.out}
     for node in flow.trace.nodes:
-        ins = [i for i in node.inputs if isinstance(i, int)]
-        if any(i in live for i in ins) and (
+        if any(i in live for i in node.inputs) and (
             node.pointwise or node.op in ("view", "unsafe_view", "to_copy")
         ):
             live.update(o for o in node.outputs if isinstance(o, int))
@@ -120,6 +111,8 @@ def auto_layout(
         collectives per training step and the bytes per rank;
         `.layout_map` is the `keras.distribution.LayoutMap`.
     """
+    import keras
+
     names = list(mesh.axis_names)
     for axis in (model_axis, *((batch_axis,) if fsdp else ())):
         if axis not in names:
@@ -128,17 +121,61 @@ def auto_layout(
                 f"{names} (pass model_axis=/batch_axis=)"
             )
     sizes = dict(zip(names, mesh.shape, strict=True))
-    parts = sizes[model_axis]
     model, trace = tracing.record(build, sample_input)
-    flow = dataflow.analyze(trace)
+    decided, counts = _decide(
+        dataflow.analyze(trace), sizes[model_axis], min_shard_bytes
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    entries, full, per_rank = [], 0, 0
+    data = sizes.get(batch_axis, 1)
+    for var in model.weights:
+        dim, why = decided.get(var.path, (None, None))
+        axes = [None] * len(var.shape)
+        if dim is not None:
+            axes[dim] = model_axis
+        if fsdp and data > 1 and tracing.nbytes(var) >= max(min_shard_bytes, 1):
+            free = [d for d, a in enumerate(axes) if a is None]
+            free = [d for d in free if var.shape[d] % data == 0]
+            if free:
+                d = max(free, key=lambda d: var.shape[d])
+                axes[d] = batch_axis
+                why = (why + "; " if why else "") + f"FSDP: dim {d} by batch"
+        if why is None:
+            why = (
+                "replicated: not a projection's weight"
+                if len(var.shape) < 2
+                else "replicated: used by no projection the axis can split"
+            )
+        elif dim is None and "FSDP" not in why:
+            why = "replicated, " + why
+        local = local_shape(var.shape, normalize_axes(axes), sizes)
+        full += tracing.nbytes(var)
+        per_rank += math.prod(local) * tracing.keras_itemsize(var.dtype)
+        if any(axes):
+            layout_map["^" + re.escape(var.path) + "$"] = tuple(axes)
+        entries.append(Entry(var.path, tuple(var.shape), tuple(axes), why))
+    return AutoLayout(
+        entries,
+        mesh,
+        model_axis,
+        batch_axis,
+        *counts,
+        layout_map,
+        full,
+        per_rank,
+    )
+
+
+def _decide(flow, parts, min_bytes):
+    """`(path -> (dim or None, why), collective counts)` over `parts`."""
     decided = {}  # path -> (dim or None, why)
     fwd = bwd = gathers = 0
     tied = {p.var.path for p in flow.projections}
     vocab_split = set()
-    for _, var, _ in flow.embeddings:
+    for var in flow.embeddings:
         if var.path in decided:
             continue
-        dim, why = _embedding(flow, var, parts, var.path in tied)
+        dim, why = _embedding(var, parts, var.path in tied)
         decided[var.path] = (dim, why)
         if dim == 0:
             fwd += 1
@@ -147,28 +184,19 @@ def auto_layout(
         elif dim is not None:
             gathers += 1
     if parts > 1:
-        order = _appearance(flow)
-        roots = sorted(
-            flow.regions,
-            key=lambda r: min(order.get(t, 0) for t in flow.regions[r]),
-        )
         fixed = {k for k, (d, _) in decided.items() if d is not None}
         found = []
-        for number, root in enumerate(roots):
-            split, reason = _split_region(
-                flow, root, parts, fixed, min_shard_bytes
-            )
+        for root in flow.regions:
+            split, reason = _split_region(flow, root, parts, fixed, min_bytes)
             if split is None:
                 for p in (*flow.producers(root), *flow.consumers(root)):
-                    if reason:
-                        _note(p, f"whole: {reason}", decided)
+                    if reason and decided.get(p.var.path, (None,))[0] is None:
+                        decided[p.var.path] = (None, f"whole: {reason}")
                 continue
-            size = sum(tracing.nbytes(v) for v, _, _ in split.weights.values())
-            found.append((-size, number, split))
-        # A weight belongs to one split region: the plan shards the most
-        # bytes, then has the fewest collectives.
+            found.append(split)
+        # A weight belongs to one split region (`_plan`).
         taken = {}
-        for split in _plan(sorted(found, key=lambda f: f[:2])):
+        for split in _plan(sorted(found, key=lambda s: -s.nbytes)):
             shared = sorted(set(split.weights) & set(taken))
             if shared:
                 why = f"whole: {shared[0]} is split with {taken[shared[0]]}"
@@ -189,22 +217,11 @@ def auto_layout(
                 why = "output head by vocabulary, as its embedding"
                 decided[p.var.path] = (dim, why)
                 gathers += 1
-    return layout_report.finish(
-        model,
-        mesh,
-        model_axis,
-        batch_axis,
-        fsdp,
-        decided,
-        sizes,
-        (fwd, bwd, gathers),
-        min_shard_bytes,
-    )
+    return decided, (fwd, bwd, gathers)
 
 
 def _compatible(splits):
-    """`splits` in order, each kept unless it shares a weight with one
-    kept before."""
+    """`splits` in order, less those sharing a weight with one before."""
     kept, seen = [], set()
     for split in splits:
         if seen.isdisjoint(split.weights):
@@ -213,54 +230,34 @@ def _compatible(splits):
     return kept
 
 
-def _plan(found):
-    """The regions to split, from `(-bytes, number, split)` sorted largest
-    first: the largest-first choice, or one starting from another region
-    where that shards more bytes or, equal, needs fewer collectives (the
-    residual stream against Megatron's pairs). The unchosen come last."""
-    splits = [split for *_, split in found]
-    size = {id(s): -f[0] for f, s in zip(found, splits, strict=True)}
+def _score(plan):
+    """More bytes sharded first, then fewer all-reduces."""
+    return (
+        sum(s.nbytes for s in plan),
+        -sum(s.forward + s.backward for s in plan),
+    )
 
-    def score(plan):
-        return (
-            sum(size[id(s)] for s in plan),
-            -sum(s.forward + s.backward for s in plan),
-        )
 
+def _plan(splits):
+    """`splits` (largest first) as kept by the best-scoring start region,
+    then the rest (the residual stream against Megatron's pairs)."""
     best = _compatible(splits)
     for i, first in enumerate(splits[1:], 1):
         plan = _compatible([first, *splits[:i], *splits[i + 1 :]])
-        if score(plan) > score(best):
+        if _score(plan) > _score(best):
             best = plan
     chosen = {id(s) for s in best}
     return best + [s for s in splits if id(s) not in chosen]
 
 
 def _label(split):
-    def short(role):
-        return sorted(
-            {
-                v.path.rsplit("/", 2)[-2]
-                for v, _, r in split.weights.values()
-                if r == role
-            }
-        )
-
-    cols, rows = short("column"), short("row") + short("experts")
-    return f"{'+'.join(cols)} -> {'+'.join(rows) or 'sum'}"
-
-
-def _appearance(flow):
-    order = {}
-    for i, node in enumerate(flow.trace.nodes):
-        for o in node.outputs:
-            order.setdefault(o, i)
-    return order
-
-
-def _note(p, why, decided):
-    if decided.get(p.var.path, (None,))[0] is None:
-        decided[p.var.path] = (None, why)
+    """`up+gate -> down`: the layers split by columns, then by rows."""
+    layers = collections.defaultdict(set)
+    for v, _, role in split.weights.values():
+        if role != "alongside":
+            layers[role].add(v.path.rsplit("/", 2)[-2])
+    rows = sorted(layers["row"]) + sorted(layers["experts"])
+    return f"{'+'.join(sorted(layers['column']))} -> {'+'.join(rows) or 'sum'}"
 
 
 def auto_layout_map(
@@ -276,9 +273,8 @@ def auto_layout_map(
     """A `keras.distribution.LayoutMap` for any model, from its dataflow.
 
     Args:
-        build: a function with no arguments that creates the model (run
-            once where nothing is allocated: torch's `meta` device and
-            fake tensors), or a model.
+        build: a function of no arguments that creates the model (run
+            once on torch's `meta` device, with fake tensors), or a model.
         mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
         model_axis: the mesh axis weights are split over.
         batch_axis: the mesh axis the batch is split over.

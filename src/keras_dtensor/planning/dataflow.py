@@ -1,17 +1,11 @@
 """A recorded forward pass read as projections and the regions between them.
 
-- *Weight views*: tensors made from one variable by views, permutes and
-  copies; each dim lists the variable dims it holds as *atoms*
-  `(var_dim, size, outer)` (`outer` false for the inner piece of a dim a
-  view split).
-- *Projections*: contractions (`mm`, `bmm`, `addmm`, `baddbmm`) of an
-  activation with a weight view.
-- *Regions*: the activations between projections, joined through every
-  other op a projection's or an embedding's output reaches (an attention
-  core, a gated MLP, the residual stream); a region's producers write
-  into it, its consumers read from it.
+*Weight views* hold variable dims as atoms `(var_dim, size, outer)`;
+*projections* contract an activation with a weight view; *regions* join
+the activations between projections (docs/internals/planning.md).
 """
 
+import collections
 import dataclasses
 
 __all__ = ["IDENTITY", "Contraction", "Dataflow", "analyze", "contraction"]
@@ -26,7 +20,7 @@ IDENTITY = {
     "contiguous",
     "type_as",
 }
-_VIEWS = {
+_VIEWS = IDENTITY | {
     "view",
     "unsafe_view",
     "reshape",
@@ -40,15 +34,8 @@ _VIEWS = {
 CONTRACTIONS = {"mm", "bmm", "addmm", "baddbmm"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Contraction:
-    """`out = bias + a @ b` with `a` `[B?, m, k]` and `b` `[B?, k, n]`."""
-
-    a: int
-    b: int
-    bias: int | None
-    out: int
-    batched: bool
+# `out = bias + a @ b` with `a` `[B?, m, k]` and `b` `[B?, k, n]`.
+Contraction = collections.namedtuple("Contraction", "a b bias out batched")
 
 
 def contraction(node):
@@ -80,8 +67,7 @@ class Dataflow:
     trace: object
     views: dict  # tensor id -> (variable, [atoms per dim])
     projections: list
-    by_node: dict  # node index -> Projection
-    embeddings: list  # (node index, variable, output id)
+    embeddings: list  # variables an `embedding` op reads
     regions: dict  # root -> set of tensor ids
     region_of: dict  # tensor id -> root
     parent: dict  # tensor id -> the tensor it is a view or copy of
@@ -118,17 +104,13 @@ def _regroup(dims, shape):
             if not queue:
                 return None
             var_dim, n, outer = queue.pop(0)
-            if n <= need:
-                if need % n:
-                    return None
-                group.append((var_dim, n, outer))
-                need //= n
-            else:
-                if n % need:
-                    return None
-                group.append((var_dim, need, outer))
-                queue.insert(0, (var_dim, n // need, False))
-                need = 1
+            take = min(n, need)
+            if need % take or n % take:
+                return None
+            group.append((var_dim, take, outer))
+            if n > take:  # the inner rest of the dim comes next
+                queue.insert(0, (var_dim, n // take, False))
+            need //= take
         out.append(tuple(group))
     return out if not queue else None
 
@@ -136,7 +118,7 @@ def _regroup(dims, shape):
 def _view_of(node, dims, shapes):
     """Atoms of a shape op's output given its input's, or None."""
     op, args = node.op, node.args
-    if node.op in IDENTITY or (node.pointwise and _tensor_count(node) == 1):
+    if node.op in IDENTITY or node.pointwise:  # its one tensor input
         return list(dims)
     if op == "permute":
         return [dims[i] for i in args[1]]
@@ -153,10 +135,6 @@ def _view_of(node, dims, shapes):
     if op in ("view", "unsafe_view", "reshape", "squeeze", "expand"):
         return _regroup(dims, shapes[node.outputs[0]])
     return None
-
-
-def _tensor_count(node):
-    return sum(1 for i in node.inputs if isinstance(i, int))
 
 
 def _weight_views(trace):
@@ -194,39 +172,21 @@ def _projection(index, node, views):
     )
 
 
-class _Union:
-    def __init__(self):
-        self.parent = {}
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def join(self, items):
-        items = list(items)
-        for other in items[1:]:
-            a, b = self.find(items[0]), self.find(other)
-            if a != b:
-                self.parent[max(a, b)] = min(a, b)
+def _root(union, x):
+    """The root of `x`'s region in the union-find forest `union`."""
+    while union.setdefault(x, x) != x:
+        union[x] = union[union[x]]
+        x = union[x]
+    return x
 
 
 def analyze(trace) -> Dataflow:
     """Weight views, projections, embeddings and regions of `trace`."""
     views = _weight_views(trace)
-    projections, by_node, embeddings = [], {}, []
-    stream, union = set(), _Union()
+    projections, embeddings = [], []
+    stream, union = set(), {}
     parent = {}
     order = {}  # first appearance of a tensor, for deterministic roots
-
-    def flat(node):
-        for i in node.inputs:
-            if isinstance(i, tuple):
-                yield from (x for x in i if isinstance(x, int))
-            elif isinstance(i, int):
-                yield i
 
     for index, node in enumerate(trace.nodes):
         outs = [o for o in node.outputs if isinstance(o, int)]
@@ -236,39 +196,32 @@ def analyze(trace) -> Dataflow:
             p = _projection(index, node, views)
             if p is not None:
                 projections.append(p)
-                by_node[index] = p
                 stream.add(p.out)
-                union.find(p.out)
                 continue
         if node.op == "embedding" and node.inputs[0] in views:
-            embeddings.append((index, views[node.inputs[0]][0], outs[0]))
+            embeddings.append(views[node.inputs[0]][0])
             stream.add(outs[0])
-            union.find(outs[0])
             continue
-        tensors = list(flat(node))
-        if (
-            len(tensors) == 1
-            and len(outs) == 1
-            and (node.op in IDENTITY or node.op in _VIEWS)
-        ):
+        tensors = [
+            x
+            for i in node.inputs
+            for x in (i if isinstance(i, tuple) else (i,))
+            if isinstance(x, int)
+        ]
+        if len(tensors) == len(outs) == 1 and node.op in _VIEWS:
             parent[outs[0]] = tensors[0]
         ins = [i for i in tensors if i in stream and i not in views]
         if ins and not node.op.endswith("_like"):  # values unread
             live = [*ins, *(o for o in outs if o not in views)]
             stream.update(live)
-            union.join(live)
+            for other in live[1:]:
+                a, b = _root(union, live[0]), _root(union, other)
+                union[max(a, b)] = min(a, b)
     regions, region_of = {}, {}
     for tid in sorted(stream, key=lambda t: order.get(t, -1)):
-        root = union.find(tid)
+        root = _root(union, tid)
         regions.setdefault(root, set()).add(tid)
         region_of[tid] = root
     return Dataflow(
-        trace,
-        views,
-        projections,
-        by_node,
-        embeddings,
-        regions,
-        region_of,
-        parent,
+        trace, views, projections, embeddings, regions, region_of, parent
     )

@@ -12,8 +12,7 @@ _WARNED = "_keras_dtensor_warned_keys"
 
 
 def unmatched_keys(layout_map, paths):
-    """The LayoutMap keys (layer outputs, `.../output`, aside) that
-    full-match none of `paths`."""
+    """The LayoutMap keys but `.../output` that full-match no path."""
     return [
         key
         for key in layout_map
@@ -23,8 +22,7 @@ def unmatched_keys(layout_map, paths):
 
 
 def warn_unmatched_layout_keys(model, distribution):
-    """Warns (rank 0, once per key) about LayoutMap keys no weight matched:
-    the weights they were meant for would silently stay replicated."""
+    """Warns (rank 0, once per key) of LayoutMap keys no weight matched."""
     layout_map = getattr(distribution, "_layout_map", None)
     if layout_map is None or world()[1] != 0:
         return
@@ -39,9 +37,8 @@ def warn_unmatched_layout_keys(model, distribution):
             warnings.warn(
                 f"LayoutMap key {key!r} matches none of the weights of "
                 f"model {model.name!r}; the weights it was meant for stay "
-                "replicated. Keys are "
-                "regular expressions matched against the whole "
-                f"`variable.path` (e.g. {example!r}); prefix '.*' to match "
-                "any parent path.",
+                "replicated. Keys are regular expressions matched against "
+                f"the whole `variable.path` (e.g. {example!r}); prefix '.*' "
+                "to match any parent path.",
                 stacklevel=2,
             )

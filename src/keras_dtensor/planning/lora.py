@@ -1,23 +1,15 @@
 """Layouts of LoRA factors, from their base weight's; nothing allocated."""
 
-__all__ = ["lora_layout"]
+import re
 
-# LoRA factor name -> (its base weight's name, which side it factors)
-_LORA = {
-    "lora_kernel_a": ("kernel", "a"),
-    "lora_kernel_b": ("kernel", "b"),
-    "lora_embeddings_a": ("embeddings", "a"),
-    "lora_embeddings_b": ("embeddings", "b"),
-}
+__all__ = ["lora_layout"]
 
 
 def lora_layout(distribution, variable):
     """The layout of a LoRA factor no LayoutMap key names, or `None`.
 
-    Keras's `enable_lora` adds `A` (input dims, rank) and `B` (rank,
-    output dim) beside a base weight; `A` keeps the base's input-dim axes
-    and `B` its output-dim axis, so `A @ B` is sharded like the base and
-    adding it needs no communication.
+    `A` keeps its base weight's input-dim axes and `B` its output-dim
+    axis, so `A @ B` is sharded like the base (no communication).
 
     Example:
     >>> layout_map["dense/kernel"] = (None, "model")
@@ -28,11 +20,12 @@ def lora_layout(distribution, variable):
 
     layout_map = getattr(distribution, "_layout_map", None)
     head, _, name = variable.path.rpartition("/")
-    if layout_map is None or name not in _LORA:
+    factor = re.fullmatch(r"lora_(kernel|embeddings)_([ab])", name)
+    if layout_map is None or factor is None:
         return None
     if layout_map[variable.path] is not None:
         return None  # named by the user: theirs wins
-    base_name, side = _LORA[name]
+    base_name, side = factor.groups()
     base = layout_map[f"{head}/{base_name}" if head else base_name]
     if base is None:
         return None

@@ -1,15 +1,8 @@
 """`keras_dtensor.plan`: per-rank memory of a layout, before allocating.
 
-The model and its optimizer's slots are built on torch's `meta` device
-(shapes and dtypes, nothing allocated); each weight's layout comes from
-the distribution, its largest shard (DTensor's `torch.chunk` rule) gives
-the bytes per rank. Lint in the same pass: LayoutMap keys that match no
-weight, large weights left replicated, dims that shard unevenly.
-
-Example:
-```python
-print(keras_dtensor.plan(build_model, distribution, optimizer="adamw"))
-```
+Built on torch's `meta` device; each weight's layout comes from the
+distribution, its largest shard (`torch.chunk`'s rule) gives the bytes
+per rank. The same pass lints the layouts (docs/internals/planning.md).
 """
 
 import dataclasses
@@ -64,52 +57,45 @@ class MemoryPlan:
         return self.weight_bytes_per_rank + self.slot_bytes_per_rank
 
     def table(self) -> str:
+        rows = [
+            f"| {v.path} | {v.shape} | {v.axes} | {v.local_shape} | "
+            f"{v.bytes_per_rank / _MIB:.2f} | "
+            f"{v.slot_bytes_per_rank / _MIB:.2f} |"
+            for v in self.variables
+        ]
         lines = [
             f"mesh shape {self.mesh_shape}, axis_names {self.axis_names}",
             "| weight | shape | axes | local shape | MiB/rank | slots MiB |",
             "|---|---|---|---|---|---|",
-        ]
-        for v in self.variables:
-            lines.append(
-                f"| {v.path} | {v.shape} | {v.axes} | {v.local_shape} | "
-                f"{v.bytes_per_rank / _MIB:.2f} | "
-                f"{v.slot_bytes_per_rank / _MIB:.2f} |"
-            )
-        lines.append(
+            *rows,
             f"| total | | | | {self.weight_bytes_per_rank / _MIB:.2f} | "
-            f"{self.slot_bytes_per_rank / _MIB:.2f} |"
-        )
-        lines.append(
+            f"{self.slot_bytes_per_rank / _MIB:.2f} |",
             f"weights + optimizer slots per rank: "
-            f"{self.total_bytes_per_rank / _MIB:.2f} MiB"
-        )
-        lines.extend(f"warning: {w}" for w in self.warnings)
+            f"{self.total_bytes_per_rank / _MIB:.2f} MiB",
+            *(f"warning: {w}" for w in self.warnings),
+        ]
         return "\n".join(lines)
 
-    def __str__(self):
-        return self.table()
+    __str__ = table
 
 
 def _build_on_meta(model_or_build_fn, optimizer):
     import keras
 
-    device_scope = compat.torch_core().device_scope
-
     previous = context.current()
     keras.distribution.set_distribution(None)  # plain, shape-only weights
     try:
-        with device_scope("meta"):
+        with compat.torch_core().device_scope("meta"):
             model = model_or_build_fn
             if not isinstance(model, keras.Model) and callable(model):
                 model = model_or_build_fn()
-            slots = []
-            if optimizer is not None:
-                optimizer = keras.optimizers.get(optimizer)
-                optimizer.build(model.trainable_variables)
-                slots = list(optimizer.variables)
+            if optimizer is None:
+                return model, []
+            optimizer = keras.optimizers.get(optimizer)
+            optimizer.build(model.trainable_variables)
+            return model, list(optimizer.variables)
     finally:
         keras.distribution.set_distribution(previous)
-    return model, slots
 
 
 def plan(
@@ -131,6 +117,11 @@ def plan(
 
     Returns:
         A `MemoryPlan`; `print(plan)` shows the table.
+
+    Example:
+    ```python
+    print(keras_dtensor.plan(build_model, distribution, optimizer="adamw"))
+    ```
     """
     model, slots = _build_on_meta(model_or_build_fn, optimizer)
     mesh = distribution.device_mesh
@@ -143,14 +134,10 @@ def plan(
                 distribution, variable
             ) or distribution.get_variable_layout(variable)
         shape = tuple(variable.shape)
-        axes = (
-            normalize_axes(layout.axes)
-            if layout is not None
-            else ((),) * len(shape)
-        )
+        raw = layout.axes if layout is not None else (None,) * len(shape)
+        axes = normalize_axes(raw)
         local = local_shape(shape, axes, sizes)
-        itemsize = keras_itemsize(variable.dtype)
-        own = math.prod(local) * itemsize
+        own = math.prod(local) * keras_itemsize(variable.dtype)
         prefix = variable.path.replace("/", "_") + "_"
         slot_bytes = sum(
             math.prod(local) * keras_itemsize(s.dtype)
@@ -177,21 +164,15 @@ def plan(
                     "shards is uneven (torch.chunk: the last shards are "
                     "smaller or empty)"
                 )
-        if own == math.prod(shape) * itemsize and (
-            own / _MIB > large_replicated_mib
-        ):
+        if local == shape and own / _MIB > large_replicated_mib:
             warnings.append(
                 f"{variable.path} {shape}: {own / _MIB:.1f} MiB replicated "
                 "on every rank"
             )
-    layout_map = getattr(distribution, "_layout_map", None)
-    if layout_map is not None:
-        paths = [v.path for v in model.weights]
-        for key in unmatched_keys(layout_map, paths):
-            warnings.append(f"LayoutMap key {key!r} matches no weight")
+    layout_map = getattr(distribution, "_layout_map", None) or {}
+    paths = [v.path for v in model.weights]
+    for key in unmatched_keys(layout_map, paths):
+        warnings.append(f"LayoutMap key {key!r} matches no weight")
     return MemoryPlan(
-        variables=tuple(rows),
-        mesh_shape=tuple(mesh.shape),
-        axis_names=tuple(mesh.axis_names),
-        warnings=tuple(warnings),
+        tuple(rows), tuple(mesh.shape), tuple(mesh.axis_names), tuple(warnings)
     )

@@ -1,42 +1,106 @@
 """Whether one region can run split over the model axis, op by op.
 
-Given a choice per producer (split its output dim, or leave it whole),
-the split is carried through the region's ops in execution order, as
-DTensor's sharding propagation carries a `Shard(dim)`, to the consumers,
-whose contracted dim it must be (their kernel split by rows, their output
-a partial sum: one all-reduce). Anything else (a norm over the split dim,
-the model's output) is a `Conflict` whose reason names the op. The result
-is every touched weight's layout and the all-reduces per training step.
+A choice per producer is carried through the region's ops in execution
+order, as DTensor carries a `Shard(dim)`, to the consumers' contracted
+dims; anything else is a `Conflict` naming the op. A split is `(dim,
+block, period)`: index `i` along `dim` is on rank `(i // block) % parts`.
 """
 
-import dataclasses
+import collections
+import math
 
 from keras_dtensor.planning.dataflow import CONTRACTIONS
+from keras_dtensor.planning.dataflow import IDENTITY
 from keras_dtensor.planning.dataflow import contraction
-from keras_dtensor.planning.split_rules import ALONG
-from keras_dtensor.planning.split_rules import ATTENTION
-from keras_dtensor.planning.split_rules import CUTS
-from keras_dtensor.planning.split_rules import PARTIAL
-from keras_dtensor.planning.split_rules import REDUCTIONS
-from keras_dtensor.planning.split_rules import SHAPE_ONLY
-from keras_dtensor.planning.split_rules import Conflict
-from keras_dtensor.planning.split_rules import atom_split
-from keras_dtensor.planning.split_rules import fail
-from keras_dtensor.planning.split_rules import matching_atom
-from keras_dtensor.planning.split_rules import pos
-from keras_dtensor.planning.split_rules import through_view
+from keras_dtensor.planning.trace import nbytes
 
 __all__ = ["Conflict", "Split", "propagate"]
 
 
-@dataclasses.dataclass
-class Split:
-    """A region run split: `weights` maps a variable's path to
-    `(variable, dim, role)`; `forward`/`backward` count all-reduces."""
+class Conflict(Exception):  # noqa: N818 (a verdict, not an error)
+    """The split cannot pass an op; the message says where and why."""
 
-    weights: dict
-    forward: int
-    backward: int
+
+PARTIAL = "partial"
+SHAPE_ONLY = IDENTITY | {"empty_like", "dropout", "native_dropout", "copy"}
+REDUCTIONS = {
+    "mean",
+    "sum",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "var",
+    "std",
+    "prod",
+    "logsumexp",
+    "argmax",
+    "argmin",
+    "all",
+    "any",
+    "norm",
+    "linalg_vector_norm",
+}
+ALONG = {"softmax", "log_softmax", "safe_softmax", "cumsum", "topk", "sort"}
+CUTS = {
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "slice",
+    "select",
+    "narrow",
+    "flip",
+    "roll",
+}
+ELEMENTWISE = {"where", "masked_fill", "clamp", "lerp"}
+ATTENTION = {
+    "scaled_dot_product_flash_attention_for_cpu",
+    "scaled_dot_product_flash_attention",
+    "scaled_dot_product_efficient_attention",
+    "scaled_dot_product_cudnn_attention",
+    "scaled_dot_product_attention_math",
+}
+
+
+def _fail(node, why):
+    raise Conflict(f"aten.{node.op}: {why}")
+
+
+def _pos(dim, ndim):
+    return dim % ndim if ndim else 0
+
+
+def _atom_split(atoms, j, parts):
+    """`(block, period)` of splitting atom `j` of a dim into `parts`."""
+    period = atoms[j][1] * math.prod(size for _, size, _ in atoms[j + 1 :])
+    return period // parts, period
+
+
+def _matching_atom(atoms, split, parts):
+    """The atom of a weight dim that `split` cuts, or None."""
+    for j, atom in enumerate(atoms):
+        if atom[1] % parts == 0 and _atom_split(atoms, j, parts) == split[1:]:
+            return j
+    return None
+
+
+def _through_view(node, split, shape_in, shape_out):
+    """A split of a view's input, on its output."""
+    d, block, period = split
+    inner = math.prod(shape_in[d + 1 :])
+    block, period = block * inner, period * inner  # in elements
+    for o in range(len(shape_out)):
+        below, span = math.prod(shape_out[o + 1 :]), math.prod(shape_out[o:])
+        if shape_out[o] > 1 and block % below == 0 and span % period == 0:
+            return (o, block // below, period // below)
+    shapes = f"{tuple(shape_in)} to {tuple(shape_out)}"
+    _fail(node, f"a view of {shapes} spreads the split dim {d} over two dims")
+
+
+# A region run split: path -> `(variable, dim, role)`, all-reduces forward
+# and backward, and the bytes of the weights it splits.
+Split = collections.namedtuple("Split", "weights forward backward nbytes")
 
 
 def _with_dim(split, d):
@@ -44,42 +108,38 @@ def _with_dim(split, d):
 
 
 class _Run:
-    def __init__(self, flow, root, parts):
-        self.flow, self.root, self.parts = flow, root, parts
+    def __init__(self, flow, parts):
+        self.flow, self.parts = flow, parts
         self.shapes = flow.trace.shapes
+        self.by_node = {p.index: p for p in flow.projections}
         self.split = {}  # tensor id -> (dim, block, period) or PARTIAL
         self.weights = {}
         self.forward = 0
         self.column_inputs = set()
-        self.index = -1
 
     def weight(self, tid, tensor_dim, split, role, node):
-        """Split the variable behind weight view `tid` where its dim
-        `tensor_dim` holds the activation's split."""
+        """Split weight view `tid` where its dim `tensor_dim` is split."""
         var, dims = self.flow.views[tid]
         self.place(var, dims[tensor_dim], split, role, node, "a weight dim")
 
     def place(self, var, atoms, split, role, node, what="a dim"):
         """Split `var` on the atom of `atoms` that `split` cuts."""
-        j = matching_atom(atoms, split[1], split[2], self.parts)
+        j = _matching_atom(atoms, split, self.parts)
         if j is None:
-            fail(node, f"{var.path}: the split falls inside {what}")
+            _fail(node, f"{var.path}: the split falls inside {what}")
         self.weight_atom(var, atoms[j], role, node)
 
     def weight_atom(self, var, atom, role, node):
         var_dim, _, outer = atom
         size = var.shape[var_dim]
         if not outer:
-            fail(node, f"{var.path}: the split falls inside dim {var_dim}")
+            _fail(node, f"{var.path}: the split falls inside dim {var_dim}")
         if size % self.parts:
-            fail(
-                node,
-                f"{var.path} dim {var_dim} of {size} does not divide by "
-                f"{self.parts}",
-            )
+            why = f"dim {var_dim} of {size} does not divide by {self.parts}"
+            _fail(node, f"{var.path} {why}")
         old = self.weights.get(var.path)
         if old is not None and old[1] != var_dim:
-            fail(node, f"{var.path} split on two dims")
+            _fail(node, f"{var.path} split on two dims")
         if old is None or role in ("column", "row"):
             self.weights[var.path] = (var, var_dim, role)
 
@@ -96,19 +156,14 @@ class _Run:
             if sp is not None:
                 aligned = _with_dim(sp, sp[0] + nd - len(self.shapes[i]))
                 if target not in (None, aligned):
-                    fail(node, "operands split unlike")
+                    _fail(node, "operands split unlike")
                 target = aligned
-        if target is None:
-            return
         for i in ins:
-            if self.get(i) is not None:
-                continue
             own = target[0] - (nd - len(self.shapes[i]))
-            if own < 0 or self.shapes[i][own] == 1:
-                continue  # broadcast along the split dim
-            if i in self.flow.views:
+            if self.get(i) is not None or own < 0 or self.shapes[i][own] == 1:
+                continue  # split already, or broadcast along the split dim
+            if i in self.flow.views:  # else each rank uses its part
                 self.weight(i, own, target, "alongside", node)
-            # else a whole value: each rank uses its part (no collective)
         for o in outs:
             if len(self.shapes[o]) == nd:
                 self.split[o] = target
@@ -116,19 +171,19 @@ class _Run:
     def reduce(self, node, i, outs, dims, keep):
         sp = self.get(i)
         nd = len(self.shapes[i])
-        dims = [pos(x, nd) for x in dims] if dims else list(range(nd))
+        dims = [_pos(x, nd) for x in dims] if dims else list(range(nd))
         if sp[0] in dims:
             if node.op != "sum":
-                fail(node, "reduces over the split dim")
+                _fail(node, "reduces over the split dim")
             self.split[outs[0]] = PARTIAL  # a sum of parts: one all-reduce
             self.forward += 1
             return
         out = sp[0] if keep else sp[0] - sum(1 for x in dims if x < sp[0])
         self.split[outs[0]] = _with_dim(sp, out)
 
-    def contract(self, node, outs):
+    def contract(self, node):
         c = contraction(node)
-        p = self.flow.by_node.get(self.index)
+        p = self.by_node.get(self.index)
         sa, sb = self.get(c.a), self.get(c.b)
         na, nb = len(self.shapes[c.a]), len(self.shapes[c.b])
         da = None if sa is None else sa[0]
@@ -139,30 +194,27 @@ class _Run:
             contracted = na - 1 if p.kernel_on_right else nb - 2
             if act[0] == contracted:  # a consumer: rows, a partial sum
                 self.place(p.var, p.contracted, act, "row", node)
-                self.split[c.out] = PARTIAL
-                self.forward += 1
-                return
-            if act[0] == batch:  # batched experts
+                out = PARTIAL
+            elif act[0] == batch:  # batched experts
                 self.place(p.var, p.batch, act, "experts", node)
-                self.split[c.out] = act
-                return
-            fail(node, f"feeds {p.var.path} on a dim it does not contract")
-        if batch is not None and (da, db) in ((0, 0), (0, None), (None, 0)):
+                out = act
+            else:
+                _fail(node, f"feeds {p.var.path} on a dim it does not contract")
+        elif batch is not None and (da, db) in ((0, 0), (0, None), (None, 0)):
             if sa is not None and sb is not None and sa != sb:
-                fail(node, "a batched contraction of operands split unlike")
-            self.split[c.out] = sa or sb
-            return
-        if da == na - 1 and db == nb - 2 and sa[1:] == sb[1:]:
-            self.split[c.out] = PARTIAL
+                _fail(node, "a batched contraction of operands split unlike")
+            out = sa or sb
+        elif da == na - 1 and db == nb - 2 and sa[1:] == sb[1:]:
+            out = PARTIAL
+        elif sb is None and da == na - 2:
+            out = sa
+        elif sa is None and db == nb - 1:
+            out = _with_dim(sb, len(self.shapes[c.out]) - 1)
+        else:
+            _fail(node, "a contraction of split operands on other dims")
+        self.split[c.out] = out
+        if out is PARTIAL:  # one all-reduce
             self.forward += 1
-            return
-        if sb is None and da == na - 2:
-            self.split[c.out] = sa
-            return
-        if sa is None and db == nb - 1:
-            self.split[c.out] = _with_dim(sb, len(self.shapes[c.out]) - 1)
-            return
-        fail(node, "a contraction of split operands on other dims")
 
     def step(self, node):
         ins = [i for i in node.inputs if isinstance(i, int)]
@@ -173,25 +225,19 @@ class _Run:
         outs = [o for o in node.outputs if isinstance(o, int)]
         if not outs:  # a query (`prim.device`, sizes): nothing to carry
             return
-        op, args = node.op, node.args
-        first = node.inputs[0]
+        op, args, first = node.op, node.args, node.inputs[0]
         if op.endswith("_like") or op in ("arange", "full", "scalar_tensor"):
             return  # reads a shape or dtype, not the values
         if op in CONTRACTIONS:
-            return self.contract(node, outs)
+            return self.contract(node)
         if op in SHAPE_ONLY:
             self.split[outs[0]] = self.get(first)
             return
-        if (node.pointwise and len(outs) == 1) or op in (
-            "where",
-            "masked_fill",
-            "clamp",
-            "lerp",
-        ):
+        if (node.pointwise and len(outs) == 1) or op in ELEMENTWISE:
             return self.elementwise(node, ins, outs)
         sp = self.get(first) if isinstance(first, int) else None
         if sp is None and op not in ("cat", "stack"):
-            fail(node, "a split operand in a place no rule covers")
+            _fail(node, "a split operand in a place no rule covers")
         if op in REDUCTIONS:
             dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
             dims = [dims] if isinstance(dims, int) else list(dims or [])
@@ -203,101 +249,87 @@ class _Run:
             return self.reduce(node, first, outs, dims, keep)
         shape_in = self.shapes[first] if isinstance(first, int) else None
         if op in ALONG:
-            if sp[0] == pos(args[1], len(shape_in)):
-                fail(node, "runs along the split dim")
+            if sp[0] == _pos(args[1], len(shape_in)):
+                _fail(node, "runs along the split dim")
             for o in outs:
                 if len(self.shapes[o]) == len(shape_in):
                     self.split[o] = sp
             return
-        if op == "native_layer_norm":
-            if sp[0] >= len(shape_in) - len(args[1]):
-                fail(node, "normalizes over the split dim")
-            self.split[outs[0]] = sp
-            return
-        if op in ATTENTION:
-            q, k, v = node.inputs[:3]
-            if not (self.get(q) == self.get(k) == self.get(v) and sp[0] < 2):
-                fail(node, "attention with q, k, v split unlike")
-            self.split[outs[0]] = sp
-            return
-        if op in ("view", "unsafe_view", "reshape", "squeeze"):
-            self.split[outs[0]] = through_view(
-                node, sp, shape_in, self.shapes[outs[0]]
-            )
-            return
-        if op == "expand":
-            shift = len(self.shapes[outs[0]]) - len(shape_in)
-            self.split[outs[0]] = _with_dim(sp, sp[0] + shift)
-            return
-        if op == "permute":
-            self.split[outs[0]] = _with_dim(sp, list(args[1]).index(sp[0]))
-            return
-        if op in ("transpose", "t"):
-            pair = (0, 1) if op == "t" else args[1:3]
-            d0, d1 = (pos(x, len(shape_in)) for x in pair)
-            d = {d0: d1, d1: d0}.get(sp[0], sp[0])
-            self.split[outs[0]] = _with_dim(sp, d)
-            return
-        if op == "unsqueeze":
-            u = pos(args[1], len(shape_in) + 1)
-            self.split[outs[0]] = _with_dim(sp, sp[0] + (u <= sp[0]))
-            return
         if op in CUTS:
-            along = (
-                args[1]
-                if op in ("flip", "roll")
-                else (args[2] if len(args) > 2 else node.kwargs.get("dim", 0))
-            )
+            if op in ("flip", "roll"):
+                along = args[1]
+            else:
+                along = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
             along = [along] if isinstance(along, int) else list(along)
-            along = [pos(a, len(shape_in)) for a in along]
+            along = [_pos(a, len(shape_in)) for a in along]
             if sp[0] in along:
-                fail(node, "cuts along the split dim")
+                _fail(node, "cuts along the split dim")
             drop = op in ("select", "unbind")
             d = sp[0] - (drop and along[0] < sp[0])
             for o in outs:
                 self.split[o] = _with_dim(sp, d)
             return
-        if op in ("cat", "stack"):
-            tensors = first
-            nd = len(self.shapes[tensors[0]])
-            along = pos(args[1] if len(args) > 1 else 0, nd + (op == "stack"))
-            splits = {self.get(t) for t in tensors} - {None}
+        out = self.shapes[outs[0]]
+        if op == "native_layer_norm":
+            if sp[0] >= len(shape_in) - len(args[1]):
+                _fail(node, "normalizes over the split dim")
+        elif op in ATTENTION:
+            q, k, v = node.inputs[:3]
+            if not (self.get(q) == self.get(k) == self.get(v) and sp[0] < 2):
+                _fail(node, "attention with q, k, v split unlike")
+        elif op in ("view", "unsafe_view", "reshape", "squeeze"):
+            sp = _through_view(node, sp, shape_in, out)
+        elif op == "expand":
+            sp = _with_dim(sp, sp[0] + len(out) - len(shape_in))
+        elif op == "permute":
+            sp = _with_dim(sp, list(args[1]).index(sp[0]))
+        elif op in ("transpose", "t"):
+            pair = (0, 1) if op == "t" else args[1:3]
+            d0, d1 = (_pos(x, len(shape_in)) for x in pair)
+            sp = _with_dim(sp, {d0: d1, d1: d0}.get(sp[0], sp[0]))
+        elif op == "unsqueeze":
+            u = _pos(args[1], len(shape_in) + 1)
+            sp = _with_dim(sp, sp[0] + (u <= sp[0]))
+        elif op in ("cat", "stack"):
+            nd = len(self.shapes[first[0]])
+            along = _pos(args[1] if len(args) > 1 else 0, nd + (op == "stack"))
+            splits = {self.get(t) for t in first} - {None}
             if len(splits) != 1:
-                fail(node, "joins operands split unlike")
+                _fail(node, "joins operands split unlike")
             sp = splits.pop()
             if op == "cat" and along == sp[0]:
-                fail(node, "concatenates along the split dim")
-            d = sp[0] + (op == "stack" and along <= sp[0])
-            self.split[outs[0]] = _with_dim(sp, d)
-            return
-        fail(node, "no rule for a split operand")
+                _fail(node, "concatenates along the split dim")
+            sp = _with_dim(sp, sp[0] + (op == "stack" and along <= sp[0]))
+        else:
+            _fail(node, "no rule for a split operand")
+        self.split[outs[0]] = sp
 
     def run(self, choices):
         nodes = self.flow.trace.nodes
         starts = {}
         for p, (out_dim, atoms, j) in choices.items():
             self.weight_atom(p.var, atoms[j], "column", nodes[p.index])
-            block, period = atom_split(atoms, j, self.parts)
+            block, period = _atom_split(atoms, j, self.parts)
             starts[p.index] = (out_dim, block, period)
             self.column_inputs.add(self.flow.base(p.activation))
         for self.index, node in enumerate(nodes):
-            if self.index in starts:
-                p = self.flow.by_node[self.index]
-                self.split[p.out] = starts[self.index]
-                if p.bias is not None and p.bias in self.flow.views:
-                    nd = len(self.shapes[p.bias])
-                    self.weight(
-                        p.bias, nd - 1, starts[self.index], "alongside", node
-                    )
+            start = starts.get(self.index)
+            if start is None:
+                self.step(node)
                 continue
-            self.step(node)
-        leaked = [o for o in self.flow.trace.outputs if self.get(o) is not None]
-        if leaked:
+            p = self.by_node[self.index]
+            self.split[p.out] = start
+            if p.bias in self.flow.views:
+                nd = len(self.shapes[p.bias])
+                self.weight(p.bias, nd - 1, start, "alongside", node)
+        if any(self.get(o) is not None for o in self.flow.trace.outputs):
             raise Conflict("the split reaches the model's output")
-        return Split(self.weights, self.forward, len(self.column_inputs))
+        size = sum(nbytes(v) for v, _, _ in self.weights.values())
+        backward = len(self.column_inputs)
+        return Split(self.weights, self.forward, backward, size)
 
 
-def propagate(flow, root, parts, choices) -> Split:
+def propagate(flow, parts, choices) -> Split:
     """Carries `choices` (producer -> `(output dim, atoms, atom index)`)
-    through region `root`; raises `Conflict`."""
-    return _Run(flow, root, parts).run(choices)
+    through their region; raises `Conflict`."""
+    return _Run(flow, parts).run(choices)

@@ -1,21 +1,21 @@
 """One forward pass of a model recorded as aten ops, on the `meta` device.
 
-`auto_layout` reads a model's dataflow from this record, not from its
-variable names. The model is built and called where nothing is allocated
-(torch's `meta` device, fake tensors); one whose build or call needs
-values falls back to the CPU with a warning naming the layer. At the
-dispatch level Keras's ops are a small vocabulary of aten ops (an
-`einsum` is permutes, views and a `bmm`).
+The model is built and called where nothing is allocated (torch's `meta`
+device, fake tensors); one whose build or call needs values falls back to
+the CPU with a warning naming the layer.
 """
 
+import collections
+import contextlib
 import copy
-import dataclasses
 import math
 import os
 import re
+import traceback
 import warnings
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_dtensor import compat
@@ -23,39 +23,17 @@ from keras_dtensor import compat
 __all__ = ["Node", "Trace", "record"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """One aten op: its name (`"mm"`), whether torch tags it `pointwise`,
-    its tensor arguments as ids (`None` for others), its other arguments,
-    and its tensor outputs' ids."""
-
-    op: str
-    pointwise: bool
-    inputs: tuple
-    args: tuple
-    kwargs: dict
-    outputs: tuple
-
-
-@dataclasses.dataclass
-class Trace:
-    """A forward pass: `nodes` in execution order, `shapes` of tensors by
-    id, `weights` (a variable's value's id -> the variable), the ids of
-    the model's `outputs`; `keep` holds the tensors so ids stay unique."""
-
-    nodes: list
-    shapes: dict
-    weights: dict
-    outputs: set
-    keep: list = dataclasses.field(default_factory=list, repr=False)
+# One aten op (`"mm"`): tensor arguments and outputs as ids (`None` for
+# other arguments, kept in `args`, `kwargs`).
+Node = collections.namedtuple("Node", "op pointwise inputs args kwargs outputs")
+# `nodes` in execution order, `shapes` and `weights` (variables) by id;
+# `keep` holds the tensors so their ids stay unique.
+Trace = collections.namedtuple("Trace", "nodes shapes weights outputs keep")
 
 
 def _op_name(func) -> str:
-    return (
-        func.overloadpacket.__name__.lstrip("_")
-        if hasattr(func, "overloadpacket")
-        else str(func)
-    )
+    packet = getattr(func, "overloadpacket", None)
+    return str(func) if packet is None else packet.__name__.lstrip("_")
 
 
 class _Recorder(TorchDispatchMode):
@@ -64,53 +42,47 @@ class _Recorder(TorchDispatchMode):
         self.trace = trace
 
     def _id(self, value):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, Tensor):
             self.trace.keep.append(value)  # ids stay unique while recorded
             self.trace.shapes.setdefault(id(value), tuple(value.shape))
             return id(value)
         return None
 
+    def _ids(self, arg):
+        """A tensor's id, a tuple of ids for a list holding tensors."""
+        if isinstance(arg, (list, tuple)) and any(
+            isinstance(x, Tensor) for x in arg
+        ):
+            return tuple(self._id(x) for x in arg)
+        return self._id(arg)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flat_args = []
-        for a in args:
-            if isinstance(a, (list, tuple)) and any(
-                isinstance(x, torch.Tensor) for x in a
-            ):
-                flat_args.append(tuple(self._id(x) for x in a))
-            else:
-                flat_args.append(self._id(a))
         outs = out if isinstance(out, (list, tuple)) else (out,)
-        self.trace.nodes.append(
-            Node(
-                op=_op_name(func),
-                pointwise=torch.Tag.pointwise in getattr(func, "tags", ()),
-                inputs=tuple(flat_args),
-                args=tuple(
-                    None if isinstance(a, torch.Tensor) else a for a in args
-                ),
-                kwargs={
-                    k: v
-                    for k, v in kwargs.items()
-                    if not isinstance(v, torch.Tensor)
-                },
-                outputs=tuple(self._id(o) for o in outs),
-            )
+        node = Node(
+            _op_name(func),
+            torch.Tag.pointwise in getattr(func, "tags", ()),
+            tuple(self._ids(a) for a in args),
+            tuple(None if isinstance(a, Tensor) else a for a in args),
+            {k: v for k, v in kwargs.items() if not isinstance(v, Tensor)},
+            tuple(self._id(o) for o in outs),
         )
+        self.trace.nodes.append(node)
         return out
 
 
 def _sample_value(spec, batch=2, length=8):
+    import keras
+
     shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
-    dtype = _standard_dtype(spec.dtype)
+    dtype = keras.backend.standardize_dtype(spec.dtype)
     fill = torch.ones if "int" in dtype or dtype == "bool" else torch.zeros
     return fill(shape, dtype=getattr(torch, dtype), device="cpu")
 
 
 def sample_inputs(model):
-    """Inputs shaped like the model's `inputs` (unknown dims: 2 first, 8
-    elsewhere)."""
+    """Inputs like the model's `inputs` (unknown dims: 2 first, 8 after)."""
     import keras
 
     try:
@@ -128,55 +100,37 @@ def sample_inputs(model):
 def _layer_in_traceback(error):
     import keras
 
-    tb = error.__traceback__
     name = None
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
         if isinstance(owner, keras.layers.Layer):
             name = owner.name
-        tb = tb.tb_next
     return name
-
-
-def _standard_dtype(dtype) -> str:
-    import keras
-
-    return keras.backend.standardize_dtype(dtype)
 
 
 def _build(build, device):
     import keras
 
-    device_scope = compat.torch_core().device_scope
-
     if isinstance(build, keras.Model):
         return build
-    with device_scope(device):
+    with compat.torch_core().device_scope(device):
         return build()
 
 
 def _trace_call(model, sample_input, fake):
     """Calls `model` once, statelessly, on values whose ids are known:
     fake CPU tensors (shapes only) when `fake`, else copies of its own."""
-    import contextlib
-
     import keras
-
-    device_scope = compat.torch_core().device_scope
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = (
-        FakeTensorMode(allow_non_fake_inputs=True)
-        if fake
-        else contextlib.nullcontext()
-    )
-    with mode, device_scope("cpu"):
+    mode = contextlib.nullcontext()
+    if fake:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, compat.torch_core().device_scope("cpu"):
         trainable = len(model.trainable_variables)
         variables = [*model.trainable_variables, *model.non_trainable_variables]
         values = [  # plain tensors: Keras keeps their identity
-            torch.empty(
-                tuple(v.shape), dtype=getattr(torch, _standard_dtype(v.dtype))
-            )
+            torch.empty(tuple(v.shape), dtype=v.value.dtype)
             if fake
             else v.value.detach().clone()
             for v in variables
@@ -186,13 +140,9 @@ def _trace_call(model, sample_input, fake):
         else:
             inputs = keras.tree.map_structure(torch.as_tensor, sample_input)
         keep = [*values, *keras.tree.flatten(inputs)]
-        trace = Trace(
-            nodes=[],
-            shapes={id(x): tuple(x.shape) for x in keep},
-            weights={id(x): v for v, x in zip(variables, values, strict=True)},
-            outputs=set(),
-            keep=keep,
-        )
+        shapes = {id(x): tuple(x.shape) for x in keep}
+        weights = {id(x): v for v, x in zip(variables, values, strict=True)}
+        trace = Trace([], shapes, weights, set(), keep)
         trainable, frozen = values[:trainable], values[trainable:]
         with _Recorder(trace):
             outputs, _ = model.stateless_call(
@@ -205,9 +155,8 @@ def _trace_call(model, sample_input, fake):
 
 
 def keras_itemsize(dtype) -> int:
-    import numpy as np
-
-    return 2 if str(dtype) == "bfloat16" else np.dtype(str(dtype)).itemsize
+    """The bytes per element of a Keras dtype (`"bfloat16"`: 2)."""
+    return getattr(torch, str(dtype)).itemsize
 
 
 def nbytes(variable) -> int:
@@ -231,19 +180,15 @@ def _host_memory_bytes():
 
 
 def record(build, sample_input=None):
-    """`(model, Trace)`: `build()` called and run once on `meta`, or on
-    the CPU (with a warning naming the layer) if `meta` fails; a model
-    that built on `meta` but would not fit in host memory raises."""
+    """`(model, Trace)` of `build()` run once on `meta`, else on the CPU
+    (warned); raises if the model would not fit in host memory."""
     import keras
     from keras.src.backend.common import global_state
 
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(None)  # plain, shape-only weights
-    # Layer names are numbered per process (`dense`, `dense_1`, ...): the
-    # traced model takes the names the user's next build will take, and
-    # gives them back, so that the map's paths are that model's paths.
-    names = global_state.get_global_attribute("object_name_uids")
-    names = None if names is None else copy.copy(names)
+    # Layer names (`dense_1`) taken here are given back for the user's build.
+    names = copy.copy(global_state.get_global_attribute("object_name_uids"))
     model = None
     try:
         try:
@@ -259,12 +204,11 @@ def record(build, sample_input=None):
                     raise RuntimeError(
                         f"auto_layout: {where} cannot run on the meta device "
                         f"({type(error).__name__}: {_short(error)}), and "
-                        "building "
-                        f"the model on the CPU needs {need / 2**30:.1f} GiB "
-                        f"of the {have / 2**30:.1f} GiB free: give "
-                        "auto_layout a smaller configuration of the same "
-                        "architecture (the layouts depend on the graph, "
-                        "not the sizes, except for divisibility)"
+                        "building the model on the CPU needs "
+                        f"{need / 2**30:.1f} GiB of the {have / 2**30:.1f} "
+                        "GiB free: give auto_layout a smaller configuration "
+                        "of the same architecture (the layouts depend on "
+                        "the graph, not the sizes, except for divisibility)"
                     ) from error
             warnings.warn(
                 f"auto_layout: {where} cannot be built or called on the "
