@@ -80,6 +80,44 @@ def test_byte_range_of_boxes():
     assert reader._byte_range(saved, [2, 3, 0], [1, 2, 5]) == (64 + 300, 40)
     assert reader._byte_range(saved, [0, 0, 1], [4, 6, 2]) is None  # columns
     assert reader._byte_range(saved, [3, 0, 0], [2, 6, 5]) is None  # outside
+    # Rows and a block of columns: not one run of bytes.
+    assert reader._byte_range(saved, [0, 0, 0], [2, 3, 5]) is None
+    assert reader._byte_range(saved, [0, 2, 0], [1, 3, 5]) == (64 + 40, 60)
+
+
+def test_box_split_over_two_dims_reads_its_values(tmp_path):
+    """A tensor saved whole, read back as the box one rank of a 2-D
+    sharding holds (rows and columns cut): the box's values."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    from keras_dtensor.checkpoint import reader
+
+    full = torch.arange(24.0).reshape(4, 6)
+    dcp.save({"x": full}, storage_writer=dcp.FileSystemWriter(tmp_path))
+    safe = reader.SafeReader(tmp_path)
+    safe.set_up_storage_reader(safe.read_metadata(), is_coordinator=True)
+    target = torch.zeros(2, 3)
+
+    class Planner:
+        def resolve_tensor(self, item):
+            return target
+
+        def commit_tensor(self, item, tensor):
+            pass
+
+    item = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("x", torch.Size([2, 3])),
+        dest_offsets=torch.Size([0, 0]),
+        storage_index=MetadataIndex("x", torch.Size([0, 0])),
+        storage_offsets=torch.Size([2, 3]),
+        lengths=torch.Size([2, 3]),
+    )
+    safe.read_data(LoadPlan([item]), Planner()).wait()
+    assert torch.equal(target, full[2:4, 3:6]), target
 
 
 class _Payload:
