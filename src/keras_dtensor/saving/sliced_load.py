@@ -1,9 +1,8 @@
 """Loading Keras weight files under a distribution: each rank reads its slices.
 
-The store hands out the h5py dataset behind a `SlicedDataset` (numpy
-still sees the whole array, so any layer's `load_own_variables` works),
-and a sharded variable's `assign` reads only this rank's slices of it
-from the file. Replicated and plain variables read the whole dataset.
+The store hands out a `SlicedDataset` (numpy still sees the whole array,
+so any layer's `load_own_variables` works); a sharded variable's `assign`
+reads only this rank's slices of it. Others read the whole dataset.
 """
 
 import functools
@@ -15,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
 from keras_dtensor.backend import context
+from keras_dtensor.backend import shards
 from keras_dtensor.backend.launch import multi_process
 from keras_dtensor.backend.layout import local_slices
 
@@ -94,7 +94,6 @@ def wrap_h5_store_getitem(original):
 
 def _read_shards(variable, value):
     to_torch_dtype = compat.torch_core().to_torch_dtype
-
     current = variable._value
     mesh, placements = current.device_mesh, current.placements
     ranges = local_slices(value.shape, mesh, placements)
@@ -102,14 +101,7 @@ def _read_shards(variable, value):
     local = local.to(
         device=current.device, dtype=to_torch_dtype(variable._dtype)
     )
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=current.shape,
-        stride=current.stride(),
-    )
+    return shards.from_local(local, mesh, placements, current.shape)
 
 
 def wrap_convert_variable_value(original):
