@@ -215,15 +215,9 @@ def _assemble(state, local, blocks, owners, shared):
     for i, block in enumerate(blocks):
         shape = tuple(b - a for a, b in block)
         found = _overlap(block, own[0]) if own else None
-        if (
-            found
-            and local.device.type == "cpu"
-            and all(
-                s.stop - s.start == n
-                for s, n in zip(found[0], shape, strict=True)
-            )
-        ):
-            yield block, local[found[1]]  # all of it is here: no copy
+        mine = local[found[1]] if found else None
+        if mine is not None and mine.shape == shape and mine.is_cpu:
+            yield block, mine  # all of it is here: no copy
         else:
             if shared:
                 slot = shared.slots[i % shm_blocks.SLOTS]
@@ -231,7 +225,7 @@ def _assemble(state, local, blocks, owners, shared):
                 slot = state.buffer(local.device, 2)
             values = _carve(slot, 0, shape, local.dtype)
             if found:
-                values[found[0]].copy_(local[found[1]])
+                values[found[0]].copy_(mine)
             for rank, (in_block, _) in parts[i]:
                 if shared:
                     shm_blocks.wait_for_part(shared, rank, i)
@@ -283,8 +277,7 @@ def write(store, key, value, state):
     """Writes DTensor `value` as `store[key]`, every rank taking part."""
     owners = shard_owners(value.shape, value.device_mesh, value.placements)
     local = value.to_local()
-    itemsize = value.element_size()
-    blocks = pieces(value.shape, itemsize, state.piece_bytes)
+    blocks = pieces(value.shape, value.element_size(), state.piece_bytes)
     rank = dist.get_rank()
     dataset = None
     if state.error is None:
@@ -294,9 +287,8 @@ def write(store, key, value, state):
             state.error = e
     if value.device_mesh.device_type == "cpu" and state.shared_ranks is None:
         state.shared, state.shared_ranks = shm_blocks.attach(state.slot_bytes)
-    shared = None
-    if shm_blocks.usable(state.shared_ranks or (), local, owners):
-        shared = state.shared
+    ranks = state.shared_ranks or ()
+    shared = state.shared if shm_blocks.usable(ranks, local, owners) else None
     if rank == 0:
         for block, values in _assemble(state, local, blocks, owners, shared):
             _put(state, dataset, block, values)

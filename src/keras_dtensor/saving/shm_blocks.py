@@ -73,13 +73,11 @@ def _open_pipes(base, rank):
     opened = []
     try:
         for path in _paths(base, rank):
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            opened.append(fd)
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            opened.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+            if not stat.S_ISFIFO(os.fstat(opened[-1]).st_mode):
                 raise OSError(f"{path} is not a pipe")
     except OSError:
-        for fd in opened:
-            os.close(fd)
+        _close({rank: opened})
         raise
     return tuple(opened)
 

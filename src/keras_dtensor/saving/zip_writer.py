@@ -82,9 +82,9 @@ class StoredZip:
 
     def _start(self, name, attributes, seconds, size, crc=0, zip64=False):
         if self._open is not None:
+            busy = self._open.entry.name.decode()
             raise ValueError(
-                f"Member {self._open.entry.name.decode()!r} is still being "
-                "written. "
+                f"Member {busy!r} is still being written. "
                 f"Received: a new member {name!r}"
             )
         entry = zip_format.Entry(
