@@ -166,10 +166,6 @@ def usable(ranks, local, owners):
     )
 
 
-def _say(fd, block):
-    os.write(fd, _MESSAGE.pack(block))
-
-
 def _hear(fd, block, who):
     """Waits for rank `who`'s message for `block` on pipe `fd`."""
     timeout = config.get("TIMEOUT")
@@ -189,7 +185,7 @@ def _hear(fd, block, who):
 def grant(shared, block, parts):
     """Rank 0: tells the ranks of `parts` that `block`'s buffer is free."""
     for rank, _ in parts:
-        _say(shared.pipes[rank][0], block)
+        os.write(shared.pipes[rank][0], _MESSAGE.pack(block))
 
 
 def wait_for_part(shared, rank, block):
@@ -205,4 +201,4 @@ def free_slot(shared, block):
 
 def part_in(shared, block):
     """Another rank: tells rank 0 its part of `block` is in."""
-    _say(shared.pipes[0][1], block)
+    os.write(shared.pipes[0][1], _MESSAGE.pack(block))

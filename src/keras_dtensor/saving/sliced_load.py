@@ -38,35 +38,23 @@ class SlicedDataset:
         self._bfloat16 = bfloat16
         self.shape = tuple(dataset.shape)
         self.ndim = len(self.shape)
-
-    @property
-    def dtype(self):
-        if self._bfloat16:
-            return np.dtype(ml_dtypes.bfloat16)
-        return self._dataset.dtype
-
-    def _convert(self, array):
-        array = np.asarray(array)
-        if self._bfloat16:
-            array = array.view(ml_dtypes.bfloat16)
-        return array
+        self.dtype = np.dtype(ml_dtypes.bfloat16) if bfloat16 else dataset.dtype
 
     def read(self, ranges):
         """The region `[(start, length), ...]` (one pair per dim)."""
-        index = tuple(slice(start, start + n) for start, n in ranges)
         if any(n == 0 for _, n in ranges):
-            shape = tuple(n for _, n in ranges)
-            return np.empty(shape, dtype=self.dtype)
-        return self._convert(self._dataset[index])
+            return np.empty(tuple(n for _, n in ranges), dtype=self.dtype)
+        return self[tuple(slice(start, start + n) for start, n in ranges)]
 
     def __getitem__(self, index):
-        return self._convert(self._dataset[index])
+        array = np.asarray(self._dataset[index])
+        return array.view(ml_dtypes.bfloat16) if self._bfloat16 else array
 
     def __len__(self):
         return self.shape[0]
 
     def __array__(self, dtype=None, copy=None):
-        array = self._convert(self._dataset[()])
+        array = self[()]
         return array if dtype is None else array.astype(dtype)
 
 
