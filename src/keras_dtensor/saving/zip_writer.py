@@ -169,9 +169,6 @@ class Window(io.BytesIO):
         # `(start, stop, crc)` of pieces as last written: sorted, disjoint.
         self._summed = []
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, kind, value, traceback):
         if kind is None:
             self.archive._finish(self)
