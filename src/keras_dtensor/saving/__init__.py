@@ -1,14 +1,11 @@
 """`.h5` and `.keras` files under a distribution, without a whole copy.
 
-Keras's own writers and readers run on every rank, through the hooks of
-the `PATCHES` table: `collective` (`save_weights`, `model.save`: rank 0
-writes the file from every rank's shards, staged and renamed into place;
-a failure on any rank raises on every rank), `stores` (Keras's weight
-stores hand sharded values to `h5_stream`, which writes them in pieces
-from the ranks holding them, assembled in shared memory on one host by
-`shm_blocks`), `zip_writer` (the `.keras` zip in one pass, its records in
-`zip_format`, its CRC-32 joined by `crc32`) and `sliced_load` (each rank
-reads only its slices). The files are ordinary Keras files.
+Keras's writers and readers run on every rank: `collective` (rank 0
+writes the file from every rank's shards; a failure on any rank raises on
+every rank), `stores` (sharded values go to `h5_stream`, written in
+pieces, assembled in shared memory on one host by `shm_blocks`),
+`zip_writer` (the `.keras` zip in one pass; `zip_format`, `crc32`) and
+`sliced_load` (each rank reads its slices). The files are Keras's own.
 """
 
 from keras_dtensor.saving.collective import wrap_save

@@ -1,15 +1,10 @@
 """Saving under a distribution: rank 0 writes, from every rank's shards.
 
-Every rank runs Keras's own writer, in the same order; rank 0 writes into
-a hidden staging directory next to the target and renames into place (a
-reader never sees half a file), the others into a private scratch
-directory that is then deleted. Sharded variables travel to rank 0 in
-pieces (`h5_stream`), never gathered. The ranks first meet in the process
-group's store, so a save called on some ranks only is an error naming the
-call, not a hang; a file rank 0 cannot create is found before any
-transfer, and the outcome is shared at the end, so every rank raises the
-same error. A model with nothing distributed is saved by each calling
-rank alone, as plain Keras saves it (the `if rank == 0:` idiom).
+Every rank runs Keras's writer in the same order; rank 0's file is staged
+and renamed into place, the others' go to scratch. The ranks meet first
+(a save on some ranks only is an error, not a hang) and share the outcome
+(every rank raises the same error). A model with nothing distributed is
+saved by each calling rank alone, as plain Keras saves it.
 """
 
 import functools
@@ -33,7 +28,7 @@ __all__ = ["RankZeroFile", "wrap_save", "wrap_save_model_to_fileobj"]
 
 def _move_contents(staging, name, directory):
     """Every file in `staging` into `directory`, the target and `.json`
-    last (a sharded save's `.json` lists its shard files)."""
+    (which lists a sharded save's files) last."""
     entries = os.listdir(staging)
     last = [e for e in entries if e == name or e.endswith(".json")]
     for entry in sorted(set(entries) - set(last)) + sorted(last):
@@ -49,7 +44,7 @@ def _share_failure(problem):
 
 
 class _PeerFailed(Exception):  # noqa: N818 (a signal, not an error)
-    """Another rank failed first; it reports the error to every rank."""
+    """Another rank failed; its error is raised on every rank."""
 
 
 def _raise_if_failed(failures, what, filepath, own=None):
@@ -65,8 +60,7 @@ def _raise_if_failed(failures, what, filepath, own=None):
 
 
 def _write_alone(original, model, filepath, *args, **kwargs):
-    """Keras's writer on this rank alone, staged and renamed into place
-    (ranks that all save one file each replace it whole)."""
+    """Keras's writer on this rank alone, staged and renamed into place."""
     directory, name = files.split(filepath)
     staging = files.staging_path(filepath)
     try:
@@ -84,10 +78,8 @@ def _write_alone(original, model, filepath, *args, **kwargs):
 class RankZeroFile:
     """One file that every rank writes, of which rank 0's is kept.
 
-    Every rank meets first, then rank 0 checks that it can write next to
-    the target (into a hidden staging directory; the others into scratch).
-    `finish(problem)` moves rank 0's file into place, or raises the first
-    failure on every rank.
+    The ranks meet, and rank 0 checks it can write next to the target;
+    `finish` moves its file into place or raises on every rank.
 
     Args:
         what: the user-facing call, for messages (`"save_weights"`).
@@ -102,7 +94,6 @@ class RankZeroFile:
             "pieces, and the ranks agree on the outcome); call it on all "
             "ranks, only rank 0 writes the file",
         )
-        # Keras checks the file's suffix on the name.
         self.directory, self.name = files.split(self.final)
         self.rank_0 = dist.get_rank() == 0
         if self.rank_0:
@@ -111,7 +102,7 @@ class RankZeroFile:
         else:
             files.remove_dead_scratch()
             self.staging = files.scratch_dir()
-        self.target = os.path.join(self.staging, self.name)
+        self.target = os.path.join(self.staging, self.name)  # same suffix
         problem = None
         if self.rank_0:
             try:  # can rank 0 write there at all?
@@ -124,10 +115,8 @@ class RankZeroFile:
         self.check(problem, raise_own=False)
 
     def check(self, problem, raise_own=True):
-        """Raises on every rank if any failed (`problem`: this rank's,
-        raised as it is if `raise_own`); a collective."""
-        failures = _share_failure(problem)
-        if failures:
+        """Raises on every rank if any failed; a collective."""
+        if failures := _share_failure(problem):
             self.discard()
             own = problem if raise_own else None
             _raise_if_failed(failures, self.what, self.final, own)
@@ -137,8 +126,7 @@ class RankZeroFile:
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def finish(self, problem=None):
-        """Rank 0's file into place, or the first failure raised on every
-        rank (`problem`: this rank's)."""
+        """Rank 0's file into place, or the first failure on every rank."""
         try:
             if problem is None and self.rank_0:
                 _move_contents(self.staging, self.name, self.directory)
@@ -165,8 +153,7 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
                 pass  # the failing rank's error is shared below
             except Exception as e:
                 problem = e
-        # A write that failed while shards kept arriving is the cause of
-        # any later error (h5py's close of the same file).
+        # A failed write causes any later error (h5py's close).
         problem = streamed.error or problem
     except Exception as e:
         problem = e
@@ -175,11 +162,8 @@ def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
 
 
 def _is_collective(model):
-    """Whether saving `model` needs every rank (a distribution, sharded
-    variables, or optimizer slots DataParallel left on their owners)."""
-    if context.current() is not None:
-        return True
-    if data_parallel.has_stale_state(model):
+    """Whether saving `model` needs every rank."""
+    if context.current() is not None or data_parallel.has_stale_state(model):
         return True
     variables = list(getattr(model, "variables", ()))
     optimizer = getattr(model, "optimizer", None)
@@ -188,23 +172,15 @@ def _is_collective(model):
 
 
 def wrap_save(original, what):
-    """Wraps a Keras writer `original(model, filepath, ...)`.
-
-    Args:
-        original: `saving_lib.save_model` or `saving_lib.save_weights_only`.
-        what: the user-facing name, for error messages.
-
-    Returns:
-        The wrapper.
-    """
+    """Wraps `saving_lib.save_model` or `save_weights_only` (`original`);
+    `what` names the user-facing call in error messages."""
 
     def _save(model, filepath, *args, **kwargs):
         if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
         if not _is_collective(model):
             return _write_alone(original, model, filepath, *args, **kwargs)
-        # Every rank runs Keras's writer on its own target: not the shared
-        # file operations of callbacks.
+        # Every rank writes its own target, not callbacks' shared files.
         with consensus.files_shared(False):
             return _write_on_rank_0(
                 original, what, model, filepath, *args, **kwargs
@@ -260,13 +236,13 @@ def _save_archive(model, fileobj):
 
 def wrap_save_model_to_fileobj(original):
     """Wraps `saving_lib._save_model_to_fileobj(model, fileobj[, format])`
-    (no format argument on Keras 3.16): inside a save's `scope()`, into a
-    file on disk, the `.h5` weights are written in place in the zip."""
+    (no format on Keras 3.16): inside a save, into a file on disk, the
+    `.h5` weights are written in place in the zip."""
 
     @functools.wraps(original)
     def _save_model_to_fileobj(model, fileobj, *weights_format):
         if (
-            h5_stream.active()
+            h5_stream.current() is not None
             and tuple(weights_format) in ((), ("h5",))
             and isinstance(getattr(fileobj, "name", None), str)
         ):

@@ -1,8 +1,7 @@
 """The CRC-32 of two byte strings joined, from the CRC-32 of each.
 
 `crc(a + b) = crc(a) * x^(8 len(b)) + crc(b)` modulo zlib's polynomial,
-with x^(8n) built from the squares x^(2^k): the pieces of a zip member
-are checksummed where they are written, and the member's CRC-32 found
+x^(8n) built from the squares x^(2^k), so a zip member's CRC-32 is found
 without reading it back.
 
 Example:
@@ -41,16 +40,7 @@ _SQUARES = _squares(67)  # x^(2^k) for every bit of 8 * a 64-bit length
 
 
 def combine(crc_a: int, crc_b: int, length_b: int) -> int:
-    """The CRC-32 of `a + b`, given `crc32(a)`, `crc32(b)` and `len(b)`.
-
-    Args:
-        crc_a: the CRC-32 of the first string.
-        crc_b: the CRC-32 of the second.
-        length_b: the second string's length in bytes.
-
-    Returns:
-        The CRC-32 of the two joined.
-    """
+    """The CRC-32 of `a + b`, given `crc32(a)`, `crc32(b)` and `len(b)`."""
     if length_b < 0 or length_b >= 1 << 64:
         raise ValueError(
             f"A length in bytes is 0 to 2**64 - 1. Received: {length_b}"

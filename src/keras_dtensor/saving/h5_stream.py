@@ -1,13 +1,11 @@
 """Writing a sharded variable into a Keras `.h5` store without gathering it.
 
-Inside a save's `scope()` every rank writes a DTensor-backed value here,
-in the same order: rank 0 creates the dataset (bfloat16 as Keras stores
-it) and fills it in blocks contiguous in the file, each at most
-`$KERAS_DTENSOR_SAVE_PIECE_MB`; one rank per distinct shard sends rank 0
-its part of each block, point to point. On one host the blocks are
-assembled in shared memory instead (`shm_blocks`). A rank whose write
-fails keeps taking part in every transfer, so no peer waits on it; the
-save raises that error at the end.
+Inside a save's `scope()` every rank writes each DTensor-backed value, in
+the same order: rank 0 fills the dataset in blocks contiguous in the file
+(at most `$KERAS_DTENSOR_SAVE_PIECE_MB`), from one rank per distinct
+shard, point to point or in shared memory (`shm_blocks`). A rank whose
+write fails keeps taking part, so no peer waits; the save raises at the
+end.
 """
 
 import contextlib
@@ -28,7 +26,6 @@ from keras_dtensor.backend import layout
 from keras_dtensor.saving import shm_blocks
 
 __all__ = [
-    "active",
     "current",
     "end_save",
     "new_save",
@@ -52,8 +49,7 @@ def _carve(flat, offset, shape, dtype):
 
 @dataclasses.dataclass
 class _Save:
-    """One save on this rank: piece size, first write error, rank 0's
-    buffers (allocated once per save, not per block)."""
+    """One save on this rank: its first write error and buffers."""
 
     piece_bytes: int
     error: BaseException | None = None
@@ -66,7 +62,6 @@ class _Save:
         return -(-max(self.piece_bytes, _ALIGN) // _ALIGN) * _ALIGN
 
     def buffer(self, device, blocks):
-        """A byte buffer of `blocks` blocks on `device`, reused."""
         if (device, blocks) not in self.buffers:
             size = blocks * self.slot_bytes
             self.buffers[device, blocks] = torch.empty(
@@ -79,13 +74,12 @@ _SAVE = contextvars.ContextVar("keras_dtensor_stream_save", default=None)
 
 
 def new_save():
-    """One save's state on this rank (`end_save` when done); its `error`
-    is the first write error here, to raise once the writer returns."""
+    """One save's state on this rank; `end_save` when done."""
     return _Save(max(1, int(config.get("SAVE_PIECE_MB") * 2**20)))
 
 
 def end_save(state):
-    """Releases what `state` holds (its shared-memory blocks); idempotent."""
+    """Releases `state`'s shared memory; idempotent."""
     shared, state.shared = state.shared, None
     if shared is not None:
         shared.close()
@@ -93,8 +87,7 @@ def end_save(state):
 
 @contextlib.contextmanager
 def scope():
-    """One save on every rank: the stores Keras opens inside write their
-    sharded values here. Yields `new_save()`."""
+    """One save on every rank, its stores writing here; yields its state."""
     state = new_save()
     token = _SAVE.set(state)
     try:
@@ -102,11 +95,6 @@ def scope():
     finally:
         _SAVE.reset(token)
         end_save(state)
-
-
-def active() -> bool:
-    """Whether this thread is inside a save's `scope()`."""
-    return _SAVE.get() is not None
 
 
 def current():
@@ -144,9 +132,8 @@ def pieces(shape, itemsize, piece_bytes):
 
 
 def shard_owners(shape, mesh, placements):
-    """`[(rank, ranges), ...]` of a DTensor's distinct non-empty shards,
-    sorted, each sent by the lowest rank holding it; `ranges` is `(start,
-    length)` per dim of the global array."""
+    """Sorted `[(rank, ranges), ...]`: each distinct non-empty shard's
+    `(start, length)` per dim and the lowest rank holding it."""
     ranks = mesh.mesh
     owners = {}
     for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
@@ -163,8 +150,7 @@ def shard_owners(shape, mesh, placements):
 
 
 def _overlap(block, ranges):
-    """`(index in the block, index in the shard)` of their overlap, or
-    `None`."""
+    """`(index in the block, index in the shard)`, or `None`."""
     in_block, in_shard = [], []
     for (b0, b1), (r0, n) in zip(block, ranges, strict=True):
         lo, hi = max(b0, r0), min(b1, r0 + n)
@@ -190,8 +176,7 @@ def _to_numpy(tensor):
 
 
 def _put(state, dataset, block, buffer):
-    """Rank 0 writes `buffer` as `block` of `dataset` (after a write
-    error, nothing: it only drains, so peers never wait on it)."""
+    """Rank 0 writes `buffer` as `block` (after an error it only drains)."""
     if state.error is not None:
         return
     if buffer.device.type != "cpu":
@@ -205,8 +190,7 @@ def _put(state, dataset, block, buffer):
 
 
 def _receive(target, slot, offset, rank):
-    """Rank 0: `rank`'s part into `target`, a view of a block (through
-    `slot`'s bytes from `offset` where it is not contiguous)."""
+    """Rank 0: `rank`'s part into `target` (via `slot` if strided)."""
     into = target
     if not target.is_contiguous():
         into = _carve(slot, offset, target.shape, target.dtype)
@@ -231,15 +215,9 @@ def _assemble(state, local, blocks, owners, shared):
     for i, block in enumerate(blocks):
         shape = tuple(b - a for a, b in block)
         found = _overlap(block, own[0]) if own else None
-        if (
-            found
-            and local.device.type == "cpu"
-            and all(
-                s.stop - s.start == n
-                for s, n in zip(found[0], shape, strict=True)
-            )
-        ):
-            yield block, local[found[1]]  # all of it is here: no copy
+        mine = local[found[1]] if found else None
+        if mine is not None and mine.shape == shape and mine.is_cpu:
+            yield block, mine  # all of it is here: no copy
         else:
             if shared:
                 slot = shared.slots[i % shm_blocks.SLOTS]
@@ -247,7 +225,7 @@ def _assemble(state, local, blocks, owners, shared):
                 slot = state.buffer(local.device, 2)
             values = _carve(slot, 0, shape, local.dtype)
             if found:
-                values[found[0]].copy_(local[found[1]])
+                values[found[0]].copy_(mine)
             for rank, (in_block, _) in parts[i]:
                 if shared:
                     shm_blocks.wait_for_part(shared, rank, i)
@@ -279,8 +257,7 @@ def _send(local, blocks, ranges, shared):
 
 
 def streamable(dtensor):
-    """Whether `write` takes it (a partial sum is left to Keras's writer,
-    which gathers it)."""
+    """Whether `write` takes it (a partial sum is left to Keras)."""
     return all(type(p) in (Shard, Replicate) for p in dtensor.placements)
 
 
@@ -300,8 +277,7 @@ def write(store, key, value, state):
     """Writes DTensor `value` as `store[key]`, every rank taking part."""
     owners = shard_owners(value.shape, value.device_mesh, value.placements)
     local = value.to_local()
-    itemsize = value.element_size()
-    blocks = pieces(value.shape, itemsize, state.piece_bytes)
+    blocks = pieces(value.shape, value.element_size(), state.piece_bytes)
     rank = dist.get_rank()
     dataset = None
     if state.error is None:
@@ -311,9 +287,8 @@ def write(store, key, value, state):
             state.error = e
     if value.device_mesh.device_type == "cpu" and state.shared_ranks is None:
         state.shared, state.shared_ranks = shm_blocks.attach(state.slot_bytes)
-    shared = None
-    if shm_blocks.usable(state.shared_ranks or (), local, owners):
-        shared = state.shared
+    ranks = state.shared_ranks or ()
+    shared = state.shared if shm_blocks.usable(ranks, local, owners) else None
     if rank == 0:
         for block, values in _assemble(state, local, blocks, owners, shared):
             _put(state, dataset, block, values)

@@ -1,14 +1,11 @@
 """Blocks assembled in shared memory by the ranks of rank 0's host.
 
-When every rank holding a shard of a CPU variable can open the files
-rank 0 made in `/dev/shm`, the block buffers live there: each rank copies
-its part straight into its place in the block, and rank 0 writes the
-block out while the others fill the next one; no bytes through sockets.
-Each rank has two pipes with rank 0 (this block's buffer is free; my part
-is in): a pipe, because every message through the process group is a
-round trip on rank 0's time. The files are unlinked once every rank has
-opened them, and their space is reserved up front; if any of it fails,
-`h5_stream` sends the parts through the process group.
+Each rank copies its part of a block into rank 0's buffers in `/dev/shm`;
+rank 0 writes one block out while the others fill the next. Two pipes per
+rank say "buffer free" and "part in": a message through the process group
+is a round trip on rank 0's time. The files are unlinked once opened and
+their space reserved up front; if any of it fails, `h5_stream` sends the
+parts through the process group.
 """
 
 import contextlib
@@ -37,22 +34,20 @@ __all__ = [
 ]
 
 _DIRECTORY = "/dev/shm"
-_HEADER = 4096  # the token that tells a rank it opened the right file
 SLOTS = 2  # block buffers: one written out while the others fill one
 _MESSAGE = struct.Struct("<q")  # a block's index
 
 
 class Shared:
-    """The mapped buffers of one save and this rank's pipes: rank 0's to
-    every rank that opened them, another rank's own two."""
+    """One save's mapped buffers and this rank's pipes (`{rank: (free,
+    filled)}`: rank 0 holds every rank's, another rank its own)."""
 
     def __init__(self, memory, slot_bytes, pipes):
         self._memory = memory
-        self.pipes = pipes  # {rank: (free, filled) descriptors}
+        self.pipes = pipes
         whole = torch.frombuffer(memory, dtype=torch.uint8)
         self.slots = [
-            whole[_HEADER + i * slot_bytes : _HEADER + (i + 1) * slot_bytes]
-            for i in range(SLOTS)
+            whole[i * slot_bytes : (i + 1) * slot_bytes] for i in range(SLOTS)
         ]
 
     def close(self):
@@ -78,25 +73,21 @@ def _open_pipes(base, rank):
     opened = []
     try:
         for path in _paths(base, rank):
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            opened.append(fd)
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            opened.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+            if not stat.S_ISFIFO(os.fstat(opened[-1]).st_mode):
                 raise OSError(f"{path} is not a pipe")
     except OSError:
-        for fd in opened:
-            os.close(fd)
+        _close({rank: opened})
         raise
     return tuple(opened)
 
 
-def _create(base, size, token, world):
-    """Rank 0: the memory (its space reserved) and its ends of every
-    rank's pipes."""
+def _create(base, size, world):
+    """Rank 0: the memory, its space reserved, and every rank's pipes."""
     fd = os.open(base, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
         memory = mmap.mmap(fd, size)
-        memory[: len(token)] = token
     finally:
         os.close(fd)
     pipes = {}
@@ -112,7 +103,7 @@ def _create(base, size, token, world):
     return memory, pipes
 
 
-def _join(base, size, token, rank):
+def _join(base, size, rank):
     """Another rank: rank 0's memory and this rank's pipes."""
     fd = os.open(base, os.O_RDWR | os.O_CLOEXEC)
     try:
@@ -122,8 +113,6 @@ def _join(base, size, token, rank):
     finally:
         os.close(fd)
     try:
-        if memory[: len(token)] != token:
-            raise OSError("another file")
         return memory, {0: _open_pipes(base, rank)}
     except OSError:
         memory.close()
@@ -137,25 +126,24 @@ def _remove(base, world):
 
 
 def attach(slot_bytes):
-    """`(Shared or None, ranks)`: the block buffers (of `slot_bytes`) on
-    this rank if it could open rank 0's files, and the ranks that could
-    (the same on every rank). A collective."""
-    size = _HEADER + SLOTS * slot_bytes
+    """`(Shared or None, ranks that opened rank 0's files)`; a collective.
+    The files' names are unique (`uuid4`): a rank that opens one has the
+    right one."""
+    size = SLOTS * slot_bytes
     world, rank = dist.get_world_size(), dist.get_rank()
-    token = uuid.uuid4().hex.encode()
-    base = os.path.join(_DIRECTORY, f"keras_dtensor_save_{token.decode()}")
+    base = os.path.join(_DIRECTORY, f"keras_dtensor_save_{uuid.uuid4().hex}")
     memory = pipes = None
     if rank == 0:
         try:
-            memory, pipes = _create(base, size, token, world)
+            memory, pipes = _create(base, size, world)
         except (OSError, AttributeError, ValueError):  # no /dev/shm, full
             memory = None
-    sent = base.encode() + b"\n" + token if memory is not None else b""
+    sent = base.encode() if memory is not None else b""
     found = launch.broadcast_bytes(sent if rank == 0 else None)
     if found and rank != 0:
-        base, token = found.decode().split("\n")
+        base = found.decode()
         try:
-            memory, pipes = _join(base, size, token.encode(), rank)
+            memory, pipes = _join(base, size, rank)
         except (OSError, ValueError):
             memory = None
     opened = launch.all_gather_ints(int(memory is not None))
@@ -169,9 +157,8 @@ def attach(slot_bytes):
 
 
 def usable(ranks, local, owners):
-    """Whether a variable's blocks go through the shared buffers (the same
-    answer on every rank): every rank with a part opened them, and the
-    parts are in CPU memory."""
+    """Whether every rank with a part of a CPU variable opened the buffers
+    (the same answer on every rank)."""
     return (
         0 in ranks
         and local.device.type == "cpu"
@@ -179,12 +166,8 @@ def usable(ranks, local, owners):
     )
 
 
-def _say(fd, block):
-    os.write(fd, _MESSAGE.pack(block))
-
-
 def _hear(fd, block, who):
-    """Waits for `block`'s message on pipe `fd` (from rank `who`)."""
+    """Waits for rank `who`'s message for `block` on pipe `fd`."""
     timeout = config.get("TIMEOUT")
     data = b""
     while len(data) < _MESSAGE.size:
@@ -202,7 +185,7 @@ def _hear(fd, block, who):
 def grant(shared, block, parts):
     """Rank 0: tells the ranks of `parts` that `block`'s buffer is free."""
     for rank, _ in parts:
-        _say(shared.pipes[rank][0], block)
+        os.write(shared.pipes[rank][0], _MESSAGE.pack(block))
 
 
 def wait_for_part(shared, rank, block):
@@ -218,4 +201,4 @@ def free_slot(shared, block):
 
 def part_in(shared, block):
     """Another rank: tells rank 0 its part of `block` is in."""
-    _say(shared.pipes[0][1], block)
+    os.write(shared.pipes[0][1], _MESSAGE.pack(block))

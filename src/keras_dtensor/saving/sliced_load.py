@@ -1,9 +1,8 @@
 """Loading Keras weight files under a distribution: each rank reads its slices.
 
-The store hands out the h5py dataset behind a `SlicedDataset` (numpy
-still sees the whole array, so any layer's `load_own_variables` works),
-and a sharded variable's `assign` reads only this rank's slices of it
-from the file. Replicated and plain variables read the whole dataset.
+The store hands out a `SlicedDataset` (numpy still sees the whole array,
+so any layer's `load_own_variables` works); a sharded variable's `assign`
+reads only this rank's slices of it. Others read the whole dataset.
 """
 
 import functools
@@ -15,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
 from keras_dtensor.backend import context
+from keras_dtensor.backend import shards
 from keras_dtensor.backend.launch import multi_process
 from keras_dtensor.backend.layout import local_slices
 
@@ -38,35 +38,23 @@ class SlicedDataset:
         self._bfloat16 = bfloat16
         self.shape = tuple(dataset.shape)
         self.ndim = len(self.shape)
-
-    @property
-    def dtype(self):
-        if self._bfloat16:
-            return np.dtype(ml_dtypes.bfloat16)
-        return self._dataset.dtype
-
-    def _convert(self, array):
-        array = np.asarray(array)
-        if self._bfloat16:
-            array = array.view(ml_dtypes.bfloat16)
-        return array
+        self.dtype = np.dtype(ml_dtypes.bfloat16) if bfloat16 else dataset.dtype
 
     def read(self, ranges):
         """The region `[(start, length), ...]` (one pair per dim)."""
-        index = tuple(slice(start, start + n) for start, n in ranges)
         if any(n == 0 for _, n in ranges):
-            shape = tuple(n for _, n in ranges)
-            return np.empty(shape, dtype=self.dtype)
-        return self._convert(self._dataset[index])
+            return np.empty(tuple(n for _, n in ranges), dtype=self.dtype)
+        return self[tuple(slice(start, start + n) for start, n in ranges)]
 
     def __getitem__(self, index):
-        return self._convert(self._dataset[index])
+        array = np.asarray(self._dataset[index])
+        return array.view(ml_dtypes.bfloat16) if self._bfloat16 else array
 
     def __len__(self):
         return self.shape[0]
 
     def __array__(self, dtype=None, copy=None):
-        array = self._convert(self._dataset[()])
+        array = self[()]
         return array if dtype is None else array.astype(dtype)
 
 
@@ -94,7 +82,6 @@ def wrap_h5_store_getitem(original):
 
 def _read_shards(variable, value):
     to_torch_dtype = compat.torch_core().to_torch_dtype
-
     current = variable._value
     mesh, placements = current.device_mesh, current.placements
     ranges = local_slices(value.shape, mesh, placements)
@@ -102,14 +89,7 @@ def _read_shards(variable, value):
     local = local.to(
         device=current.device, dtype=to_torch_dtype(variable._dtype)
     )
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=current.shape,
-        stride=current.stride(),
-    )
+    return shards.from_local(local, mesh, placements, current.shape)
 
 
 def wrap_convert_variable_value(original):

@@ -1,12 +1,10 @@
 """Keras's weight stores, fed sharded values without gathering them.
 
-Inside a save's `h5_stream.scope()`, `H5IOStore.__setitem__`, the
-optimizer's `save_own_variables` and `ShardedH5IOStore.__setitem__` (as
-a `Deferred`: shape and dtype only) route each DTensor-backed value to
-`h5_stream.write`. A store opened for writing outside Keras's save
-functions (keras_hub's `save_lora_weights`) is a `RankZeroFile`: every
-rank opens it, only rank 0's file is kept, and `close` puts it in place
-or raises the first rank's failure on every rank.
+Inside a save, Keras's stores and the optimizer's `save_own_variables`
+hand each DTensor-backed value to `h5_stream.write` (`ShardedH5IOStore`
+as a `Deferred`: shape and dtype only). A store opened for writing
+outside Keras's save functions (keras_hub's `save_lora_weights`) is a
+`RankZeroFile`, put in place by its `close`.
 """
 
 import contextvars
@@ -47,9 +45,8 @@ def _dtensor_of(value):
 
 
 class Deferred:
-    """A sharded value passing through Keras's `ShardedH5IOStore`, which
-    sizes its shard files from `shape` and `dtype` (`convert_to_numpy`
-    returns it inside `deferring()`)."""
+    """A sharded value as `ShardedH5IOStore` sizes its files: `shape` and
+    `dtype` (what `convert_to_numpy` returns inside `deferring()`)."""
 
     def __init__(self, dtensor):
         self.dtensor = dtensor
@@ -67,12 +64,13 @@ def deferring() -> bool:
 
 
 def wrap_sharded_h5_store_setitem(original):
-    """Wraps `ShardedH5IOStore.__setitem__(key, value)`: inside a save's
-    `scope()`, a sharded value passes as a `Deferred`."""
+    """Wraps `ShardedH5IOStore.__setitem__`: inside a save, a sharded
+    value passes as a `Deferred`."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
-        dtensor = _dtensor_of(value) if h5_stream.active() else None
+        active = h5_stream.current() is not None
+        dtensor = _dtensor_of(value) if active else None
         if dtensor is None or not h5_stream.streamable(dtensor):
             return original(self, key, value)
         token = _DEFER.set(True)
@@ -85,8 +83,8 @@ def wrap_sharded_h5_store_setitem(original):
 
 
 def wrap_h5_store_setitem(original):
-    """Wraps `H5IOStore.__setitem__(key, value)`: inside a save, a
-    DTensor-backed value goes to `h5_stream.write`."""
+    """Wraps `H5IOStore.__setitem__`: inside a save, a DTensor-backed
+    value goes to `h5_stream.write`."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
@@ -113,16 +111,15 @@ def wrap_h5_store_setitem(original):
 
 
 def wrap_optimizer_save_own_variables(original):
-    """Wraps `BaseOptimizer.save_own_variables(store)`: inside a save, an
-    `H5IOStore` gets each variable itself, not its `.numpy()` (a gather).
-    """
+    """Wraps `BaseOptimizer.save_own_variables`: inside a save, an
+    `H5IOStore` gets each variable, not its `.numpy()` (a gather)."""
 
     @functools.wraps(original)
     def save_own_variables(self, store):
         from keras.src.saving import saving_lib
 
         streamed = isinstance(store, saving_lib.H5IOStore)
-        if not h5_stream.active() or not streamed:
+        if h5_stream.current() is None or not streamed:
             return original(self, store)
         for i, variable in enumerate(self.variables):
             store[str(i)] = variable
@@ -141,9 +138,9 @@ def _discard(written, state):
 
 
 def wrap_h5_store_init(original):
-    """Wraps `H5IOStore.__init__(path_or_io, archive=None, mode="r")`: a
-    file opened for writing under a distribution outside Keras's save
-    functions is a `RankZeroFile` named after the calling function."""
+    """Wraps `H5IOStore.__init__`: a file opened for writing under a
+    distribution outside a save is a `RankZeroFile` named after its
+    caller."""
 
     @functools.wraps(original)
     def __init__(self, path_or_io, archive=None, mode="r"):
@@ -151,7 +148,7 @@ def wrap_h5_store_init(original):
             mode != "w"
             or archive is not None
             or not isinstance(path_or_io, (str, os.PathLike))
-            or h5_stream.active()
+            or h5_stream.current() is not None
             or not multi_process()
             or context.current() is None
         ):

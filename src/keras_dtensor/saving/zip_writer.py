@@ -1,11 +1,10 @@
 """A `.zip` written in one pass, one member of it filled in place.
 
 Keras writes the `.keras` weights to a temporary `.h5` and copies it into
-the zip. `StoredZip` instead gives the weights member a window on the
-archive (`Window`), which h5py writes at any offset; its CRC-32 is joined
-from the checksums of its large writes, taken as they are written, and
-the small bytes between them, read back (`crc32.combine`). The result is
-an ordinary zip (stored members, ZIP64 where needed).
+the zip; `StoredZip` gives that member a `Window` on the archive that
+h5py writes at any offset. Its CRC-32 is joined (`crc32.combine`) from
+its large writes' checksums, taken as written, and the small bytes
+between them, read back. The result is an ordinary zip.
 
 Example:
 >>> with open("m.zip", "wb") as f, StoredZip(f) as archive:
@@ -31,10 +30,9 @@ _SUMMED = 1 << 20  # writes this large are checksummed as they are written
 
 
 class StoredZip:
-    """A zip archive written front to back into an empty file, through a
-    descriptor of its own at explicit offsets (h5py may read back what it
-    wrote). A context: leaving it without an error writes the central
-    directory.
+    """A zip archive written into an empty file through a descriptor of
+    its own, at explicit offsets; leaving the context without an error
+    writes the central directory.
 
     Args:
         fileobj: a binary file opened for writing, at offset 0, with a
@@ -84,9 +82,9 @@ class StoredZip:
 
     def _start(self, name, attributes, seconds, size, crc=0, zip64=False):
         if self._open is not None:
+            busy = self._open.entry.name.decode()
             raise ValueError(
-                f"Member {self._open.entry.name.decode()!r} is still being "
-                "written. "
+                f"Member {busy!r} is still being written. "
                 f"Received: a new member {name!r}"
             )
         entry = zip_format.Entry(
@@ -157,11 +155,9 @@ class StoredZip:
 
 
 class Window(io.BytesIO):
-    """A member of a `StoredZip` as a seekable file; a context that
-    finishes the member (CRC-32, size) unless an error is leaving it.
-    An `io.BytesIO` only because Keras's `H5IOStore` takes one; none of
-    the bytes live in memory.
-    """
+    """A `StoredZip` member as a seekable file (an `io.BytesIO` for
+    Keras's `H5IOStore`, its bytes on disk); leaving the context without
+    an error finishes the member."""
 
     def __init__(self, archive, entry, base):
         super().__init__()
@@ -172,9 +168,6 @@ class Window(io.BytesIO):
         self._position = 0
         # `(start, stop, crc)` of pieces as last written: sorted, disjoint.
         self._summed = []
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, kind, value, traceback):
         if kind is None:
@@ -205,9 +198,7 @@ class Window(io.BytesIO):
         first = bisect.bisect_left(self._summed, (start,))
         if first and self._summed[first - 1][1] > start:
             first -= 1
-        last = first
-        while last < len(self._summed) and self._summed[last][0] < stop:
-            last += 1
+        last = bisect.bisect_left(self._summed, (stop,), lo=first)
         del self._summed[first:last]
 
     def readinto(self, buffer):
@@ -232,7 +223,7 @@ class Window(io.BytesIO):
         return size
 
     def crc(self):
-        """The member's CRC-32: its pieces' and the gaps' read back."""
+        """The member's CRC-32: its pieces' joined, the gaps read back."""
         crc, done = 0, 0
         for start, stop, piece in [*self._summed, (self.size, self.size, 0)]:
             gap = (self.base + done, self.base + start)
