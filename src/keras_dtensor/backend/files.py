@@ -3,11 +3,6 @@
 A reader finds the old file or the new one, never half of one; the next
 save cleans up or puts back what a killed one left (`remove_leftovers`).
 Which rank stages, and when, is the caller's.
-
-Example:
->>> staging = files.staging_path("ckpt/epoch-3")
->>> os.mkdir(staging)  # ... the save writes into it ...
->>> files.move_into_place(staging, "ckpt/epoch-3")
 """
 
 import contextlib
@@ -47,16 +42,16 @@ def split(target) -> tuple[str, str]:
 
 
 def staging_path(target, token: str | None = None) -> str:
-    """A hidden path next to `target` for a save to write into, unique by
-    `token` (a new `uuid4().hex` if `None`); nothing is created."""
+    """A hidden path next to `target`, unique by `token` (default: a new
+    `uuid4().hex`); nothing is created."""
     directory, name = split(target)
     token = uuid.uuid4().hex if token is None else token
     return os.path.join(directory, f".{token}.{name}{_SUFFIX}")
 
 
 def move_into_place(source, target) -> None:
-    """Renames `source` to `target`, replacing what is there (a directory
-    in two renames: the old target aside, then removed)."""
+    """Renames `source` to `target`, replacing what is there (a directory:
+    the old one aside first, then removed)."""
     source, target = os.fspath(source), os.fspath(target)
     aside = None
     if os.path.isdir(source) and os.path.lexists(target):
@@ -106,9 +101,9 @@ def in_place_or_aside(directory) -> dict[str, str]:
 
 
 def remove_leftovers(directory, name: str | None = None) -> None:
-    """Cleans up after killed saves in `directory` (of target `name`, or
-    of all): puts back targets moved aside, removes staging paths (of
-    earlier versions of this package too) and dead processes' scratch."""
+    """Cleans up after killed saves of `name` (default: all) in
+    `directory`: puts back targets moved aside, removes staging paths (of
+    earlier versions too) and dead processes' scratch."""
     for target, aside in _orphans(directory).items():
         if name is None or target == name:
             with contextlib.suppress(OSError):

@@ -1,10 +1,8 @@
 """A vocabulary-sharded embedding's gradient, computed shard only.
 
-DTensor's `embedding_dense_backward` computes a row-sharded table's whole
-gradient on every rank, which the optimizer then slices. Here the lookup
-goes through an autograd function whose backward masks the output
-gradient to the indices this rank holds and scatters it into a gradient
-shaped like the local shard.
+DTensor computes a row-sharded table's whole gradient on every rank; here
+the backward masks the output gradient to the indices this rank holds and
+scatters it into a gradient shaped like the local shard.
 """
 
 import functools
@@ -85,8 +83,8 @@ def _as_dtensor(indices, weight):
 
 def wrap_embedding(original):
     """Wraps `torch.nn.functional.embedding`: a row-sharded DTensor table
-    looked up with gradients (and no other option) goes through
-    `_RowShardedLookup`."""
+    looked up with gradients and no other option uses `_RowShardedLookup`.
+    """
 
     @functools.wraps(original)
     def embedding(input, weight, *args, **kwargs):

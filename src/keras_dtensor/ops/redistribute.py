@@ -41,8 +41,7 @@ def wrap_redistribute_backward(original):
 def wrap_redistribute_local_tensor(original):
     """Wraps DTensor's `redistribute_local_tensor`: when some mesh dims
     become partial and others change too, the others go first (else a
-    masked partial records its mask before the gather, for this rank's
-    rows only)."""
+    masked partial records its mask for this rank's rows only)."""
 
     def redistribute_local_tensor(
         local_tensor, current_spec, target_spec, **kw

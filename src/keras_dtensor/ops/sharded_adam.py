@@ -1,12 +1,9 @@
 """Adam's update under a distribution: on local shards, in bounded pieces.
 
-Keras's torch `Adam` (and `AdamW`) updates every variable at once with
-`torch._foreach_*` ops, holding several temporaries the size of all
-weights at its peak. Under `ModelParallel` a variable, its slots and its
-gradient are laid out alike and Adam is elementwise, so here Keras's
-arithmetic (its order and dtypes) runs on the local tensors a piece at a
-time, its temporaries bounded by a few pieces. Anything else runs
-Keras's own update.
+Keras's torch `Adam` (and `AdamW`) updates all variables at once, its
+temporaries the size of all weights. A variable, its slots and its
+gradient laid out alike are updated elementwise on their local tensors,
+with Keras's arithmetic (order and dtypes), a bounded piece at a time.
 """
 
 import functools
@@ -15,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
+from keras_dtensor.ops.flat_buffers import buckets
 
 __all__ = ["wrap_adam_update"]
 
@@ -52,16 +50,9 @@ def _pieces(rows):
         flat = [t.view(-1) for t in row]
         for start in range(0, numel, _PIECE):
             pieces.append(tuple(f[start : start + _PIECE] for f in flat))
-    groups, group, size = [], [], 0
-    for piece in pieces:
-        if group and size + piece[0].numel() > _PIECE:
-            groups.append(group)
-            group, size = [], 0
-        group.append(piece)
-        size += piece[0].numel()
-    if group:
-        groups.append(group)
-    return groups
+    sizes = [piece[0].numel() for piece in pieces]
+    groups = buckets(sizes, _PIECE, spill=False)
+    return [[pieces[i] for i in group] for group in groups]
 
 
 def _step_size(optimizer, learning_rate, dtype):
