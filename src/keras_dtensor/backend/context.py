@@ -27,28 +27,21 @@ __all__ = [
 _GETTER = []
 
 
-def _distribution_getter():
+def current():
+    """The active Keras distribution, or `None` (traced by `torch.compile`)."""
     # A list, not functools.cache: torch.compile traces a list lookup.
     if not _GETTER:
         from keras.distribution import distribution
 
         _GETTER.append(distribution)
-    return _GETTER[0]
-
-
-def current():
-    """The active Keras distribution, or `None` (traced by `torch.compile`)."""
-    return _distribution_getter()()
+    return _GETTER[0]()
 
 
 def active():
     """The current distribution if it spans several processes, else `None`."""
     distribution = current()
-    if distribution is None or not getattr(
-        distribution, "_is_multi_process", True
-    ):
-        return None
-    return distribution
+    several = getattr(distribution, "_is_multi_process", True)
+    return distribution if several else None  # `None` stays `None`
 
 
 @functools.cache
