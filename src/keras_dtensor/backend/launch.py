@@ -128,12 +128,9 @@ def agree_on_seed():
 
     if rng_utils.get_random_seed() is not None:
         return
-    seed = torch.tensor(
-        [seed_generator.make_default_seed()],
-        dtype=torch.int64,
-        device=local_device(),
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    default = seed_generator.make_default_seed()
+    seed = torch.tensor([default], dtype=torch.int64, device=local_device())
+    if multi_process():
         dist.broadcast(seed, src=0)
     rng_utils.set_random_seed(int(seed.item()))
 
@@ -288,8 +285,8 @@ def every_rank_joins(what: str, why: str) -> None:
     except RuntimeError as e:
         waited = time.monotonic() - start
         raise RuntimeError(
-            f"{what} must be called on every rank: {why}. Rank "
-            f"{rank} of {size} waited "
-            f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
-            f"for the others, which did not arrive or died. Details: {e}"
+            f"{what} must be called on every rank: {why}. Rank {rank} of "
+            f"{size} waited {waited:.1f} s of {timeout:g} s "
+            "(KERAS_DTENSOR_SAVE_TIMEOUT) for the others, which did not "
+            f"arrive or died. Details: {e}"
         ) from None
