@@ -8,7 +8,6 @@ Which rank stages, and when, is the caller's.
 import contextlib
 import glob
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -70,21 +69,15 @@ def _remove(path):
             os.remove(path)
 
 
-_ASIDE_NAME = re.compile(
-    r"^\.[0-9a-f]{32}\.(?P<name>.+)" + re.escape(_SUFFIX + _ASIDE) + "$"
-)
-
-
 def _orphans(directory):
     """`{target name: aside path}` of targets moved aside, not replaced."""
+    tail = _SUFFIX + _ASIDE
+    escaped = glob.escape(os.fspath(directory))
     out = {}
-    with contextlib.suppress(OSError):
-        for entry in sorted(os.listdir(directory)):
-            match = _ASIDE_NAME.match(entry)
-            if match and not os.path.lexists(
-                os.path.join(directory, match["name"])
-            ):
-                out[match["name"]] = os.path.join(directory, entry)
+    for path in sorted(glob.glob(os.path.join(escaped, f".{_TOKEN}.?*{tail}"))):
+        name = os.path.basename(path)[34 : -len(tail)]  # after ".<token>."
+        if not os.path.lexists(os.path.join(directory, name)):
+            out[name] = path
     return out
 
 
