@@ -184,9 +184,8 @@ def distribute_tensor(tensor, layout):
     of a plain (global) tensor; a `DTensor` is redistributed."""
     if isinstance(tensor, DTensor):
         layout = as_backend_layout(layout)
-        if tensor.device_mesh == layout.device_mesh and tuple(
-            tensor.placements
-        ) == tuple(layout.placements):
+        target = (layout.device_mesh, tuple(layout.placements))
+        if (tensor.device_mesh, tuple(tensor.placements)) == target:
             return tensor
         return tensor.redistribute(layout.device_mesh, layout.placements)
     tensor = _as_tensor(tensor)

@@ -7,9 +7,9 @@ out keeps this rank's shard, with no communication.
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor import distribute_tensor
 
 from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.backend.layout import local_slices
 
 __all__ = ["from_local", "shard_global_tensor"]
 
@@ -32,9 +32,22 @@ def shard_global_tensor(tensor, layout):
     `DTensorLayout` (no communication; differentiable)."""
     mesh = layout.device_mesh
     placements = tuple(layout.placements)
-    if not tensor.requires_grad:
-        # Each rank splits its own copy (`src_data_rank=None`).
-        return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+    if not tensor.requires_grad and _cut_here(placements):
+        # What Replicate -> Shard computes, without its planning.
+        local = tensor
+        for dim, (start, length) in enumerate(
+            local_slices(tensor.shape, mesh, placements)
+        ):
+            if length != tensor.shape[dim]:
+                local = local.narrow(dim, start, length)
+        return DTensor.from_local(
+            local.contiguous(),
+            mesh,
+            placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
     replicated = DTensor.from_local(
         tensor, mesh, [Replicate()] * mesh.ndim, run_check=False
     )
@@ -42,3 +55,13 @@ def shard_global_tensor(tensor, layout):
         return replicated
     # Replicate -> Shard is a local chunk: no communication.
     return replicated.redistribute(mesh, placements)
+
+
+def _cut_here(placements):
+    """Whether some dims are sharded, each over one mesh dim, no partial."""
+    dims = [p.dim for p in placements if p.is_shard()]
+    return (
+        bool(dims)
+        and len(set(dims)) == len(dims)
+        and all(p.is_shard() or p.is_replicate() for p in placements)
+    )

@@ -69,9 +69,7 @@ def _step_size(optimizer, learning_rate, dtype):
 
 def _update(optimizer, group, step_size):
     """Adam on one group of pieces: `(value, m, v[, v_hat], grad)` each."""
-    values = [p[0] for p in group]
-    m = [p[1] for p in group]
-    v = [p[2] for p in group]
+    values, m, v = ([p[i] for p in group] for i in range(3))
     grads = [p[-1] for p in group]
     beta_1, beta_2 = optimizer.beta_1, optimizer.beta_2
     torch._foreach_mul_(m, beta_1)
