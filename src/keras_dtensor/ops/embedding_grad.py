@@ -43,18 +43,14 @@ class _RowShardedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, indices, lookup):
         ctx.save_for_backward(indices)
-        ctx.weight = (
-            weight.device_mesh,
-            tuple(weight.placements),
-            weight.shape,
-            weight.stride(),
-        )
+        ctx.spec = weight._spec  # its mesh, placements, shape and stride
         return lookup(indices, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (indices,) = ctx.saved_tensors
-        mesh, placements, shape, stride = ctx.weight
+        spec = ctx.spec
+        mesh, placements, shape = spec.mesh, spec.placements, spec.shape
         grad_placements, index_placements, out = _layouts(placements, indices)
         grad = grad.redistribute(mesh, grad_placements).to_local()
         local = indices.redistribute(mesh, index_placements).to_local()
@@ -66,7 +62,12 @@ class _RowShardedLookup(torch.autograd.Function):
             grad, local, rows, -1, False
         )
         grad_weight = DTensor.from_local(
-            grad_weight, mesh, out, run_check=False, shape=shape, stride=stride
+            grad_weight,
+            mesh,
+            out,
+            run_check=False,
+            shape=shape,
+            stride=spec.stride,
         )
         return grad_weight, None, None
 
