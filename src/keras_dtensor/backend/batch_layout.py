@@ -74,23 +74,22 @@ def _data_layout(distribution, ndim):
 
 
 def _distribute_leaf(x, distribution, per_process, total=None):
-    if isinstance(x, DTensor) or x is None:
-        return x
-    if isinstance(x, np.ndarray) or (
-        isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+    as_is = (DTensor, torch.nn.Parameter)
+    if not isinstance(x, np.ndarray) and (
+        not isinstance(x, torch.Tensor) or isinstance(x, as_is)
     ):
-        x = compat.torch_core().convert_to_tensor(x)
-        if x.ndim == 0:
-            return x
-        layout = _data_layout(distribution, x.ndim)
-        if total is not None:  # this rank's shard, loaded as such
-            mesh, placements = layout.device_mesh, layout.placements
-            shape = (total, *x.shape[1:])
-            return from_local(x.contiguous(), mesh, placements, shape)
-        if per_process:
-            return distribute_data_input(x, layout, distribution.batch_dim_name)
-        return shard_global_tensor(x, layout)
-    return x
+        return x
+    x = compat.torch_core().convert_to_tensor(x)
+    if x.ndim == 0:
+        return x
+    layout = _data_layout(distribution, x.ndim)
+    if total is not None:  # this rank's shard, loaded as such
+        mesh, placements = layout.device_mesh, layout.placements
+        shape = (total, *x.shape[1:])
+        return from_local(x.contiguous(), mesh, placements, shape)
+    if per_process:
+        return distribute_data_input(x, layout, distribution.batch_dim_name)
+    return shard_global_tensor(x, layout)
 
 
 def distribute_batch(batch, distribution, per_process=False):
