@@ -70,9 +70,7 @@ def wrap_gen_alias_from_base(original):
     from torch.distributed.tensor import DTensor
 
     def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
-        if not isinstance(base, DTensor):
-            return original(base, target, target_requires_grad, *a, **kw)
-        out = _view_of(base, target)
+        out = _view_of(base, target) if isinstance(base, DTensor) else None
         if out is None:
             return original(base, target, target_requires_grad, *a, **kw)
         if base.requires_grad and not target_requires_grad:

@@ -89,12 +89,11 @@ def wrap_embedding(original):
 
     @functools.wraps(original)
     def embedding(input, weight, *args, **kwargs):
-        if not isinstance(weight, DTensor):  # every plain lookup: at once
-            return original(input, weight, *args, **kwargs)
-        options = {k: v for k, v in kwargs.items() if k != "norm_type"}
+        options = [v for k, v in kwargs.items() if k != "norm_type"]
         if (
-            args
-            or any(v not in (None, False) for v in options.values())
+            not isinstance(weight, DTensor)
+            or args
+            or any(v not in (None, False) for v in options)
             or not weight.requires_grad
             or not torch.is_grad_enabled()
             or torch.compiler.is_compiling()
