@@ -39,10 +39,8 @@ def set_on(obj, name, value, undo=None):
 
 def get_on(obj, name, default=None):
     """`obj.<name>` if keras_dtensor set it (else `default`)."""
-    attributes = obj.__dict__
-    saved = attributes.get(_RECORD)
-    entry = None if saved is None else saved.get(name)
-    if entry is None or attributes.get(name, _MISSING) is not entry[1]:
+    entry = _record(obj).get(name)
+    if entry is None or obj.__dict__.get(name, _MISSING) is not entry[1]:
         return default
     return entry[1]
 
