@@ -93,8 +93,7 @@ def _distribute_leaf(x, distribution, per_process, total=None):
 
 
 def distribute_batch(batch, distribution, per_process=False):
-    """`batch` (global, or this process's slice if `per_process`) with
-    every array a DTensor sharded by batch."""
+    """`batch` (global, or this process's slice) with arrays batch-sharded."""
     shard = batch_shard(batch)
     total = None if shard is None else shard.total
     return fast_tree.map_structure(

@@ -84,8 +84,7 @@ _ONE_ELEMENT = (
 
 
 def set_global_values(distribution):
-    """Plain tensors are global values under `distribution` unless it is
-    `None` or `DataParallel`."""
+    """Plain tensors are global values under a distribution but DataParallel."""
     from torch.distributed.tensor import DTensor
 
     on = distribution is not None and not is_data_parallel(distribution)

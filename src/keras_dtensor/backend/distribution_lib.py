@@ -121,8 +121,7 @@ def _kept_axes(device_mesh):
 
 
 def _to_backend_mesh(device_mesh):
-    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`, cached
-    (building one is a collective)."""
+    """The Keras mesh as a cached torch `DeviceMesh` (a collective to build)."""
     from keras.src.backend.common import global_state
     from torch.distributed.device_mesh import DeviceMesh
 

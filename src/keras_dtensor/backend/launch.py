@@ -121,8 +121,7 @@ def init_process_group(job_addresses=None, num_processes=None, process_id=None):
 
 
 def agree_on_seed():
-    """Unless a global Keras seed was set, rank 0's is broadcast (as
-    Keras-JAX's `initialize_rng`)."""
+    """Rank 0's Keras seed on every rank, unless one was set."""
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
 

@@ -53,8 +53,7 @@ def placed_shape(shape, mesh, placements) -> tuple:
 
 
 def even_shards(shape, mesh, placements, skip=None) -> bool:
-    """Whether every rank's shard of `shape` has one shape (a shard over
-    mesh dim `skip` aside)."""
+    """Whether every rank's shard of `shape` has one shape (`skip` aside)."""
     parts = [1] * len(shape)
     for m, p in enumerate(placements):
         if p.is_shard() and m != skip:

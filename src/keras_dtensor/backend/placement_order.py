@@ -40,8 +40,7 @@ def partial_hash(self):
 
 
 def mask_partial_hash(self):
-    """`_MaskPartial.__hash__` with no address or string hash (coarser
-    than `__eq__`, which is allowed)."""
+    """`_MaskPartial.__hash__` with no memory address or string hash."""
     return 1 + stable_hash(
         (self.reduce_op, tuple(self.offset_shape), self.offset_dim)
     )

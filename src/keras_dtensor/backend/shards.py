@@ -15,8 +15,7 @@ __all__ = ["from_local", "shard_global_tensor"]
 
 
 def from_local(local, mesh, placements, shape):
-    """A DTensor of contiguous global `shape` from this rank's `local`
-    shard, unchecked (no communication)."""
+    """A DTensor of contiguous global `shape` from `local`, unchecked."""
     return DTensor.from_local(
         local,
         mesh,

@@ -32,8 +32,7 @@ def wrap_stable_hash_for_caching(original):
 
 
 def _permutation(target, base):
-    """`dims` with `base.permute(dims)` laid out as `target`, or None
-    (also when two dims share a (size, stride))."""
+    """`dims` with `base.permute(dims)` laid out as `target`, else None."""
     pairs = list(zip(base.size(), base.stride(), strict=True))
     dims = []
     for pair in zip(target.size(), target.stride(), strict=True):

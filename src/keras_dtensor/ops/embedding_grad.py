@@ -19,8 +19,7 @@ __all__ = ["wrap_embedding"]
 
 
 def _layouts(weight_placements, indices):
-    """Per mesh dim: the output gradient's, the indices' and the weight
-    gradient's placements."""
+    """The output gradient's, indices' and weight gradient's placements."""
     out = []
     last = indices.ndim  # the output's feature dim
     for weight_p, index_p in zip(

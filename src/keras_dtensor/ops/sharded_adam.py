@@ -39,8 +39,7 @@ def _aligned(tensors):
 
 
 def _pieces(rows):
-    """Groups of pieces of `rows` (per variable, same-shaped local
-    tensors: value, slots, gradient), about `_PIECE` elements a group."""
+    """Groups of about `_PIECE` elements of pieces of same-shaped `rows`."""
     pieces = []
     for row in rows:
         numel = row[0].numel()
@@ -56,8 +55,7 @@ def _pieces(rows):
 
 
 def _step_size(optimizer, learning_rate, dtype):
-    """`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` as Keras's torch Adam
-    computes it (the same ops and dtypes), on local values."""
+    """`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` as Keras computes it."""
     convert_to_tensor = compat.torch_core().convert_to_tensor
 
     lr = _local(convert_to_tensor(learning_rate)).to(dtype)
