@@ -1,10 +1,9 @@
 """A batch laid out by the distribution: arrays become batch-sharded
-DTensors.
-
-The batch is the global one (the same on every process), this process's
-slice of it (`per_process`), or this process's shard of a global batch
-tagged with its place (`tag_shard`). No communication.
+DTensors, from the global batch, this process's slice (`per_process`) or
+a shard tagged with its place (`tag_shard`). No communication.
 """
+
+import collections
 
 import numpy as np
 import torch
@@ -30,14 +29,9 @@ _LAYOUTS = "_keras_dtensor_data_layouts"
 _SHARD = "_keras_dtensor_batch_shard"
 
 
-class BatchShard:
-    """Rows `[start, start + rows)` of a global batch of `total`, whose
-    indices have checksum `digest`."""
-
-    __slots__ = ("start", "total", "digest")
-
-    def __init__(self, start, total, digest):
-        self.start, self.total, self.digest = start, total, digest
+BatchShard = collections.namedtuple("BatchShard", ["start", "total", "digest"])
+BatchShard.__doc__ = """Rows from `start` of a global batch of `total`, whose
+indices have checksum `digest`."""
 
 
 def _first_leaf(batch):
@@ -46,7 +40,7 @@ def _first_leaf(batch):
 
 def tag_shard(batch, start, total, digest):
     """`batch` (this process's shard) with its place marked on its first
-    array; NumPy leaves become tensors (no copy) to carry the mark."""
+    array (NumPy leaves become tensors, no copy, to carry it)."""
 
     def as_tensor(x):
         return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
@@ -80,30 +74,26 @@ def _data_layout(distribution, ndim):
 
 
 def _distribute_leaf(x, distribution, per_process, total=None):
-    if isinstance(x, DTensor) or x is None:
-        return x
-    if isinstance(x, np.ndarray) or (
-        isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+    as_is = (DTensor, torch.nn.Parameter)
+    if not isinstance(x, np.ndarray) and (
+        not isinstance(x, torch.Tensor) or isinstance(x, as_is)
     ):
-        convert_to_tensor = compat.torch_core().convert_to_tensor
-
-        x = convert_to_tensor(x)
-        if x.ndim == 0:
-            return x
-        layout = _data_layout(distribution, x.ndim)
-        if total is not None:  # this rank's shard, loaded as such
-            mesh, placements = layout.device_mesh, layout.placements
-            shape = (total, *x.shape[1:])
-            return from_local(x.contiguous(), mesh, placements, shape)
-        if per_process:
-            return distribute_data_input(x, layout, distribution.batch_dim_name)
-        return shard_global_tensor(x, layout)
-    return x
+        return x
+    x = compat.torch_core().convert_to_tensor(x)
+    if x.ndim == 0:
+        return x
+    layout = _data_layout(distribution, x.ndim)
+    if total is not None:  # this rank's shard, loaded as such
+        mesh, placements = layout.device_mesh, layout.placements
+        shape = (total, *x.shape[1:])
+        return from_local(x.contiguous(), mesh, placements, shape)
+    if per_process:
+        return distribute_data_input(x, layout, distribution.batch_dim_name)
+    return shard_global_tensor(x, layout)
 
 
 def distribute_batch(batch, distribution, per_process=False):
-    """`batch` (global, or this process's slice if `per_process`) with
-    every array a DTensor sharded by batch."""
+    """`batch` (global, or this process's slice) with arrays batch-sharded."""
     shard = batch_shard(batch)
     total = None if shard is None else shard.total
     return fast_tree.map_structure(

@@ -1,9 +1,8 @@
 """One outcome on every rank: failures shared, rank 0's answer broadcast.
 
-A step that fails on some ranks only (a file rank 0 cannot create) would
-leave the others waiting at their next collective; it ends here instead,
-and every rank raises. Messages travel as bytes in tensors: nothing from a
-peer is unpickled.
+A step that fails on some ranks only would leave the others waiting at
+their next collective; here every rank raises instead. Messages travel
+as bytes in tensors: nothing from a peer is unpickled.
 """
 
 import contextlib
@@ -41,8 +40,8 @@ _ERRORS = {
 
 
 def failures(problem: BaseException | str | None) -> list[tuple[int, str]]:
-    """`[(rank, message), ...]` of the ranks whose `problem` (an error, a
-    message or `None`) is not `None`, on every rank (an all-gather)."""
+    """`[(rank, message), ...]` of the ranks whose `problem` is not `None`,
+    on every rank (an all-gather)."""
     mine = "" if problem is None else str(problem)
     gathered = launch.all_gather_bytes(mine.encode())
     return [(r, m.decode()) for r, m in enumerate(gathered) if m]
@@ -55,7 +54,6 @@ def first_failure(problem: BaseException | str | None) -> str | None:
 
 
 def _path_text(filename):
-    """An error's filename as JSON can carry it."""
     if filename is None or isinstance(filename, (str, int)):
         return filename
     try:
@@ -87,9 +85,9 @@ def _rebuilt(outcome, where):
 
 
 def on_rank_0(operation, what):
-    """Runs `operation()` (JSON-serializable result) on rank 0 and
-    returns its result on every rank (a broadcast); if it raises, every
-    rank raises the same error, naming `what`."""
+    """`operation()`'s result (JSON-serializable), run on rank 0, on every
+    rank (a broadcast); if it raises, every rank raises it, naming `what`.
+    """
     size, rank = launch.world()
     payload = None
     if rank == 0:

@@ -1,11 +1,9 @@
 """Which distribution runs, and in what scope.
 
-`current()` is Keras's current distribution; `active()` the same only
-when it spans several processes (over one, a distribution computes what
-plain Keras does, so hooks that ask `active()` return at once).
-`global_values()` is the scope in which a plain tensor meeting a DTensor
-counts as replicated: DTensor's own thread-local implicit-replication
-setting, no state of ours and no communication.
+`active()` is Keras's current distribution when it spans several
+processes (over one, hooks return at once: plain Keras computes the
+same). Inside `global_values()` a plain tensor meeting a DTensor counts
+as replicated: DTensor's own implicit-replication setting, no state here.
 """
 
 import contextlib
@@ -29,29 +27,21 @@ __all__ = [
 _GETTER = []
 
 
-def _distribution_getter():
+def current():
+    """The active Keras distribution, or `None` (traced by `torch.compile`)."""
     # A list, not functools.cache: torch.compile traces a list lookup.
     if not _GETTER:
         from keras.distribution import distribution
 
         _GETTER.append(distribution)
-    return _GETTER[0]
-
-
-def current():
-    """The active Keras distribution, or `None` (traced by `torch.compile`)."""
-    return _distribution_getter()()
+    return _GETTER[0]()
 
 
 def active():
-    """The current distribution if it spans several processes, else `None`
-    (Keras's `Distribution._is_multi_process`)."""
+    """The current distribution if it spans several processes, else `None`."""
     distribution = current()
-    if distribution is None or not getattr(
-        distribution, "_is_multi_process", True
-    ):
-        return None
-    return distribution
+    several = getattr(distribution, "_is_multi_process", True)
+    return distribution if several else None  # `None` stays `None`
 
 
 @functools.cache
@@ -70,9 +60,8 @@ def is_data_parallel(distribution=None) -> bool:
 
 @contextlib.contextmanager
 def global_values():
-    """Inside: a plain tensor meeting a DTensor counts as replicated (a
-    layer's tensors are global values; data becomes DTensors first).
-    Re-entrant, unlike torch's `implicit_replication`."""
+    """Inside, a plain tensor meeting a DTensor counts as replicated;
+    re-entrant, unlike torch's `implicit_replication`."""
     from torch.distributed.tensor import DTensor
 
     dispatcher = DTensor._op_dispatcher
@@ -84,8 +73,7 @@ def global_values():
         dispatcher._allow_implicit_replication = before
 
 
-# The `warnings.filters` entry that quiets torch's warning when it
-# replicates a one-element plain tensor (the rule while values are global).
+# Quiets torch's warning when it replicates a one-element plain tensor.
 _ONE_ELEMENT = (
     "ignore",
     re.compile("Found a non-scalar tensor with numel=1 and ndim!=0", re.I),
@@ -96,8 +84,7 @@ _ONE_ELEMENT = (
 
 
 def set_global_values(distribution):
-    """Plain tensors are global values under `distribution` unless it is
-    `None` or `DataParallel`."""
+    """Plain tensors are global values under a distribution but DataParallel."""
     from torch.distributed.tensor import DTensor
 
     on = distribution is not None and not is_data_parallel(distribution)
@@ -112,9 +99,9 @@ def set_global_values(distribution):
 
 
 def wrap_set_distribution(original):
-    """Wraps `keras.distribution.set_distribution` (which `scope()` calls):
-    while a distribution other than `DataParallel` is set, every plain
-    tensor is a global value, as every plain array is on JAX."""
+    """Wraps `keras.distribution.set_distribution`: under a distribution
+    other than `DataParallel`, plain tensors are global values (as on JAX).
+    """
 
     def set_distribution(value):
         if value is not None and is_data_parallel(value) and multi_process():

@@ -1,9 +1,8 @@
 """Keras backend distribution module for torch, on DTensor.
 
-The functions and signatures of `keras/src/backend/jax/distribution_lib.py`,
-installed as `keras.src.backend.distribution_lib`. One device per process:
-device `i` is rank `i`; a Keras `DeviceMesh` becomes a cached torch
-`DeviceMesh`, a `TensorLayout` a `DTensorLayout`.
+`keras/src/backend/jax/distribution_lib.py`'s functions, installed as
+`keras.src.backend.distribution_lib`. Device `i` is rank `i`; a Keras
+`DeviceMesh` becomes a cached torch `DeviceMesh`.
 """
 
 import collections
@@ -60,8 +59,8 @@ def _keras_device_type(device_type=None):
 
 
 def list_devices(device_type=None):
-    """Return all the available devices based on the device type: one per
-    process, named by global rank (`cpu:0 .. cpu:N-1`, or `gpu:...`)."""
+    """Return all the available devices: one per process, named by global
+    rank (`cpu:0 .. cpu:N-1`, or `gpu:...`)."""
     kind = _keras_device_type(device_type)
     return [f"{kind}:{i}" for i in range(launch.num_processes())]
 
@@ -72,14 +71,13 @@ def get_device_count(device_type=None):
 
 
 def initialize(job_addresses, num_processes, process_id):
-    """Starts the process group (the arguments `None` under torchrun) and
-    agrees on one random seed."""
+    """Starts the process group and agrees on one random seed."""
     launch.init_process_group(job_addresses, num_processes, process_id)
     launch.agree_on_seed()
 
 
 def initialize_rng():
-    """Makes every process use the same global seed (see `launch`)."""
+    """Makes every process use the same global seed."""
     launch.agree_on_seed()
 
 
@@ -96,12 +94,12 @@ def process_id():
 def device_ranks(device_mesh):
     """Global ranks of the mesh's devices, checked without communication."""
     world = launch.num_processes()
+    mesh = describe_mesh(device_mesh.shape, device_mesh.axis_names)
     names = [str(d) for d in np.asarray(device_mesh.devices).flatten()]
     ranks = []
     for name in names:
         _, _, index = name.partition(":")
         if not index.isdigit():
-            mesh = describe_mesh(device_mesh.shape, device_mesh.axis_names)
             raise ValueError(
                 f"Device {name!r} of the {mesh} is not of the form "
                 "'cpu:<rank>' or 'gpu:<rank>'."
@@ -109,10 +107,9 @@ def device_ranks(device_mesh):
         ranks.append(int(index))
     if len(ranks) != world or sorted(ranks) != list(range(world)):
         raise ValueError(
-            f"The {describe_mesh(device_mesh.shape, device_mesh.axis_names)} "
-            f"has {len(ranks)} devices {names}, but this job has {world} "
-            "processes (one device per process): the mesh must hold each "
-            f"of {list_devices()} exactly once."
+            f"The {mesh} has {len(ranks)} devices {names}, but this job "
+            f"has {world} processes (one device per process): the mesh "
+            f"must hold each of {list_devices()} exactly once."
         )
     return ranks
 
@@ -124,8 +121,7 @@ def _kept_axes(device_mesh):
 
 
 def _to_backend_mesh(device_mesh):
-    """Convert the Keras `DeviceMesh` to a torch `DeviceMesh`, cached:
-    building one creates process groups (a collective)."""
+    """The Keras mesh as a cached torch `DeviceMesh` (a collective to build)."""
     from keras.src.backend.common import global_state
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -170,16 +166,9 @@ def as_backend_layout(layout, path=None, shape=None):
     `shape` where given; `path` names the tensor in errors."""
     from keras.src.distribution import TensorLayout
 
+    if path is not None or shape is not None:
+        check_layout(layout, shape, path)
     if isinstance(layout, TensorLayout):
-        mesh = layout.device_mesh
-        if mesh is not None and (path is not None or shape is not None):
-            to_placements(
-                layout.axes,
-                mesh.shape,
-                mesh.axis_names,
-                path=path,
-                shape=shape,
-            )
         return layout.backend_layout
     if isinstance(layout, DTensorLayout):
         return layout
@@ -190,14 +179,12 @@ def as_backend_layout(layout, path=None, shape=None):
 
 
 def distribute_tensor(tensor, layout):
-    """Distribute the tensor based on the layout: a plain tensor is the
-    global value, of which each rank keeps its shard (in a job of one
-    process: checked and returned); a `DTensor` is redistributed."""
+    """Distribute the tensor based on the layout: each rank keeps its shard
+    of a plain (global) tensor; a `DTensor` is redistributed."""
     if isinstance(tensor, DTensor):
         layout = as_backend_layout(layout)
-        if tensor.device_mesh == layout.device_mesh and tuple(
-            tensor.placements
-        ) == tuple(layout.placements):
+        target = (layout.device_mesh, tuple(layout.placements))
+        if (tensor.device_mesh, tuple(tensor.placements)) == target:
             return tensor
         return tensor.redistribute(layout.device_mesh, layout.placements)
     tensor = _as_tensor(tensor)
@@ -228,15 +215,14 @@ def check_layout(layout, shape, path=None):
 
 
 def distribute_variable(value, layout):
-    """Create a distributed variable value for the layout (a
-    `torch.nn.Parameter` of `distribute_tensor(value, layout)`)."""
+    """Create a distributed variable value for the layout."""
     return torch.nn.Parameter(distribute_tensor(value, layout))
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
     """Distribute the input data with the corresponding layout: this
-    process's slice becomes the global batch `DTensor` (no communication;
-    the plain batch in a job of one process)."""
+    process's slice becomes the global batch `DTensor` (no communication).
+    """
     if isinstance(per_process_batch, DTensor):
         return distribute_tensor(per_process_batch, layout)
     per_process_batch = _as_tensor(per_process_batch)
@@ -250,6 +236,6 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
         if placement.is_shard():
             parts *= size
     shape = list(per_process_batch.shape)
-    if shape and parts > 1:
-        shape[0] = shape[0] * parts
+    if shape:
+        shape[0] *= parts
     return from_local(per_process_batch, mesh, layout.placements, shape)

@@ -1,5 +1,7 @@
 """Message builders: every error names the tensor path, axes and the mesh."""
 
+import re
+
 __all__ = [
     "AssignedInCall",
     "collective_failure",
@@ -30,16 +32,9 @@ def layout_error(
 
 
 # Fragments of torch.distributed's own messages when a peer is gone.
-_PEER_FAILURE = (
-    "gloo",
-    "nccl",
-    "connection reset",
-    "connection closed",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "collective mismatch",
-    "received data size",
+_PEER_FAILURE = re.compile(
+    "gloo|nccl|connection (reset|closed)|broken pipe|timed out|timeout|"
+    "collective mismatch|received data size"
 )
 
 
@@ -47,7 +42,7 @@ def collective_failure(error, *, operation, rank, world, timeout):
     """A `RuntimeError` naming `operation`, the rank and the timeout for
     a collective that failed because of a peer, else `None`."""
     message = str(error)
-    if not any(f in message.lower() for f in _PEER_FAILURE):
+    if not _PEER_FAILURE.search(message.lower()):
         return None
     first_line = message.strip().splitlines()[0][:300]
     return RuntimeError(

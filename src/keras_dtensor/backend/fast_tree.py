@@ -1,7 +1,6 @@
 """Keras's `tree.flatten`, `pack_sequence_as` and `map_structure`, fast
-for a layer call's usual arguments (plain tuples, lists and dicts of
-tensors, numbers, strings and None), in Keras's order (asked of the
-installed Keras at the first walk); anything else goes to Keras's.
+for plain tuples, lists and dicts of tensors, numbers, strings and None,
+in Keras's order; anything else goes to Keras's.
 """
 
 import torch

@@ -3,17 +3,11 @@
 A reader finds the old file or the new one, never half of one; the next
 save cleans up or puts back what a killed one left (`remove_leftovers`).
 Which rank stages, and when, is the caller's.
-
-Example:
->>> staging = files.staging_path("ckpt/epoch-3")
->>> os.mkdir(staging)  # ... the save writes into it ...
->>> files.move_into_place(staging, "ckpt/epoch-3")
 """
 
 import contextlib
 import glob
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -47,16 +41,16 @@ def split(target) -> tuple[str, str]:
 
 
 def staging_path(target, token: str | None = None) -> str:
-    """A hidden path next to `target` for a save to write into, unique by
-    `token` (a new `uuid4().hex` if `None`); nothing is created."""
+    """A hidden path next to `target`, unique by `token` (default: a new
+    `uuid4().hex`); nothing is created."""
     directory, name = split(target)
     token = uuid.uuid4().hex if token is None else token
     return os.path.join(directory, f".{token}.{name}{_SUFFIX}")
 
 
 def move_into_place(source, target) -> None:
-    """Renames `source` to `target`, replacing what is there (a directory
-    in two renames: the old target aside, then removed)."""
+    """Renames `source` to `target`, replacing what is there (a directory:
+    the old one aside first, then removed)."""
     source, target = os.fspath(source), os.fspath(target)
     aside = None
     if os.path.isdir(source) and os.path.lexists(target):
@@ -75,21 +69,15 @@ def _remove(path):
             os.remove(path)
 
 
-_ASIDE_NAME = re.compile(
-    r"^\.[0-9a-f]{32}\.(?P<name>.+)" + re.escape(_SUFFIX + _ASIDE) + "$"
-)
-
-
 def _orphans(directory):
     """`{target name: aside path}` of targets moved aside, not replaced."""
+    tail = _SUFFIX + _ASIDE
+    escaped = glob.escape(os.fspath(directory))
     out = {}
-    with contextlib.suppress(OSError):
-        for entry in sorted(os.listdir(directory)):
-            match = _ASIDE_NAME.match(entry)
-            if match and not os.path.lexists(
-                os.path.join(directory, match["name"])
-            ):
-                out[match["name"]] = os.path.join(directory, entry)
+    for path in sorted(glob.glob(os.path.join(escaped, f".{_TOKEN}.?*{tail}"))):
+        name = os.path.basename(path)[34 : -len(tail)]  # after ".<token>."
+        if not os.path.lexists(os.path.join(directory, name)):
+            out[name] = path
     return out
 
 
@@ -106,9 +94,9 @@ def in_place_or_aside(directory) -> dict[str, str]:
 
 
 def remove_leftovers(directory, name: str | None = None) -> None:
-    """Cleans up after killed saves in `directory` (of target `name`, or
-    of all): puts back targets moved aside, removes staging paths (of
-    earlier versions of this package too) and dead processes' scratch."""
+    """Cleans up after killed saves of `name` (default: all) in
+    `directory`: puts back targets moved aside, removes staging paths (of
+    earlier versions too) and dead processes' scratch."""
     for target, aside in _orphans(directory).items():
         if name is None or target == name:
             with contextlib.suppress(OSError):

@@ -1,8 +1,7 @@
 """Process-group lifecycle, and collectives of small values.
 
-One device per process. The rendezvous comes from torchrun's environment
-or from `keras.distribution.initialize()`'s arguments; without either, a
-world-size-1 group is started in memory when a mesh needs one.
+One device per process; the rendezvous is torchrun's or
+`keras.distribution.initialize()`'s, else a one-process group in memory.
 """
 
 import atexit
@@ -38,8 +37,8 @@ __all__ = [
 
 
 def under_launcher() -> bool:
-    """Whether `RANK` and `WORLD_SIZE` are set, with torchrun's
-    `MASTER_ADDR` or `KERAS_DTENSOR_INIT_METHOD` (a rendezvous URL)."""
+    """Whether `RANK`, `WORLD_SIZE` and a rendezvous (torchrun's
+    `MASTER_ADDR` or `KERAS_DTENSOR_INIT_METHOD`) are set."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and (
         "MASTER_ADDR" in os.environ or config.get("INIT_METHOD") is not None
     )
@@ -58,14 +57,6 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _timeout(timeout):
-    if timeout is None:
-        timeout = config.get("TIMEOUT")
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=timeout)
-    return timeout
-
-
 def _backend():
     backend = config.get("BACKEND")
     if backend is not None:
@@ -73,12 +64,9 @@ def _backend():
     return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
 
 
-def init_process_group(
-    job_addresses=None, num_processes=None, process_id=None, timeout=None
-):
-    """Starts the default process group, once (`True` if this call did),
-    at the first of Keras's `job_addresses` or torchrun's rendezvous;
-    `timeout` defaults to `$KERAS_DTENSOR_TIMEOUT`."""
+def init_process_group(job_addresses=None, num_processes=None, process_id=None):
+    """Starts the default process group once (`True` if this call did), at
+    the first of Keras's `job_addresses` or at torchrun's rendezvous."""
     if dist.is_initialized():
         world = dist.get_world_size()
         if num_processes is not None and num_processes != world:
@@ -87,7 +75,7 @@ def init_process_group(
                 f"{world} processes. Received: num_processes={num_processes}"
             )
         return False
-    timeout = _timeout(timeout)
+    timeout = datetime.timedelta(seconds=config.get("TIMEOUT"))
     if job_addresses:
         addresses = job_addresses.split(",")
         if num_processes not in (None, len(addresses)) and len(addresses) > 1:
@@ -104,24 +92,20 @@ def init_process_group(
                 f"job_addresses={job_addresses}, process_id=None"
             )
         url = f"tcp://{addresses[0]}"
-        store, rank, world = next(
-            dist.rendezvous(
-                url, rank=process_id, world_size=num_processes, timeout=timeout
-            )
-        )
+        kwargs = dict(rank=process_id, world_size=num_processes)
     elif under_launcher():
         url = config.get("INIT_METHOD") or "env://"
         kwargs = {}
         if url != "env://":
-            kwargs = dict(
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-            )
-        store, rank, world = next(
-            dist.rendezvous(url, timeout=timeout, **kwargs)
-        )
+            rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+            kwargs = dict(rank=int(rank), world_size=int(world))
     else:
+        url = None
+    if url is None:
         store, rank, world = dist.HashStore(), 0, 1
+    else:
+        rendezvous = dist.rendezvous(url, timeout=timeout, **kwargs)
+        store, rank, world = next(rendezvous)
     # A fresh key space per torchrun restart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"keras_dtensor/{restart}", store)
@@ -137,26 +121,21 @@ def init_process_group(
 
 
 def agree_on_seed():
-    """Makes every process use the same global Keras seed: unless one was
-    set, rank 0's is broadcast (as Keras-JAX's `initialize_rng`)."""
+    """Rank 0's Keras seed on every rank, unless one was set."""
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
 
     if rng_utils.get_random_seed() is not None:
         return
-    seed = torch.tensor(
-        [seed_generator.make_default_seed()],
-        dtype=torch.int64,
-        device=local_device(),
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    default = seed_generator.make_default_seed()
+    seed = torch.tensor([default], dtype=torch.int64, device=local_device())
+    if multi_process():
         dist.broadcast(seed, src=0)
     rng_utils.set_random_seed(int(seed.item()))
 
 
 def _check_placement_order():
-    """Raises unless every rank orders sets of placements the same way
-    (DTensor breaks strategy ties in that order; see `placement_order`)."""
+    """Raises unless every rank orders sets of placements alike."""
     digests = all_gather_ints(placement_order.order_digest())
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -199,7 +178,7 @@ def all_gather_int_lists(values: list[int]) -> list[list[int]]:
 
 
 def _as_uint8(data: bytes) -> torch.Tensor:
-    """`data` as a uint8 tensor (a copy: `frombuffer` shares memory)."""
+    # A copy: `frombuffer` shares memory.
     if not data:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -257,14 +236,10 @@ def process_id() -> int:
     return dist.get_rank() if _started() else 0
 
 
-# How long `_destroy` lets go of the GIL at exit.
-_EXIT_GRACE_S = 0.05
-
-
 def _destroy():
     # Hands the GIL to gloo workers still queued for it before Python
     # finalizes (else SIGABRT at exit); see docs/internals/backend.md.
-    time.sleep(_EXIT_GRACE_S)
+    time.sleep(0.05)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -276,9 +251,8 @@ def _destroy():
 
 def every_rank_joins(what: str, why: str) -> None:
     """Raises on the ranks that arrived if some rank does not join `what`
-    (`why` says what makes it collective) within
-    `$KERAS_DTENSOR_SAVE_TIMEOUT`: the ranks meet in the process group's
-    store, which no collective can pair with."""
+    (collective because `why`) within `$KERAS_DTENSOR_SAVE_TIMEOUT`: ranks
+    meet in the store, which no collective can pair with."""
     if not multi_process():
         return
     timeout = config.get("SAVE_TIMEOUT")
@@ -310,8 +284,8 @@ def every_rank_joins(what: str, why: str) -> None:
     except RuntimeError as e:
         waited = time.monotonic() - start
         raise RuntimeError(
-            f"{what} must be called on every rank: {why}. Rank "
-            f"{rank} of {size} waited "
-            f"{waited:.1f} s of {timeout:g} s (KERAS_DTENSOR_SAVE_TIMEOUT) "
-            f"for the others, which did not arrive or died. Details: {e}"
+            f"{what} must be called on every rank: {why}. Rank {rank} of "
+            f"{size} waited {waited:.1f} s of {timeout:g} s "
+            "(KERAS_DTENSOR_SAVE_TIMEOUT) for the others, which did not "
+            f"arrive or died. Details: {e}"
         ) from None

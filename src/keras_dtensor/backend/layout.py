@@ -1,8 +1,7 @@
 """Pure layout arithmetic: Keras axes to DTensor placements, local shapes.
 
-A Keras layout names, per tensor dimension, the mesh axes that shard it
-(major to minor, as a JAX `PartitionSpec`); a DTensor placement list
-names, per mesh dimension, what it does to the tensor. No process group.
+A Keras layout names per tensor dim the mesh axes that shard it (as a JAX
+`PartitionSpec`); placements name per mesh dim what it does to the tensor.
 """
 
 import math
@@ -25,17 +24,16 @@ __all__ = [
 
 
 def chunk(length, parts, index) -> tuple:
-    """The `(start, size)` of chunk `index` of `length` split in `parts`,
-    by DTensor's (`torch.chunk`'s) rule: the last chunks shorter or empty.
-    """
+    """`(start, size)` of chunk `index` of `length` split in `parts`, by
+    `torch.chunk`'s rule (as DTensor): the last chunks shorter or empty."""
     step = math.ceil(length / parts) if length else 0
     start = min(index * step, length)
     return start, max(0, min(step, length - start))
 
 
 def local_slices(shape, mesh, placements, coordinate=None) -> list:
-    """The `(start, length)` along every dim of `shape` of this rank (or
-    of mesh `coordinate`), mesh dims applied in order (`chunk`)."""
+    """`(start, length)` along every dim of `shape` of this rank's shard
+    (or mesh `coordinate`'s), mesh dims applied in order."""
     ranges = [(0, n) for n in shape]
     if coordinate is None:
         coordinate = mesh.get_coordinate()
@@ -55,8 +53,7 @@ def placed_shape(shape, mesh, placements) -> tuple:
 
 
 def even_shards(shape, mesh, placements, skip=None) -> bool:
-    """Whether every rank's shard of a tensor of global `shape` laid out by
-    `placements` has one shape (a shard over mesh dim `skip` aside)."""
+    """Whether every rank's shard of `shape` has one shape (`skip` aside)."""
     parts = [1] * len(shape)
     for m, p in enumerate(placements):
         if p.is_shard() and m != skip:
@@ -66,7 +63,7 @@ def even_shards(shape, mesh, placements, skip=None) -> bool:
 
 def local_shape(shape, axes, sizes) -> tuple:
     """The largest shard's shape: `shape` split by normalized `axes` over
-    mesh axes of `sizes` (a dict name -> size)."""
+    mesh axes of `sizes` (name -> size)."""
     return tuple(
         chunk(n, math.prod(sizes[name] for name in names), 0)[1]
         for n, names in zip(shape, axes, strict=True)
@@ -74,8 +71,7 @@ def local_shape(shape, axes, sizes) -> tuple:
 
 
 def contiguous_strides(shape) -> tuple:
-    """The strides of a contiguous (row-major) tensor of `shape`, in
-    elements; a dimension of size 0 counts as 1, as in torch."""
+    """Row-major strides of `shape` (a size-0 dim counts as 1, as in torch)."""
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -92,10 +88,9 @@ def normalize_axes(axes) -> tuple:
 
 
 def to_placements(axes, mesh_shape, axis_names, *, path=None, shape=None):
-    """Converts layout axes to one DTensor placement per mesh dimension.
-
-    Raises `ValueError` (naming `path` and `shape`) for an unknown or
-    repeated axis, too many axes, or axes out of the mesh's order.
+    """Layout axes as one DTensor placement per mesh dimension; raises
+    `ValueError` (naming `path` and `shape`) for an unknown or repeated
+    axis, too many axes, or axes out of the mesh's order.
 
     Example:
     >>> to_placements((None, "model"), (1, 2), ("batch", "model"))

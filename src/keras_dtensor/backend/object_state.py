@@ -1,8 +1,6 @@
-"""Attributes keras_dtensor sets on individual Keras objects.
-
-Set through `set_on` (with `object.__setattr__`, out of Keras's tracking),
-which remembers what each replaced; `uninstall()` calls `restore()`, which
-puts it back on every object still alive.
+"""Attributes keras_dtensor sets on Keras objects (out of Keras's
+tracking), each recorded so that `restore()` (from `uninstall()`) puts
+back what it replaced on every object still alive.
 """
 
 import contextlib
@@ -11,9 +9,8 @@ import weakref
 __all__ = ["get_on", "restore", "set_on", "status", "swapped"]
 
 _MISSING = object()
-# On each object: {name: (previous value, our value, undo)}. On the object,
-# not in a WeakKeyDictionary, whose values (step functions referring back
-# to the model) would keep every model alive.
+# On each object: {name: (previous, ours, undo)}; not a WeakKeyDictionary,
+# whose values (step functions refer to the model) keep models alive.
 _RECORD = "_keras_dtensor_saved"
 # The objects that hold a record, for `restore()` and `status()`.
 _OBJECTS = weakref.WeakSet()
@@ -42,10 +39,8 @@ def set_on(obj, name, value, undo=None):
 
 def get_on(obj, name, default=None):
     """`obj.<name>` if keras_dtensor set it (else `default`)."""
-    attributes = obj.__dict__
-    saved = attributes.get(_RECORD)
-    entry = None if saved is None else saved.get(name)
-    if entry is None or attributes.get(name, _MISSING) is not entry[1]:
+    entry = _record(obj).get(name)
+    if entry is None or obj.__dict__.get(name, _MISSING) is not entry[1]:
         return default
     return entry[1]
 

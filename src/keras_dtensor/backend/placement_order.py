@@ -1,10 +1,9 @@
 """Sharding choices that agree across ranks, whatever `PYTHONHASHSEED` is.
 
-DTensor breaks strategy cost ties in the order it enumerates candidates,
-some out of Python sets ordered by salted hashes; ranks that choose
-differently run different collectives and hang. Hashes here depend on a
-placement's value alone, the planner's sets keep insertion order, and
-`order_digest()` is compared across ranks when the group starts.
+DTensor breaks cost ties in the order of sets ordered by salted hashes;
+ranks that choose differently hang. Hashes here depend on a placement's
+value alone, the planner's sets keep insertion order, and ranks compare
+`order_digest()` when the group starts.
 """
 
 import functools
@@ -41,8 +40,7 @@ def partial_hash(self):
 
 
 def mask_partial_hash(self):
-    """`_MaskPartial.__hash__` without a memory address or a string hash
-    (coarser than `__eq__`, which is allowed)."""
+    """`_MaskPartial.__hash__` with no memory address or string hash."""
     return 1 + stable_hash(
         (self.reduce_op, tuple(self.offset_shape), self.offset_dim)
     )

@@ -1,8 +1,7 @@
-"""Starting the next training epoch at a given batch (a one-shot request).
-
-The checkpoint callback asks (`request`); the epoch iterator takes it
-(`take`), skips the batches already trained where its input can be
-positioned (its shuffle drawn again), and reports back through `done`.
+"""Starting the next training epoch at a given batch: the checkpoint
+callback asks once (`request`); the epoch iterator `take`s it, skips the
+batches already trained where its input can be positioned, and reports
+through `done`.
 """
 
 import dataclasses

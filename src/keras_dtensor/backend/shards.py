@@ -15,8 +15,7 @@ __all__ = ["from_local", "shard_global_tensor"]
 
 
 def from_local(local, mesh, placements, shape):
-    """A DTensor of contiguous global `shape` from this rank's `local`
-    shard, unchecked (no communication)."""
+    """A DTensor of contiguous global `shape` from `local`, unchecked."""
     return DTensor.from_local(
         local,
         mesh,
@@ -34,12 +33,8 @@ def shard_global_tensor(tensor, layout):
     placements = tuple(layout.placements)
     if not tensor.requires_grad and _cut_here(placements):
         # What Replicate -> Shard computes, without its planning.
-        local = tensor
-        for dim, (start, length) in enumerate(
-            local_slices(tensor.shape, mesh, placements)
-        ):
-            if length != tensor.shape[dim]:
-                local = local.narrow(dim, start, length)
+        ranges = local_slices(tensor.shape, mesh, placements)
+        local = tensor[tuple(slice(s, s + n) for s, n in ranges)]
         return DTensor.from_local(
             local.contiguous(),
             mesh,

@@ -1,13 +1,10 @@
 """Compiling over DTensors: torch fixes a compiled forward needs.
 
-The ranks of a machine share torch's on-disk compile cache, whose key for
-a DTensor is the same on every rank: a warm run could load a program
-another rank compiled and train different numbers with no error, so the
-key names the rank. A compiled piece returning a view of its input is
-rebuilt by AOTAutograd with `as_strided` in torch 2.13, which DTensor
-refuses (Keras's `MultiHeadAttention` returns a transposed view across a
-graph break): a permutation or a contiguous reshape is rebuilt with
-`permute` or `view` instead.
+Ranks share torch's on-disk compile cache, whose DTensor key is alike on
+every rank (a warm run could load another rank's program): the key names
+the rank. AOTAutograd rebuilds a returned view of an input with
+`as_strided`, which DTensor refuses: a permutation or contiguous reshape
+is rebuilt with `permute` or `view` instead.
 """
 
 import hashlib
@@ -20,9 +17,8 @@ __all__ = ["wrap_gen_alias_from_base", "wrap_stable_hash_for_caching"]
 
 
 def wrap_stable_hash_for_caching(original):
-    """Wraps `DTensor._stable_hash_for_caching` (a DTensor's key in
-    torch's on-disk AOTAutograd cache, the same on every rank,
-    pytorch/pytorch#188390): the key also names this process's rank."""
+    """Wraps `DTensor._stable_hash_for_caching` (pytorch/pytorch#188390):
+    the on-disk cache key also names this process's rank."""
 
     def _stable_hash_for_caching(self):
         key = original(self)
@@ -36,8 +32,7 @@ def wrap_stable_hash_for_caching(original):
 
 
 def _permutation(target, base):
-    """`dims` with `base.permute(dims)` laid out as `target`, or None
-    (also when two dims share a (size, stride))."""
+    """`dims` with `base.permute(dims)` laid out as `target`, else None."""
     pairs = list(zip(base.size(), base.stride(), strict=True))
     dims = []
     for pair in zip(target.size(), target.stride(), strict=True):
@@ -74,9 +69,7 @@ def wrap_gen_alias_from_base(original):
     from torch.distributed.tensor import DTensor
 
     def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
-        if not isinstance(base, DTensor):
-            return original(base, target, target_requires_grad, *a, **kw)
-        out = _view_of(base, target)
+        out = _view_of(base, target) if isinstance(base, DTensor) else None
         if out is None:
             return original(base, target, target_requires_grad, *a, **kw)
         if base.requires_grad and not target_requires_grad:

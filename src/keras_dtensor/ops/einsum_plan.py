@@ -1,9 +1,5 @@
-"""The layout of an einsum of sharded operands, from its subscripts.
-
-`plan_for(subscripts, mesh, specs)` gives, for operands laid out as
-`specs` (`(placements, global shape)` each), the placements each operand
-must have, its gradient's, and the output's placements and global shape.
-A pure function, cached per signature.
+"""The layout of an einsum of sharded operands, from its subscripts: a
+pure function, cached per signature.
 """
 
 import functools
@@ -41,7 +37,9 @@ def _subscripts(subscripts, shapes):
 
 @functools.lru_cache(maxsize=1024)
 def plan_for(subscripts, mesh, specs):
-    """`shard_plan` of operands given as `(placements, global shape)`."""
+    """For operands `specs` (`(placements, global shape)` each): each
+    operand's target placements, its gradient's, and the output's
+    placements and global shape; `None` where torch decides."""
     shapes = [shape for _, shape in specs]
     parsed = _subscripts(subscripts, shapes)
     if parsed is None:

@@ -1,10 +1,8 @@
 """A vocabulary-sharded embedding's gradient, computed shard only.
 
-DTensor's `embedding_dense_backward` computes a row-sharded table's whole
-gradient on every rank, which the optimizer then slices. Here the lookup
-goes through an autograd function whose backward masks the output
-gradient to the indices this rank holds and scatters it into a gradient
-shaped like the local shard.
+DTensor computes a row-sharded table's whole gradient on every rank; here
+the backward masks the output gradient to the indices this rank holds and
+scatters it into a gradient shaped like the local shard.
 """
 
 import functools
@@ -21,8 +19,7 @@ __all__ = ["wrap_embedding"]
 
 
 def _layouts(weight_placements, indices):
-    """Per mesh dim: the output gradient's, the indices' and the weight
-    gradient's placements."""
+    """The output gradient's, indices' and weight gradient's placements."""
     out = []
     last = indices.ndim  # the output's feature dim
     for weight_p, index_p in zip(
@@ -45,18 +42,14 @@ class _RowShardedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, indices, lookup):
         ctx.save_for_backward(indices)
-        ctx.weight = (
-            weight.device_mesh,
-            tuple(weight.placements),
-            weight.shape,
-            weight.stride(),
-        )
+        ctx.spec = weight._spec  # its mesh, placements, shape and stride
         return lookup(indices, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (indices,) = ctx.saved_tensors
-        mesh, placements, shape, stride = ctx.weight
+        spec = ctx.spec
+        mesh, placements, shape = spec.mesh, spec.placements, spec.shape
         grad_placements, index_placements, out = _layouts(placements, indices)
         grad = grad.redistribute(mesh, grad_placements).to_local()
         local = indices.redistribute(mesh, index_placements).to_local()
@@ -68,7 +61,12 @@ class _RowShardedLookup(torch.autograd.Function):
             grad, local, rows, -1, False
         )
         grad_weight = DTensor.from_local(
-            grad_weight, mesh, out, run_check=False, shape=shape, stride=stride
+            grad_weight,
+            mesh,
+            out,
+            run_check=False,
+            shape=shape,
+            stride=spec.stride,
         )
         return grad_weight, None, None
 
@@ -85,17 +83,16 @@ def _as_dtensor(indices, weight):
 
 def wrap_embedding(original):
     """Wraps `torch.nn.functional.embedding`: a row-sharded DTensor table
-    looked up with gradients (and no other option) goes through
-    `_RowShardedLookup`."""
+    looked up with gradients and no other option uses `_RowShardedLookup`.
+    """
 
     @functools.wraps(original)
     def embedding(input, weight, *args, **kwargs):
-        if not isinstance(weight, DTensor):  # every plain lookup: at once
-            return original(input, weight, *args, **kwargs)
-        options = {k: v for k, v in kwargs.items() if k != "norm_type"}
+        options = [v for k, v in kwargs.items() if k != "norm_type"]
         if (
-            args
-            or any(v not in (None, False) for v in options.values())
+            not isinstance(weight, DTensor)
+            or args
+            or any(v not in (None, False) for v in options)
             or not weight.requires_grad
             or not torch.is_grad_enabled()
             or torch.compiler.is_compiling()

@@ -1,13 +1,9 @@
-"""Tensors packed side by side in flat buffers, grouped in size-capped buckets.
+"""Tensors packed side by side in flat buffers, in size-capped buckets.
 
-The one packing and bucketing mechanism of every strategy: DataParallel's
-gradient buckets, owner broadcasts and parameters stored by owner, the
-local run's partial-sum buckets, packed gathers and FSDP groups. A
-collective pays a fixed latency that small tensors never amortize, so many
-tensors travel as one buffer (DDP's buckets, FSDP2's flat parameters).
-Buckets and offsets depend only on the tensors' order, sizes and keys,
-which every rank passes alike: the ranks agree on them without
-communication.
+The one packer of every strategy: many small tensors travel as one buffer
+(DDP's buckets, FSDP2's flat parameters). Buckets and offsets depend only
+on the order, sizes and keys every rank passes alike, so ranks agree on
+them without communication.
 """
 
 import math
@@ -34,17 +30,13 @@ def nbytes(tensor):
 
 
 def buckets(sizes, cap, keys=None, first_cap=None, spill=True):
-    """Consecutive runs of items, as lists of their indices.
+    """Consecutive runs of items (by bytes `sizes`), as index lists.
 
     Args:
-        sizes: each item's bytes, in the order the buckets follow.
-        cap: bucket capacity in bytes.
+        cap: bucket capacity in bytes; `first_cap` the first bucket's.
         keys: a bucket holds items of one key (default: all one).
-        first_cap: the first bucket's capacity (default `cap`): a small
-            one starts the first collective early.
-        spill: a bucket closes once it holds `cap` bytes or more (DDP's
-            rule); else an item that would take it past `cap` opens the
-            next one.
+        spill: a bucket closes once it holds `cap` or more (DDP's rule);
+            else an item that would take it past `cap` opens the next.
     """
     keys = keys or [None] * len(sizes)
     out, current, size, limit = [], [], 0, first_cap or cap
@@ -70,9 +62,8 @@ def offsets(shapes):
 
 
 def flat_views(tensors, room=0):
-    """A new flat buffer with a place for each of `tensors` (one dtype and
-    device), `room` spare elements after them, and those places as views
-    shaped like the tensors. Nothing is copied."""
+    """A new flat buffer for `tensors` (one dtype and device) plus `room`
+    elements, and its places as views shaped like them (no copy)."""
     places = offsets([t.shape for t in tensors])
     flat = tensors[0].new_empty(sum(places[-1]) + room)
     return flat, [
@@ -82,20 +73,14 @@ def flat_views(tensors, room=0):
 
 
 def all_reduce_packed(tensors, groups, cap):
-    """`tensors` (one dtype and device) summed over each of `groups`.
-
-    Tensors under `cap` bytes are packed into buckets of at most `cap` and
-    summed with one all-reduce per bucket and group; a larger one is
-    summed alone, in place. Each element goes through the same sum as an
-    all-reduce of its own tensor would give.
-
-    Returns:
-        The sums, in order: views of their bucket's buffer, or the tensor
-        itself when it was summed alone.
+    """`tensors` (one dtype and device) summed over each of `groups`:
+    those under `cap` bytes in buckets of at most `cap`, a larger one alone
+    in place; each element gets the sum its own all-reduce would give.
+    Returns the sums in order (views of a bucket, or the tensor itself).
     """
     out, small, sizes = list(tensors), [], []
     for index, tensor in enumerate(tensors):
-        n = tensor.numel() * tensor.element_size()
+        n = nbytes(tensor)
         if n >= cap:
             for group in groups:
                 dist.all_reduce(tensor, group=group)
@@ -114,18 +99,12 @@ def all_reduce_packed(tensors, groups, cap):
 
 
 def broadcast_packed(tensors, sources, find=None):
-    """Each of `tensors` gets its source rank's value, in place.
-
-    One flat broadcast per (source, dtype), all in flight at once. Every
-    rank passes the same shapes, dtypes and sources, in the same order.
-
-    Args:
-        tensors: the tensors.
-        sources: the rank whose value each tensor gets.
-        find: `find((source, dtype), group)` may give a buffer the group's
-            tensors already are views of, as `(buffer, [(tensor, its
-            view)])` for those stored elsewhere since; else `None`.
-    """
+    """Each of `tensors` gets the value of its rank in `sources`, in place:
+    one flat broadcast per (source, dtype), all in flight at once; every
+    rank passes the same shapes, dtypes and sources in the same order.
+    `find((source, dtype), group)` may give a buffer the group's tensors
+    are views of, as `(buffer, [(tensor, its view)])` for those stored
+    elsewhere since; else `None`."""
     _, rank = world()
     groups = {}
     for tensor, source in zip(tensors, sources, strict=True):
@@ -155,14 +134,9 @@ def broadcast_packed(tensors, sources, find=None):
 
 
 class FlatParams:
-    """Parameters stored as views of one flat buffer per (owner, dtype), so
-    a `broadcast_packed` from their owners goes straight into them (FSDP's
-    flat parameters). The Parameters keep their identity: only their
-    storage moves, through `Parameter.data`.
-
-    Args:
-        params: torch Parameters.
-        owners: the rank whose values each of `params` gets.
+    """`params` stored as views of one flat buffer per (owner, dtype), so a
+    `broadcast_packed` from their `owners` goes straight into them (FSDP's
+    flat parameters); only their storage moves, through `Parameter.data`.
     """
 
     def __init__(self, params, owners):
@@ -182,10 +156,8 @@ class FlatParams:
                     self.slot[id(param)] = (key, view, param)
 
     def flat_of(self, key, group):
-        """`broadcast_packed`'s `find`: the buffer of `key` and the
-        `(tensor, its view)` pairs of `group`'s tensors stored elsewhere
-        since, when every tensor of `group` is one of its parameters (the
-        others hold the same value on every rank); else `None`."""
+        """`broadcast_packed`'s `find`, when every tensor of `group` is one
+        of these parameters; else `None`."""
         flat = self.flat.get(key)
         if flat is None:
             return None

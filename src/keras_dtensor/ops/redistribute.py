@@ -41,8 +41,7 @@ def wrap_redistribute_backward(original):
 def wrap_redistribute_local_tensor(original):
     """Wraps DTensor's `redistribute_local_tensor`: when some mesh dims
     become partial and others change too, the others go first (else a
-    masked partial records its mask before the gather, for this rank's
-    rows only)."""
+    masked partial records its mask for this rank's rows only)."""
 
     def redistribute_local_tensor(
         local_tensor, current_spec, target_spec, **kw
@@ -50,25 +49,15 @@ def wrap_redistribute_local_tensor(original):
         from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
         current, target = current_spec.placements, target_spec.placements
-        partial = [
-            i
-            for i, (c, t) in enumerate(zip(current, target, strict=True))
-            if t.is_partial() and not c.is_partial()
-        ]
-        others = [
-            i
-            for i, (c, t) in enumerate(zip(current, target, strict=True))
-            if c != t and i not in partial
-        ]
-        if not partial or not others:
+        # The dims becoming partial stay as they are for a first step.
+        placements = tuple(
+            c if t.is_partial() and not c.is_partial() else t
+            for c, t in zip(current, target, strict=True)
+        )
+        if placements in (tuple(current), tuple(target)):
             return original(local_tensor, current_spec, target_spec, **kw)
         between = DTensorSpec(
-            target_spec.mesh,
-            tuple(
-                c if i in partial else t
-                for i, (c, t) in enumerate(zip(current, target, strict=True))
-            ),
-            tensor_meta=current_spec.tensor_meta,
+            target_spec.mesh, placements, tensor_meta=current_spec.tensor_meta
         )
         local_tensor = original(local_tensor, current_spec, between, **kw)
         return original(local_tensor, between, target_spec, **kw)

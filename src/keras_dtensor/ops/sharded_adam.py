@@ -1,12 +1,9 @@
 """Adam's update under a distribution: on local shards, in bounded pieces.
 
-Keras's torch `Adam` (and `AdamW`) updates every variable at once with
-`torch._foreach_*` ops, holding several temporaries the size of all
-weights at its peak. Under `ModelParallel` a variable, its slots and its
-gradient are laid out alike and Adam is elementwise, so here Keras's
-arithmetic (its order and dtypes) runs on the local tensors a piece at a
-time, its temporaries bounded by a few pieces. Anything else runs
-Keras's own update.
+Keras's torch `Adam` (and `AdamW`) updates all variables at once, its
+temporaries the size of all weights. A variable, its slots and its
+gradient laid out alike are updated elementwise on their local tensors,
+with Keras's arithmetic (order and dtypes), a bounded piece at a time.
 """
 
 import functools
@@ -15,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
+from keras_dtensor.ops.flat_buffers import buckets
 
 __all__ = ["wrap_adam_update"]
 
@@ -41,8 +39,7 @@ def _aligned(tensors):
 
 
 def _pieces(rows):
-    """Groups of pieces of `rows` (per variable, same-shaped local
-    tensors: value, slots, gradient), about `_PIECE` elements a group."""
+    """Groups of about `_PIECE` elements of pieces of same-shaped `rows`."""
     pieces = []
     for row in rows:
         numel = row[0].numel()
@@ -52,21 +49,13 @@ def _pieces(rows):
         flat = [t.view(-1) for t in row]
         for start in range(0, numel, _PIECE):
             pieces.append(tuple(f[start : start + _PIECE] for f in flat))
-    groups, group, size = [], [], 0
-    for piece in pieces:
-        if group and size + piece[0].numel() > _PIECE:
-            groups.append(group)
-            group, size = [], 0
-        group.append(piece)
-        size += piece[0].numel()
-    if group:
-        groups.append(group)
-    return groups
+    sizes = [piece[0].numel() for piece in pieces]
+    groups = buckets(sizes, _PIECE, spill=False)
+    return [[pieces[i] for i in group] for group in groups]
 
 
 def _step_size(optimizer, learning_rate, dtype):
-    """`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` as Keras's torch Adam
-    computes it (the same ops and dtypes), on local values."""
+    """`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` as Keras computes it."""
     convert_to_tensor = compat.torch_core().convert_to_tensor
 
     lr = _local(convert_to_tensor(learning_rate)).to(dtype)
@@ -78,9 +67,7 @@ def _step_size(optimizer, learning_rate, dtype):
 
 def _update(optimizer, group, step_size):
     """Adam on one group of pieces: `(value, m, v[, v_hat], grad)` each."""
-    values = [p[0] for p in group]
-    m = [p[1] for p in group]
-    v = [p[2] for p in group]
+    values, m, v = ([p[i] for p in group] for i in range(3))
     grads = [p[-1] for p in group]
     beta_1, beta_2 = optimizer.beta_1, optimizer.beta_2
     torch._foreach_mul_(m, beta_1)

@@ -1,13 +1,8 @@
-"""Sharding strategies for ops DTensor lacks in torch 2.13, registered
-with `register_sharding` by the torch entries of the `PATCHES` table:
-
-- CPU flash attention (Keras's `MultiHeadAttention`): all operands
-  sharded on the batch or the head dim, run on local shards;
-- `multinomial` (Keras's and keras_hub's samplers): replicated, so every
-  rank draws the one-process sample from the same generator state;
-- `scatter_reduce` (`segment_sum`/`segment_max`, thresholded metrics):
-  replicated, or sharded on a dim other than the scattered one;
-- comparisons torch lacks (`aten.ne.Tensor` in torch 2.11): elementwise.
+"""Sharding strategies for ops DTensor lacks, registered with
+`register_sharding` by the torch entries of the `PATCHES` table: CPU flash
+attention (sharded on the batch or the head dim), `multinomial`
+(replicated: every rank draws the one-process sample), `scatter_reduce`
+(sharded off the scattered dim) and missing comparisons (elementwise).
 """
 
 import torch
@@ -117,13 +112,12 @@ def _has_strategy(op):
 
 def missing_comparisons():
     """The comparison overloads torch's DTensor has no strategy for."""
-    ops = []
-    for name in _COMPARISONS:
-        for overload in ("Tensor", "Scalar"):
-            op = getattr(getattr(_aten, name), overload)
-            if not _has_strategy(op):
-                ops.append(op)
-    return ops
+    ops = [
+        getattr(getattr(_aten, name), overload)
+        for name in _COMPARISONS
+        for overload in ("Tensor", "Scalar")
+    ]
+    return [op for op in ops if not _has_strategy(op)]
 
 
 def keep_kwargs_in_place(strategy, op_schema):
