@@ -1,11 +1,9 @@
 """The only code that touches Keras or torch internals: the `PATCHES` table.
 
-Its entries (`patch_kinds`) are split by what they patch: `keras_patches`,
-`saving_patches`, `keras_3_16_patches` (Keras 3.16's own torch
-distribution stood down) and `torch_patches`. `apply()` is all or none and
-idempotent; `restore()` puts back only what still holds our replacement,
-then the attributes hooks set on single objects. See
-docs/internals/patches.md.
+Its entries (`patch_kinds`) live in `keras_patches`, `saving_patches`,
+`keras_3_16_patches` and `torch_patches`. `apply()` is all or none and
+idempotent; `restore()` puts back only what still holds our replacement
+(docs/internals/patches.md).
 """
 
 from keras_dtensor.backend import object_state
@@ -31,7 +29,7 @@ __all__ = [
 
 PATCHES = KERAS_PATCHES + KERAS_3_16_PATCHES + SAVING_PATCHES + TORCH_PATCHES
 
-# Saved originals: {target: what the entry's apply() returned}.
+# {target: what the entry's apply() saved}
 _ORIGINALS = {}
 
 
@@ -41,12 +39,8 @@ def is_applied() -> bool:
 
 
 def apply():
-    """Applies every entry of `PATCHES` that applies here, once.
-
-    Raises:
-        RuntimeError: an entry's target is missing (checked for all entries
-            before anything is replaced).
-    """
+    """Applies every entry of `PATCHES` that applies here, once; a
+    `RuntimeError` names a missing target before anything is replaced."""
     if not is_applied():
         patch_kinds.apply_all(PATCHES, _ORIGINALS)
 
@@ -58,6 +52,6 @@ def restore():
 
 
 def status():
-    """One entry per patch: `(target, state, why)`; state is `"applied"`,
-    `"original"` or `"replaced by another library"`."""
+    """`(target, state, why)` per entry; state is `"applied"`, `"original"`,
+    `"replaced by another library"` or `"skipped: <reason>"`."""
     return patch_kinds.status_of(PATCHES, _ORIGINALS)
