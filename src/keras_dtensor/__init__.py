@@ -1,20 +1,8 @@
 """keras-dtensor: Keras 3's distribution API on the torch backend, via DTensor.
 
-Importing the package installs it into Keras:
-
-```python
-import keras_dtensor  # noqa: F401  (sets KERAS_BACKEND=torch if unset)
-import keras
-
-mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
-layout_map = keras.distribution.LayoutMap(mesh)
-layout_map["dense.*kernel"] = (None, "model")
-keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map)
-)
-```
-
-Run it under `torchrun --nproc_per_node=2 train.py`. The parts, lowest
+`import keras_dtensor` installs it into Keras (setting
+`KERAS_BACKEND=torch` if unset); `keras.distribution` then works as on
+JAX, in a script run under `torchrun` (README.md). The parts, lowest
 first: `config`, `compat`; `backend`; `ops`; `data_parallel`,
 `model_parallel`, `planning`; `saving`, `checkpoint`; `hooks`, `patches`;
 `cli`, `demo` (docs/internals/architecture.md).

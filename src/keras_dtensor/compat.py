@@ -39,8 +39,7 @@ __all__ = [
 SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.17")
 SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.16")
 
-# The first Keras with the 3.16 layout; the ranges of one release line.
-_KERAS_3_16 = Version("3.16.0.dev0")
+# The ranges of one release line.
 KERAS_3_15 = ">=3.15,<3.16.0.dev0"
 KERAS_3_16 = ">=3.16.0.dev0,<3.17"
 
@@ -98,7 +97,7 @@ def keras_hub_version():
 
 
 def _keras_paths(version):
-    new = version >= _KERAS_3_16
+    new = version >= Version("3.16.0.dev0")  # the 3.16 layout
     ops = "keras.src.backend.torch.ops" if new else "keras.src.backend.torch"
     return types.SimpleNamespace(
         torch_core=f"{ops}.core",
@@ -131,18 +130,9 @@ def base_trainer_class():
     return getattr(module, KERAS.base_trainer)
 
 
-_ADAPTERS = {
-    "TorchDataLoaderAdapter": "torch_data_loader_adapter",
-    "PyDatasetAdapter": "py_dataset_adapter",
-    "TFDatasetAdapter": "tf_dataset_adapter",
-}
-
-
 def data_adapter_class(name):
-    """One of Keras's data adapter classes (`_ADAPTERS`), by name."""
-    module = importlib.import_module(
-        f"keras.src.trainers.data_adapters.{_ADAPTERS[name]}"
-    )
+    """One of Keras's data adapter classes, by name (`PyDatasetAdapter`)."""
+    module = importlib.import_module("keras.src.trainers.data_adapters")
     return getattr(module, name)
 
 

@@ -10,22 +10,10 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.patches import patch_kinds
 from keras_dtensor.patches.keras_3_16_patches import KERAS_3_16_PATCHES
 from keras_dtensor.patches.keras_patches import KERAS_PATCHES
-from keras_dtensor.patches.patch_kinds import CacheKey
-from keras_dtensor.patches.patch_kinds import Patch
-from keras_dtensor.patches.patch_kinds import Registration
 from keras_dtensor.patches.saving_patches import SAVING_PATCHES
 from keras_dtensor.patches.torch_patches import TORCH_PATCHES
 
-__all__ = [
-    "PATCHES",
-    "CacheKey",
-    "Patch",
-    "Registration",
-    "apply",
-    "is_applied",
-    "restore",
-    "status",
-]
+__all__ = ["PATCHES", "apply", "is_applied", "restore", "status"]
 
 PATCHES = KERAS_PATCHES + KERAS_3_16_PATCHES + SAVING_PATCHES + TORCH_PATCHES
 
