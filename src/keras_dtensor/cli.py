@@ -111,7 +111,7 @@ def _run(args):
 
 
 def _plan(args):
-    """`keras-dtensor plan`: bytes per rank of a layout, nothing allocated."""
+    """Bytes per rank of a layout, nothing allocated."""
     import importlib
     import json
 

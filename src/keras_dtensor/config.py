@@ -16,8 +16,6 @@ from typing import Any
 
 __all__ = ["SETTINGS", "Setting", "check", "get", "settings"]
 
-_PREFIX = "KERAS_DTENSOR_"
-
 
 def _number(cast, strict):
     def parse(raw):
@@ -68,7 +66,7 @@ class Setting:
 
     @property
     def env(self) -> str:
-        return _PREFIX + self.name
+        return "KERAS_DTENSOR_" + self.name
 
 
 SETTINGS = (

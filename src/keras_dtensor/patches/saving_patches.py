@@ -8,8 +8,6 @@ from keras_dtensor.patches.patch_kinds import Patch
 
 __all__ = ["SAVING_PATCHES"]
 
-
-_TORCH_CORE = KERAS.torch_core
 SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
@@ -18,7 +16,7 @@ SAVING_PATCHES = (
         saving.wrap_h5_store_getitem,
     ),
     Patch(
-        _TORCH_CORE,
+        KERAS.torch_core,
         "Variable._convert_to_tensor",
         "A sharded variable reads only its slices of a lazy dataset.",
         saving.wrap_convert_variable_value,
