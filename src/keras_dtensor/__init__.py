@@ -1,24 +1,11 @@
 """keras-dtensor: Keras 3's distribution API on the torch backend, via DTensor.
 
-Importing the package installs it into Keras:
-
-```python
-import keras_dtensor  # noqa: F401  (sets KERAS_BACKEND=torch if unset)
-import keras
-
-mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
-layout_map = keras.distribution.LayoutMap(mesh)
-layout_map["dense.*kernel"] = (None, "model")
-keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map)
-)
-```
-
-Run the script under `torchrun --nproc_per_node=2 train.py`.
-
-The parts, lowest first: `config`, `compat`; `backend`; `ops`;
-`data_parallel`, `model_parallel`, `planning`; `saving`, `checkpoint`;
-`hooks`, `patches`; `cli`, `demo` (docs/internals/architecture.md).
+`import keras_dtensor` installs it into Keras (setting
+`KERAS_BACKEND=torch` if unset); `keras.distribution` then works as on
+JAX, in a script run under `torchrun` (README.md). The parts, lowest
+first: `config`, `compat`; `backend`; `ops`; `data_parallel`,
+`model_parallel`, `planning`; `saving`, `checkpoint`; `hooks`, `patches`;
+`cli`, `demo` (docs/internals/architecture.md).
 """
 
 import os
@@ -50,8 +37,7 @@ def install() -> None:
     second call warns and does nothing).
 
     Raises:
-        RuntimeError: Keras's backend is not torch, or the Keras or torch
-            version is not supported.
+        RuntimeError: the backend is not torch, or a version unsupported.
 
     Example:
     >>> keras_dtensor.uninstall(); keras_dtensor.install()
@@ -82,8 +68,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restores everything keras_dtensor replaced in Keras and torch (the
-    `PATCHES` table, and attributes hooks set on single objects).
+    """Restores everything keras_dtensor replaced in Keras and torch.
 
     Example:
     >>> keras_dtensor.uninstall()
@@ -98,13 +83,10 @@ def uninstall() -> None:
 
 
 def is_installed() -> bool:
-    """Whether keras_dtensor's hooks are in place.
-
-    Returns:
-        `True` between `install()` (run on import) and `uninstall()`.
+    """Whether keras_dtensor's hooks are in place: between `install()`
+    (run on import) and `uninstall()`.
 
     Example:
-    >>> import keras_dtensor
     >>> keras_dtensor.is_installed()
     True
     """
@@ -119,18 +101,17 @@ install()
 def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
     """Per-rank memory of `distribution`'s layouts, before allocating.
 
-    The model and its optimizer's slots are built on torch's `meta` device
-    (nothing allocated), each weight laid out as in a real run; the mesh
-    may name more devices than this machine has.
+    The model and its optimizer's slots are built on torch's `meta` device,
+    each weight laid out as in a real run; the mesh may name more devices
+    than this machine has.
 
     Args:
-        model_or_build_fn: a function that builds the Keras model, or a
-            built model.
+        model_or_build_fn: a function that builds the model, or a model.
         distribution: the `ModelParallel` or `DataParallel` to plan for.
-        optimizer: an optimizer (instance or name, e.g. `"adamw"`) whose
-            slots follow their variable's layout; `None` for weights only.
-        **kwargs: `large_replicated_mib`, the size above which a
-            replicated weight is warned about.
+        optimizer: an optimizer or its name (e.g. `"adamw"`); `None` for
+            weights only.
+        **kwargs: `large_replicated_mib`, above which a replicated weight
+            is warned about.
 
     Returns:
         A plan; `print(plan)` shows weights, slots and totals per rank.

@@ -1,13 +1,5 @@
-"""`keras-dtensor` command line: `info`, `demo`, `run` and `plan`.
-
-Example:
-```
-keras-dtensor info
-keras-dtensor demo --nproc 2 --epochs 3
-keras-dtensor run -n 2 train.py --epochs 3
-keras-dtensor plan --keras-hub GemmaBackbone --config '{...}' --mesh 1,8
-```
-"""
+"""`keras-dtensor` command line: `info`, `demo`, `run` and `plan`
+(docs/guides/launching.md; `keras-dtensor <command> --help`)."""
 
 import argparse
 import os
@@ -94,9 +86,8 @@ def _demo(args):
 
 
 def _run(args):
-    """`keras-dtensor run -n N script.py ...`: torch's elastic launcher on
-    one machine (a free loopback port, one OpenMP thread per rank unless
-    set)."""
+    """torch's elastic launcher on one machine: a free loopback port, one
+    OpenMP thread per rank unless set."""
     import torch.distributed.run as torchrun
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -120,7 +111,7 @@ def _run(args):
 
 
 def _plan(args):
-    """`keras-dtensor plan`: bytes per rank of a layout, nothing allocated."""
+    """Bytes per rank of a layout, nothing allocated."""
     import importlib
     import json
 

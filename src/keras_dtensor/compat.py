@@ -1,13 +1,10 @@
 """The supported Keras and torch releases, and where Keras keeps what we hook.
 
-One code base serves Keras 3.15.x and 3.16 (released or `keras-nightly`)
-and torch 2.11 through 2.15; nothing else tests a version.
-`check_environment()` refuses, at import, a Keras or torch outside the
-supported ranges, with the pip command that fixes it. Keras's version is
-read from the `keras/` folder `import keras` loads (`keras` and
-`keras-nightly` install the same folder). `KERAS` maps each Keras name
-the package uses to its place on the installed release (3.16 moved the
-torch backend's `core`, `numpy` and `nn` and renamed the trainers).
+Nothing else tests a version. `check_environment()` refuses, at import, a
+Keras or torch outside the supported ranges, with the pip command that
+fixes it. `KERAS` maps each Keras name the package uses to its place on
+the installed release (3.16 moved the torch backend's modules and renamed
+the trainers).
 """
 
 import functools
@@ -38,13 +35,11 @@ __all__ = [
     "torch_version",
 ]
 
-# Keep in step with pyproject.toml's dependencies and the README's table.
-# (A Keras 3.16 development build, `keras-nightly`, is inside.)
+# Keep in step with pyproject.toml and the README (keras-nightly inside).
 SUPPORTED_KERAS = SpecifierSet(">=3.15,<3.17")
 SUPPORTED_TORCH = SpecifierSet(">=2.11,<2.16")
 
-# The first Keras with the 3.16 layout; the ranges of one release line.
-_KERAS_3_16 = Version("3.16.0.dev0")
+# The ranges of one release line.
 KERAS_3_15 = ">=3.15,<3.16.0.dev0"
 KERAS_3_16 = ">=3.16.0.dev0,<3.17"
 
@@ -56,8 +51,8 @@ def contains(spec, version) -> bool:
 
 @functools.cache
 def keras_version() -> Version:
-    """The version of the Keras that `import keras` loads, read from its
-    `keras/src/version.py` without importing it."""
+    """The version of the Keras `import keras` loads (`keras` and
+    `keras-nightly` share the folder), read without importing it."""
     spec = importlib.util.find_spec("keras")
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
@@ -78,7 +73,6 @@ def keras_version() -> Version:
 
 
 def _installed(*names):
-    """The version of the first of these distributions installed, or None."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version
 
@@ -103,13 +97,13 @@ def keras_hub_version():
 
 
 def _keras_paths(version):
-    new = version >= _KERAS_3_16
+    new = version >= Version("3.16.0.dev0")  # the 3.16 layout
     ops = "keras.src.backend.torch.ops" if new else "keras.src.backend.torch"
     return types.SimpleNamespace(
         torch_core=f"{ops}.core",
         torch_numpy=f"{ops}.numpy",
         torch_nn=f"{ops}.nn",
-        torch_ops=ops,  # re-exports core's functions (`from core import *`)
+        torch_ops=ops,  # re-exports core's functions
         torch_trainer="Trainer" if new else "TorchTrainer",
         should_compile="_use_torch_compile" if new else "_should_torch_compile",
         base_trainer="BaseTrainer" if new else "Trainer",
@@ -136,25 +130,15 @@ def base_trainer_class():
     return getattr(module, KERAS.base_trainer)
 
 
-# Keras's data adapters hooks tell apart: class name -> module.
-_ADAPTERS = {
-    "TorchDataLoaderAdapter": "torch_data_loader_adapter",
-    "PyDatasetAdapter": "py_dataset_adapter",
-    "TFDatasetAdapter": "tf_dataset_adapter",
-}
-
-
 def data_adapter_class(name):
-    """One of Keras's data adapter classes (`_ADAPTERS`), by name."""
-    module = importlib.import_module(
-        f"keras.src.trainers.data_adapters.{_ADAPTERS[name]}"
-    )
+    """One of Keras's data adapter classes, by name (`PyDatasetAdapter`)."""
+    module = importlib.import_module("keras.src.trainers.data_adapters")
     return getattr(module, name)
 
 
 def check_environment():
-    """Raises a `RuntimeError` unless the Keras backend is torch and Keras
-    and torch are in the supported ranges."""
+    """`RuntimeError` unless the backend is torch and Keras and torch are
+    supported."""
     backend = os.environ.get("KERAS_BACKEND")
     if backend is None:
         import keras

@@ -1,8 +1,8 @@
 """Every `KERAS_DTENSOR_*` environment variable, parsed in one place.
 
-`get(name)` reads and parses one when asked (a value set before a call
-counts); `check()` parses all at `install()`, so a bad value is an error
-at import naming the variable and what it accepts.
+`get(name)` parses one when asked; `check()` parses all at `install()`,
+so a bad value is an error at import naming the variable and what it
+accepts (docs/guides/configuration.md).
 
 Example:
 >>> config.get("TIMEOUT")
@@ -16,12 +16,8 @@ from typing import Any
 
 __all__ = ["SETTINGS", "Setting", "check", "get", "settings"]
 
-_PREFIX = "KERAS_DTENSOR_"
-
 
 def _number(cast, strict):
-    """A parser of numbers `> 0` (`strict`) or `>= 0`."""
-
     def parse(raw):
         value = cast(raw)
         if not (value > 0 if strict else value >= 0):
@@ -59,9 +55,8 @@ def _url(raw):
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One environment variable: its name without the prefix, `parse`
-    (`str -> value`, `ValueError` on a bad value), default, what it
-    accepts and what it does."""
+    """One variable: name without the prefix, `parse` (`ValueError` on a
+    bad value), default, what it accepts and what it does."""
 
     name: str
     parse: Callable[[str], Any]
@@ -71,7 +66,7 @@ class Setting:
 
     @property
     def env(self) -> str:
-        return _PREFIX + self.name
+        return "KERAS_DTENSOR_" + self.name
 
 
 SETTINGS = (
@@ -109,16 +104,14 @@ SETTINGS = (
         _non_negative_float,
         0.1,
         "seconds >= 0",
-        "how often the ranks agree whether one got a termination signal "
-        "(ShardedCheckpoint; 0: at every step)",
+        "how often the ranks agree on a termination signal (0: every step)",
     ),
     Setting(
         "SAVE_PIECE_MB",
         _positive_float,
         16.0,
         "MiB > 0",
-        "a saved sharded variable goes to rank 0 and into the file in "
-        "pieces of at most this size (rank 0 holds about 4 at a time)",
+        "a saved sharded variable reaches rank 0 in pieces of this size",
     ),
     Setting(
         "LOG_ALL_RANKS",
@@ -132,37 +125,30 @@ SETTINGS = (
         _positive_float,
         25.0,
         "MiB > 0",
-        "gradient bucket size (DDP's bucket_cap_mb): DataParallel's "
-        "all-reduce, and ModelParallel's replicated weights' gradients",
+        "gradient all-reduce bucket size (DDP's bucket_cap_mb)",
     ),
     Setting(
         "CHECK_EVERY",
         _non_negative_int,
         10,
         "an integer >= 0 (0: first batch of each epoch only)",
-        "compare a checksum of the global batch across ranks every N "
-        "batches (auto_shard_dataset=True)",
+        "compare the global batch's checksum across ranks every N batches",
     ),
     Setting(
         "SHARDED_LOADING",
         _flag,
         True,
         "1/0, true/false, yes/no, on/off",
-        "a map-style torch DataLoader loads only this process's shard of "
-        "each global batch, from indices drawn alike on every rank, and a "
-        "PyDataset's batches are built 1/N per process, their rows "
-        "scattered (auto_shard_dataset=True); 0: every process loads the "
-        "whole global batch",
+        "a DataLoader or PyDataset loads only this process's rows of each "
+        "global batch (0: the whole batch)",
     ),
     Setting(
         "LOCAL_BATCH",
         _flag,
         True,
         "1/0, true/false, yes/no, on/off",
-        "ModelParallel: a model whose weights are whole or sharded only "
-        "over the batch axis (FSDP-style) runs on each rank's rows as "
-        "plain tensors, its weights gathered for the call (block by "
-        "block, GATHER_MB)",
+        "ModelParallel: FSDP-style models run on each rank's rows as plain "
+        "tensors, their weights gathered block by block",
     ),
     Setting(
         "LOCAL_MODEL",
@@ -179,27 +165,23 @@ SETTINGS = (
         _positive_float,
         25.0,
         "MiB > 0",
-        "FSDP-style layouts: batch-sharded weights are gathered in groups "
-        "of consecutive layers of at least this size, each freed after its "
-        "forward and gathered again for its backward (FSDP2's blocks)",
+        "FSDP-style layouts: weights are gathered in blocks of consecutive "
+        "layers of at least this size",
     ),
     Setting(
         "JIT",
         _flag,
         True,
         "1/0, true/false, yes/no, on/off",
-        "ModelParallel: jit_compile=True compiles the model's forward; "
-        "off, the model runs eagerly",
+        "ModelParallel: jit_compile=True compiles the forward (off: eager)",
     ),
     Setting(
         "SYNC_BATCH_NORM",
         _flag,
         True,
         "1/0, true/false, yes/no, on/off",
-        "DataParallel: BatchNormalization normalizes with the global "
-        "batch's mean and variance (one process's numbers, as Keras on "
-        "JAX); off, with each process's own unless synchronized=True (as "
-        "DDP); rank 0's moving statistics are kept on every rank either way",
+        "DataParallel: BatchNormalization uses the global batch's "
+        "statistics (off: each process's own, as DDP)",
     ),
     Setting(
         "SPLIT_UPDATE",
@@ -213,10 +195,8 @@ SETTINGS = (
         _non_negative_float,
         4.0,
         "MiB >= 0",
-        "DataParallel: split the update only for models whose trainable "
-        "weights hold at least this much; below it, each rank updates "
-        "every variable after one all-reduce (the split's broadcasts cost "
-        "more than the work it saves); 0: always split",
+        "DataParallel: split the update only from this many trainable "
+        "weight MiB on (0: always)",
     ),
 )
 
@@ -237,8 +217,7 @@ def _parse(variable):
 
 
 def get(name):
-    """The parsed value of `KERAS_DTENSOR_<name>` (e.g. `"TIMEOUT"`), or
-    its default; `ValueError` for a value it does not accept."""
+    """The parsed value of `KERAS_DTENSOR_<name>`, or its default."""
     return _parse(_BY_NAME[name])
 
 

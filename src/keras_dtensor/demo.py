@@ -1,9 +1,8 @@
 """The main job: a small transformer trained with ModelParallel.
 
-Run by `keras-dtensor demo` under `torch.distributed.run`: the same model
-from the same seed, once as plain Keras on rank 0 (the reference), once
-with `ModelParallel` on all ranks; it prints the per-epoch loss, the main
-weights' layouts and local shapes, and the parity.
+Run by `keras-dtensor demo`: the same model from the same seed, as plain
+Keras on rank 0 and with `ModelParallel` on all ranks; it prints the
+losses, the weights' layouts and local shapes, and the parity.
 """
 
 import argparse
@@ -46,14 +45,10 @@ def layout_map(keras, mesh):
     return layouts
 
 
-def _data(np):
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, VOCAB, size=(256, SEQ)).astype("int32")
-    y = (x[:, :4].sum(axis=1) % VOCAB).astype("int32")
-    return x, y
-
-
 def _train(keras, np, epochs, distribution=None, callbacks=()):
+    x = np.random.default_rng(0).integers(0, VOCAB, size=(256, SEQ))
+    x = x.astype("int32")
+    y = (x[:, :4].sum(axis=1) % VOCAB).astype("int32")
     keras.utils.set_random_seed(42)
     scope = distribution.scope() if distribution else contextlib.nullcontext()
     with scope:
@@ -63,7 +58,6 @@ def _train(keras, np, epochs, distribution=None, callbacks=()):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
-        x, y = _data(np)
         history = model.fit(
             x,
             y,

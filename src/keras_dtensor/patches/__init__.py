@@ -1,37 +1,23 @@
 """The only code that touches Keras or torch internals: the `PATCHES` table.
 
-Its entries (`patch_kinds`) are split by what they patch: `keras_patches`,
-`saving_patches`, `keras_3_16_patches` (Keras 3.16's own torch
-distribution stood down) and `torch_patches`. `apply()` is all or none and
-idempotent; `restore()` puts back only what still holds our replacement,
-then the attributes hooks set on single objects. See
-docs/internals/patches.md.
+Its entries (`patch_kinds`) live in `keras_patches`, `saving_patches`,
+`keras_3_16_patches` and `torch_patches`. `apply()` is all or none and
+idempotent; `restore()` puts back only what still holds our replacement
+(docs/internals/patches.md).
 """
 
 from keras_dtensor.backend import object_state
 from keras_dtensor.patches import patch_kinds
 from keras_dtensor.patches.keras_3_16_patches import KERAS_3_16_PATCHES
 from keras_dtensor.patches.keras_patches import KERAS_PATCHES
-from keras_dtensor.patches.patch_kinds import CacheKey
-from keras_dtensor.patches.patch_kinds import Patch
-from keras_dtensor.patches.patch_kinds import Registration
 from keras_dtensor.patches.saving_patches import SAVING_PATCHES
 from keras_dtensor.patches.torch_patches import TORCH_PATCHES
 
-__all__ = [
-    "PATCHES",
-    "CacheKey",
-    "Patch",
-    "Registration",
-    "apply",
-    "is_applied",
-    "restore",
-    "status",
-]
+__all__ = ["PATCHES", "apply", "is_applied", "restore", "status"]
 
 PATCHES = KERAS_PATCHES + KERAS_3_16_PATCHES + SAVING_PATCHES + TORCH_PATCHES
 
-# Saved originals: {target: what the entry's apply() returned}.
+# {target: what the entry's apply() saved}
 _ORIGINALS = {}
 
 
@@ -41,12 +27,8 @@ def is_applied() -> bool:
 
 
 def apply():
-    """Applies every entry of `PATCHES` that applies here, once.
-
-    Raises:
-        RuntimeError: an entry's target is missing (checked for all entries
-            before anything is replaced).
-    """
+    """Applies every entry of `PATCHES` that applies here, once; a
+    `RuntimeError` names a missing target before anything is replaced."""
     if not is_applied():
         patch_kinds.apply_all(PATCHES, _ORIGINALS)
 
@@ -58,6 +40,6 @@ def restore():
 
 
 def status():
-    """One entry per patch: `(target, state, why)`; state is `"applied"`,
-    `"original"` or `"replaced by another library"`."""
+    """`(target, state, why)` per entry; state is `"applied"`, `"original"`,
+    `"replaced by another library"` or `"skipped: <reason>"`."""
     return patch_kinds.status_of(PATCHES, _ORIGINALS)

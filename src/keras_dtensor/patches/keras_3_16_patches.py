@@ -13,40 +13,35 @@ KERAS_3_16_PATCHES = (
     Patch(
         _TRAINER,
         "Trainer._initialize_ddp",
-        "Keras 3.16 wraps the model in DDP whenever a process group is "
-        "up: gradients would be reduced twice.",
+        "Keras 3.16's DDP wrapper would reduce gradients a second time.",
         upstream.wrap_initialize_ddp,
         keras=KERAS_3_16,
     ),
     Patch(
         _TRAINER,
         "Trainer.get_metrics_result",
-        "Keras 3.16 sums metric variables across processes: the global "
-        "values would be summed twice.",
+        "Keras 3.16 would sum the already global metric values again.",
         upstream.wrap_get_metrics_result,
         keras=KERAS_3_16,
     ),
     Patch(
         _TRAINER,
         "_distribute_data",
-        "*_on_batch: Keras 3.16 takes each process's arrays as its shard, "
-        "N times the global batch.",
+        "*_on_batch: Keras 3.16 would take each process's arrays as a shard.",
         upstream.wrap_distribute_data,
         keras=KERAS_3_16,
     ),
     Patch(
         _TRAINER,
         "_gather_non_batch_axes",
-        "Keras 3.16's predict keeps each process's entries; predictions "
-        "are global values.",
+        "Predictions are global values; Keras 3.16 keeps each process's.",
         upstream.wrap_gather_non_batch_axes,
         keras=KERAS_3_16,
     ),
     Patch(
         KERAS.torch_core,
         "Variable._initialize_distributed",
-        "Keras 3.16 lays variables out itself; keras-dtensor's hooks do "
-        "(sharded initialization, checked layouts).",
+        "keras-dtensor's hooks lay variables out, not Keras 3.16's own.",
         upstream.wrap_initialize_distributed,
         keras=KERAS_3_16,
     ),

@@ -26,30 +26,31 @@ from keras_dtensor.patches.patch_kinds import Patch
 __all__ = ["KERAS_PATCHES"]
 
 
-def _backend_module(original):
-    return distribution_lib
-
-
 _BACKEND = "keras.src.backend"
 _TRAINER = "keras.src.backend.torch.trainer"
+# Every module that binds keras.distribution's public functions.
+_DISTRIBUTION = (
+    "keras.src.distribution.distribution_lib",
+    "keras.src.distribution",
+    "keras.distribution",
+)
 KERAS_PATCHES = (
     Patch(
         _BACKEND,
         "distribution_lib",
         "None for torch in Keras; every keras.distribution call uses it.",
-        _backend_module,
+        lambda original: distribution_lib,
     ),
     Patch(
         "keras.src.distribution.distribution_lib",
         "distribution_lib",
         "keras.distribution binds the backend module a second time, at import.",
-        _backend_module,
+        lambda original: distribution_lib,
     ),
     Patch(
         "keras.src.distribution.distribution_lib",
         "ModelParallel.get_tensor_layout",
-        "Layer.__call__ looks up its output's layout on every call, each "
-        "key tried as a regex (once per trace on JAX).",
+        "Layer.__call__ looks its output layout up by regex on every call.",
         output_layouts.wrap_get_tensor_layout,
     ),
     Patch(
@@ -79,8 +80,7 @@ KERAS_PATCHES = (
     Patch(
         KERAS.torch_ops,
         "convert_to_numpy",
-        "Second binding of convert_to_numpy (package re-export; 3.16's "
-        "backend.ops: saving and predict).",
+        "Second binding of convert_to_numpy (3.16: saving and predict).",
         variables.wrap_convert_to_numpy,
     ),
     Patch(
@@ -93,30 +93,26 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.trainers.data_adapters",
         "get_data_adapter",
-        "Keras rejects every input but tf.data in multi-process runs; "
-        "here every input yields the global batch and is sliced per rank.",
+        "Keras takes only tf.data in multi-process runs; any input works here.",
         data.wrap_get_data_adapter,
     ),
     Patch(
         _TRAINER,
         "TorchEpochIterator._get_iterator",
-        "Batches must enter the step as DTensors sharded along the batch "
-        "axis (else: 'got mixed torch.Tensor and DTensor').",
+        "Batches enter the step as DTensors sharded along the batch axis.",
         data.wrap_get_iterator,
     ),
     Patch(
         _TRAINER,
         "TorchEpochIterator.__iter__",
-        "A checkpoint written mid-epoch (on SIGTERM) must resume at its "
-        "batch; Keras starts every epoch at batch 0.",
+        "A checkpoint written mid-epoch resumes at its batch, not batch 0.",
         data.wrap_epoch_iter,
     ),
     *(
         Patch(
             _TRAINER,
             f"{KERAS.torch_trainer}.make_{kind}_function",
-            f"{kind}_on_batch passes the user's arrays straight to the "
-            "step; y and sample_weight must be DTensors like y_pred.",
+            f"{kind}_on_batch: y and sample_weight are laid out like y_pred.",
             functools.partial(data.wrap_make_function, kind=kind),
         )
         for kind in ("train", "test", "predict")
@@ -124,37 +120,32 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}.get_metrics_result",
-        "DataParallel: each rank's metric states cover its entries; logged "
-        "values must be the global ones.",
+        "DataParallel: logged metrics are the global values, not one rank's.",
         data_parallel.wrap_get_metrics_result,
     ),
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}._compute_loss",
-        "DataParallel: compiled metrics are updated with the loss and "
-        "summed while backward runs, not in a collective of their own.",
+        "DataParallel: compiled metrics are summed while backward runs.",
         data_parallel.wrap_compute_loss,
     ),
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}.compute_loss",
-        "DataParallel: a rank with no entries of a small batch gets a zero "
-        "loss, not Keras's empty tensor whose backward raises.",
+        "DataParallel: a rank with no entries of the batch gets a zero loss.",
         data_parallel.wrap_compute_loss_without_rows,
     ),
     Patch(
         "keras.src.trainers.trainer",
         f"{KERAS.base_trainer}.compute_metrics",
-        "DataParallel: the compiled metrics of this train step were "
-        "already updated with the loss; only their results are read.",
+        "DataParallel: compiled metrics were updated with the loss already.",
         data_parallel.wrap_compute_metrics,
     ),
     *(
         Patch(
             module,
             f"{cls}._backend_update_step",
-            "DataParallel: each rank updates the variables it owns, then they "
-            "are broadcast (ZeRO stage 1 on whole variables).",
+            "DataParallel: ZeRO-1, each rank updates the variables it owns.",
             data_parallel.wrap_backend_update_step,
         )
         for module, cls in (
@@ -168,38 +159,32 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.optimizers.base_optimizer",
         "BaseOptimizer._filter_empty_gradients",
-        "A gradient left partial or split along another dim (Dense(1) "
-        "under (None, 'model')) is laid out as its variable for the update.",
+        "A partial or differently split gradient is laid out as its variable.",
         variables.wrap_filter_empty_gradients,
     ),
     Patch(
         "keras.src.backend.torch.optimizers.torch_adam",
         "Adam._parallel_update_step",
-        "Keras's Adam (and AdamW) holds three temporaries the size of all "
-        "weights at once; here it runs on local shards in bounded pieces, "
-        "the same arithmetic.",
+        "Adam runs on local shards in bounded pieces, the same arithmetic.",
         sharded_adam.wrap_adam_update,
     ),
     Patch(
         "keras.src.optimizers.base_optimizer",
         "BaseOptimizer.add_variable_from_reference",
-        "A split update leaves a slot stale off its variable's owner; "
-        "bringing it back needs to know its variable.",
+        "A split update's slot must know its variable to be brought back.",
         data_parallel.wrap_add_variable_from_reference,
     ),
     Patch(
         "keras.src.backend.torch.random",
         "dropout",
-        "Each rank drew a mask for its own entries or shard: one process's "
-        "mask is drawn for the global shape, each rank keeps its part.",
+        "One mask is drawn for the global shape; each rank keeps its part.",
         dropout.wrap_dropout,
     ),
     *(
         Patch(
             "keras.src.backend.torch.random",
             name,
-            "DataParallel: draws shaped like the batch (GaussianNoise, "
-            "augmentation) take this rank's entries of the global draw.",
+            "DataParallel: a batch-shaped draw takes this rank's entries.",
             data_parallel.wrap_shaped_draw,
         )
         for name in data_parallel.SHAPED_DRAWS
@@ -207,29 +192,25 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.layers.normalization.batch_normalization",
         "BatchNormalization.__init__",
-        "synchronized=True raised on torch; under DataParallel it means "
-        "global-batch statistics (the default unless SYNC_BATCH_NORM=0).",
+        "synchronized=True raised on torch; here: global-batch statistics.",
         data_parallel.wrap_batch_norm_init,
     ),
     Patch(
         KERAS.torch_nn,
         "moments",
-        "DataParallel on N processes: the global batch's mean and "
-        "variance (one all-reduce), unless SYNC_BATCH_NORM=0.",
+        "DataParallel: the global batch's mean and variance (one all-reduce).",
         data_parallel.wrap_moments,
     ),
     Patch(
         KERAS.torch_nn,
         "dot_product_attention",
-        "3.15's torch rule cannot move the mask; 3.16 drops a Partial or "
-        "sequence split silently. It runs on alike-split local shards.",
+        "Sharded attention runs on alike-split local shards, mask included.",
         attention.wrap_dot_product_attention,
     ),
     Patch(
         _TRAINER,
         f"{KERAS.torch_trainer}.fit",
-        "DataParallel's split update lives inside fit; callbacks' file "
-        "operations are shared; replicas are compared when it returns.",
+        "DataParallel's split update, shared file operations, replica check.",
         lambda original: fit_guard.wrap_trainer_call(
             replicate_check.wrap_fit(data_parallel.wrap_fit(original))
         ),
@@ -238,8 +219,7 @@ KERAS_PATCHES = (
         Patch(
             _TRAINER,
             f"{KERAS.torch_trainer}.{method}",
-            "Callbacks' file operations are shared (rank 0 acts); a failed "
-            "collective says a peer died or stalled.",
+            "Callbacks' file operations are shared; a peer's failure is named.",
             fit_guard.wrap_trainer_call,
         )
         for method in ("evaluate", "predict")
@@ -248,8 +228,7 @@ KERAS_PATCHES = (
         Patch(
             "keras.src.utils.file_utils",
             name,
-            "Callbacks' directory creation, copies and deletes on shared "
-            "paths raised on some rank, then hung: rank 0 acts.",
+            "Callbacks' file operations on shared paths: rank 0 acts.",
             functools.partial(shared_files.wrap_file_operation, name=name),
         )
         for name in shared_files.FILE_OPERATIONS
@@ -257,15 +236,13 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.callbacks.tensorboard",
         "TensorBoard.set_model",
-        "Every rank wrote event files into the shared log_dir; the others "
-        "write to a scratch directory.",
+        "Only rank 0 writes event files into the shared log_dir.",
         shared_files.wrap_tensorboard_set_model,
     ),
     Patch(
         _TRAINER,
         f"{KERAS.torch_trainer}.{KERAS.should_compile}",
-        "torch.compile of the whole train_step fails on DTensor tangents; "
-        "the forward is compiled instead.",
+        "torch.compile fails on the whole train_step: the forward is compiled.",
         jit.wrap_should_torch_compile,
     ),
     Patch(
@@ -283,29 +260,25 @@ KERAS_PATCHES = (
     Patch(
         "keras.src.callbacks.callback_list",
         "CallbackList._configure_async_dispatch",
-        "Batch-end callbacks on a worker thread gather DTensors out of "
-        "order with the main thread's collectives: rank-divergent.",
+        "Batch-end callbacks stay on the main thread: collectives in order.",
         callbacks.wrap_configure_async_dispatch,
     ),
     Patch(
         "keras.src.layers.layer",
         "Layer.add_loss",
-        "DataParallel: a loss a layer adds from its whole input (an MoE "
-        "balancing loss) is computed over the global batch.",
+        "DataParallel: a layer's added loss is computed over the global batch.",
         data_parallel.wrap_add_loss,
     ),
     Patch(
         "keras.src.layers.layer",
         "Layer.__call__",
-        "Each call goes to its strategy; model(x) outside fit lays its "
-        "inputs out like a fit batch.",
+        "Each call goes to its strategy; model(x) lays inputs out as fit does.",
         layer_call.wrap_call,
     ),
     Patch(
         "keras.src.random.seed_generator",
         "SeedGenerator.next",
-        "The state is a replicated DTensor under a distribution, the "
-        "increment a plain tensor: mixed, wherever keras.random draws.",
+        "The state is a replicated DTensor, the increment a plain tensor.",
         layer_call.wrap_seed_generator_next,
     ),
     Patch(
@@ -332,37 +305,25 @@ KERAS_PATCHES = (
     Patch(
         KERAS.torch_core,
         "slice_update",
-        "With tensor start indices it writes by index_put_, which DTensor "
-        "cannot run in place on a sharded tensor (a KV cache in generate).",
+        "index_put_ cannot write in place into a sharded DTensor (KV cache).",
         slice_update.wrap_slice_update,
     ),
     *(
         Patch(
             module,
             "distribute_tensor",
-            "DataParallel keeps tensors plain; one laid out by hand would meet "
-            "plain variables.",
+            "DataParallel keeps tensors plain, even ones laid out by hand.",
             data_parallel.wrap_distribute_tensor,
         )
-        for module in (
-            "keras.src.distribution.distribution_lib",
-            "keras.src.distribution",
-            "keras.distribution",
-        )
+        for module in _DISTRIBUTION
     ),
     *(
         Patch(
             module,
             "set_distribution",
-            "Plain tensors are global values while a distribution is set, as "
-            "on JAX (else 'got mixed torch.Tensor and DTensor'); torch's "
-            "'numel=1' warning is quieted.",
+            "Plain tensors are global values while a distribution is set.",
             context.wrap_set_distribution,
         )
-        for module in (
-            "keras.src.distribution.distribution_lib",
-            "keras.src.distribution",
-            "keras.distribution",
-        )
+        for module in _DISTRIBUTION
     ),
 )

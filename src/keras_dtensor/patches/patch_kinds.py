@@ -1,8 +1,6 @@
-"""The kinds of entries of the `PATCHES` table (`keras_dtensor.patches`).
-
-Each entry applies itself (returning what it saved), restores what it
-saved, and tells whether its replacement is still in place.
-"""
+"""The kinds of entries of the `PATCHES` table: each applies itself
+(returning what it saved), restores that, and tells whether its
+replacement is still in place."""
 
 import dataclasses
 import functools
@@ -30,17 +28,12 @@ TAG = "__keras_dtensor_patch__"
 MISSING = object()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _Entry:
-    """The Keras and torch versions an entry applies to (keyword-only; by
-    default the whole supported range)."""
+    """The Keras and torch versions an entry applies to (keyword-only)."""
 
-    keras: str = dataclasses.field(
-        default=str(compat.SUPPORTED_KERAS), kw_only=True
-    )
-    torch: str = dataclasses.field(
-        default=str(compat.SUPPORTED_TORCH), kw_only=True
-    )
+    keras: str = str(compat.SUPPORTED_KERAS)
+    torch: str = str(compat.SUPPORTED_TORCH)
 
     def check(self):
         """Raises unless the entry's target resolves on this install."""
@@ -48,14 +41,9 @@ class _Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Patch(_Entry):
-    """One replaced attribute of Keras or torch.
-
-    Attributes:
-        module: module that holds the attribute (or the class holding it).
-        attribute: attribute name; `Class.method` for a class attribute.
-        why: what breaks without it.
-        factory: `original -> replacement`; `None` original when absent.
-    """
+    """One replaced attribute: `module`, `attribute` (`Class.method` for
+    a class attribute), `why` (what breaks without it) and `factory`
+    (`original -> replacement`; `None` original when absent)."""
 
     module: str
     attribute: str
@@ -128,16 +116,8 @@ def _propagator():
 
 @dataclasses.dataclass(frozen=True)
 class Registration(_Entry):
-    """A DTensor sharding strategy registered for some torch ops.
-
-    Attributes:
-        name: a short name for the ops, shown by `keras-dtensor info`.
-        ops: `() -> [OpOverload]`, resolved when applied (may be empty).
-        strategy: the `register_sharding` strategy function.
-        why: what breaks without it.
-        refine: `(OpStrategy, OpSchema) -> OpStrategy`, applied to what
-            the strategy expands to.
-    """
+    """A DTensor sharding `strategy` registered for `ops()` (resolved when
+    applied); `refine(OpStrategy, OpSchema)` rewrites what it expands to."""
 
     name: str
     ops: Callable[[], list]
@@ -206,15 +186,9 @@ def _single_dim(propagator):
 
 @dataclasses.dataclass(frozen=True)
 class CacheKey(_Entry):
-    """Arguments DTensor must hash into an op's sharding-propagation key
-    (with too large a `static_argnum`, another call's output shape comes
-    back from the cache).
-
-    Attributes:
-        op: `() -> OpOverload`.
-        static_argnum: the first argument that must be part of the key.
-        why: what breaks without it.
-    """
+    """`op()`'s arguments from `static_argnum` on hashed into its
+    sharding-propagation cache key (else another call's output shape comes
+    back)."""
 
     op: Callable[[], Any]
     static_argnum: int
@@ -269,8 +243,8 @@ class CacheKey(_Entry):
 
 
 def applies(entry):
-    """`(True, "")` where `entry` applies to the installed Keras and torch,
-    else `(False, why not)`."""
+    """`(True, "")` if `entry` applies to the installed versions, else
+    `(False, why not)`."""
     for package, installed in (
         ("keras", compat.keras_version()),
         ("torch", compat.torch_version()),
@@ -282,9 +256,8 @@ def applies(entry):
 
 
 def apply_all(entries, saved):
-    """Applies the entries that apply here, each original saved in
-    `saved[entry.target]`: every target resolved first, then all or
-    nothing."""
+    """Applies the entries that apply here into `saved[target]`: every
+    target resolved first, then all or nothing."""
     entries = [entry for entry in entries if applies(entry)[0]]
     for entry in entries:
         entry.check()
@@ -305,8 +278,7 @@ def restore_all(entries, saved):
 
 
 def status_of(entries, saved):
-    """`[(target, state, why)]`; state `applied`, `original`, `replaced by
-    another library` or `skipped: <reason>`."""
+    """`[(target, state, why)]`, as `keras_dtensor.patches.status()`."""
     result = []
     for entry in entries:
         original = saved.get(entry.target)

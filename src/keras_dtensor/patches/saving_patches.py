@@ -8,28 +8,23 @@ from keras_dtensor.patches.patch_kinds import Patch
 
 __all__ = ["SAVING_PATCHES"]
 
-
-_TORCH_CORE = KERAS.torch_core
 SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.__getitem__",
-        "Loads read every variable whole on every rank; here the store "
-        "hands out the dataset, read lazily.",
+        "The store hands out the dataset, read lazily, not whole values.",
         saving.wrap_h5_store_getitem,
     ),
     Patch(
-        _TORCH_CORE,
+        KERAS.torch_core,
         "Variable._convert_to_tensor",
-        "A sharded variable assigned from the lazy dataset reads only this "
-        "rank's slices of it (sliced_load.py).",
+        "A sharded variable reads only its slices of a lazy dataset.",
         saving.wrap_convert_variable_value,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "save_weights_only",
-        "Every rank must take part (shards travel to rank 0); only rank 0 "
-        "may write (h5py's lock), atomically.",
+        "Every rank takes part in a save; only rank 0 writes, atomically.",
         functools.partial(saving.wrap_save, what="save_weights"),
     ),
     Patch(
@@ -41,43 +36,37 @@ SAVING_PATCHES = (
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.__init__",
-        "A store opened for writing elsewhere (save_lora_weights) was "
-        "opened by every rank; it is written as save_weights writes.",
+        "A store opened for writing elsewhere is written as save_weights.",
         saving.wrap_h5_store_init,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.close",
-        "Puts such a store's file in place (rank 0) and raises any rank's "
-        "failure on every rank.",
+        "Rank 0 puts such a store's file in place; failures raise on all.",
         saving.wrap_h5_store_close,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "H5IOStore.__setitem__",
-        "A sharded variable was gathered whole on every rank; inside a "
-        "save rank 0 writes it in pieces from its owners.",
+        "Inside a save rank 0 writes a sharded variable in pieces.",
         saving.wrap_h5_store_setitem,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "ShardedH5IOStore.__setitem__",
-        "max_shard_size gathered every variable to size its files; a "
-        "sharded value passes as shape and dtype, written in pieces.",
+        "max_shard_size sizes its files from shapes, not gathered values.",
         saving.wrap_sharded_h5_store_setitem,
     ),
     Patch(
         "keras.src.optimizers.base_optimizer",
         "BaseOptimizer.save_own_variables",
-        "It stores variable.numpy(), a whole gather of every sharded slot "
-        "on every rank; inside a save the store gets the variable.",
+        "Inside a save the store gets the slot variable, not a gather.",
         saving.wrap_optimizer_save_own_variables,
     ),
     Patch(
         "keras.src.saving.saving_lib",
         "_save_model_to_fileobj",
-        "model.save built the weights file in memory or wrote it twice; "
-        "h5py writes it in place in the zip.",
+        "model.save writes the weights file in place in the zip, once.",
         saving.wrap_save_model_to_fileobj,
     ),
 )

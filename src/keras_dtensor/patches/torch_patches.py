@@ -18,15 +18,13 @@ TORCH_PATCHES = (
     Patch(
         "torch.distributed.tensor.placement_types",
         "Partial.__hash__",
-        "It hashes a string salted per process; DTensor breaks strategy "
-        "ties in set order: ranks could choose different collectives.",
+        "Its hash is salted per process: ranks could pick other collectives.",
         lambda original: placement_order.partial_hash,
     ),
     Patch(
         "torch.distributed.tensor.placement_types",
         "_MaskPartial.__hash__",
-        "It hashes a memory address: ranks could choose different "
-        "collectives (vocabulary-sharded Embedding).",
+        "It hashes a memory address: ranks could pick other collectives.",
         lambda original: placement_order.mask_partial_hash,
     ),
     Patch(
@@ -38,78 +36,67 @@ TORCH_PATCHES = (
     Patch(
         "torch.distributed.tensor._redistribute",
         "DTensorRedistributePlanner.__init__",
-        "Its sets of reduce-op strings iterate in per-process hash order; "
-        "insertion-ordered, the planned collectives agree across ranks.",
+        "Its reduce-op sets iterate in per-process hash order.",
         placement_order.wrap_planner_init,
     ),
     Patch(
         "torch.distributed.tensor",
         "DTensor._stable_hash_for_caching",
-        "The on-disk compile cache keyed a DTensor by spec alone: a warm "
-        "run loaded another rank's forward. The key names the rank.",
+        "The compile cache key names the rank, not only the spec.",
         compile_fixes.wrap_stable_hash_for_caching,
     ),
     Patch(
         "torch._functorch._aot_autograd.runtime_wrappers",
         "gen_alias_from_base",
-        "A compiled output that views its input is rebuilt with "
-        "as_strided, which DTensor refuses; here with permute or view.",
+        "A compiled view of an input is rebuilt without as_strided.",
         compile_fixes.wrap_gen_alias_from_base,
     ),
     Patch(
         "torch.distributed.tensor._redistribute",
         "_redistribute_backward",
-        "Backward from P(sum) to a vocabulary-sharded embedding's "
-        "MaskP(...) is unsupported; the gradient is summed first.",
+        "Backward from P(sum) to an embedding's MaskP(...): summed first.",
         redistribute.wrap_redistribute_backward,
     ),
     Patch(
         "torch.distributed.tensor._dispatch",
         "redistribute_local_tensor",
-        "Indices both gathered and masked (vocabulary-sharded table) "
-        "recorded their mask before the gather: a wrong-shape mask.",
+        "Indices both gathered and masked recorded a wrong-shape mask.",
         redistribute.wrap_redistribute_local_tensor,
     ),
     Patch(
         "torch.nn.functional",
         "embedding",
-        "A vocabulary-sharded table got its whole gradient on every rank; "
-        "its backward computes this rank's entries only.",
+        "A vocabulary-sharded table's backward computes only its entries.",
         embedding_grad.wrap_embedding,
     ),
     CacheKey(
         lambda: torch.ops.aten.topk.default,
         1,
-        "torch 2.13 keys topk's sharding cache without `k`: another k "
-        "got the first one's output shape (TopKSampler).",
+        "torch 2.13 keys topk's sharding cache without `k`.",
     ),
     Registration(
         "comparison ops torch lacks (eq, ne, lt, le, gt, ge)",
         strategies.missing_comparisons,
         strategies.elementwise,
-        "Keras's optimizer EMA compares `iterations`; torch 2.11 has no "
-        "rule for aten.ne.Tensor (2.13 has all).",
+        "Keras's EMA compares `iterations`; torch 2.11 lacks aten.ne.Tensor.",
     ),
     Registration(
         "aten.scatter_reduce",
         strategies.scatter_reduce_ops,
         strategies.scatter_reduce,
-        "No DTensor rule: segment_sum, so AUC and thresholded metrics, "
-        "crashed under ModelParallel.",
+        "No DTensor rule: segment_sum (AUC) crashed under ModelParallel.",
     ),
     Registration(
         "aten.multinomial, replicated",
         strategies.sample_ops,
         strategies.replicated_sample,
-        "Each rank sampled its entries from the same stream's start: "
-        "other tokens than one process draws.",
+        "Each rank sampled its entries from the same stream's start.",
     ),
     Registration(
         "aten._scaled_dot_product_flash_attention_for_cpu",
         strategies.flash_cpu_ops,
         strategies.flash_cpu,
-        "CPU attention has no DTensor rule: head- or batch-sharded "
-        "MultiHeadAttention would crash.",
+        "CPU attention has no DTensor rule: sharded MHA would crash.",
         refine=strategies.keep_kwargs_in_place,
     ),
     Registration(
