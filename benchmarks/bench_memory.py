@@ -2,32 +2,22 @@
 
     python benchmarks/bench_memory.py                 # models a, b, c; 4 ranks
     python benchmarks/bench_memory.py --models a --json out.json
-    python benchmarks/bench_memory.py --models c --reference  # + one process
 
-Each side of each model runs in its own fresh processes
-(`bench_harness.launch`), so neither side's allocations or malloc arenas reach
-the other's figures. Models (fp32, Adam, MSE on random targets):
-
-- a: Embedding(1_000_000, 128) laid out (None, "model"), a mean over 4
-  tokens, Dense(256) kernel (None, "model"); torch: `ColwiseParallel`.
-- b: the same with the vocabulary-parallel table ("model", None); torch:
-  `RowwiseParallel` on the embedding.
-- c: bench_step.py's transformer blocks and TP split, wider.
-- d: FSDP-style: 8 x Dense(2048), kernels ("batch", None), the batch
-  sharded too; torch: FSDP2, `fully_shard` on each layer and the root.
-
-torch builds on meta, lays out, materializes the shards only, trains with
-foreach Adam and checkpoints with DCP; keras-dtensor fits under
-ModelParallel and saves/loads `.weights.h5` (with the optimizer's slots).
-`--reference` also runs each side as one plain process (no distribution):
-Keras's own memory over torch's, the reference for kd over TP.
+Each side of each model runs in its own fresh processes, so neither side's
+allocations or malloc arenas reach the other's figures. Models (fp32, Adam,
+MSE): a: Embedding(1_000_000, 128) laid out (None, "model"), a mean over 4
+tokens, Dense(256) kernel (None, "model"), torch `ColwiseParallel`; b: the
+table ("model", None), torch `RowwiseParallel`; c: bench_step.py's
+transformer blocks and TP split, wider; d: FSDP-style, 8 x Dense(2048)
+kernels ("batch", None) and the batch sharded, torch FSDP2 per layer.
+torch builds on meta and checkpoints with DCP; keras-dtensor fits under
+ModelParallel and saves/loads `.weights.h5` with the optimizer's slots.
 
 Per rank, MiB above a baseline taken after imports and the group's start:
-build RSS; fit peak (VmHWM, reset before the phase); steady RSS after fit,
-and after `malloc_trim(0)` with glibc's free bytes before it; "state" (the
-local shards, held gradients and Adam's slots); keras-dtensor's `plan`
-prediction; save and load seconds and peaks, MiB written and the
-optimizer step found after the load.
+build RSS; fit peak (VmHWM reset before); steady RSS after fit, and after
+`malloc_trim(0)` with glibc's free bytes before it; the held state (local
+shards, gradients, Adam's slots); keras-dtensor's `plan` prediction; save
+and load seconds and peaks, MiB written and the step found after a load.
 """
 
 import argparse
@@ -53,29 +43,23 @@ MODELS["c"]["blocks"] = 2
 SIDES = ("native", "kd")
 
 
-class _Libc:
-    """glibc's `mallinfo2` (free bytes in the arenas) and `malloc_trim`."""
+class _Mallinfo(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks "
+        "uordblks fordblks keepcost".split()
+    ]
 
-    class _Info(ctypes.Structure):
-        _fields_ = [
-            (name, ctypes.c_size_t)
-            for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks "
-            "uordblks fordblks keepcost".split()
-        ]
 
-    def __init__(self):
-        try:
-            self._libc = ctypes.CDLL("libc.so.6")
-            self._libc.mallinfo2.restype = self._Info
-        except (OSError, AttributeError):
-            self._libc = None
-
-    def free_bytes(self):
-        return None if self._libc is None else self._libc.mallinfo2().fordblks
-
-    def trim(self):
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
+def _libc():
+    """glibc, for `mallinfo2` (free bytes in the arenas) and `malloc_trim`;
+    None elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 class _Probe:
@@ -84,7 +68,7 @@ class _Probe:
     def __init__(self):
         import torch.distributed as dist
 
-        self.dist, self.libc = dist, _Libc()
+        self.dist, self.libc = dist, _libc()
         gc.collect()
         dist.barrier()
         self.base = harness.status()["VmRSS"]
@@ -105,27 +89,21 @@ class _Probe:
     def end_fit(self):
         self.figures.update(fit_peak=self.peak(), steady=self.rss())
         gc.collect()
-        free = self.libc.free_bytes()
-        self.figures["malloc_free"] = None if free is None else free / _MIB
-        self.libc.trim()
+        free = self.libc and self.libc.mallinfo2().fordblks / _MIB
+        self.figures["malloc_free"] = free
+        self.trim()
         self.figures["steady_trimmed"] = self.rss()
+
+    def trim(self):
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
 
     def timed(self, key, start, path):
         elapsed = time.perf_counter() - start
         self.dist.barrier()
         self.figures.update({f"{key}_s": elapsed, f"{key}_peak": self.peak()})
         if key == "save":
-            self.figures["written"] = _dir_bytes(path) / _MIB
-
-
-def _dir_bytes(path):
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(
-        os.path.getsize(os.path.join(root, name))
-        for root, _, names in os.walk(path)
-        for name in names
-    )
+            self.figures["written"] = harness.dir_bytes(path) / _MIB
 
 
 def _data(cfg, batch, steps):
@@ -164,7 +142,7 @@ def _torch_model(cfg):
 
 
 def _torch_build(cfg, mesh):
-    """The model (`mesh=None`: plain torch, one process) and its Adam."""
+    """The model on `mesh` and its Adam."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -175,15 +153,15 @@ def _torch_build(cfg, mesh):
 
     with torch.device("meta"):
         model = _torch_model(cfg)
-    if mesh is not None and cfg["kind"] == "fsdp":
+    if cfg["kind"] == "fsdp":
         for module in model:
             if isinstance(module, torch.nn.Linear):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    elif mesh is not None and cfg["kind"] == "transformer":
+    elif cfg["kind"] == "transformer":
         plan = bench_step._tp_plan("transformer", model)
         model = parallelize_module(model, mesh, plan)
-    elif mesh is not None:
+    else:
         table = Col(output_layouts=Replicate())
         if cfg.get("vocab_tp"):
             table = Row(input_layouts=Replicate())
@@ -210,9 +188,7 @@ def _run_native(cfg, args, workdir):
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
-    mesh = None
-    if not args.single:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     probe = _Probe()
     probe.start()
     model, optimizer = _torch_build(cfg, mesh)
@@ -220,7 +196,7 @@ def _run_native(cfg, args, workdir):
     x, y = (torch.from_numpy(a) for a in _data(cfg, args.batch, args.steps))
     probe.start()
     share, start = args.batch, 0  # TP: every rank runs the whole batch
-    if cfg["kind"] == "fsdp" and mesh is not None:  # FSDP2: its rows
+    if cfg["kind"] == "fsdp":  # FSDP2: its rows
         share = args.batch // dist.get_world_size()
         start = dist.get_rank() * share
     for i in range(args.steps):
@@ -244,7 +220,7 @@ def _run_native(cfg, args, workdir):
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     probe.timed("save", start, path)
     del model, optimizer, params, slots, held, model_state, optim_state
-    probe.libc.trim()
+    probe.trim()
     probe.start()
     probe.figures["load_start"] = probe.rss()
     model, optimizer = _torch_build(cfg, mesh)
@@ -283,22 +259,17 @@ def _distribute(keras, cfg):
     import keras_dtensor
 
     keras.distribution.initialize()
-    world = keras.distribution.get_device_count()
+    shape = None
     if cfg["kind"] == "fsdp":  # weights and batch over the same axis
-        mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+        shape = (keras.distribution.get_device_count(),)
         layouts = {"dense_.*/kernel": ("batch", None)}
-    else:
-        mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    elif cfg["kind"] == "transformer":
         layouts = bench_step._keras_layouts("transformer", "kd_mp")
-    if cfg["kind"] == "embed":
+    else:
         table = ("model", None) if cfg.get("vocab_tp") else (None, "model")
         layouts = {"embedding/embeddings": table}
         layouts["dense/kernel"] = (None, "model")
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in layouts.items():
-        layout_map[key] = axes
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
-    keras.distribution.set_distribution(distribution)
+    distribution = harness.model_parallel(keras, layouts, shape)
     predicted = keras_dtensor.plan(
         lambda: _keras_model(keras, cfg), distribution, optimizer="adam"
     )
@@ -308,18 +279,10 @@ def _distribute(keras, cfg):
 
 
 def _run_kd(cfg, args, workdir):
-    if args.single:  # the reference: plain Keras, one process
-        import torch.distributed as dist
+    import keras_dtensor  # noqa: F401, I001
+    import keras
 
-        dist.init_process_group("gloo")  # for the probe's barriers only
-        import keras
-
-        probe = _Probe()
-    else:
-        import keras_dtensor  # noqa: F401, I001
-        import keras
-
-        probe = _distribute(keras, cfg)
+    probe = _distribute(keras, cfg)
 
     def build():
         keras.utils.set_random_seed(0)
@@ -346,7 +309,7 @@ def _run_kd(cfg, args, workdir):
     model.save_weights(path)
     probe.timed("save", start, path)
     del model  # not clear_session(): it would drop the distribution
-    probe.libc.trim()
+    probe.trim()
     probe.start()
     probe.figures["load_start"] = probe.rss()
     model = build()
@@ -372,8 +335,7 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__, out=False)
     parser.add_argument("--models", default="a,b,c")
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--nproc", type=int, default=4)
@@ -389,14 +351,9 @@ def main(argv=None):
         "one); fixed, every allocation above it goes back to the OS when "
         "freed, so RSS follows live tensors",
     )
-    parser.add_argument(
-        "--reference", action="store_true", help="plain torch and Keras too"
-    )
-    parser.add_argument("--single", action="store_true", help="(worker)")
     parser.add_argument("--side", choices=SIDES, help="(worker)")
     parser.add_argument("--model", choices=sorted(MODELS), help="(worker)")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
@@ -405,27 +362,19 @@ def main(argv=None):
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     flags = [f"--batch={args.batch}", f"--steps={args.steps}"]
     flags += ["--no-checkpoint"] * args.no_checkpoint
-    summary = {"results": {}, "reference": {}, "nproc": args.nproc}
+    summary = {"results": {}, "nproc": args.nproc}
     summary.update(batch=args.batch, steps=args.steps, env=env)
     for model in args.models.split(","):
         for side in args.sides.split(","):
-            for single in (False, True)[: 1 + args.reference]:
-                key = "reference" if single else "results"
-                flag = [f"--side={side}", f"--model={model}", *flags]
-                flag += ["--single"] * single
-                nproc = 1 if single else args.nproc
-                with tempfile.TemporaryDirectory() as workdir:
-                    flag.append(f"--workdir={workdir}")
-                    ranks = harness.launch(__file__, nproc, flag, env)
-                summary[key].setdefault(model, {})[side] = ranks
-                for figure in ranks[0]:  # the worst rank of each figure
-                    values = [r[figure] for r in ranks]
-                    if None not in values and figure != "rank":
-                        print(
-                            f"{model} {side}{' single' * single} {figure}:"
-                            f" {max(values):.2f}",
-                            flush=True,
-                        )
+            flag = [f"--side={side}", f"--model={model}", *flags]
+            with tempfile.TemporaryDirectory() as workdir:
+                flag.append(f"--workdir={workdir}")
+                ranks = harness.launch(__file__, args.nproc, flag, env)
+            summary["results"].setdefault(model, {})[side] = ranks
+            for figure in ranks[0]:  # the worst rank of each figure
+                values = [r[figure] for r in ranks]
+                if None not in values and figure != "rank":
+                    print(f"{model} {side} {figure}: {max(values):.2f}")
     harness.write_json(args.json, summary)
     return 0
 

@@ -2,27 +2,24 @@
 
     python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
-Every variant runs interleaved round by round, in fresh processes
-(`bench_harness.launch`): torch single, DDP, TP (`parallelize_module`), FSDP2
-(`fully_shard`); Keras single (`_local`: one process's share of the
-batch; `_pair`: that share in 2 independent processes side by side);
-keras-dtensor DataParallel, ModelParallel (the TP split), FSDP-style
-(weights sharded over "batch"). Models: MLP 4 x Dense(1024), batch 64;
-transformer 2 blocks, d_model 256, seq 128, batch 8 (`transformer_small`:
-d_model 32, seq 16, where each op's host-side cost outweighs its
-arithmetic, as on a GPU). Adam, fp32, MSE on random targets.
+Variants, interleaved round by round in fresh processes: torch single, DDP,
+TP (`parallelize_module`), FSDP2 (`fully_shard`); Keras single (`_local`:
+one process's share of the batch; `_pair`: that share in 2 processes side
+by side); keras-dtensor DataParallel, ModelParallel (the TP split) and
+FSDP-style (weights sharded over "batch"). Models: MLP 4 x Dense(1024),
+batch 64; transformer 2 blocks, d_model 256, seq 128, batch 8
+(`transformer_small`: d_model 32, seq 16, where each op's host-side cost
+outweighs its arithmetic, as on a GPU). Adam, fp32, MSE.
 
 Per variant: ms a step (wall and the main thread's CPU), peak RSS,
-parameter + optimizer bytes per rank, collectives a step (CommDebugMode,
-plus point-to-point batches) and one untimed step counted
-(`step_counts.py`). Targets: each keras-dtensor variant over its torch
-counterpart against Keras single over torch single, per round, as a ratio
-and in extra milliseconds. `*_no_collectives` variants (not in the
-default run) make every collective a local no-op once warm
+parameter + optimizer bytes per rank, collectives a step and one untimed
+step counted (`step_counts.py`). Targets: each keras-dtensor variant over
+its torch counterpart against Keras single over torch single, per round,
+as a ratio and in extra ms. `*_no_collectives` variants (not run by
+default) make every collective a local no-op once warm
 (`collectives_off.py`): the host work alone.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -43,11 +40,8 @@ VARIANTS = {
     "kd_dp": 2,
     "torch_tp": 2,
     "kd_mp": 2,
-    "kd_mp_dtensor": 2,  # every op a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0)
     "torch_fsdp2": 2,
     "kd_fsdp": 2,
-    "keras_single_jit": 1,
-    "kd_mp_jit": 2,
     "torch_ddp_no_collectives": 2,
     "kd_dp_no_collectives": 2,
     "torch_tp_no_collectives": 2,
@@ -67,9 +61,6 @@ RATIOS = (
     ("kd_dp_over_ddp", "kd_dp", "torch_ddp"),
     ("kd_mp_over_tp", "kd_mp", "torch_tp"),
     ("kd_fsdp_over_fsdp2", "kd_fsdp", "torch_fsdp2"),
-    ("keras_jit_over_eager", "keras_single_jit", "keras_single"),
-    ("kd_mp_jit_over_eager", "kd_mp_jit", "kd_mp"),
-    ("kd_mp_local_over_dtensor", "kd_mp", "kd_mp_dtensor"),
     ("kd_dp_over_ddp" + OFF, "kd_dp" + OFF, "torch_ddp" + OFF),
     ("kd_mp_over_tp" + OFF, "kd_mp" + OFF, "torch_tp" + OFF),
     ("kd_fsdp_over_fsdp2" + OFF, "kd_fsdp" + OFF, "torch_fsdp2" + OFF),
@@ -378,40 +369,24 @@ def _run_keras(variant, model_name, steps, warmup):
 
     import keras_dtensor  # noqa: F401
 
-    jit_compile = variant.endswith("_jit")
     off = variant.endswith(OFF)
     variant = variant.removesuffix(OFF)
-    variant = variant.removesuffix("_jit").removesuffix("_dtensor")
-
     cfg = _config(variant, model_name)
-    if not variant.startswith("keras_single"):
+    if variant == "kd_dp":
+        keras.distribution.initialize()
+        distribution = keras.distribution.DataParallel()
+        keras.distribution.set_distribution(distribution)
+    elif not variant.startswith("keras_single"):
+        # TP: the batch replicated over "model", as in torch TP; FSDP:
+        # weights and batch both sharded over "batch".
         keras.distribution.initialize()
         world = keras.distribution.get_device_count()
-        if variant == "kd_dp":
-            distribution = keras.distribution.DataParallel()
-        else:
-            # TP: the batch is replicated over the model axis, as in torch
-            # TP; FSDP: weights and batch both sharded over "batch".
-            if variant == "kd_mp":
-                mesh = keras.distribution.DeviceMesh(
-                    (1, world), ["batch", "model"]
-                )
-            else:
-                mesh = keras.distribution.DeviceMesh((world,), ["batch"])
-            layout_map = keras.distribution.LayoutMap(mesh)
-            for key, axes in _keras_layouts(model_name, variant).items():
-                layout_map[key] = axes
-            distribution = keras.distribution.ModelParallel(
-                layout_map=layout_map
-            )
-        keras.distribution.set_distribution(distribution)
+        shape = (1, world) if variant == "kd_mp" else (world,)
+        layouts = _keras_layouts(model_name, variant)
+        harness.model_parallel(keras, layouts, shape)
     keras.utils.set_random_seed(0)
     model = _keras_model(keras, model_name, cfg)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-4),
-        loss="mse",
-        jit_compile=jit_compile,
-    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
     x, y = (t.numpy() for t in _data(model_name, cfg))
 
     class Timer(keras.callbacks.Callback):
@@ -483,8 +458,6 @@ def worker(args):
 
 def _launch(variant, model, args):
     env = {"BENCH_NPROC": str(args.nproc)}
-    if variant == "kd_mp_dtensor":
-        env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
     arguments = [f"--variant={variant}", f"--model={model}"]
     arguments += [f"--steps={args.steps}", f"--warmup={args.warmup}"]
     nproc = 1 if VARIANTS[variant] == 1 else args.nproc
@@ -492,8 +465,7 @@ def _launch(variant, model, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__)
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default="mlp,transformer")
@@ -504,8 +476,6 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--nproc", type=int, default=2, help="distributed")
-    parser.add_argument("--out", help="write the results JSON here")
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
