@@ -102,18 +102,18 @@ class CollectivesOff:
 
 
 def count_collectives(call):
-    """The collectives `call()` dispatches, by op (CommDebugMode's module
-    tracking fails on some modules under `no_grad`)."""
+    """The collectives `call()` dispatches, by op (CommDebugMode also tracks
+    modules, which Keras's nested layer calls trip up)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Collectives(TorchDispatchMode):
         counts = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if func.namespace in ("c10d", "_c10d_functional"):
+            if "c10d" in func.namespace:
+                name = func.overloadpacket.__name__.strip("_")
                 # not collectives: waits, and a wrap for autograd
-                if not name.startswith(("wait", "_wrap")):
+                if not name.startswith(("wait", "wrap")):
                     self.counts[name] += 1
             return func(*args, **(kwargs or {}))
 
