@@ -150,22 +150,13 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def head_commit():
-    """The short commit of the checkout being measured."""
-    command = ["git", "rev-parse", "--short", "HEAD"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
-    return done.stdout.strip()
-
-
 def record(command, **fields):
-    """A results entry: today's date, the commit, the command."""
+    """A results entry: today's date, the commit measured, the command."""
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    done = subprocess.run(git, capture_output=True, text=True, cwd=HERE)
     today = datetime.date.today().isoformat()
-    return {
-        "date": today,
-        "commit": head_commit(),
-        "command": command,
-        **fields,
-    }
+    entry = {"date": today, "commit": done.stdout.strip(), "command": command}
+    return {**entry, **fields}
 
 
 def dir_bytes(path):

@@ -27,49 +27,32 @@ import time
 
 import bench_harness as harness
 
-# Ordered so that each target's two variants run back to back; the
-# value 1: one process.
-VARIANTS = {
-    "torch_single": 1,
-    "keras_single": 1,
-    "torch_single_local": 1,
-    "keras_single_local": 1,
-    "torch_single_pair": 2,
-    "keras_single_pair": 2,
-    "torch_ddp": 2,
-    "kd_dp": 2,
-    "torch_tp": 2,
-    "kd_mp": 2,
-    "torch_fsdp2": 2,
-    "kd_fsdp": 2,
-    "torch_ddp_no_collectives": 2,
-    "kd_dp_no_collectives": 2,
-    "torch_tp_no_collectives": 2,
-    "kd_mp_no_collectives": 2,
-    "torch_fsdp2_no_collectives": 2,
-    "kd_fsdp_no_collectives": 2,
-}
 OFF = "_no_collectives"
+# (native, keras-dtensor) names of each distributed pair.
+_PAIRS = ("ddp", "dp"), ("tp", "mp"), ("fsdp2", "fsdp")
+# Ordered so that each target's two variants run back to back.
+VARIANTS = [
+    f"{side}_single{share}"
+    for share in ("", "_local", "_pair")
+    for side in ("torch", "keras")
+]
+VARIANTS += [v for t, k in _PAIRS for v in (f"torch_{t}", f"kd_{k}")]
+VARIANTS += [v + OFF for v in VARIANTS[6:]]
 # Untimed steps that "_pair" processes other than rank 0 run after their
 # timed ones, so rank 0 never finishes alone.
 _PAIR_EXTRA_STEPS = 10
-# (target name, numerator, denominator) of the step-time ratios.
-RATIOS = (
-    ("keras_over_torch_single", "keras_single", "torch_single"),
-    ("keras_over_torch_local", "keras_single_local", "torch_single_local"),
-    ("keras_over_torch_pair", "keras_single_pair", "torch_single_pair"),
-    ("kd_dp_over_ddp", "kd_dp", "torch_ddp"),
-    ("kd_mp_over_tp", "kd_mp", "torch_tp"),
-    ("kd_fsdp_over_fsdp2", "kd_fsdp", "torch_fsdp2"),
-    ("kd_dp_over_ddp" + OFF, "kd_dp" + OFF, "torch_ddp" + OFF),
-    ("kd_mp_over_tp" + OFF, "kd_mp" + OFF, "torch_tp" + OFF),
-    ("kd_fsdp_over_fsdp2" + OFF, "kd_fsdp" + OFF, "torch_fsdp2" + OFF),
-)
-# The ratios held against Keras's own overhead, and its references.
-_DISTRIBUTED = ("kd_dp_over_ddp", "kd_mp_over_tp", "kd_fsdp_over_fsdp2")
-REFERENCES = {"": "keras_over_torch_single"}
-REFERENCES["_vs_local"] = "keras_over_torch_local"
-REFERENCES["_vs_pair"] = "keras_over_torch_pair"
+# (target name, numerator, denominator) of the step-time ratios; the
+# suffix of the ratios held against each Keras ÷ torch reference.
+REFERENCES = {"": "single", "_vs_local": "local", "_vs_pair": "pair"}
+RATIOS = [
+    (f"keras_over_torch_{r}", f"keras_single{s}", f"torch_single{s}")
+    for r, s in (("single", ""), ("local", "_local"), ("pair", "_pair"))
+]
+RATIOS += [
+    (f"kd_{k}_over_{t}{off}", f"kd_{k}{off}", f"torch_{t}{off}")
+    for off in ("", OFF)
+    for t, k in _PAIRS
+]
 LABELS = ("per_round", "holds_in_rounds"), ("extra_ms_per_round", "extra_holds")
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
@@ -204,7 +187,8 @@ def _pair_start(variant):
 def _run_torch(variant, model_name, steps, warmup):
     import torch
     import torch.distributed as dist
-    from step_counts import StepCounts  # beside this script
+    from collectives_off import CollectivesOff  # beside this script
+    from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
     off = variant.endswith(OFF)
@@ -253,7 +237,7 @@ def _run_torch(variant, model_name, steps, warmup):
     extra = _pair_start(variant)
     for i in range(warmup + steps + extra):
         if off and i == warmup:
-            _collectives_off(model if variant == "torch_ddp" else None)
+            CollectivesOff().install(model if variant == "torch_ddp" else None)
         start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         harness.sync()
@@ -330,15 +314,6 @@ def _keras_layouts(model_name, variant):
     }
 
 
-def _collectives_off(ddp=None):
-    from collectives_off import CollectivesOff  # beside this script
-
-    off = CollectivesOff()
-    off.install()
-    if ddp is not None:
-        off.ddp(ddp)
-
-
 class _count_p2p:  # noqa: N801
     """Counts `batch_isend_irecv` calls, which CommDebugMode does not see
     (DataParallel's gradients reduced to their owners)."""
@@ -364,7 +339,9 @@ class _count_p2p:  # noqa: N801
 
 def _run_keras(variant, model_name, steps, warmup):
     import keras  # noqa: I001
-    from step_counts import StepCounts  # beside this script
+    import numpy as np
+    from collectives_off import CollectivesOff  # beside this script
+    from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras_dtensor  # noqa: F401
@@ -392,13 +369,11 @@ def _run_keras(variant, model_name, steps, warmup):
     class Timer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.comm, self.comms = [], None, {}
-            self.cpu = []
-            self.counts = None
+            self.times, self.cpu, self.comm, self.comms = [], [], None, {}
 
         def on_train_batch_begin(self, batch, logs=None):
             if off and batch == warmup:
-                _collectives_off()
+                CollectivesOff().install()
             harness.sync()
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
@@ -427,18 +402,10 @@ def _run_keras(variant, model_name, steps, warmup):
                 self.cpu.append(elapsed_cpu)
 
     timer = Timer()
-    repeats = warmup + steps + 2 + _PAIR_EXTRA_STEPS
-    xs = x[None].repeat(repeats, 0).reshape(-1, *x.shape[1:])
-    ys = y[None].repeat(repeats, 0).reshape(-1, *y.shape[1:])
     repeats = warmup + steps + 2 + _pair_start(variant)
-    model.fit(
-        xs[: repeats * len(x)],
-        ys[: repeats * len(x)],
-        batch_size=len(x),
-        shuffle=False,
-        verbose=0,
-        callbacks=[timer],
-    )
+    xs, ys = (np.concatenate([a] * repeats) for a in (x, y))
+    fit = dict(batch_size=len(x), shuffle=False, verbose=0, callbacks=[timer])
+    model.fit(xs, ys, **fit)
     held = [v.value for v in model.variables + model.optimizer.variables]
     return {
         "times": timer.times,
@@ -456,11 +423,16 @@ def worker(args):
     harness.write_result(args.result_dir, result)
 
 
+def _processes(variant, args):
+    single = "_single" in variant and not variant.endswith("_pair")
+    return 1 if single else args.nproc
+
+
 def _launch(variant, model, args):
     env = {"BENCH_NPROC": str(args.nproc)}
     arguments = [f"--variant={variant}", f"--model={model}"]
     arguments += [f"--steps={args.steps}", f"--warmup={args.warmup}"]
-    nproc = 1 if VARIANTS[variant] == 1 else args.nproc
+    nproc = _processes(variant, args)
     return harness.launch(__file__, nproc, arguments, env, args.device)
 
 
@@ -479,7 +451,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    unknown = set(args.variants.split(",")) - VARIANTS.keys()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
@@ -540,7 +512,7 @@ def _row(runs, variant, args):
         "bytes_per_rank": max(r["bytes"] for r in runs[-1]),
         "comms_per_step": runs[-1][0]["comms"],
         "counts_per_step": runs[-1][0]["counts"],
-        "processes": 1 if VARIANTS[variant] == 1 else args.nproc,
+        "processes": _processes(variant, args),
     }
 
 
@@ -562,9 +534,9 @@ def _targets(rows, args):
                 "extra_ms_median_of_rounds": extra_median,
                 "extra_ms_per_round": extra,
             }
-    checked = (*_DISTRIBUTED, *(n + OFF for n in _DISTRIBUTED))
-    for suffix in ("", "_vs_local", "_vs_pair"):
-        allowed = targets.get(REFERENCES[suffix])
+    checked = [name for name, _, _ in RATIOS[3:]]
+    for suffix, reference in REFERENCES.items():
+        allowed = targets.get(f"keras_over_torch_{reference}")
         for name in checked if allowed else ():
             for key, label in LABELS:
                 if name in targets:

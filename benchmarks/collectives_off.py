@@ -23,7 +23,9 @@ class CollectivesOff:
     """Local copies in place of `torch.distributed`'s collectives and its
     functional ones (what DTensor, FSDP2 and keras-dtensor call)."""
 
-    def install(self):
+    def install(self, ddp=None):
+        """Replaces the collectives; `ddp`: a DDP module whose buckets its
+        C++ reducer reduces, given a comm hook that keeps each bucket."""
         import torch
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
@@ -89,16 +91,13 @@ class CollectivesOff:
         funcol.all_gather_single = gather
         funcol.reduce_scatter_single = scatter
 
-    def ddp(self, module):
-        """DDP's C++ reducer: a comm hook that keeps each bucket."""
-        import torch
-
         def keep(state, bucket):
             future = torch.futures.Future()
             future.set_result(bucket.buffer())
             return future
 
-        module.register_comm_hook(None, keep)
+        if ddp is not None:
+            ddp.register_comm_hook(None, keep)
 
 
 def count_collectives(call):
