@@ -51,7 +51,7 @@ def _per_step(stamps, warmup):
     return [wall, cpu, (stamps[-1][2] - stamps[0][2]) / len(steps)]
 
 
-def _run(variant, model_name, steps, warmup, methods):
+def _run(variant, model_name, steps, warmup):
     if variant != "plain":
         import keras_dtensor  # noqa: F401
     import keras
@@ -87,24 +87,19 @@ def _run(variant, model_name, steps, warmup, methods):
         def on_predict_batch_begin(self, batch, logs=None):
             self.t.append(_clocks())
 
-    result = {}
-    if "fit" in methods:
-        begins = Begins()
-        model.fit(
-            x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[begins]
-        )
-        result["fit"] = _per_step(begins.t, warmup)
-    if "train_on_batch" in methods:
-        stamps = [_clocks()]
-        for i in range(warmup + steps):
-            rows = slice(i * batch, (i + 1) * batch)
-            model.train_on_batch(x[rows], y[rows])
-            stamps.append(_clocks())
-        result["train_on_batch"] = _per_step(stamps, warmup)
-    if "predict" in methods:
-        begins = Begins()
-        model.predict(x, batch_size=batch, verbose=0, callbacks=[begins])
-        result["predict"] = _per_step(begins.t, warmup)
+    begins = Begins()
+    fit = dict(batch_size=batch, shuffle=False, verbose=0, callbacks=[begins])
+    model.fit(x, y, **fit)
+    result = {"fit": _per_step(begins.t, warmup)}
+    stamps = [_clocks()]
+    for i in range(warmup + steps):
+        rows = slice(i * batch, (i + 1) * batch)
+        model.train_on_batch(x[rows], y[rows])
+        stamps.append(_clocks())
+    result["train_on_batch"] = _per_step(stamps, warmup)
+    begins = Begins()
+    model.predict(x, batch_size=batch, verbose=0, callbacks=[begins])
+    result["predict"] = _per_step(begins.t, warmup)
     kinds = {type(v.value).__name__ for v in model.trainable_variables}
     result["variable_types"] = sorted(kinds)
     return result
@@ -112,8 +107,7 @@ def _run(variant, model_name, steps, warmup, methods):
 
 def worker(args):
     harness.start_worker()
-    methods = args.methods.split(",")
-    result = _run(args.variant, args.model, args.steps, args.warmup, methods)
+    result = _run(args.variant, args.model, args.steps, args.warmup)
     harness.write_result(args.result_dir, result)
 
 
@@ -124,11 +118,11 @@ _MALLOC_ENV = {
 }
 
 
-def _summary(runs, methods):
+def _summary(runs):
     """Per method: each variant's medians over rounds (wall, CPU ms,
     faults) and its per-round wall and CPU ratios to plain."""
     out = {}
-    for method in methods:
+    for method in METHODS:
         for variant, results in runs.items():
             figures = [[r[method][i] for r in results] for i in (0, 1, 2)]
             entry = {"wall_ms": figures[0], "cpu_ms": figures[1]}
@@ -152,7 +146,6 @@ def main(argv=None):
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
@@ -160,11 +153,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    methods = [m for m in METHODS if m in args.methods.split(",")]
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     env = _MALLOC_ENV if args.fixed_malloc else {}
     flags = [f"--steps={args.steps}", f"--warmup={args.warmup}"]
-    flags.append(f"--methods={args.methods}")
     models = args.models.split(",")
 
     def run(pair):
@@ -172,14 +163,12 @@ def main(argv=None):
         return harness.launch(__file__, 0, flag, env)[0]
 
     def show(index, pair, r):
-        ms = " ".join(f"{m} {r[m][0]:.2f} ({r[m][1]:.2f} CPU)" for m in methods)
+        ms = " ".join(f"{m} {r[m][0]:.2f} ({r[m][1]:.2f} CPU)" for m in METHODS)
         return f"round {index} {pair[0]} {pair[1]}: {ms} ms"
 
     pairs = [(model, variant) for model in models for variant in variants]
     runs = harness.rounds(args.rounds, pairs, run, show)
-    table = {
-        m: _summary({v: runs[m, v] for v in variants}, methods) for m in models
-    }
+    table = {m: _summary({v: runs[m, v] for v in variants}) for m in models}
     result = {"table": table, "rounds": args.rounds, "steps": args.steps}
     result["fixed_malloc"] = args.fixed_malloc
     harness.write_json(args.out, result)
