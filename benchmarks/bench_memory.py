@@ -2,6 +2,7 @@
 
     python benchmarks/bench_memory.py                 # models a, b, c; 4 ranks
     python benchmarks/bench_memory.py --models a --json out.json
+    python benchmarks/bench_memory.py --models c --reference  # + one process
 
 Each side of each model runs in its own fresh processes, so neither side's
 allocations or malloc arenas reach the other's figures. Models (fp32, Adam,
@@ -12,6 +13,8 @@ transformer blocks and TP split, wider; d: FSDP-style, 8 x Dense(2048)
 kernels ("batch", None) and the batch sharded, torch FSDP2 per layer.
 torch builds on meta and checkpoints with DCP; keras-dtensor fits under
 ModelParallel and saves/loads `.weights.h5` with the optimizer's slots.
+`--reference` also runs each side as one plain process: Keras's own memory
+over torch's, the reference for kd over TP.
 
 Per rank, MiB above a baseline taken after imports and the group's start:
 build RSS; fit peak (VmHWM reset before); steady RSS after fit, and after
@@ -23,6 +26,7 @@ and load seconds and peaks, MiB written and the step found after a load.
 import argparse
 import ctypes
 import gc
+import itertools
 import os
 import sys
 import tempfile
@@ -142,7 +146,7 @@ def _torch_model(cfg):
 
 
 def _torch_build(cfg, mesh):
-    """The model on `mesh` and its Adam."""
+    """The model (`mesh=None`: plain torch, one process) and its Adam."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -153,15 +157,15 @@ def _torch_build(cfg, mesh):
 
     with torch.device("meta"):
         model = _torch_model(cfg)
-    if cfg["kind"] == "fsdp":
+    if mesh is not None and cfg["kind"] == "fsdp":
         for module in model:
             if isinstance(module, torch.nn.Linear):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    elif cfg["kind"] == "transformer":
+    elif mesh is not None and cfg["kind"] == "transformer":
         plan = bench_step._tp_plan("transformer", model)
         model = parallelize_module(model, mesh, plan)
-    else:
+    elif mesh is not None:
         table = Col(output_layouts=Replicate())
         if cfg.get("vocab_tp"):
             table = Row(input_layouts=Replicate())
@@ -188,7 +192,9 @@ def _run_native(cfg, args, workdir):
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = None
+    if not args.single:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     probe = _Probe()
     probe.start()
     model, optimizer = _torch_build(cfg, mesh)
@@ -196,7 +202,7 @@ def _run_native(cfg, args, workdir):
     x, y = (torch.from_numpy(a) for a in _data(cfg, args.batch, args.steps))
     probe.start()
     share, start = args.batch, 0  # TP: every rank runs the whole batch
-    if cfg["kind"] == "fsdp":  # FSDP2: its rows
+    if cfg["kind"] == "fsdp" and mesh is not None:  # FSDP2: its rows
         share = args.batch // dist.get_world_size()
         start = dist.get_rank() * share
     for i in range(args.steps):
@@ -279,10 +285,18 @@ def _distribute(keras, cfg):
 
 
 def _run_kd(cfg, args, workdir):
-    import keras_dtensor  # noqa: F401, I001
-    import keras
+    if args.single:  # the reference: plain Keras, one process
+        import torch.distributed as dist
 
-    probe = _distribute(keras, cfg)
+        dist.init_process_group("gloo")  # for the probe's barriers only
+        import keras
+
+        probe = _Probe()
+    else:
+        import keras_dtensor  # noqa: F401, I001
+        import keras
+
+        probe = _distribute(keras, cfg)
 
     def build():
         keras.utils.set_random_seed(0)
@@ -351,6 +365,10 @@ def main(argv=None):
         "one); fixed, every allocation above it goes back to the OS when "
         "freed, so RSS follows live tensors",
     )
+    parser.add_argument(
+        "--reference", action="store_true", help="plain torch and Keras too"
+    )
+    parser.add_argument("--single", action="store_true", help="(worker)")
     parser.add_argument("--side", choices=SIDES, help="(worker)")
     parser.add_argument("--model", choices=sorted(MODELS), help="(worker)")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -362,19 +380,22 @@ def main(argv=None):
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     flags = [f"--batch={args.batch}", f"--steps={args.steps}"]
     flags += ["--no-checkpoint"] * args.no_checkpoint
-    summary = {"results": {}, "nproc": args.nproc}
+    summary = {"results": {}, "reference": {}, "nproc": args.nproc}
     summary.update(batch=args.batch, steps=args.steps, env=env)
     for model in args.models.split(","):
-        for side in args.sides.split(","):
+        for side, single in itertools.product(
+            args.sides.split(","), (False, True)[: 1 + args.reference]
+        ):
+            key, nproc = ("reference", 1) if single else ("results", args.nproc)
             flag = [f"--side={side}", f"--model={model}", *flags]
             with tempfile.TemporaryDirectory() as workdir:
-                flag.append(f"--workdir={workdir}")
-                ranks = harness.launch(__file__, args.nproc, flag, env)
-            summary["results"].setdefault(model, {})[side] = ranks
+                flag += [f"--workdir={workdir}"] + ["--single"] * single
+                ranks = harness.launch(__file__, nproc, flag, env)
+            summary[key].setdefault(model, {})[side] = ranks
             for figure in ranks[0]:  # the worst rank of each figure
                 values = [r[figure] for r in ranks]
                 if None not in values and figure != "rank":
-                    print(f"{model} {side} {figure}: {max(values):.2f}")
+                    print(f"{model} {key} {side} {figure}: {max(values):.2f}")
     harness.write_json(args.json, summary)
     return 0
 
