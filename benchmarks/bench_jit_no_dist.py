@@ -63,7 +63,8 @@ def main(argv=None):
         return [ranks[0]["wall"] for ranks in runs]
 
     def show(index, variant, took):
-        return f"round {index} {variant}: cold, warm {took} s"
+        cold, warm = took
+        return f"round {index} {variant}: cold {cold:.1f} s, warm {warm:.1f} s"
 
     seconds = harness.rounds(args.rounds, VARIANTS, run, show)
     rows = []
