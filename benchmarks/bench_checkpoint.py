@@ -2,17 +2,14 @@
 
     python benchmarks/bench_checkpoint.py --nproc 4 --rounds 3
 
-`--nproc` fresh processes (`bench_harness`): an `Embedding(--vocab, 128)` laid
-out `(None, "model")`, a mean over 4 tokens, `Dense(256)` kernel
-`(None, "model")`, Adam, one step (so the slots exist). Then, alternating
-in each round: `kd` (`keras_dtensor.save_checkpoint` / `load_checkpoint`:
-DCP files plus the hashed manifest, renamed into place) and `dcp`
-(`torch.distributed.checkpoint.save` / `load` of the very same tensors).
-Per phase: wall seconds between barriers and the peak memory each rank
-added (VmHWM reset before, minus VmRSS), the largest over ranks; medians
-over rounds. Targets (issue 13): time ≤ 1.2 x DCP's, memory added ≤ its.
-`--device cuda`: the state on each rank's GPU, NCCL; memory stays host
-memory (what staging the GPU tensors costs).
+`--nproc` fresh processes: an `Embedding(--vocab, 128)` and a `Dense(256)`
+kernel laid out `(None, "model")`, Adam, one step (so the slots exist).
+Then, alternating in each round, `kd` (`keras_dtensor.save_checkpoint` /
+`load_checkpoint`) and `dcp` (`torch.distributed.checkpoint.save` / `load`
+of the very same tensors): wall seconds between barriers and the peak
+memory each rank added, the largest over ranks; medians over rounds.
+Targets (issue 13): time <= 1.2 x DCP's, memory added <= its. `--device
+cuda`: the state on each rank's GPU, NCCL; memory stays host memory.
 """
 
 import argparse
@@ -53,13 +50,9 @@ def worker(args):
     harness.start_worker()
     if harness.cuda():
         keras.distribution.initialize()  # NCCL for the GPU tensors
-    world = keras.distribution.get_device_count()
-    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*embed/embeddings"] = (None, "model")
-    layout_map[".*dense/kernel"] = (None, "model")
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
+    layouts = {".*embed/embeddings": (None, "model")}
+    harness.model_parallel(
+        keras, {**layouts, ".*dense/kernel": (None, "model")}
     )
     tokens = keras.Input((4,), dtype="int32")
     h = keras.layers.Embedding(args.vocab, 128, name="embed")(tokens)
@@ -71,13 +64,10 @@ def worker(args):
     y = np.zeros((32, 256), "float32")
     model.train_on_batch(x, y)
     state = api._state_dict(model)
-    rank = dist.get_rank()
-    root = args.root
     rows = []
     for r in range(args.rounds):
-        order = ("kd", "dcp") if r % 2 == 0 else ("dcp", "kd")
-        for variant in order:
-            path = os.path.join(root, f"{variant}-{r}")
+        for variant in ("kd", "dcp") if r % 2 == 0 else ("dcp", "kd"):
+            path = os.path.join(args.root, f"{variant}-{r}")
             if variant == "kd":
                 save = lambda p=path: keras_dtensor.save_checkpoint(model, p)  # noqa: E731
                 load = lambda p=path: keras_dtensor.load_checkpoint(model, p)  # noqa: E731
@@ -90,35 +80,26 @@ def worker(args):
                     with torch.no_grad():
                         dcp.load(state, storage_reader=dcp.FileSystemReader(p))
 
-            save_s, save_b = _phase(save)
-            load_s, load_b = _phase(load)
-            gathered = [None] * world
+            (save_s, save_b), (load_s, load_b) = _phase(save), _phase(load)
+            gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (save_b, load_b))
-            rows.append(
-                {
-                    "variant": variant,
-                    "save_s": save_s,
-                    "load_s": load_s,
-                    "save_added": max(g[0] for g in gathered),
-                    "load_added": max(g[1] for g in gathered),
-                }
-            )
+            row = {"variant": variant, "save_s": save_s, "load_s": load_s}
+            row["save_added"] = max(g[0] for g in gathered)
+            row["load_added"] = max(g[1] for g in gathered)
+            rows.append(row)
             dist.barrier()
-            if rank == 0:
+            if dist.get_rank() == 0:
                 shutil.rmtree(path, ignore_errors=True)
     harness.write_result(args.result_dir, {"rows": rows})
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=1_000_000)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--root", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help="write the results JSON here")
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

@@ -3,22 +3,19 @@
     python benchmarks/bench_generate.py --rounds 3
 
 keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's layout map on a
-(1, N) mesh) against a torch decoder of the same sizes with the same split
-(`parallelize_module`: q/k/v, gate and up by columns, the attention output
-and down by rows, the tied embedding by vocabulary rows as keras_hub's map
-splits it), each with a KV cache; and each in one process
-(`torch_tp_whole_embedding`: the embedding left whole, for information).
-Variants alternate round by round in fresh processes (`bench_harness`).
-
-Per variant: one `generate` call (batch 2, an 8-token prompt, 24 new
-tokens; the best of `--calls` after a warm one, the slowest rank), peak
-RSS and the collectives of one more call; every split model must generate
-its one-process tokens. The `_no_collectives` variants make every
-collective a local no-op once warm: each side's collectives cost the
-difference. Target: kd-MP ÷ torch TP against Keras ÷ torch, per round.
+(1, N) mesh) against a torch decoder of the same sizes and split
+(`parallelize_module`: q/k/v, gate and up by columns, the attention
+output and down by rows, the tied embedding by vocabulary rows as
+keras_hub's map splits it; `torch_tp_whole_embedding`: left whole), each
+with a KV cache, and each in one process; variants alternate round by
+round in fresh processes. Per variant: one `generate` call (batch 2, an
+8-token prompt, 24 new tokens; the best of `--calls` after a warm one, the
+slowest rank), peak RSS and the collectives of one more call; every split
+model must generate its one-process tokens. `_no_collectives` variants
+make every collective a local no-op once warm. Target: kd-MP ÷ torch TP
+against Keras ÷ torch, per round.
 """
 
-import argparse
 import sys
 import time
 
@@ -229,15 +226,12 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__)
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--nproc", type=int, default=2, help="split ones")
-    parser.add_argument("--out", help="per-round times, JSON")
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

@@ -2,15 +2,13 @@
 memory figures and JSON.
 
 A benchmark script is its own worker: `launch` runs `script worker ARGS
---result-dir DIR` in fresh processes (under `torch.distributed.run`, or
-one plain process), one thread each, the torch backend, no GPU unless
-`device="cuda"`; each rank hands back a dict with `write_result`, and
-`launch` returns them in rank order. `rounds` runs the variants round
-by round, every other round in reverse, so neither side of a ratio
-always runs first: the shared machine's speed drifts between rounds by
-more than the margins, so ratios are taken within a round (`per_round`).
+--result-dir DIR` in fresh processes, one thread each; each rank hands
+back a dict (`write_result`). `rounds` reverses every other round and
+`per_round` takes ratios within a round: the shared machine drifts
+between rounds by more than the margins.
 """
 
+import argparse
 import datetime
 import json
 import os
@@ -57,10 +55,35 @@ def launch(script, nproc, arguments, env=None, device="cpu"):
     return sorted(results, key=lambda r: r["rank"])
 
 
+def parser(doc, out=True):
+    """A benchmark's parser: `mode` ("worker" in launched processes), the
+    hidden `--result-dir` and, with `out`, `--out`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("mode", nargs="?", default="bench")
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    if out:
+        parser.add_argument("--out", help="write the results JSON here")
+    return parser
+
+
+def model_parallel(keras, layouts, shape=None):
+    """Sets ModelParallel with `layouts` ({path: axes}) on a mesh of
+    `shape` ((1, devices) by default), axes "batch" then "model"."""
+    shape = shape or (1, keras.distribution.get_device_count())
+    axes = ["batch", "model"][: len(shape)]
+    layout_map = keras.distribution.LayoutMap(
+        keras.distribution.DeviceMesh(shape, axes)
+    )
+    for key, value in layouts.items():
+        layout_map[key] = value
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+    keras.distribution.set_distribution(distribution)
+    return distribution
+
+
 def start_worker():
-    """A worker's setup: one thread; no TensorFlow (Keras's
-    `set_random_seed` imports it whenever it is installed, seconds and
-    hundreds of MB a process); this rank's GPU under `device="cuda"`."""
+    """One thread; no TensorFlow (Keras's `set_random_seed` imports it when
+    installed: seconds and memory a process); this rank's GPU on CUDA."""
     sys.modules.setdefault("tensorflow", None)
     import torch
 
@@ -127,22 +150,24 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def head_commit():
-    """The short commit of the checkout being measured."""
-    command = ["git", "rev-parse", "--short", "HEAD"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
-    return done.stdout.strip()
-
-
 def record(command, **fields):
-    """A results entry: today's date, the commit, the command."""
+    """A results entry: today's date, the commit measured, the command."""
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    done = subprocess.run(git, capture_output=True, text=True, cwd=HERE)
     today = datetime.date.today().isoformat()
-    return {
-        "date": today,
-        "commit": head_commit(),
-        "command": command,
-        **fields,
-    }
+    entry = {"date": today, "commit": done.stdout.strip(), "command": command}
+    return {**entry, **fields}
+
+
+def dir_bytes(path):
+    """The bytes of a file, or of every file under a folder."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
 
 
 def write_json(path, data):

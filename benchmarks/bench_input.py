@@ -4,20 +4,17 @@
     python benchmarks/bench_input.py --rounds 3 \\
         --out benchmarks/results-input.json
 
-Each sample costs `--sample-ms` of CPU to load, so the epoch is bound by
-the loader, as on a GPU: one shuffled epoch of 512 samples at a global
-batch of 32, a small MLP, each variant in fresh processes, alternating
-(`bench_harness`): `ddp_sampler` (torch DDP, `DistributedSampler`),
+Each sample costs `--sample-ms` of CPU to load, so the loader bounds the
+epoch, as on a GPU: one shuffled epoch of 512 samples at a global batch of
+32, a small MLP, variants alternating in fresh processes: `ddp_sampler`,
 `kd_sharded` (Keras `fit` under DataParallel on a `DataLoader`: each rank
-loads its shard), `kd_whole` (the same with
-`KERAS_DTENSOR_SHARDED_LOADING=0`: every rank loads the global batch) and
-`kd_pydataset` (a `PyDataset` of the same batches). Per variant: the
-epoch's seconds (rank 0) and the samples each rank read, Keras's
-first-batch build included. Target (issue 49): samples per rank = 512 /
-N plus at most one batch; `kd_sharded`'s epoch ≤ 1.1 × `ddp_sampler`'s.
+loads its shard), `kd_whole` (`KERAS_DTENSOR_SHARDED_LOADING=0`: every
+rank loads the global batch) and `kd_pydataset` (a `PyDataset` of the
+same batches). Per variant: the epoch's seconds (rank 0) and the samples
+each rank read. Target (issue 49): samples per rank = 512 / N plus at
+most one batch; `kd_sharded`'s epoch <= 1.1 x `ddp_sampler`'s.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -136,14 +133,11 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__)
     parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sample-ms", type=float, default=1.0)
     parser.add_argument("--nprocs", default="2,4")
-    parser.add_argument("--out", help="write the results JSON here")
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

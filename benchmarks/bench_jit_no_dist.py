@@ -1,35 +1,22 @@
 """`jit_compile=True` with nothing distributed: plain Keras against the same
 program with `import keras_dtensor` first, compile time included.
 
-    python benchmarks/bench_jit_no_dist.py --rounds 2 [--save]
+    python benchmarks/bench_jit_no_dist.py --rounds 2 [--out OUT]
 
-Each run is a fresh process (`bench_harness`): a 3 x Dense(64) MLP,
-`compile(jit_compile=True)`, `fit` 2 epochs on 256 rows with
-`validation_split=0.25`, `evaluate` and `predict`, timed from `compile` to
-the end (tracing and Inductor's code generation included). Each variant
-has its own Inductor cache per round: its first run is cold, its second
-warm. Variants alternate; ratios are taken within each round. `--save`
-writes the record into `results-history.json` (area `zero_cost`, id
-`jit-no-dist`). Target (issue 51): within 5% of plain Keras.
+Each run is a fresh process: a 3 x Dense(64) MLP, `compile(jit_compile=True)`,
+`fit` 2 epochs on 256 rows with `validation_split=0.25`, `evaluate` and
+`predict`, timed from `compile` to the end (tracing and Inductor's code
+generation included). Each variant has its own Inductor cache per round:
+its first run is cold, its second warm. Variants alternate; ratios are
+taken within each round. Target (issue 51): within 5% of plain Keras.
 """
 
-import argparse
-import json
-import os
 import statistics
 import tempfile
 
 import bench_harness as harness
 
 VARIANTS = ("plain", "kd")
-RECORD_ID = "jit-no-dist"
-WHAT = (
-    "compile time with jit_compile=True, nothing distributed: fit 2 epochs "
-    "(256 rows, validation_split 0.25), evaluate and predict of a 3 x "
-    "Dense(64) MLP, fresh processes, an Inductor cache per variant and "
-    "round (cold: empty, warm: filled by the cold run); median seconds and "
-    "per-round kd / plain ratios (min-max)"
-)
 
 
 def worker(variant, result_dir):
@@ -61,53 +48,36 @@ def worker(variant, result_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__)
     parser.add_argument("--variant", choices=VARIANTS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--save", action="store_true")
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args.variant, args.result_dir)
-    seconds = {(v, c): [] for v in VARIANTS for c in ("cold", "warm")}
-    for round_ in range(args.rounds):
-        order = VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]
-        for variant in order:
-            with tempfile.TemporaryDirectory() as cache:
-                for cache_state in ("cold", "warm"):
-                    env = {"TORCHINDUCTOR_CACHE_DIR": cache}
-                    flags = [f"--variant={variant}"]
-                    took = harness.launch(__file__, 0, flags, env)[0]["wall"]
-                    seconds[variant, cache_state].append(took)
-                    print(
-                        f"round {round_} {variant} {cache_state}: {took:.1f} s"
-                    )
+
+    def run(variant):  # a cold run, then a warm one on its cache
+        with tempfile.TemporaryDirectory() as cache:
+            env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+            flags = [f"--variant={variant}"]
+            runs = [harness.launch(__file__, 0, flags, env) for _ in range(2)]
+        return [ranks[0]["wall"] for ranks in runs]
+
+    def show(index, variant, took):
+        cold, warm = took
+        return f"round {index} {variant}: cold {cold:.1f} s, warm {warm:.1f} s"
+
+    seconds = harness.rounds(args.rounds, VARIANTS, run, show)
     rows = []
-    for cache in ("cold", "warm"):
-        plain, kd = seconds["plain", cache], seconds["kd", cache]
+    for i, cache in enumerate(("cold", "warm")):
+        plain, kd = ([took[i] for took in seconds[v]] for v in VARIANTS)
         ratios, ratio = harness.per_round(kd, plain)
         row = {"cache": cache, "plain_s": statistics.median(plain)}
         row["kd_s"] = statistics.median(kd)
         rows.append(dict(row, ratio=[ratio, min(ratios), max(ratios)]))
         print(rows[-1])
-    if args.save:
-        _save(rows, args.rounds)
-
-
-def _save(rows, rounds):
-    """Puts the record in `results-history.json`'s `zero_cost` area, in
-    place of an earlier one."""
-    path = os.path.join(harness.HERE, "results-history.json")
-    with open(path) as f:
-        history = json.load(f)
-    command = f"python benchmarks/bench_jit_no_dist.py --rounds {rounds}"
-    record = {"id": RECORD_ID, "source": "benchmarks/bench_jit_no_dist.py"}
-    record.update(harness.record(command), machine="cpu2", rounds=rounds)
-    record.update(what=WHAT, rows=rows)
-    area = [r for r in history["zero_cost"] if r["id"] != RECORD_ID]
-    history["zero_cost"] = [*area, record]
-    harness.write_json(path, history)
+    command = f"python benchmarks/bench_jit_no_dist.py --rounds {args.rounds}"
+    record = harness.record(command, rounds=args.rounds, rows=rows)
+    harness.write_json(args.out, record)
 
 
 if __name__ == "__main__":

@@ -3,23 +3,22 @@
     python benchmarks/bench_layouts.py --nproc 2 \\
         --out benchmarks/results-layouts.json
 
-First `auto_layout`'s own count for every family it is tested on
-(`plans`, one process, nothing allocated). Then Gemma, Llama and
-Qwen3-MoE (keras_hub ships a `get_layout_map` for each) train under
+First `auto_layout`'s own count for every family it is tested on (one
+process, nothing allocated). Then Gemma, Llama and Qwen3-MoE train under
 ModelParallel on a (1, N) mesh with keras_hub's map and with
-`keras_dtensor.auto_layout_map`, each in fresh processes (`bench_harness`):
-collectives of one training step and of one generated token (counted at
-dispatch), parameter and optimizer bytes per rank, and the median step
-time (information only on a CPU). Goal: the derived map needs no more
-collectives and no more bytes than the shipped one.
+`keras_dtensor.auto_layout_map`, each in fresh processes: collectives of
+one training step and of one generated token, parameter and optimizer
+bytes per rank, and the median step time (information only on a CPU).
+Goal: the derived map needs no more collectives and bytes than keras_hub's.
 """
 
-import argparse
 import statistics
 import sys
 import time
 
 import bench_harness as harness
+from bench_step import local_bytes
+from collectives_off import count_collectives
 
 MOE = dict(moe_intermediate_dim=64, num_experts=4, top_k=2)
 # name: (keras_hub class prefix, config beyond COMMON) of every family
@@ -84,24 +83,6 @@ def _build(prefix, config):
     return task(backbone=backbone, preprocessor=None)
 
 
-def _counter():
-    """A dispatch mode counting collectives by kind (torch's CommDebugMode
-    also tracks modules, which Keras's nested layer calls trip up)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        counts = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "c10d" in getattr(func, "namespace", ""):
-                name = func.overloadpacket.__name__.strip("_")
-                if name not in ("wait_tensor", "wait", "wrap_tensor_autograd"):
-                    self.counts[name] = self.counts.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    return Count()
-
-
 def worker(args):
     import keras
     import numpy as np
@@ -134,9 +115,7 @@ def worker(args):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         lm.train_on_batch(x, y)
-        with _counter() as comm:
-            lm.train_on_batch(x, y)
-        step = comm.counts
+        step = count_collectives(lambda: lm.train_on_batch(x, y))
         times = []
         for _ in range(STEPS):
             dist.barrier()
@@ -147,38 +126,30 @@ def worker(args):
         mask[:, : SEQ - NEW_TOKENS] = True
         prompt = {"token_ids": x["token_ids"], "padding_mask": mask}
         lm.generate(prompt, stop_token_ids=None)  # compiles the sampler
-        with _counter() as comm:
-            tokens = lm.generate(prompt, stop_token_ids=None)["token_ids"]
-        generate = comm.counts
-
-    def local_bytes(variables):
-        total = 0
-        for v in variables:
-            value = v.value
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
-        return total
+        out = {}
+        generate = count_collectives(
+            lambda: out.update(lm.generate(prompt, stop_token_ids=None))
+        )
 
     result = {
         "step": step,
         "generate_per_token": {k: n / NEW_TOKENS for k, n in generate.items()},
-        "param_bytes": local_bytes(lm.weights),
-        "optimizer_bytes": local_bytes(lm.optimizer.variables),
+        "param_bytes": local_bytes([v.value for v in lm.weights]),
+        "optimizer_bytes": local_bytes(
+            [v.value for v in lm.optimizer.variables]
+        ),
         "step_ms": statistics.median(times),
-        "tokens": np.asarray(tokens).tolist(),
+        "tokens": np.asarray(out["token_ids"]).tolist(),
     }
     harness.write_result(args.result_dir, result)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__)
     parser.add_argument("--family", choices=sorted(FAMILIES))
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--map", choices=["shipped", "auto"])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--out", help="write the results JSON here")
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

@@ -4,35 +4,29 @@
     python benchmarks/bench_memory.py --models a --json out.json
     python benchmarks/bench_memory.py --models c --reference  # + one process
 
-Each side of each model runs in its own fresh processes
-(`bench_harness.launch`), so neither side's allocations or malloc arenas reach
-the other's figures. Models (fp32, Adam, MSE on random targets):
-
-- a: Embedding(1_000_000, 128) laid out (None, "model"), a mean over 4
-  tokens, Dense(256) kernel (None, "model"); torch: `ColwiseParallel`.
-- b: the same with the vocabulary-parallel table ("model", None); torch:
-  `RowwiseParallel` on the embedding.
-- c: bench_step.py's transformer blocks and TP split, wider.
-- d: FSDP-style: 8 x Dense(2048), kernels ("batch", None), the batch
-  sharded too; torch: FSDP2, `fully_shard` on each layer and the root.
-
-torch builds on meta, lays out, materializes the shards only, trains with
-foreach Adam and checkpoints with DCP; keras-dtensor fits under
-ModelParallel and saves/loads `.weights.h5` (with the optimizer's slots).
-`--reference` also runs each side as one plain process (no distribution):
-Keras's own memory over torch's, the reference for kd over TP.
+Each side of each model runs in its own fresh processes, so neither side's
+allocations or malloc arenas reach the other's figures. Models (fp32, Adam,
+MSE): a: Embedding(1_000_000, 128) laid out (None, "model"), a mean over 4
+tokens, Dense(256) kernel (None, "model"), torch `ColwiseParallel`; b: the
+table ("model", None), torch `RowwiseParallel`; c: bench_step.py's
+transformer blocks and TP split, wider; d: FSDP-style, 8 x Dense(2048)
+kernels ("batch", None) and the batch sharded, torch FSDP2 per layer.
+torch builds on meta and checkpoints with DCP; keras-dtensor fits under
+ModelParallel and saves/loads `.weights.h5` with the optimizer's slots.
+`--reference` also runs each side as one plain process: Keras's own memory
+over torch's, the reference for kd over TP.
 
 Per rank, MiB above a baseline taken after imports and the group's start:
-build RSS; fit peak (VmHWM, reset before the phase); steady RSS after fit,
-and after `malloc_trim(0)` with glibc's free bytes before it; "state" (the
-local shards, held gradients and Adam's slots); keras-dtensor's `plan`
-prediction; save and load seconds and peaks, MiB written and the
-optimizer step found after the load.
+build RSS; fit peak (VmHWM reset before); steady RSS after fit, and after
+`malloc_trim(0)` with glibc's free bytes before it; the held state (local
+shards, gradients, Adam's slots); keras-dtensor's `plan` prediction; save
+and load seconds and peaks, MiB written and the step found after a load.
 """
 
 import argparse
 import ctypes
 import gc
+import itertools
 import os
 import sys
 import tempfile
@@ -53,29 +47,23 @@ MODELS["c"]["blocks"] = 2
 SIDES = ("native", "kd")
 
 
-class _Libc:
-    """glibc's `mallinfo2` (free bytes in the arenas) and `malloc_trim`."""
+class _Mallinfo(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks "
+        "uordblks fordblks keepcost".split()
+    ]
 
-    class _Info(ctypes.Structure):
-        _fields_ = [
-            (name, ctypes.c_size_t)
-            for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks "
-            "uordblks fordblks keepcost".split()
-        ]
 
-    def __init__(self):
-        try:
-            self._libc = ctypes.CDLL("libc.so.6")
-            self._libc.mallinfo2.restype = self._Info
-        except (OSError, AttributeError):
-            self._libc = None
-
-    def free_bytes(self):
-        return None if self._libc is None else self._libc.mallinfo2().fordblks
-
-    def trim(self):
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
+def _libc():
+    """glibc, for `mallinfo2` (free bytes in the arenas) and `malloc_trim`;
+    None elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 class _Probe:
@@ -84,7 +72,7 @@ class _Probe:
     def __init__(self):
         import torch.distributed as dist
 
-        self.dist, self.libc = dist, _Libc()
+        self.dist, self.libc = dist, _libc()
         gc.collect()
         dist.barrier()
         self.base = harness.status()["VmRSS"]
@@ -105,27 +93,21 @@ class _Probe:
     def end_fit(self):
         self.figures.update(fit_peak=self.peak(), steady=self.rss())
         gc.collect()
-        free = self.libc.free_bytes()
-        self.figures["malloc_free"] = None if free is None else free / _MIB
-        self.libc.trim()
+        free = self.libc and self.libc.mallinfo2().fordblks / _MIB
+        self.figures["malloc_free"] = free
+        self.trim()
         self.figures["steady_trimmed"] = self.rss()
+
+    def trim(self):
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
 
     def timed(self, key, start, path):
         elapsed = time.perf_counter() - start
         self.dist.barrier()
         self.figures.update({f"{key}_s": elapsed, f"{key}_peak": self.peak()})
         if key == "save":
-            self.figures["written"] = _dir_bytes(path) / _MIB
-
-
-def _dir_bytes(path):
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(
-        os.path.getsize(os.path.join(root, name))
-        for root, _, names in os.walk(path)
-        for name in names
-    )
+            self.figures["written"] = harness.dir_bytes(path) / _MIB
 
 
 def _data(cfg, batch, steps):
@@ -135,9 +117,10 @@ def _data(cfg, batch, steps):
     if cfg["kind"] == "embed":
         x = rng.integers(0, cfg["vocab"], size=(n, cfg["seq"]), dtype="int64")
         return x, rng.standard_normal((n, cfg["units"]), dtype="float32")
-    shape = (n, cfg["width"])
     if cfg["kind"] == "transformer":
         shape = (n, cfg["seq"], cfg["d_model"])
+    else:
+        shape = (n, cfg["width"])
     x = rng.standard_normal(shape, dtype="float32")
     return x, rng.standard_normal(shape, dtype="float32")
 
@@ -244,7 +227,7 @@ def _run_native(cfg, args, workdir):
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     probe.timed("save", start, path)
     del model, optimizer, params, slots, held, model_state, optim_state
-    probe.libc.trim()
+    probe.trim()
     probe.start()
     probe.figures["load_start"] = probe.rss()
     model, optimizer = _torch_build(cfg, mesh)
@@ -283,22 +266,17 @@ def _distribute(keras, cfg):
     import keras_dtensor
 
     keras.distribution.initialize()
-    world = keras.distribution.get_device_count()
+    shape = None
     if cfg["kind"] == "fsdp":  # weights and batch over the same axis
-        mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+        shape = (keras.distribution.get_device_count(),)
         layouts = {"dense_.*/kernel": ("batch", None)}
-    else:
-        mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
+    elif cfg["kind"] == "transformer":
         layouts = bench_step._keras_layouts("transformer", "kd_mp")
-    if cfg["kind"] == "embed":
+    else:
         table = ("model", None) if cfg.get("vocab_tp") else (None, "model")
         layouts = {"embedding/embeddings": table}
         layouts["dense/kernel"] = (None, "model")
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in layouts.items():
-        layout_map[key] = axes
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
-    keras.distribution.set_distribution(distribution)
+    distribution = harness.model_parallel(keras, layouts, shape)
     predicted = keras_dtensor.plan(
         lambda: _keras_model(keras, cfg), distribution, optimizer="adam"
     )
@@ -346,7 +324,7 @@ def _run_kd(cfg, args, workdir):
     model.save_weights(path)
     probe.timed("save", start, path)
     del model  # not clear_session(): it would drop the distribution
-    probe.libc.trim()
+    probe.trim()
     probe.start()
     probe.figures["load_start"] = probe.rss()
     model = build()
@@ -372,8 +350,7 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__, out=False)
     parser.add_argument("--models", default="a,b,c")
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--nproc", type=int, default=4)
@@ -396,7 +373,6 @@ def main(argv=None):
     parser.add_argument("--side", choices=SIDES, help="(worker)")
     parser.add_argument("--model", choices=sorted(MODELS), help="(worker)")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
@@ -408,24 +384,19 @@ def main(argv=None):
     summary = {"results": {}, "reference": {}, "nproc": args.nproc}
     summary.update(batch=args.batch, steps=args.steps, env=env)
     for model in args.models.split(","):
-        for side in args.sides.split(","):
-            for single in (False, True)[: 1 + args.reference]:
-                key = "reference" if single else "results"
-                flag = [f"--side={side}", f"--model={model}", *flags]
-                flag += ["--single"] * single
-                nproc = 1 if single else args.nproc
-                with tempfile.TemporaryDirectory() as workdir:
-                    flag.append(f"--workdir={workdir}")
-                    ranks = harness.launch(__file__, nproc, flag, env)
-                summary[key].setdefault(model, {})[side] = ranks
-                for figure in ranks[0]:  # the worst rank of each figure
-                    values = [r[figure] for r in ranks]
-                    if None not in values and figure != "rank":
-                        print(
-                            f"{model} {side}{' single' * single} {figure}:"
-                            f" {max(values):.2f}",
-                            flush=True,
-                        )
+        for side, single in itertools.product(
+            args.sides.split(","), (False, True)[: 1 + args.reference]
+        ):
+            key, nproc = ("reference", 1) if single else ("results", args.nproc)
+            flag = [f"--side={side}", f"--model={model}", *flags]
+            with tempfile.TemporaryDirectory() as workdir:
+                flag += [f"--workdir={workdir}"] + ["--single"] * single
+                ranks = harness.launch(__file__, nproc, flag, env)
+            summary[key].setdefault(model, {})[side] = ranks
+            for figure in ranks[0]:  # the worst rank of each figure
+                values = [r[figure] for r in ranks]
+                if None not in values and figure != "rank":
+                    print(f"{model} {key} {side} {figure}: {max(values):.2f}")
     harness.write_json(args.json, summary)
     return 0
 

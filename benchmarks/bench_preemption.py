@@ -4,14 +4,13 @@
         --out benchmarks/results-preemption.json
 
 Each case trains under ModelParallel with `ShardedCheckpoint` in `fit`
-(torchrun, gloo, one thread a process); after 10 steps the whole job gets
-SIGTERM, as a cluster sends it. Measured from the signal: seconds until
-the launcher exits (every rank saved its step and exited 75), until the
-last rank had saved (the rest is teardown), the save's own seconds and the
-checkpoint's bytes; then the job restarts and the step it resumes at
-gives the steps lost (must be 0). Cases: the step benchmark's transformer
-and MLP (2 processes) and an MLP of 1 GiB of weights (4 x Dense(8192)) on
-4 processes.
+(torchrun, gloo); after 10 steps the whole job gets SIGTERM, as a cluster
+sends it. From the signal: seconds until the launcher exits (every rank
+saved its step and exited 75), until the last rank had saved, the save's
+own seconds and the checkpoint's bytes; the job then restarts, and the
+step it resumes at gives the steps lost (must be 0). Cases: the step
+benchmark's transformer and MLP (2 processes) and an MLP of 1 GiB of
+weights (4 x Dense(8192)) on 4 processes.
 """
 
 import argparse
@@ -56,16 +55,10 @@ def worker(args):
     import keras_dtensor
     from keras_dtensor.backend import launch
 
-    world = len(keras.distribution.list_devices())  # starts the group
+    keras.distribution.list_devices()  # starts the group
     _, rank = launch.world()
-    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
     name = "mlp" if args.case == "mlp_1g" else args.case
-    for key, value in bench_step._keras_layouts(name, "kd_tp").items():
-        layout_map[key] = value
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
-    )
+    harness.model_parallel(keras, bench_step._keras_layouts(name, "kd_tp"))
     keras.utils.set_random_seed(0)
     model, batch, shape = _model(keras, args.case)
     model.compile(optimizer="adam", loss="mse")
@@ -129,13 +122,6 @@ def _job(case, root, signal_after_steps=None):
     return time.monotonic() - sent, sent_wall, err
 
 
-def _bytes(root):
-    total = 0
-    for folder, _, names in os.walk(root):
-        total += sum(os.path.getsize(os.path.join(folder, n)) for n in names)
-    return total
-
-
 def measure(case):
     nproc = CASES[case]["nproc"]
     with tempfile.TemporaryDirectory() as root:
@@ -149,7 +135,7 @@ def measure(case):
         codes = {code for code, _ in exits}
         saved_s = max(float(t) for _, t in exits) - sent if exits else None
         before = _steps(root)
-        checkpoint = _bytes(os.path.join(root, "ckpt"))
+        checkpoint = harness.dir_bytes(os.path.join(root, "ckpt"))
         # Started again: where does it resume?
         _job(case, root, signal_after_steps=len(before) + 1)
         after = _steps(root)[len(before)]

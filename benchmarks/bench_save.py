@@ -2,20 +2,16 @@
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \\
         --nproc_per_node=4 benchmarks/bench_save.py [DIR] [--json OUT] \\
-        [--cases new,old,dcp]
+        [--cases new,dcp]
 
-An Embedding(1M, 128) laid out `(None, "model")` and a Dense(256) kernel
-`(None, "model")` on a (1, processes) mesh, Adam, one `fit` step. Cases:
-`save_weights` and `model.save` as shipped ("new": streamed to rank 0 in
-pieces, the zip written in place), the same with those patch entries off
-("old": every rank gathers every variable; once, it is much slower), and
-`torch.distributed.checkpoint.save` of the same variables ("dcp", the
-reference; default `sync_files=True`). Each is timed on rank 0 from a
+An Embedding(1M, 128) and a Dense(256) kernel laid out `(None, "model")`
+on a (1, processes) mesh, Adam, one `fit` step. Cases: `save_weights` and
+`model.save` as shipped ("new") and `torch.distributed.checkpoint.save` of
+the same variables ("dcp", the reference). Each is timed on rank 0 from a
 barrier to its return, `--repeat` times in alternating order (best time,
-and each round's ratio to that round's DCP with their median); memory is
-each rank's VmHWM during it over its RSS before, as a fraction of the
-model's weights. Files go to DIR and are deleted after each measurement;
-dirty pages are flushed before each, outside the timing.
+and the median of each round's ratio to that round's DCP); memory is each
+rank's VmHWM during it over its RSS before. Files go to DIR, deleted
+after each measurement; dirty pages are flushed before each, untimed.
 """
 
 import argparse
@@ -41,53 +37,18 @@ VOCAB, WIDTH, UNITS, SEQ = 1_000_000, 128, 256, 8
 def _build():
     import keras
 
-    world = keras.distribution.get_device_count()
-    mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*table/embeddings"] = (None, "model")
-    layout_map[".*head/kernel"] = (None, "model")
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
-    keras.distribution.set_distribution(distribution)
+    layouts = {".*table/embeddings": (None, "model")}
+    harness.model_parallel(keras, {**layouts, ".*head/kernel": (None, "model")})
     tokens = keras.Input((SEQ,), dtype="int32")
     h = keras.layers.Embedding(VOCAB, WIDTH, name="table")(tokens)
     h = keras.layers.GlobalAveragePooling1D()(h)
-    outputs = keras.layers.Dense(UNITS, name="head")(h)
-    model = keras.Model(tokens, outputs)
+    model = keras.Model(tokens, keras.layers.Dense(UNITS, name="head")(h))
     model.compile(optimizer="adam", loss="mse")
     rng = np.random.default_rng(0)
     x = rng.integers(0, VOCAB, (16, SEQ)).astype("int32")
     y = rng.standard_normal((16, UNITS)).astype("float32")
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     return model
-
-
-class _Gathering:
-    """The save before streaming: its three entries of the table off."""
-
-    _ROWS = (
-        ("keras.src.saving.saving_lib", "H5IOStore", "__setitem__"),
-        ("keras.src.saving.saving_lib", None, "_save_model_to_fileobj"),
-        ("keras.src.optimizers.base_optimizer", "BaseOptimizer", None),
-    )
-
-    def _owners(self):
-        import importlib
-
-        for module, cls, name in self._ROWS:
-            owner = importlib.import_module(module)
-            owner = getattr(owner, cls) if cls else owner
-            yield owner, name or "save_own_variables"
-
-    def __enter__(self):
-        self._saved = []
-        for owner, name in self._owners():
-            current = getattr(owner, name)
-            self._saved.append((owner, name, current))
-            setattr(owner, name, current.__wrapped__)
-
-    def __exit__(self, *exc):
-        for owner, name, current in self._saved:
-            setattr(owner, name, current)
 
 
 def _measure(run, directory):
@@ -114,68 +75,44 @@ def _measure(run, directory):
     return seconds, peak
 
 
-def _dcp_state(model):
-    state = {v.path: v.value for v in model.weights}
-    for v in model.optimizer.variables:
-        state["optimizer/" + v.path] = v.value
-    return state
-
-
 def main():
     sys.modules.setdefault("tensorflow", None)  # torch-only environment
     parser = argparse.ArgumentParser()
     parser.add_argument("directory", nargs="?")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--json")
-    parser.add_argument("--cases", default="new,old,dcp", help="dcp: always")
+    parser.add_argument("--cases", default="new,dcp", help="dcp: always")
     args = parser.parse_args()
     import keras
 
     keras.distribution.initialize()
     rank = dist.get_rank()
     base = args.directory or tempfile.gettempdir()
-    launch_dir = None
-    if rank == 0:
-        launch_dir = tempfile.mkdtemp(prefix="bench_save_", dir=base)
-    directory = launch.broadcast_bytes(
-        launch_dir.encode() if rank == 0 else None
-    ).decode()
+    mine = tempfile.mkdtemp(prefix="bench_save_", dir=base) if rank == 0 else ""
+    directory = launch.broadcast_bytes(mine.encode() if rank == 0 else None)
+    directory = directory.decode()
     model = _build()
-    model_mb = (
-        sum(
-            np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.weights
-        )
-        / 2**20
+    model_mb = sum(
+        np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.weights
     )
+    model_mb /= 2**20
     weights = os.path.join(directory, "m.weights.h5")
     archive = os.path.join(directory, "m.keras")
-    state = _dcp_state(model)
+    state = {v.path: v.value for v in model.weights}
+    for v in model.optimizer.variables:
+        state["optimizer/" + v.path] = v.value
     runs = {
-        "save_weights": lambda: model.save_weights(weights),
-        "save": lambda: model.save(archive),
+        "new save_weights": lambda: model.save_weights(weights),
+        "new save": lambda: model.save(archive),
         "dcp": lambda: dcp.save(state, checkpoint_id=directory + "/dcp"),
     }
-    cases = [
-        ("new", "save_weights"),
-        ("new", "save"),
-        ("old", "save_weights"),
-        ("old", "save"),
-        ("dcp", "dcp"),
-    ]
     chosen = set(args.cases.split(",")) | {"dcp"}
-    cases = [(mode, what) for mode, what in cases if mode in chosen]
+    cases = [key for key in runs if key.split()[0] in chosen]
     results = {}
     for round_ in range(args.repeat):
         # Alternating order: the shared machine's drift hits both sides.
-        for mode, what in cases if round_ % 2 == 0 else cases[::-1]:
-            if mode == "old" and round_ > 0:
-                continue  # much slower: once is enough
-            if mode == "old":
-                with _Gathering():
-                    got = _measure(runs[what], directory)
-            else:
-                got = _measure(runs[what], directory)
-            key = f"{mode} {what}" if mode != "dcp" else "dcp"
+        for key in cases if round_ % 2 == 0 else cases[::-1]:
+            got = _measure(runs[key], directory)
             seconds = launch.all_gather_ints(int(got[0] * 1e6))[0] / 1e6
             peaks = launch.all_gather_ints(int(got[1]))
             best = results.setdefault(
@@ -191,7 +128,6 @@ def main():
         dcp_rounds = results["dcp"]["rounds"]
         print(f"weights {model_mb:.0f} MB, {dist.get_world_size()} ranks")
         for key, r in results.items():
-            # Each round's ratio to that round's DCP; their median.
             ratios = [s / dcp_rounds[i] for i, s in sorted(r["rounds"].items())]
             r.update(
                 round_ratios=ratios, median_ratio=statistics.median(ratios)

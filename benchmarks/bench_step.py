@@ -2,27 +2,24 @@
 
     python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
-Every variant runs interleaved round by round, in fresh processes
-(`bench_harness.launch`): torch single, DDP, TP (`parallelize_module`), FSDP2
-(`fully_shard`); Keras single (`_local`: one process's share of the
-batch; `_pair`: that share in 2 independent processes side by side);
-keras-dtensor DataParallel, ModelParallel (the TP split), FSDP-style
-(weights sharded over "batch"). Models: MLP 4 x Dense(1024), batch 64;
-transformer 2 blocks, d_model 256, seq 128, batch 8 (`transformer_small`:
-d_model 32, seq 16, where each op's host-side cost outweighs its
-arithmetic, as on a GPU). Adam, fp32, MSE on random targets.
+Variants, interleaved round by round in fresh processes: torch single, DDP,
+TP (`parallelize_module`), FSDP2 (`fully_shard`); Keras single (`_local`:
+one process's share of the batch; `_pair`: that share in 2 processes side
+by side); keras-dtensor DataParallel, ModelParallel (the TP split) and
+FSDP-style (weights sharded over "batch"). Models: MLP 4 x Dense(1024),
+batch 64; transformer 2 blocks, d_model 256, seq 128, batch 8
+(`transformer_small`: d_model 32, seq 16, where each op's host-side cost
+outweighs its arithmetic, as on a GPU). Adam, fp32, MSE.
 
 Per variant: ms a step (wall and the main thread's CPU), peak RSS,
-parameter + optimizer bytes per rank, collectives a step (CommDebugMode,
-plus point-to-point batches) and one untimed step counted
-(`step_counts.py`). Targets: each keras-dtensor variant over its torch
-counterpart against Keras single over torch single, per round, as a ratio
-and in extra milliseconds. `*_no_collectives` variants (not in the
-default run) make every collective a local no-op once warm
+parameter + optimizer bytes per rank, collectives a step and one untimed
+step counted (`step_counts.py`). Targets: each keras-dtensor variant over
+its torch counterpart against Keras single over torch single, per round,
+as a ratio and in extra ms. `*_no_collectives` variants (not run by
+default) make every collective a local no-op once warm
 (`collectives_off.py`): the host work alone.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,55 +27,32 @@ import time
 
 import bench_harness as harness
 
-# Ordered so that each target's two variants run back to back; the
-# value 1: one process.
-VARIANTS = {
-    "torch_single": 1,
-    "keras_single": 1,
-    "torch_single_local": 1,
-    "keras_single_local": 1,
-    "torch_single_pair": 2,
-    "keras_single_pair": 2,
-    "torch_ddp": 2,
-    "kd_dp": 2,
-    "torch_tp": 2,
-    "kd_mp": 2,
-    "kd_mp_dtensor": 2,  # every op a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0)
-    "torch_fsdp2": 2,
-    "kd_fsdp": 2,
-    "keras_single_jit": 1,
-    "kd_mp_jit": 2,
-    "torch_ddp_no_collectives": 2,
-    "kd_dp_no_collectives": 2,
-    "torch_tp_no_collectives": 2,
-    "kd_mp_no_collectives": 2,
-    "torch_fsdp2_no_collectives": 2,
-    "kd_fsdp_no_collectives": 2,
-}
 OFF = "_no_collectives"
+# (native, keras-dtensor) names of each distributed pair.
+_PAIRS = ("ddp", "dp"), ("tp", "mp"), ("fsdp2", "fsdp")
+# Ordered so that each target's two variants run back to back.
+VARIANTS = [
+    f"{side}_single{share}"
+    for share in ("", "_local", "_pair")
+    for side in ("torch", "keras")
+]
+VARIANTS += [v for t, k in _PAIRS for v in (f"torch_{t}", f"kd_{k}")]
+VARIANTS += [v + OFF for v in VARIANTS[6:]]
 # Untimed steps that "_pair" processes other than rank 0 run after their
 # timed ones, so rank 0 never finishes alone.
 _PAIR_EXTRA_STEPS = 10
-# (target name, numerator, denominator) of the step-time ratios.
-RATIOS = (
-    ("keras_over_torch_single", "keras_single", "torch_single"),
-    ("keras_over_torch_local", "keras_single_local", "torch_single_local"),
-    ("keras_over_torch_pair", "keras_single_pair", "torch_single_pair"),
-    ("kd_dp_over_ddp", "kd_dp", "torch_ddp"),
-    ("kd_mp_over_tp", "kd_mp", "torch_tp"),
-    ("kd_fsdp_over_fsdp2", "kd_fsdp", "torch_fsdp2"),
-    ("keras_jit_over_eager", "keras_single_jit", "keras_single"),
-    ("kd_mp_jit_over_eager", "kd_mp_jit", "kd_mp"),
-    ("kd_mp_local_over_dtensor", "kd_mp", "kd_mp_dtensor"),
-    ("kd_dp_over_ddp" + OFF, "kd_dp" + OFF, "torch_ddp" + OFF),
-    ("kd_mp_over_tp" + OFF, "kd_mp" + OFF, "torch_tp" + OFF),
-    ("kd_fsdp_over_fsdp2" + OFF, "kd_fsdp" + OFF, "torch_fsdp2" + OFF),
-)
-# The ratios held against Keras's own overhead, and its references.
-_DISTRIBUTED = ("kd_dp_over_ddp", "kd_mp_over_tp", "kd_fsdp_over_fsdp2")
-REFERENCES = {"": "keras_over_torch_single"}
-REFERENCES["_vs_local"] = "keras_over_torch_local"
-REFERENCES["_vs_pair"] = "keras_over_torch_pair"
+# (target name, numerator, denominator) of the step-time ratios; the
+# suffix of the ratios held against each Keras ÷ torch reference.
+REFERENCES = {"": "single", "_vs_local": "local", "_vs_pair": "pair"}
+RATIOS = [
+    (f"keras_over_torch_{r}", f"keras_single{s}", f"torch_single{s}")
+    for r, s in (("single", ""), ("local", "_local"), ("pair", "_pair"))
+]
+RATIOS += [
+    (f"kd_{k}_over_{t}{off}", f"kd_{k}{off}", f"torch_{t}{off}")
+    for off in ("", OFF)
+    for t, k in _PAIRS
+]
 LABELS = ("per_round", "holds_in_rounds"), ("extra_ms_per_round", "extra_holds")
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
@@ -213,7 +187,8 @@ def _pair_start(variant):
 def _run_torch(variant, model_name, steps, warmup):
     import torch
     import torch.distributed as dist
-    from step_counts import StepCounts  # beside this script
+    from collectives_off import CollectivesOff  # beside this script
+    from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
     off = variant.endswith(OFF)
@@ -262,7 +237,7 @@ def _run_torch(variant, model_name, steps, warmup):
     extra = _pair_start(variant)
     for i in range(warmup + steps + extra):
         if off and i == warmup:
-            _collectives_off(model if variant == "torch_ddp" else None)
+            CollectivesOff().install(model if variant == "torch_ddp" else None)
         start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         harness.sync()
@@ -339,15 +314,6 @@ def _keras_layouts(model_name, variant):
     }
 
 
-def _collectives_off(ddp=None):
-    from collectives_off import CollectivesOff  # beside this script
-
-    off = CollectivesOff()
-    off.install()
-    if ddp is not None:
-        off.ddp(ddp)
-
-
 class _count_p2p:  # noqa: N801
     """Counts `batch_isend_irecv` calls, which CommDebugMode does not see
     (DataParallel's gradients reduced to their owners)."""
@@ -373,57 +339,41 @@ class _count_p2p:  # noqa: N801
 
 def _run_keras(variant, model_name, steps, warmup):
     import keras  # noqa: I001
-    from step_counts import StepCounts  # beside this script
+    import numpy as np
+    from collectives_off import CollectivesOff  # beside this script
+    from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
     import keras_dtensor  # noqa: F401
 
-    jit_compile = variant.endswith("_jit")
     off = variant.endswith(OFF)
     variant = variant.removesuffix(OFF)
-    variant = variant.removesuffix("_jit").removesuffix("_dtensor")
-
     cfg = _config(variant, model_name)
-    if not variant.startswith("keras_single"):
+    if variant == "kd_dp":
+        keras.distribution.initialize()
+        distribution = keras.distribution.DataParallel()
+        keras.distribution.set_distribution(distribution)
+    elif not variant.startswith("keras_single"):
+        # TP: the batch replicated over "model", as in torch TP; FSDP:
+        # weights and batch both sharded over "batch".
         keras.distribution.initialize()
         world = keras.distribution.get_device_count()
-        if variant == "kd_dp":
-            distribution = keras.distribution.DataParallel()
-        else:
-            # TP: the batch is replicated over the model axis, as in torch
-            # TP; FSDP: weights and batch both sharded over "batch".
-            if variant == "kd_mp":
-                mesh = keras.distribution.DeviceMesh(
-                    (1, world), ["batch", "model"]
-                )
-            else:
-                mesh = keras.distribution.DeviceMesh((world,), ["batch"])
-            layout_map = keras.distribution.LayoutMap(mesh)
-            for key, axes in _keras_layouts(model_name, variant).items():
-                layout_map[key] = axes
-            distribution = keras.distribution.ModelParallel(
-                layout_map=layout_map
-            )
-        keras.distribution.set_distribution(distribution)
+        shape = (1, world) if variant == "kd_mp" else (world,)
+        layouts = _keras_layouts(model_name, variant)
+        harness.model_parallel(keras, layouts, shape)
     keras.utils.set_random_seed(0)
     model = _keras_model(keras, model_name, cfg)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-4),
-        loss="mse",
-        jit_compile=jit_compile,
-    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
     x, y = (t.numpy() for t in _data(model_name, cfg))
 
     class Timer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.comm, self.comms = [], None, {}
-            self.cpu = []
-            self.counts = None
+            self.times, self.cpu, self.comm, self.comms = [], [], None, {}
 
         def on_train_batch_begin(self, batch, logs=None):
             if off and batch == warmup:
-                _collectives_off()
+                CollectivesOff().install()
             harness.sync()
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
@@ -452,18 +402,10 @@ def _run_keras(variant, model_name, steps, warmup):
                 self.cpu.append(elapsed_cpu)
 
     timer = Timer()
-    repeats = warmup + steps + 2 + _PAIR_EXTRA_STEPS
-    xs = x[None].repeat(repeats, 0).reshape(-1, *x.shape[1:])
-    ys = y[None].repeat(repeats, 0).reshape(-1, *y.shape[1:])
     repeats = warmup + steps + 2 + _pair_start(variant)
-    model.fit(
-        xs[: repeats * len(x)],
-        ys[: repeats * len(x)],
-        batch_size=len(x),
-        shuffle=False,
-        verbose=0,
-        callbacks=[timer],
-    )
+    xs, ys = (np.concatenate([a] * repeats) for a in (x, y))
+    fit = dict(batch_size=len(x), shuffle=False, verbose=0, callbacks=[timer])
+    model.fit(xs, ys, **fit)
     held = [v.value for v in model.variables + model.optimizer.variables]
     return {
         "times": timer.times,
@@ -481,19 +423,21 @@ def worker(args):
     harness.write_result(args.result_dir, result)
 
 
+def _processes(variant, args):
+    single = "_single" in variant and not variant.endswith("_pair")
+    return 1 if single else args.nproc
+
+
 def _launch(variant, model, args):
     env = {"BENCH_NPROC": str(args.nproc)}
-    if variant == "kd_mp_dtensor":
-        env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
     arguments = [f"--variant={variant}", f"--model={model}"]
     arguments += [f"--steps={args.steps}", f"--warmup={args.warmup}"]
-    nproc = 1 if VARIANTS[variant] == 1 else args.nproc
+    nproc = _processes(variant, args)
     return harness.launch(__file__, nproc, arguments, env, args.device)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", default="bench")
+    parser = harness.parser(__doc__)
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default="mlp,transformer")
@@ -504,12 +448,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--nproc", type=int, default=2, help="distributed")
-    parser.add_argument("--out", help="write the results JSON here")
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    unknown = set(args.variants.split(",")) - VARIANTS.keys()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
@@ -570,7 +512,7 @@ def _row(runs, variant, args):
         "bytes_per_rank": max(r["bytes"] for r in runs[-1]),
         "comms_per_step": runs[-1][0]["comms"],
         "counts_per_step": runs[-1][0]["counts"],
-        "processes": 1 if VARIANTS[variant] == 1 else args.nproc,
+        "processes": _processes(variant, args),
     }
 
 
@@ -592,9 +534,9 @@ def _targets(rows, args):
                 "extra_ms_median_of_rounds": extra_median,
                 "extra_ms_per_round": extra,
             }
-    checked = (*_DISTRIBUTED, *(n + OFF for n in _DISTRIBUTED))
-    for suffix in ("", "_vs_local", "_vs_pair"):
-        allowed = targets.get(REFERENCES[suffix])
+    checked = [name for name, _, _ in RATIOS[3:]]
+    for suffix, reference in REFERENCES.items():
+        allowed = targets.get(f"keras_over_torch_{reference}")
         for name in checked if allowed else ():
             for key, label in LABELS:
                 if name in targets:

@@ -23,7 +23,9 @@ class CollectivesOff:
     """Local copies in place of `torch.distributed`'s collectives and its
     functional ones (what DTensor, FSDP2 and keras-dtensor call)."""
 
-    def install(self):
+    def install(self, ddp=None):
+        """Replaces the collectives; `ddp`: a DDP module whose buckets its
+        C++ reducer reduces, given a comm hook that keeps each bucket."""
         import torch
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
@@ -89,31 +91,28 @@ class CollectivesOff:
         funcol.all_gather_single = gather
         funcol.reduce_scatter_single = scatter
 
-    def ddp(self, module):
-        """DDP's C++ reducer: a comm hook that keeps each bucket."""
-        import torch
-
         def keep(state, bucket):
             future = torch.futures.Future()
             future.set_result(bucket.buffer())
             return future
 
-        module.register_comm_hook(None, keep)
+        if ddp is not None:
+            ddp.register_comm_hook(None, keep)
 
 
 def count_collectives(call):
-    """The collectives `call()` dispatches, by op (CommDebugMode's module
-    tracking fails on some modules under `no_grad`)."""
+    """The collectives `call()` dispatches, by op (CommDebugMode also tracks
+    modules, which Keras's nested layer calls trip up)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Collectives(TorchDispatchMode):
         counts = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if func.namespace in ("c10d", "_c10d_functional"):
+            if "c10d" in func.namespace:
+                name = func.overloadpacket.__name__.strip("_")
                 # not collectives: waits, and a wrap for autograd
-                if not name.startswith(("wait", "_wrap")):
+                if not name.startswith(("wait", "wrap")):
                     self.counts[name] += 1
             return func(*args, **(kwargs or {}))
 

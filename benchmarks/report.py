@@ -3,16 +3,10 @@
     python benchmarks/report.py            # rewrite BENCHMARKS.md
     python benchmarks/report.py --check    # exit 1 if BENCHMARKS.md is stale
 
-Inputs, all in `benchmarks/`: `results.json` and `results-targets.json`
-(`bench_step.py`), `results-layouts.json` (`bench_layouts.py`),
-`results-preemption.json` (`bench_preemption.py`, `scripts/fault_matrix.py
---preemption-runs`), `results-input.json` (`bench_input.py`),
-`results-host.json` (figures computed from `bench_step.py` and
-`bench_generate.py` runs on `transformer_small`, and the checkpoint runs)
-and `results-history.json` (figures measured before the benchmarks saved
-them, each with its date, commit and command; it also dates the first two
-files). Where several runs measured one ratio, the newest is reported. The
-output depends on the inputs only.
+Inputs: `benchmarks/results*.json`, each written by the benchmark its
+Method table names; `results-history.json` holds the figures measured
+before the benchmarks saved them, each with its date, commit and command.
+Where several runs measured one ratio, the newest is reported.
 """
 
 import argparse
