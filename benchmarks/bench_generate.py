@@ -12,8 +12,10 @@ round in fresh processes. Per variant: one `generate` call (batch 2, an
 8-token prompt, 24 new tokens; the best of `--calls` after a warm one, the
 slowest rank), peak RSS and the collectives of one more call; every split
 model must generate its one-process tokens. `_no_collectives` variants
-make every collective a local no-op once warm. Target: kd-MP ÷ torch TP
-against Keras ÷ torch, per round.
+make every collective a local no-op once warm; `kd_mp_dtensor` runs
+every op as a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0): what the
+tensor-parallel local run gains. Target: kd-MP ÷ torch TP against
+Keras ÷ torch, per round.
 """
 
 import sys
@@ -26,6 +28,7 @@ VARIANTS = {
     "keras_single": 1,
     "torch_tp": 2,
     "kd_mp": 2,
+    "kd_mp_dtensor": 2,  # every op a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0)
     "torch_tp_whole_embedding": 2,
     "torch_tp_no_collectives": 2,
     "kd_mp_no_collectives": 2,
@@ -33,6 +36,7 @@ VARIANTS = {
 RATIOS = (
     ("keras_over_torch_single", "keras_single", "torch_single"),
     ("kd_mp_over_tp", "kd_mp", "torch_tp"),
+    ("kd_mp_local_over_dtensor", "kd_mp", "kd_mp_dtensor"),
 )
 CONFIG = dict(
     vocabulary_size=256,
@@ -239,7 +243,8 @@ def main(argv=None):
     def run(variant):
         nproc = 1 if VARIANTS[variant] == 1 else args.nproc
         flags = [f"--variant={variant}", f"--calls={args.calls}"]
-        return harness.launch(__file__, nproc, flags, device=args.device)
+        env = {"KERAS_DTENSOR_LOCAL_MODEL": "0"} if "dtensor" in variant else {}
+        return harness.launch(__file__, nproc, flags, env, args.device)
 
     def show(index, variant, ranks):
         ms = max(r["ms"] for r in ranks)  # the slowest rank's
@@ -258,6 +263,7 @@ def main(argv=None):
             ("torch_tp", "torch_single"),
             ("torch_tp_whole_embedding", "torch_single"),
             ("kd_mp", "keras_single"),
+            ("kd_mp_dtensor", "keras_single"),
         )
         for rs, one in zip(runs[split], runs[single], strict=True)
     )

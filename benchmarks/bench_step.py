@@ -17,7 +17,9 @@ step counted (`step_counts.py`). Targets: each keras-dtensor variant over
 its torch counterpart against Keras single over torch single, per round,
 as a ratio and in extra ms. `*_no_collectives` variants (not run by
 default) make every collective a local no-op once warm
-(`collectives_off.py`): the host work alone.
+(`collectives_off.py`): the host work alone. `kd_mp_dtensor` (not run
+by default) is kd_mp with every op a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0):
+what the tensor-parallel local run gains or costs.
 """
 
 import os
@@ -38,6 +40,8 @@ VARIANTS = [
 ]
 VARIANTS += [v for t, k in _PAIRS for v in (f"torch_{t}", f"kd_{k}")]
 VARIANTS += [v + OFF for v in VARIANTS[6:]]
+LOCAL_OFF = "_dtensor"
+VARIANTS.insert(VARIANTS.index("kd_mp") + 1, "kd_mp" + LOCAL_OFF)
 # Untimed steps that "_pair" processes other than rank 0 run after their
 # timed ones, so rank 0 never finishes alone.
 _PAIR_EXTRA_STEPS = 10
@@ -53,6 +57,7 @@ RATIOS += [
     for off in ("", OFF)
     for t, k in _PAIRS
 ]
+RATIOS += [("kd_mp_local_over_dtensor", "kd_mp", "kd_mp" + LOCAL_OFF)]
 LABELS = ("per_round", "holds_in_rounds"), ("extra_ms_per_round", "extra_holds")
 MODELS = {
     "mlp": dict(width=1024, layers=4, batch=64),
@@ -347,7 +352,7 @@ def _run_keras(variant, model_name, steps, warmup):
     import keras_dtensor  # noqa: F401
 
     off = variant.endswith(OFF)
-    variant = variant.removesuffix(OFF)
+    variant = variant.removesuffix(OFF).removesuffix(LOCAL_OFF)
     cfg = _config(variant, model_name)
     if variant == "kd_dp":
         keras.distribution.initialize()
@@ -430,6 +435,8 @@ def _processes(variant, args):
 
 def _launch(variant, model, args):
     env = {"BENCH_NPROC": str(args.nproc)}
+    if variant.endswith(LOCAL_OFF):
+        env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
     arguments = [f"--variant={variant}", f"--model={model}"]
     arguments += [f"--steps={args.steps}", f"--warmup={args.warmup}"]
     nproc = _processes(variant, args)
@@ -441,7 +448,7 @@ def main(argv=None):
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default="mlp,transformer")
-    default = ",".join(v for v in VARIANTS if not v.endswith(OFF))
+    default = ",".join(v for v in VARIANTS if not v.endswith((OFF, LOCAL_OFF)))
     parser.add_argument("--variants", default=default, help="default: all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
