@@ -40,16 +40,17 @@ def wrap_get_iterator(original):
             return self.data_adapter.get_torch_dataloader()
         per_process = not distribution.auto_shard_dataset
         if per_process:
-            iterator = input_checks.same_number_of_batches(
+            iterator = input_checks.checked(
                 self.data_adapter.get_torch_dataloader(),
                 self.data_adapter.num_batches,
+                same_batches=False,
             )
         else:
             iterator = _own_shards(self.data_adapter, distribution)
             if iterator is None:
                 iterator = self.data_adapter.get_torch_dataloader()
-            iterator = input_checks.same_global_batches(
-                iterator, self.data_adapter.num_batches
+            iterator = input_checks.checked(
+                iterator, self.data_adapter.num_batches, same_batches=True
             )
         if context.is_data_parallel(distribution):
             return iterator  # local mode: the step function takes its rows

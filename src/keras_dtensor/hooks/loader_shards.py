@@ -40,24 +40,13 @@ def sharded_loader(loader, distribution):
     rule = shard_rule(distribution)
     if rule is None:
         return None
-    rank = world()[1]
-
-    def shard_of(total):
-        return rule(total, rank)
-
     cached = object_state.get_on(loader, _DERIVED)
     if cached is not None and cached[0] is distribution:
         return _epochs(cached[1])
-    dataset = loader.dataset
-    keyed = (
-        _KeyedBatched(dataset)
-        if getattr(dataset, "__getitems__", None)
-        else _Keyed(dataset)
-    )
     workers = loader.num_workers
     derived = torch_data.DataLoader(
-        keyed,
-        batch_sampler=_ShardIndices(loader.batch_sampler, shard_of),
+        _Keyed(loader.dataset),
+        batch_sampler=_ShardIndices(loader.batch_sampler, rule, world()[1]),
         num_workers=workers,
         collate_fn=_Collate(loader.collate_fn),
         pin_memory=loader.pin_memory,
@@ -134,13 +123,12 @@ def _digest(indices):
 
 
 class _ShardIndices:
-    """The user's batch sampler, cut to this process's shard; each index
-    carries `(start, total, digest, empty)` (`empty`: no rows, the first
-    sample stands in for the structure)."""
+    """The user's batch sampler, cut to this process's shard: `(indices,
+    (start, total, digest, empty))` (`empty`: no rows, the first sample
+    stands in for the structure)."""
 
-    def __init__(self, batch_sampler, shard_of):
-        self.batch_sampler = batch_sampler
-        self.shard_of = shard_of
+    def __init__(self, batch_sampler, rule, rank):
+        self.batch_sampler, self.rule, self.rank = batch_sampler, rule, rank
 
     def __len__(self):
         return len(self.batch_sampler)
@@ -148,43 +136,22 @@ class _ShardIndices:
     def __iter__(self):
         for indices in self.batch_sampler:
             indices = list(indices)
-            total = len(indices)
-            start, length = self.shard_of(total)
-            digest = _digest(indices)
-            if length:
-                meta = (start, total, digest, False)
-                yield [(i, meta) for i in indices[start : start + length]]
-            else:
-                yield [(indices[0], (start, total, digest, True))]
+            start, length = self.rule(len(indices), self.rank)
+            meta = (start, len(indices), _digest(indices), not length)
+            yield indices[start : start + length] or [indices[0]], meta
 
 
 class _Keyed(torch_data.Dataset):
-    """The user's dataset, fetched by `(index, meta)` keys."""
+    """The user's dataset, fetched by `_ShardIndices`'s keys."""
 
     def __init__(self, dataset):
         self.dataset = dataset
 
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        index, meta = key
-        return self.dataset[index], meta
-
-
-class _Fetched:
-    """What a dataset's `__getitems__` returned, and the shard's meta."""
-
-    def __init__(self, data, meta):
-        self.data, self.meta = data, meta
-
-
-class _KeyedBatched(_Keyed):
-    """`_Keyed` for a dataset that fetches a list of indices at once."""
-
-    def __getitems__(self, keys):
-        indices = [index for index, _ in keys]
-        return _Fetched(self.dataset.__getitems__(indices), keys[0][1])
+    def __getitems__(self, key):
+        indices, meta = key
+        if getattr(self.dataset, "__getitems__", None):
+            return self.dataset.__getitems__(indices), meta
+        return [self.dataset[i] for i in indices], meta
 
 
 class _Collate:
@@ -193,10 +160,8 @@ class _Collate:
     def __init__(self, collate_fn):
         self.collate_fn = collate_fn
 
-    def __call__(self, items):
-        if isinstance(items, _Fetched):
-            return self.collate_fn(items.data), items.meta
-        return self.collate_fn([item for item, _ in items]), items[0][1]
+    def __call__(self, fetched):
+        return self.collate_fn(fetched[0]), fetched[1]
 
 
 def rows_of(batch, start, length):
