@@ -31,9 +31,8 @@ def wrap_print_msg(original):
     """Wraps `io_utils.print_msg`: a no-op on ranks other than 0."""
 
     def _print_msg(message, line_break=True):
-        if console.silent():
-            return None
-        return original(message, line_break=line_break)
+        if not console.silent():
+            return original(message, line_break=line_break)
 
     return _print_msg
 

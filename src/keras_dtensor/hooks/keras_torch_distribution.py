@@ -59,17 +59,15 @@ def wrap_get_metrics_result(original):
     (metrics are global values already)."""
 
     def get_metrics_result(self):
-        if context.current() is None and not _process_group_up():
+        import torch.distributed as dist
+
+        if context.current() is None and not (
+            dist.is_available() and dist.is_initialized()
+        ):
             return original(self)
         return compat.base_trainer_class().get_metrics_result(self)
 
     return get_metrics_result
-
-
-def _process_group_up():
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def wrap_initialize_distributed(original):
@@ -78,7 +76,6 @@ def wrap_initialize_distributed(original):
     def _initialize_distributed(self, initializer):
         if context.current() is None:
             return original(self, initializer)
-        return None
 
     return _initialize_distributed
 
@@ -105,8 +102,6 @@ def wrap_gather_non_batch_axes(original):
     already global values on every process."""
 
     def _gather_non_batch_axes(data):
-        if context.current() is None:
-            return original(data)
-        return data
+        return original(data) if context.current() is None else data
 
     return _gather_non_batch_axes

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import broadcast_bytes
@@ -195,10 +196,5 @@ def _receive(batch, owner, rule):
 
 
 def _leading_rows(batch):
-    if isinstance(batch, (tuple, list, dict)):
-        values = batch.values() if isinstance(batch, dict) else batch
-        return next(
-            (n for n in map(_leading_rows, values) if n is not None), None
-        )
-    array = np.asarray(batch) if batch is not None else None
-    return int(array.shape[0]) if array is not None and array.ndim else None
+    leaves = fast_tree.flatten(batch)
+    return next((int(np.shape(x)[0]) for x in leaves if np.ndim(x)), None)

@@ -74,11 +74,8 @@ def check_replicas(model):
     layouts = {}
     differ = {}  # (rank, its replica) -> paths
     for i, value in enumerate(values):
-        key = (
-            (id(value.device_mesh), tuple(value.placements))
-            if isinstance(value, DTensor)
-            else None
-        )
+        mesh = getattr(value, "device_mesh", None)  # None: a plain tensor
+        key = (id(mesh), tuple(getattr(value, "placements", ())))
         if key not in layouts:
             layouts[key] = _replica_of(value, world)
         for rank, first in enumerate(layouts[key]):
@@ -97,12 +94,9 @@ def check_replicas(model):
 
 
 def _signature(weight):
-    value = weight.value
-    placements = (
-        tuple(str(p) for p in value.placements)
-        if isinstance(value, DTensor)
-        else None
-    )
+    placements = None
+    if isinstance(weight.value, DTensor):
+        placements = tuple(str(p) for p in weight.value.placements)
     return (tuple(weight.shape), str(weight.dtype), placements)
 
 

@@ -32,14 +32,6 @@ FILE_OPERATIONS = (
 )
 
 
-def _writes(mode):
-    return any(flag in mode for flag in "wax+")
-
-
-def _sink_mode(mode):
-    return mode.replace("x", "w").replace("+", "").replace("r", "w")
-
-
 def wrap_file_operation(original, name):
     """Wraps `file_utils.<name>` (one of `FILE_OPERATIONS`)."""
 
@@ -49,14 +41,17 @@ def wrap_file_operation(original, name):
             return original(*args, **kwargs)
         if name == "File":
             mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
-            if not _writes(mode):
+            if not any(flag in mode for flag in "wax+"):
                 return original(*args, **kwargs)
             opened = []  # rank 0's file; its failure is raised everywhere
             consensus.on_rank_0(
                 lambda: opened.append(original(*args, **kwargs)),
                 f"file_utils.{name}",
             )
-            return opened[0] if opened else open(os.devnull, _sink_mode(mode))
+            if opened:
+                return opened[0]
+            sink = mode.replace("x", "w").replace("+", "").replace("r", "w")
+            return open(os.devnull, sink)
 
         def run():
             result = original(*args, **kwargs)
