@@ -1,7 +1,6 @@
-"""Callbacks and console output on N processes: callbacks dispatched
-synchronously (their numpy conversions are collectives), messages and
-`model.summary()` printed from rank 0 (`KERAS_DTENSOR_LOG_ALL_RANKS=1`:
-every rank).
+"""Callbacks on N processes run synchronously (their numpy conversions are
+collectives); messages and `model.summary()` print from rank 0 only
+(`KERAS_DTENSOR_LOG_ALL_RANKS=1`: every rank).
 """
 
 from keras_dtensor.backend import console

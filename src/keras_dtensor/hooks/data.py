@@ -110,8 +110,7 @@ def wrap_epoch_iter(original):
 
 def wrap_make_function(original, kind):
     """Wraps `TorchTrainer.make_{kind}_function`: what is still plain when
-    a step starts (`train_on_batch`'s arrays) is laid out as a global
-    batch, so `y` and `sample_weight` meet `y_pred` as DTensors."""
+    a step starts (`train_on_batch`'s arrays) is laid out as global."""
     attribute = f"{kind}_function"
 
     def make_function(self, force=False):

@@ -100,12 +100,10 @@ def _raise_if_batches_differ(digests, index):
 
 
 def checked(iterator, num_batches, same_batches):
-    """The batches of `iterator` (iter() now, as Keras does: a DataLoader
-    draws its seed there), checked to be as many on every rank: known
-    counts compared once, unknown ones agreed batch by batch (-1: this
-    rank has no batch left). With `same_batches`, a checksum of the batch
-    compared too, on the first and then every `KERAS_DTENSOR_CHECK_EVERY`.
-    """
+    """`iterator`'s batches, as many on every rank (known counts compared
+    once, unknown ones batch by batch); with `same_batches`, the same ones
+    (checksums on the first, then every `KERAS_DTENSOR_CHECK_EVERY`)."""
+    # iter() now, as Keras does: a DataLoader draws its seed there.
     return _checked(iter(iterator), num_batches, same_batches)
 
 

@@ -1,8 +1,7 @@
-"""`jit_compile=True` under a distribution: a compiled forward
-(`torch.compile(model.call)`), an eager rest on DTensors, so the numbers
-are an eager step's. After a failure, or at dynamo's recompile limit,
-every rank runs eagerly (the ranks agree after a signature's 1st, 2nd,
-4th... call). `KERAS_DTENSOR_JIT=0`: eager.
+"""`jit_compile=True` under a distribution: a compiled forward, the rest
+eager on DTensors. After a failure, or at dynamo's recompile limit, every
+rank runs eagerly (agreed after a signature's 1st, 2nd, 4th... call).
+`KERAS_DTENSOR_JIT=0`: eager.
 """
 
 import collections

@@ -1,7 +1,6 @@
-"""Keras 3.16's own torch distribution, stood down where keras-dtensor acts
-(DDP wrapping, metric sums, variable and batch layouts, prediction
-gathers), so nothing is done twice. With no distribution set Keras's own
-code runs, except that no model is wrapped in DDP.
+"""Keras 3.16's own torch distribution (DDP wrapping, metric sums, variable
+and batch layouts, prediction gathers) stood down where keras-dtensor does
+the job; with no distribution, Keras's code runs, but no DDP wrapper.
 """
 
 import weakref

@@ -1,7 +1,6 @@
-"""A map-style `DataLoader` that loads only this process's batch shard:
-every rank draws the same global batch of indices from the user's batch
-sampler, then fetches and collates only its shard, tagged with its place
-(`batch_layout.tag_shard`).
+"""A map-style `DataLoader` loading only this process's batch shard: every
+rank draws the global batch's indices from the user's batch sampler, then
+fetches and collates its shard, tagged (`batch_layout.tag_shard`).
 """
 
 import zlib
@@ -26,10 +25,9 @@ _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """This process's tagged shards of `loader`'s global batches (a loader
-    with the user's settings, built once per distribution), or `None`
-    where `loader` is read whole: an `IterableDataset`, no automatic
-    batching, a data layout that splits more than the batch dim, or
+    """This process's shards of `loader`'s batches (through a loader with its
+    settings), or `None` where it is read whole: an `IterableDataset`, no
+    automatic batching, a layout not split by batch alone, or
     `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if not config.get("SHARDED_LOADING") or world()[0] == 1:
         return None

@@ -28,10 +28,9 @@ __all__ = ["sharded_batches", "take_over_workers"]
 
 
 def sharded_batches(adapter, distribution):
-    """An iterable of this process's shards of `adapter`'s batches, or
-    `None` where they are read whole: unknown length,
-    `use_multiprocessing`, a data layout that splits more than the batch
-    dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
+    """This process's shards of `adapter`'s batches, or `None` where they
+    are read whole: unknown length, `use_multiprocessing`, a layout not
+    split by batch alone, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
     rule = shard_rule(distribution)

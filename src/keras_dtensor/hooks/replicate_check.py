@@ -27,16 +27,11 @@ def _checksum(value):
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    if bits.numel() <= _CHUNK:
-        return bits.sum(dtype=torch.int64)
-    return _chunked_sum(bits)
-
-
-def _chunked_sum(bits):
-    """`bits.sum(dtype=torch.int64)` without casting all of `bits` at once:
-    one buffer, preallocated results, nothing allocated between chunks."""
+    # The int64 sum without casting all of `bits` at once: one buffer,
+    # preallocated results, nothing allocated between chunks.
     chunks = bits.split(_CHUNK)
-    buffer = torch.empty(_CHUNK, dtype=torch.int64, device=bits.device)
+    size = min(_CHUNK, bits.numel())
+    buffer = torch.empty(size, dtype=torch.int64, device=bits.device)
     sums = torch.empty(len(chunks), dtype=torch.int64, device=bits.device)
     for i, chunk in enumerate(chunks):
         part = buffer[: chunk.numel()]

@@ -1,8 +1,6 @@
-"""Sharded initialization: draw only this rank's shard, same values.
-
-`LocalDraws` answers an elementwise initializer's creation ops with this
-rank's rows, walking the generator's stream in blocks; where that is not
-exact (`chunked_draws_match`), the full value is drawn and sliced.
+"""Sharded initialization: only this rank's shard drawn, with the values
+one process would draw (`LocalDraws` walks the stream in blocks); where
+that is not exact (`chunked_draws_match`), the full value is drawn.
 """
 
 import functools
@@ -44,14 +42,14 @@ class _Stream:
         self.next = 0  # the next block of the grid to draw
         self.generator = generator  # later calls go on with this stream
 
-    def read(self, draw, rest, window, inner):
-        """Draws blocks up to the end of `window` (rows `[lo, hi)`); returns
-        its rows cut by `inner` (`None` for an empty window)."""
+    def read(self, draw, window, inner):
+        """Draws blocks (`draw(rows)`) up to the end of `window` (rows `[lo,
+        hi)`); returns its rows cut by `inner` (`None` for an empty one)."""
         lo, hi = window
         out = None
         while self.next < len(self.grid) and self.grid[self.next][0] < hi:
             start, stop = self.grid[self.next]
-            values = draw((stop - start, *rest))
+            values = draw(stop - start)
             self.next += 1
             a, b = max(start, lo), min(stop, hi)
             if a < b:
@@ -93,18 +91,17 @@ class LocalDraws(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func in _DRAWS and self._matches(kwargs.get("size")):
             size = tuple(kwargs.pop("size"))
-            rest = size[1:]
             if self.stream is None:
                 generator = kwargs.get("generator")
                 self.stream = _Stream(size, self.block_elements, generator)
             kwargs["generator"] = self.stream.generator
 
-            def draw(shape):
-                return func(*args, size=shape, **kwargs)
+            def draw(rows):
+                return func(*args, size=(rows, *size[1:]), **kwargs)
 
-            self._last_draw = (draw, rest)
+            self._last_draw = draw
             self.answered += 1
-            out = self.stream.read(draw, rest, self.window, self.inner)
+            out = self.stream.read(draw, self.window, self.inner)
             if out is None:  # this rank holds no rows
                 out = torch.empty(
                     self._local_shape(size),
@@ -153,7 +150,7 @@ class LocalDraws(TorchFunctionMode):
         if self.stream is not None and self.stream.generator is None:
             # The global generator: left where one whole draw leaves it.
             end = (self.shape[0], self.shape[0])
-            self.stream.read(*self._last_draw, end, ())
+            self.stream.read(self._last_draw, end, ())
         return local
 
 

@@ -19,17 +19,10 @@ __all__ = [
     "wrap_tensorboard_set_model",
 ]
 
-# The `keras.src.utils.file_utils` functions made collective.
-FILE_OPERATIONS = (
-    "exists",
-    "isdir",
-    "listdir",
-    "makedirs",
-    "remove",
-    "rmtree",
-    "copy",
-    "File",
-)
+# The `keras.src.utils.file_utils` functions made collective: queries
+# (rank 0 answers), changes (rank 0 acts) and `File`.
+_QUERIES = ("exists", "isdir", "listdir")
+FILE_OPERATIONS = (*_QUERIES, "makedirs", "remove", "rmtree", "copy", "File")
 
 
 def wrap_file_operation(original, name):
@@ -55,7 +48,7 @@ def wrap_file_operation(original, name):
 
         def run():
             result = original(*args, **kwargs)
-            return result if name in ("exists", "isdir", "listdir") else None
+            return result if name in _QUERIES else None
 
         return consensus.on_rank_0(run, f"file_utils.{name}")
 
@@ -80,11 +73,7 @@ def wrap_tensorboard_set_model(original):
         size, rank = launch.world()
         if size == 1 or rank == 0:
             return original(self, model)
-        log_dir = self.log_dir
-        self.log_dir = _scratch_dir(self)
-        try:
+        with object_state.swapped(self, "log_dir", _scratch_dir(self)):
             return original(self, model)
-        finally:
-            self.log_dir = log_dir
 
     return set_model

@@ -31,8 +31,8 @@ __all__ = [
 
 def _variable_layout(variable):
     """The variable's `TensorLayout`, resolved once; `None` (a plain
-    Parameter) with no distribution, under `DataParallel` or in one
-    process (where the layout is still checked, as N would)."""
+    Parameter) without one, under `DataParallel` or in one process (where
+    the layout is still checked, as N processes would)."""
     distribution = context.current()
     if distribution is None or context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
@@ -53,8 +53,7 @@ def _to_dtensor(variable, value):
     )
     if isinstance(value, DTensor):
         return distribute_tensor(value, layout)
-    convert_to_tensor = compat.torch_core().convert_to_tensor
-    value = convert_to_tensor(value, dtype=variable._dtype)
+    value = compat.torch_core().convert_to_tensor(value, dtype=variable._dtype)
     return shard_global_tensor(value, layout)
 
 
@@ -203,10 +202,9 @@ def _in_layout_of(grad, variable):
 
 
 def wrap_filter_empty_gradients(original):
-    """Wraps `BaseOptimizer._filter_empty_gradients(grads, variables)`, the
-    first thing `optimizer.apply` does: each gradient, left by backward
-    partial or split along another dim, is laid out as its variable, so
-    the optimizer's in-place updates need no placement change."""
+    """Wraps `BaseOptimizer._filter_empty_gradients`, the first thing
+    `optimizer.apply` does: each gradient laid out as its variable, so the
+    optimizer's in-place updates need no placement change."""
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)
