@@ -7,6 +7,7 @@ import weakref
 
 from keras_dtensor import compat
 from keras_dtensor.backend import context
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 
@@ -86,10 +87,8 @@ def wrap_distribute_data(original):
     def _distribute_data(data, layouts=None):
         if context.current() is None:
             return original(data, layouts)
-        from keras.src import tree
-
         convert = compat.torch_core().convert_to_tensor
-        return tree.map_structure(
+        return fast_tree.map_structure(
             lambda x: None if x is None else convert(x), data
         )
 
