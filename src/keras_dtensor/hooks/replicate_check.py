@@ -113,11 +113,8 @@ def check_same_model(model):
         per_weight = launch.all_gather_int_lists(
             [stable_hash(s) for s in signatures]
         )
-        index = next(
-            i
-            for i in range(counts[0])
-            if len({row[i] for row in per_weight}) > 1
-        )
+        columns = enumerate(zip(*per_weight, strict=True))
+        index = next(i for i, column in columns if len(set(column)) > 1)
         shape, dtype, placements = signatures[index]
         detail = (
             f"first difference: weight #{index}, here "
