@@ -21,15 +21,15 @@ def wrap_get_tensor_layout(original):
     def get_tensor_layout(self, path):
         if torch.compiler.is_compiling():
             return original(self, path)
+        layout_map = self._layout_map
         # TensorLayout has no __eq__: the entries compare by identity.
-        entries = tuple(self._layout_map._layout_map.items())
+        entries = tuple(layout_map._layout_map.items())
         memo = object_state.get_on(self, _MEMO)
-        if memo is None or memo[0] != entries:
-            memo = object_state.set_on(self, _MEMO, (entries, {}))
-        answers = memo[1]
-        if path in answers:
-            return answers[path]
-        answers[path] = layout = original(self, path)
-        return layout
+        if memo is None or memo[0] is not layout_map or memo[1] != entries:
+            memo = object_state.set_on(self, _MEMO, (layout_map, entries, {}))
+        answers = memo[2]
+        if path not in answers:
+            answers[path] = original(self, path)
+        return answers[path]
 
     return get_tensor_layout
