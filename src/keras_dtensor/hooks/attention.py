@@ -3,15 +3,19 @@ shards (q/k/v split alike over batch or heads, else replicated; the mask
 and bias follow the query), the output placed as the query is.
 """
 
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
+
 from keras_dtensor.backend import context
 from keras_dtensor.backend.layout import even_shards
 from keras_dtensor.backend.shards import from_local
 
 __all__ = ["wrap_dot_product_attention"]
 
-# The query's split axes in Keras's (batch, seq, heads, dim) layout, and
-# the same axes of a mask or bias broadcast to (batch, heads, seq, seq),
-# counted from its last axis.
+# A query's split axis (batch, seq, heads, dim) -> the same axis of a mask
+# or bias (batch, heads, seq, seq), counted from its end.
 _MASK_AXIS = {0: -4, 2: -3}
 
 
@@ -21,8 +25,6 @@ def wrap_dot_product_attention(original):
     def dot_product_attention(query, key, value, bias=None, mask=None, *a, **k):
         if context.current() is None:
             return original(query, key, value, bias, mask, *a, **k)
-        from torch.distributed.tensor import DTensor
-
         tensors = (query, key, value, bias, mask)
         dtensors = [t for t in tensors if isinstance(t, DTensor)]
         if not dtensors:
@@ -48,10 +50,7 @@ def wrap_dot_product_attention(original):
 
 
 def _split_alike(query, key, value):
-    """Whether q/k/v share mesh and placements, each batch, heads or
-    replicated."""
-    from torch.distributed.tensor import DTensor
-
+    """Whether q/k/v share mesh and placements: batch, heads or replicated."""
     for t in (query, key, value):
         if not isinstance(t, DTensor) or t.device_mesh != query.device_mesh:
             return False
@@ -64,9 +63,6 @@ def _split_alike(query, key, value):
 
 
 def _replicated(tensor, mesh):
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Replicate
-
     placements = [Replicate()] * mesh.ndim
     if isinstance(tensor, DTensor):
         return tensor.redistribute(tensor.device_mesh, placements)
@@ -77,11 +73,6 @@ def _following(query, mask):
     """`mask` (or bias) laid out as the query's split needs it."""
     if mask is None:
         return None
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor import distribute_tensor
-
     placements = []
     for p in query.placements:
         axis = _MASK_AXIS.get(p.dim) if p.is_shard() else None

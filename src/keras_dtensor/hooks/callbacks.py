@@ -1,7 +1,6 @@
-"""Callbacks and console output on N processes: callbacks dispatched
-synchronously (their numpy conversions are collectives), messages and
-`model.summary()` printed from rank 0 (`KERAS_DTENSOR_LOG_ALL_RANKS=1`:
-every rank).
+"""Callbacks on N processes run synchronously (their numpy conversions are
+collectives); messages and `model.summary()` print from rank 0 only
+(`KERAS_DTENSOR_LOG_ALL_RANKS=1`: every rank).
 """
 
 from keras_dtensor.backend import console
@@ -31,9 +30,8 @@ def wrap_print_msg(original):
     """Wraps `io_utils.print_msg`: a no-op on ranks other than 0."""
 
     def _print_msg(message, line_break=True):
-        if console.silent():
-            return None
-        return original(message, line_break=line_break)
+        if not console.silent():
+            return original(message, line_break=line_break)
 
     return _print_msg
 

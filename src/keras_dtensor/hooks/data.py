@@ -2,10 +2,10 @@
 
 Every input kind is the global batch on every process, each keeping its
 rows (loaded alone where `loader_shards`, `pydataset_shards` can); with
-`auto_shard_dataset=False`, each process's own. Plain tensors are laid out
-here, with the layout they really have.
+`auto_shard_dataset=False`, each process's own.
 """
 
+import functools
 import warnings
 
 from keras_dtensor import compat
@@ -38,19 +38,14 @@ def wrap_get_iterator(original):
                 return original(self)
             # Keras's loader (3.16's ModelParallel iterator shuffles apart).
             return self.data_adapter.get_torch_dataloader()
+        adapter = self.data_adapter
         per_process = not distribution.auto_shard_dataset
-        if per_process:
-            iterator = input_checks.same_number_of_batches(
-                self.data_adapter.get_torch_dataloader(),
-                self.data_adapter.num_batches,
-            )
-        else:
-            iterator = _own_shards(self.data_adapter, distribution)
-            if iterator is None:
-                iterator = self.data_adapter.get_torch_dataloader()
-            iterator = input_checks.same_global_batches(
-                iterator, self.data_adapter.num_batches
-            )
+        iterator = None if per_process else _own_shards(adapter, distribution)
+        if iterator is None:
+            iterator = adapter.get_torch_dataloader()
+        iterator = input_checks.checked(
+            iterator, adapter.num_batches, same_batches=not per_process
+        )
         if context.is_data_parallel(distribution):
             return iterator  # local mode: the step function takes its rows
         return (
@@ -70,16 +65,15 @@ def _own_shards(adapter, distribution):
         )
     if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
         return pydataset_shards.sharded_batches(adapter, distribution)
-    if isinstance(adapter, compat.data_adapter_class("TFDatasetAdapter")):
-        _say_read_whole(adapter)
+    tf_data = compat.data_adapter_class("TFDatasetAdapter")
+    if isinstance(adapter, tf_data) and world()[0] > 1:
+        _say_read_whole()
     return None
 
 
-def _say_read_whole(adapter):
+@functools.cache
+def _say_read_whole():
     """One warning per process: every process runs a tf.data pipeline."""
-    if _SAID or world()[0] == 1:
-        return
-    _SAID.append(type(adapter).__name__)
     warnings.warn(
         f"keras-dtensor: each of the {world()[0]} processes reads this "
         "tf.data pipeline whole (its maps run on every element in every "
@@ -89,9 +83,6 @@ def _say_read_whole(adapter):
         "auto_shard_dataset=False to the distribution.",
         stacklevel=2,
     )
-
-
-_SAID = []  # the inputs already said to be read whole
 
 
 def wrap_epoch_iter(original):
@@ -119,8 +110,7 @@ def wrap_epoch_iter(original):
 
 def wrap_make_function(original, kind):
     """Wraps `TorchTrainer.make_{kind}_function`: what is still plain when
-    a step starts (`train_on_batch`'s arrays) is laid out as a global
-    batch, so `y` and `sample_weight` meet `y_pred` as DTensors."""
+    a step starts (`train_on_batch`'s arrays) is laid out as global."""
     attribute = f"{kind}_function"
 
     def make_function(self, force=False):
@@ -166,11 +156,8 @@ def wrap_get_data_adapter(original):
             or not distribution.auto_shard_dataset
         ):
             return original(x, *args, **kwargs)
-        distribution.auto_shard_dataset = False
-        try:
+        with object_state.swapped(distribution, "_auto_shard_dataset", False):
             adapter = original(x, *args, **kwargs)
-        finally:
-            distribution.auto_shard_dataset = True
         if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
             pydataset_shards.take_over_workers(adapter, distribution)
         return adapter

@@ -18,11 +18,8 @@ def _seeded(seed, noise_shape):
     """Whether Keras's torch dropout draws from the seed (not torch's)."""
     from keras.src.random.seed_generator import SeedGenerator
 
-    if noise_shape is not None:
-        return True
-    if seed is None:
-        return False
-    return not (isinstance(seed, SeedGenerator) and seed._initial_seed is None)
+    unseeded = isinstance(seed, SeedGenerator) and seed._initial_seed is None
+    return noise_shape is not None or not (seed is None or unseeded)
 
 
 def _split_dropout(original, inputs, rate, noise_shape, seed):

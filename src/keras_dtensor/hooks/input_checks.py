@@ -3,6 +3,7 @@ global batches, or as many of its own), else an error on every rank
 instead of wrong rows or a hang.
 """
 
+import itertools
 import zlib
 
 import numpy as np
@@ -13,7 +14,7 @@ from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import all_gather_ints
 
-__all__ = ["same_global_batches", "same_number_of_batches"]
+__all__ = ["checked"]
 
 
 def _uneven_error(counts, global_batches):
@@ -42,6 +43,7 @@ def _uneven_error(counts, global_batches):
 
 
 _SAMPLE = 1 << 16
+_END = object()  # the iterator is done
 
 
 def _sample(flat):
@@ -60,31 +62,17 @@ def _digest(batch):
         return shard.digest
     crc = 0
     for leaf in fast_tree.flatten(batch):
-        if leaf is None:
-            continue
         if isinstance(leaf, torch.Tensor):  # any dtype, bfloat16 too
             crc = zlib.crc32(repr(tuple(leaf.shape)).encode(), crc)
             raw = _sample(leaf.detach().reshape(-1)).contiguous()
             leaf = raw.cpu().view(torch.uint8).numpy()
         leaf = np.asarray(leaf)
-        if leaf.dtype.kind not in "biufc":  # strings, objects: skipped
+        if leaf.dtype.kind not in "biufc":  # None, strings: skipped
             continue
         raw = np.ascontiguousarray(_sample(leaf.reshape(-1)))
         crc = zlib.crc32(raw.tobytes(), crc)
         crc = zlib.crc32(repr(leaf.shape).encode(), crc)
     return crc
-
-
-def same_global_batches(iterator, num_batches=None):
-    """`iterator`, checked to yield the same global batches on every rank.
-
-    Known batch counts are compared once per epoch; a checksum of the
-    batch on the first batch and then every `KERAS_DTENSOR_CHECK_EVERY`
-    (one all-gather of one integer). With an unknown count the ranks also
-    agree, with every batch, whether they have one.
-    """
-    # iter() now, as Keras does: a DataLoader draws its seed there.
-    return _checked(iter(iterator), num_batches, same_batches=True)
 
 
 def _raise_if_batches_differ(digests, index):
@@ -109,40 +97,28 @@ def _raise_if_batches_differ(digests, index):
     )
 
 
-def same_number_of_batches(iterator, num_batches):
-    """`iterator`, checked to yield as many batches on every rank: known
-    counts compared once, unknown ones agreed batch by batch."""
-    return _checked(iter(iterator), num_batches, same_batches=False)
+def checked(iterator, num_batches, same_batches):
+    """`iterator`'s batches, as many on every rank (known counts compared
+    once, unknown ones batch by batch); with `same_batches`, the same ones
+    (checksums on the first, then every `KERAS_DTENSOR_CHECK_EVERY`)."""
+    # iter() now, as Keras does: a DataLoader draws its seed there.
+    return _checked(iter(iterator), num_batches, same_batches)
 
 
 def _checked(iterator, num_batches, same_batches):
-    """The batches of `iterator`; with `same_batches`, their checksums
-    compared too (-1: this rank has no batch left)."""
     counts = all_gather_ints(-1 if num_batches is None else num_batches)
     known = all(c >= 0 for c in counts)
     if known and len(set(counts)) > 1:
         raise _uneven_error(counts, same_batches)
-    if known and not same_batches:
-        yield from iterator
-        return
     every = config.get("CHECK_EVERY") if same_batches else 0
-    index = 0
-    while True:
-        checked = same_batches and (
+    for index in itertools.count():
+        batch = next(iterator, _END)
+        compare = same_batches and (
             index == 0 or (every and index % every == 0)
         )
-        if known and not checked:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-        else:
-            try:
-                batch = next(iterator)
-                mine = _digest(batch) if checked else 0
-            except StopIteration:
-                batch, mine = None, -1
-            digests = all_gather_ints(mine)
+        if not known or compare:
+            mine = _digest(batch) if compare and batch is not _END else 0
+            digests = all_gather_ints(-1 if batch is _END else mine)
             ended = [d == -1 for d in digests]
             if all(ended):
                 return
@@ -150,7 +126,8 @@ def _checked(iterator, num_batches, same_batches):
                 raise _uneven_error(
                     [index + (not e) for e in ended], same_batches
                 )
-            if checked:
+            if compare:
                 _raise_if_batches_differ(digests, index)
-        index += 1
+        elif batch is _END:
+            return
         yield batch

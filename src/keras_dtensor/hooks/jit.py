@@ -1,8 +1,7 @@
-"""`jit_compile=True` under a distribution: a compiled forward
-(`torch.compile(model.call)`), an eager rest on DTensors, so the numbers
-are an eager step's. After a failure, or at dynamo's recompile limit,
-every rank runs eagerly (the ranks agree after a signature's 1st, 2nd,
-4th... call). `KERAS_DTENSOR_JIT=0`: eager.
+"""`jit_compile=True` under a distribution: a compiled forward, the rest
+eager on DTensors. After a failure, or at dynamo's recompile limit, every
+rank runs eagerly (agreed after a signature's 1st, 2nd, 4th... call).
+`KERAS_DTENSOR_JIT=0`: eager.
 """
 
 import collections
@@ -13,6 +12,7 @@ import torch
 from keras_dtensor import config
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import launch
 from keras_dtensor.backend import object_state
 
@@ -20,10 +20,8 @@ __all__ = ["wrap_should_torch_compile"]
 
 
 def _signature(args, kwargs):
-    from keras.src import tree
-
     key = []
-    for x in tree.flatten((args, kwargs)):
+    for x in fast_tree.flatten((args, kwargs)):
         if isinstance(x, torch.Tensor):
             key.append((tuple(x.shape), x.dtype))
         else:
@@ -39,44 +37,8 @@ def _warn(message):
 
 def _brief(error):
     """The error's message on one line, without Keras's ANSI bold."""
-    text = str(error)
-    for code in ("\x1b[1m", "\x1b[0m"):
-        text = text.replace(code, "")
+    text = str(error).replace("\x1b[1m", "").replace("\x1b[0m", "")
     return " ".join(text.split())[:300]
-
-
-class _Compiles:
-    """While open, `most`: the most compilations of one function, dynamo's
-    own count (`recompile_limit` caps it)."""
-
-    def __init__(self):
-        self.most = 0
-
-    def _started(self, args):
-        from torch._dynamo.callback import CallbackTrigger
-
-        if args.callback_trigger != CallbackTrigger.DYNAMO:
-            return
-        parts = str(args.compile_id).split("/")
-        if parts[0].startswith("!"):  # compiled autograd: "!0/frame/n"
-            parts = parts[1:]
-        if len(parts) == 2 and parts[1].isdigit():
-            self.most = max(self.most, int(parts[1]) + 1)
-
-    def __enter__(self):
-        # Registered per call: `torch._dynamo.reset()` clears callbacks.
-        torch._dynamo.callback_handler.register_start_callback(self._started)
-        return self
-
-    def __exit__(self, *exc):
-        torch._dynamo.callback_handler.remove_start_callback(self._started)
-        return False
-
-
-def _agreed_max(values):
-    """The highest of every rank's `values`, column by column."""
-    rows = launch.all_gather_int_lists(list(values))
-    return [max(column) for column in zip(*rows, strict=True)]
 
 
 class _Forward:
@@ -88,7 +50,6 @@ class _Forward:
         self._state = lambda: model.non_trainable_variables
         self._eager = model.call
         self._compiled = torch.compile(model.call, dynamic=False)
-        self._tried = set()
         self._calls = collections.Counter()  # by signature
         self._most = 0  # the most compilations of one of its functions
         self._all_eager = False  # agreed by every rank
@@ -100,9 +61,13 @@ class _Forward:
             # (Inside another compiled region: traced by that one.)
             return self._eager(*args, **kwargs)
         key = _signature(args, kwargs)
-        with _Compiles() as compiles:
+        # Registered per call: `torch._dynamo.reset()` clears callbacks.
+        handler = torch._dynamo.callback_handler
+        handler.register_start_callback(self._started)
+        try:
             outputs = self._run(key, args, kwargs)
-        self._most = max(self._most, compiles.most)
+        finally:
+            handler.remove_start_callback(self._started)
         # Global batch shapes: every rank agrees at the same calls.
         self._calls[key] += 1
         count = self._calls[key]
@@ -110,10 +75,23 @@ class _Forward:
             self._agree()
         return outputs
 
+    def _started(self, args):
+        """Dynamo's own count of a function's compilations, kept in
+        `_most` (`recompile_limit` caps it)."""
+        from torch._dynamo.callback import CallbackTrigger
+
+        if args.callback_trigger != CallbackTrigger.DYNAMO:
+            return
+        parts = str(args.compile_id).split("/")
+        if parts[0].startswith("!"):  # compiled autograd: "!0/frame/n"
+            parts = parts[1:]
+        if len(parts) == 2 and parts[1].isdigit():
+            self._most = max(self._most, int(parts[1]) + 1)
+
     def _run(self, key, args, kwargs):
         if self.error is not None:
             return self._eager(*args, **kwargs)
-        if key in self._tried:
+        if self._calls[key]:  # its trial ran
             return self._compiled(*args, **kwargs)
         saved = [(v, v.value.detach().clone()) for v in self._state()]
         try:
@@ -129,13 +107,13 @@ class _Forward:
                 f"({type(e).__name__}: {_brief(e)}); it runs eagerly."
             )
             return self._eager(*args, **kwargs)
-        self._tried.add(key)
         return outputs
 
     def _agree(self):
-        limit = torch._dynamo.config.recompile_limit
-        most, failed = _agreed_max([self._most, int(self.error is not None)])
-        if not failed and most < limit:
+        mine = [self._most, int(self.error is not None)]
+        rows = launch.all_gather_int_lists(mine)
+        most, failed = (max(column) for column in zip(*rows, strict=True))
+        if not failed and most < torch._dynamo.config.recompile_limit:
             return
         self._all_eager = True
         if failed:
@@ -158,9 +136,8 @@ class _Forward:
 
 
 def _compile_forward(model):
-    if object_state.get_on(model, "call") is not None:
-        return
-    object_state.set_on(model, "call", _Forward(model))
+    if object_state.get_on(model, "call") is None:
+        object_state.set_on(model, "call", _Forward(model))
 
 
 def wrap_should_torch_compile(original):

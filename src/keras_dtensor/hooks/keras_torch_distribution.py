@@ -1,13 +1,13 @@
-"""Keras 3.16's own torch distribution, stood down where keras-dtensor acts
-(DDP wrapping, metric sums, variable and batch layouts, prediction
-gathers), so nothing is done twice. With no distribution set Keras's own
-code runs, except that no model is wrapped in DDP.
+"""Keras 3.16's own torch distribution (DDP wrapping, metric sums, variable
+and batch layouts, prediction gathers) stood down where keras-dtensor does
+the job; with no distribution, Keras's code runs, but no DDP wrapper.
 """
 
 import weakref
 
 from keras_dtensor import compat
 from keras_dtensor.backend import context
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 
@@ -59,17 +59,15 @@ def wrap_get_metrics_result(original):
     (metrics are global values already)."""
 
     def get_metrics_result(self):
-        if context.current() is None and not _process_group_up():
+        import torch.distributed as dist
+
+        if context.current() is None and not (
+            dist.is_available() and dist.is_initialized()
+        ):
             return original(self)
         return compat.base_trainer_class().get_metrics_result(self)
 
     return get_metrics_result
-
-
-def _process_group_up():
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def wrap_initialize_distributed(original):
@@ -78,7 +76,6 @@ def wrap_initialize_distributed(original):
     def _initialize_distributed(self, initializer):
         if context.current() is None:
             return original(self, initializer)
-        return None
 
     return _initialize_distributed
 
@@ -90,10 +87,8 @@ def wrap_distribute_data(original):
     def _distribute_data(data, layouts=None):
         if context.current() is None:
             return original(data, layouts)
-        from keras.src import tree
-
         convert = compat.torch_core().convert_to_tensor
-        return tree.map_structure(
+        return fast_tree.map_structure(
             lambda x: None if x is None else convert(x), data
         )
 
@@ -105,8 +100,6 @@ def wrap_gather_non_batch_axes(original):
     already global values on every process."""
 
     def _gather_non_batch_axes(data):
-        if context.current() is None:
-            return original(data)
-        return data
+        return original(data) if context.current() is None else data
 
     return _gather_non_batch_axes

@@ -1,7 +1,6 @@
-"""A map-style `DataLoader` that loads only this process's batch shard:
-every rank draws the same global batch of indices from the user's batch
-sampler, then fetches and collates only its shard, tagged with its place
-(`batch_layout.tag_shard`).
+"""A map-style `DataLoader` loading only this process's batch shard: every
+rank draws the global batch's indices from the user's batch sampler, then
+fetches and collates its shard, tagged (`batch_layout.tag_shard`).
 """
 
 import zlib
@@ -26,10 +25,9 @@ _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """This process's tagged shards of `loader`'s global batches (a loader
-    with the user's settings, built once per distribution), or `None`
-    where `loader` is read whole: an `IterableDataset`, no automatic
-    batching, a data layout that splits more than the batch dim, or
+    """This process's shards of `loader`'s batches (through a loader with its
+    settings), or `None` where it is read whole: an `IterableDataset`, no
+    automatic batching, a layout not split by batch alone, or
     `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if not config.get("SHARDED_LOADING") or world()[0] == 1:
         return None
@@ -40,24 +38,13 @@ def sharded_loader(loader, distribution):
     rule = shard_rule(distribution)
     if rule is None:
         return None
-    rank = world()[1]
-
-    def shard_of(total):
-        return rule(total, rank)
-
     cached = object_state.get_on(loader, _DERIVED)
     if cached is not None and cached[0] is distribution:
         return _epochs(cached[1])
-    dataset = loader.dataset
-    keyed = (
-        _KeyedBatched(dataset)
-        if getattr(dataset, "__getitems__", None)
-        else _Keyed(dataset)
-    )
     workers = loader.num_workers
     derived = torch_data.DataLoader(
-        keyed,
-        batch_sampler=_ShardIndices(loader.batch_sampler, shard_of),
+        _Keyed(loader.dataset),
+        batch_sampler=_ShardIndices(loader.batch_sampler, rule, world()[1]),
         num_workers=workers,
         collate_fn=_Collate(loader.collate_fn),
         pin_memory=loader.pin_memory,
@@ -134,13 +121,12 @@ def _digest(indices):
 
 
 class _ShardIndices:
-    """The user's batch sampler, cut to this process's shard; each index
-    carries `(start, total, digest, empty)` (`empty`: no rows, the first
-    sample stands in for the structure)."""
+    """The user's batch sampler, cut to this process's shard: `(indices,
+    (start, total, digest, empty))` (`empty`: no rows, the first sample
+    stands in for the structure)."""
 
-    def __init__(self, batch_sampler, shard_of):
-        self.batch_sampler = batch_sampler
-        self.shard_of = shard_of
+    def __init__(self, batch_sampler, rule, rank):
+        self.batch_sampler, self.rule, self.rank = batch_sampler, rule, rank
 
     def __len__(self):
         return len(self.batch_sampler)
@@ -148,43 +134,22 @@ class _ShardIndices:
     def __iter__(self):
         for indices in self.batch_sampler:
             indices = list(indices)
-            total = len(indices)
-            start, length = self.shard_of(total)
-            digest = _digest(indices)
-            if length:
-                meta = (start, total, digest, False)
-                yield [(i, meta) for i in indices[start : start + length]]
-            else:
-                yield [(indices[0], (start, total, digest, True))]
+            start, length = self.rule(len(indices), self.rank)
+            meta = (start, len(indices), _digest(indices), not length)
+            yield indices[start : start + length] or [indices[0]], meta
 
 
 class _Keyed(torch_data.Dataset):
-    """The user's dataset, fetched by `(index, meta)` keys."""
+    """The user's dataset, fetched by `_ShardIndices`'s keys."""
 
     def __init__(self, dataset):
         self.dataset = dataset
 
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        index, meta = key
-        return self.dataset[index], meta
-
-
-class _Fetched:
-    """What a dataset's `__getitems__` returned, and the shard's meta."""
-
-    def __init__(self, data, meta):
-        self.data, self.meta = data, meta
-
-
-class _KeyedBatched(_Keyed):
-    """`_Keyed` for a dataset that fetches a list of indices at once."""
-
-    def __getitems__(self, keys):
-        indices = [index for index, _ in keys]
-        return _Fetched(self.dataset.__getitems__(indices), keys[0][1])
+    def __getitems__(self, key):
+        indices, meta = key
+        if getattr(self.dataset, "__getitems__", None):
+            return self.dataset.__getitems__(indices), meta
+        return [self.dataset[i] for i in indices], meta
 
 
 class _Collate:
@@ -193,10 +158,8 @@ class _Collate:
     def __init__(self, collate_fn):
         self.collate_fn = collate_fn
 
-    def __call__(self, items):
-        if isinstance(items, _Fetched):
-            return self.collate_fn(items.data), items.meta
-        return self.collate_fn([item for item, _ in items]), items[0][1]
+    def __call__(self, fetched):
+        return self.collate_fn(fetched[0]), fetched[1]
 
 
 def rows_of(batch, start, length):

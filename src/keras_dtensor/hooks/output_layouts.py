@@ -28,9 +28,8 @@ def wrap_get_tensor_layout(original):
         if memo is None or memo[0] is not layout_map or memo[1] != entries:
             memo = object_state.set_on(self, _MEMO, (layout_map, entries, {}))
         answers = memo[2]
-        if path in answers:
-            return answers[path]
-        answers[path] = layout = original(self, path)
-        return layout
+        if path not in answers:
+            answers[path] = original(self, path)
+        return answers[path]
 
     return get_tensor_layout

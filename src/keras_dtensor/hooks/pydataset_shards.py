@@ -5,6 +5,7 @@ unpickled), tagged with their place (`batch_layout.tag_shard`).
 
 import collections
 import copy
+import itertools
 import json
 import zlib
 from concurrent import futures
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from keras_dtensor import config
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import tag_shard
 from keras_dtensor.backend.launch import broadcast_bytes
@@ -26,10 +28,9 @@ __all__ = ["sharded_batches", "take_over_workers"]
 
 
 def sharded_batches(adapter, distribution):
-    """An iterable of this process's shards of `adapter`'s batches, or
-    `None` where they are read whole: unknown length,
-    `use_multiprocessing`, a data layout that splits more than the batch
-    dim, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
+    """This process's shards of `adapter`'s batches, or `None` where they
+    are read whole: unknown length, `use_multiprocessing`, a layout not
+    split by batch alone, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
     rule = shard_rule(distribution)
@@ -98,25 +99,20 @@ def _owned(adapter, indices):
     threads, ahead by one more after each taken, up to `max_queue_size`."""
     py_dataset = adapter.py_dataset
     if py_dataset.workers <= 1:
-        for index in indices:
-            yield _build(adapter, index)
+        yield from (_build(adapter, index) for index in indices)
         return
     pool = futures.ThreadPoolExecutor(py_dataset.workers)
-    ahead = collections.deque()
-    pending = iter(indices)
-    taken = 0
+    limit = max(1, py_dataset.max_queue_size)
+    ahead, pending = collections.deque(), iter(indices)
     try:
-        while True:
-            while len(ahead) < min(
-                taken + 1, max(1, py_dataset.max_queue_size)
-            ):
+        for taken in itertools.count(1):
+            while len(ahead) < min(taken, limit):
                 index = next(pending, None)
                 if index is None:
                     break
                 ahead.append(pool.submit(_build, adapter, index))
             if not ahead:
                 return
-            taken += 1
             yield ahead.popleft().result()
     finally:  # an iterator dropped early (Keras's first-batch build)
         pool.shutdown(wait=False, cancel_futures=True)
@@ -136,13 +132,12 @@ def _spec(x, leaves):
     if x is None:
         return None
     if isinstance(x, (tuple, list)):
-        items = [_spec(v, leaves) for v in x]
-        return {"seq": type(x).__name__, "items": items}
+        kind = "tuple" if type(x).__name__ == "tuple" else "list"
+        return {kind: [_spec(v, leaves) for v in x]}
     if isinstance(x, dict):
         if not all(isinstance(k, str) for k in x):
             raise _Unsupported
-        items = [_spec(v, leaves) for v in x.values()]
-        return {"keys": list(x), "items": items}
+        return {"dict": {k: _spec(v, leaves) for k, v in x.items()}}
     if isinstance(x, torch.Tensor):
         x = x.numpy() if x.dtype != torch.bfloat16 else None
     array = np.asarray(x) if x is not None else None
@@ -156,14 +151,12 @@ def _rebuild(spec, leaf):
     """The structure of `spec`, `leaf(leaf_spec)` at each leaf, in order."""
     if spec is None:
         return None
-    if "items" in spec and "keys" in spec:
-        return {
-            k: _rebuild(s, leaf)
-            for k, s in zip(spec["keys"], spec["items"], strict=True)
-        }
-    if "items" in spec:
-        items = [_rebuild(s, leaf) for s in spec["items"]]
-        return tuple(items) if spec["seq"] == "tuple" else items
+    if "dict" in spec:
+        return {k: _rebuild(s, leaf) for k, s in spec["dict"].items()}
+    if "tuple" in spec:
+        return tuple(_rebuild(s, leaf) for s in spec["tuple"])
+    if "list" in spec:
+        return [_rebuild(s, leaf) for s in spec["list"]]
     return leaf(spec)
 
 
@@ -188,18 +181,13 @@ def _receive(batch, owner, rule):
     start, length = shards[rank]
     received = []
     for i, leaf_spec in enumerate(leaf_specs):
-        dtype = torch.from_numpy(
-            np.empty(0, np.dtype(leaf_spec["dtype"]))
-        ).dtype
+        dtype = torch.from_numpy(np.empty(0, leaf_spec["dtype"])).dtype
         out = torch.empty((widest, *leaf_spec["shape"][1:]), dtype=dtype)
         chunks = None
         if rank == owner:
-            leaf = leaves[i]
-            chunks = []
-            for s, n in shards:
-                chunk = out.new_zeros(out.shape)
-                chunk[:n] = leaf[s : s + n]
-                chunks.append(chunk)
+            chunks = [out.new_zeros(out.shape) for _ in shards]
+            for chunk, (s, n) in zip(chunks, shards, strict=True):
+                chunk[:n] = leaves[i][s : s + n]
         dist.scatter(out, chunks, src=owner)
         received.append(out[:length])
     received = iter(received)
@@ -207,10 +195,5 @@ def _receive(batch, owner, rule):
 
 
 def _leading_rows(batch):
-    if isinstance(batch, (tuple, list, dict)):
-        values = batch.values() if isinstance(batch, dict) else batch
-        return next(
-            (n for n in map(_leading_rows, values) if n is not None), None
-        )
-    array = np.asarray(batch) if batch is not None else None
-    return int(array.shape[0]) if array is not None and array.ndim else None
+    leaves = fast_tree.flatten(batch)
+    return next((int(np.shape(x)[0]) for x in leaves if np.ndim(x)), None)

@@ -27,16 +27,11 @@ def _checksum(value):
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    if bits.numel() <= _CHUNK:
-        return bits.sum(dtype=torch.int64)
-    return _chunked_sum(bits)
-
-
-def _chunked_sum(bits):
-    """`bits.sum(dtype=torch.int64)` without casting all of `bits` at once:
-    one buffer, preallocated results, nothing allocated between chunks."""
+    # The int64 sum without casting all of `bits` at once: one buffer,
+    # preallocated results, nothing allocated between chunks.
     chunks = bits.split(_CHUNK)
-    buffer = torch.empty(_CHUNK, dtype=torch.int64, device=bits.device)
+    size = min(_CHUNK, bits.numel())
+    buffer = torch.empty(size, dtype=torch.int64, device=bits.device)
     sums = torch.empty(len(chunks), dtype=torch.int64, device=bits.device)
     for i, chunk in enumerate(chunks):
         part = buffer[: chunk.numel()]
@@ -74,11 +69,8 @@ def check_replicas(model):
     layouts = {}
     differ = {}  # (rank, its replica) -> paths
     for i, value in enumerate(values):
-        key = (
-            (id(value.device_mesh), tuple(value.placements))
-            if isinstance(value, DTensor)
-            else None
-        )
+        mesh = getattr(value, "device_mesh", None)  # None: a plain tensor
+        key = (id(mesh), tuple(getattr(value, "placements", ())))
         if key not in layouts:
             layouts[key] = _replica_of(value, world)
         for rank, first in enumerate(layouts[key]):
@@ -97,12 +89,9 @@ def check_replicas(model):
 
 
 def _signature(weight):
-    value = weight.value
-    placements = (
-        tuple(str(p) for p in value.placements)
-        if isinstance(value, DTensor)
-        else None
-    )
+    placements = None
+    if isinstance(weight.value, DTensor):
+        placements = tuple(str(p) for p in weight.value.placements)
     return (tuple(weight.shape), str(weight.dtype), placements)
 
 
@@ -124,11 +113,8 @@ def check_same_model(model):
         per_weight = launch.all_gather_int_lists(
             [stable_hash(s) for s in signatures]
         )
-        index = next(
-            i
-            for i in range(counts[0])
-            if len({row[i] for row in per_weight}) > 1
-        )
+        columns = enumerate(zip(*per_weight, strict=True))
+        index = next(i for i, column in columns if len(set(column)) > 1)
         shape, dtype, placements = signatures[index]
         detail = (
             f"first difference: weight #{index}, here "

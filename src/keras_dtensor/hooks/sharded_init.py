@@ -1,8 +1,6 @@
-"""Sharded initialization: draw only this rank's shard, same values.
-
-`LocalDraws` answers an elementwise initializer's creation ops with this
-rank's rows, walking the generator's stream in blocks; where that is not
-exact (`chunked_draws_match`), the full value is drawn and sliced.
+"""Sharded initialization: only this rank's shard drawn, with the values
+one process would draw (`LocalDraws` walks the stream in blocks); where
+that is not exact (`chunked_draws_match`), the full value is drawn.
 """
 
 import functools
@@ -11,11 +9,7 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = [
-    "LocalDraws",
-    "chunked_draws_match",
-    "supports",
-]
+__all__ = ["LocalDraws", "chunked_draws_match", "supports"]
 
 _BLOCK_ELEMENTS = 1 << 20  # elements per drawn block
 _DRAWS = (torch.rand, torch.normal)
@@ -43,20 +37,19 @@ def _grid(rows, row_elements, block_elements):
 class _Stream:
     """One random stream, walked block by block across initializer calls."""
 
-    def __init__(self, rows, row_elements, block_elements):
-        self.grid = _grid(rows, row_elements, block_elements)
+    def __init__(self, size, block_elements, generator):
+        self.grid = _grid(size[0], math.prod(size[1:]), block_elements)
         self.next = 0  # the next block of the grid to draw
-        self.generator = None
-        self.captured = False
+        self.generator = generator  # later calls go on with this stream
 
-    def read(self, draw, rest, window, inner):
-        """Draws blocks up to the end of `window` (rows `[lo, hi)`); returns
-        its rows cut by `inner` (`None` for an empty window)."""
+    def read(self, draw, window, inner):
+        """Draws blocks (`draw(rows)`) up to the end of `window` (rows `[lo,
+        hi)`); returns its rows cut by `inner` (`None` for an empty one)."""
         lo, hi = window
         out = None
         while self.next < len(self.grid) and self.grid[self.next][0] < hi:
             start, stop = self.grid[self.next]
-            values = draw((stop - start, *rest))
+            values = draw(stop - start)
             self.next += 1
             a, b = max(start, lo), min(stop, hi)
             if a < b:
@@ -69,14 +62,9 @@ class _Stream:
 
 
 class LocalDraws(TorchFunctionMode):
-    """Answers creation ops of a variable's global shape with one window of
-    this rank's rows.
-
-    Args:
-        shape: the variable's global shape.
-        ranges: `layout.local_slices(...)` for this rank.
-        block_elements: elements per drawn block.
-    """
+    """Answers creation ops of a variable's global `shape` with a window of
+    this rank's part (`ranges`, from `layout.local_slices`), drawing
+    `block_elements` at a time."""
 
     def __init__(self, shape, ranges, block_elements=None):
         super().__init__()
@@ -103,23 +91,17 @@ class LocalDraws(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func in _DRAWS and self._matches(kwargs.get("size")):
             size = tuple(kwargs.pop("size"))
-            rest = size[1:]
             if self.stream is None:
-                self.stream = _Stream(
-                    size[0], math.prod(rest), self.block_elements
-                )
-            stream = self.stream
-            if not stream.captured:  # later calls go on with this stream
-                stream.generator = kwargs.get("generator")
-                stream.captured = True
-            kwargs["generator"] = stream.generator
+                generator = kwargs.get("generator")
+                self.stream = _Stream(size, self.block_elements, generator)
+            kwargs["generator"] = self.stream.generator
 
-            def draw(shape):
-                return func(*args, size=shape, **kwargs)
+            def draw(rows):
+                return func(*args, size=(rows, *size[1:]), **kwargs)
 
-            self._last_draw = (draw, rest)
+            self._last_draw = draw
             self.answered += 1
-            out = stream.read(draw, rest, self.window, self.inner)
+            out = self.stream.read(draw, self.window, self.inner)
             if out is None:  # this rank holds no rows
                 out = torch.empty(
                     self._local_shape(size),
@@ -139,20 +121,10 @@ class LocalDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def run(self, initializer, dtype, blockwise):
-        """This rank's shard of `initializer(shape, dtype)`.
-
-        Args:
-            initializer: a callable `(shape, dtype) -> tensor`.
-            dtype: passed to it.
-            blockwise: call the initializer once per drawn block of this
-                rank's rows, so its temporaries are block-sized. Only for
-                initializers whose calls do not advance a seed state (every
-                call must start the same stream).
-
-        Returns:
-            The local shard (a plain tensor), or `None` if the initializer
-            made no creation op of the variable's shape.
-        """
+        """This rank's shard of `initializer(shape, dtype)`, or `None` if it
+        made no creation op of the variable's shape. `blockwise`: called
+        once per drawn block of this rank's rows (block-sized temporaries),
+        for initializers whose every call starts the same stream."""
         row_start, row_count = self.ranges[0]
         stop = row_start + row_count
         windows = [(row_start, stop)]
@@ -178,7 +150,7 @@ class LocalDraws(TorchFunctionMode):
         if self.stream is not None and self.stream.generator is None:
             # The global generator: left where one whole draw leaves it.
             end = (self.shape[0], self.shape[0])
-            self.stream.read(*self._last_draw, end, ())
+            self.stream.read(self._last_draw, end, ())
         return local
 
 

@@ -19,25 +19,10 @@ __all__ = [
     "wrap_tensorboard_set_model",
 ]
 
-# The `keras.src.utils.file_utils` functions made collective.
-FILE_OPERATIONS = (
-    "exists",
-    "isdir",
-    "listdir",
-    "makedirs",
-    "remove",
-    "rmtree",
-    "copy",
-    "File",
-)
-
-
-def _writes(mode):
-    return any(flag in mode for flag in "wax+")
-
-
-def _sink_mode(mode):
-    return mode.replace("x", "w").replace("+", "").replace("r", "w")
+# The `keras.src.utils.file_utils` functions made collective: queries
+# (rank 0 answers), changes (rank 0 acts) and `File`.
+_QUERIES = ("exists", "isdir", "listdir")
+FILE_OPERATIONS = (*_QUERIES, "makedirs", "remove", "rmtree", "copy", "File")
 
 
 def wrap_file_operation(original, name):
@@ -49,18 +34,21 @@ def wrap_file_operation(original, name):
             return original(*args, **kwargs)
         if name == "File":
             mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
-            if not _writes(mode):
+            if not any(flag in mode for flag in "wax+"):
                 return original(*args, **kwargs)
             opened = []  # rank 0's file; its failure is raised everywhere
             consensus.on_rank_0(
                 lambda: opened.append(original(*args, **kwargs)),
                 f"file_utils.{name}",
             )
-            return opened[0] if opened else open(os.devnull, _sink_mode(mode))
+            if opened:
+                return opened[0]
+            sink = mode.replace("x", "w").replace("+", "").replace("r", "w")
+            return open(os.devnull, sink)
 
         def run():
             result = original(*args, **kwargs)
-            return result if name in ("exists", "isdir", "listdir") else None
+            return result if name in _QUERIES else None
 
         return consensus.on_rank_0(run, f"file_utils.{name}")
 
@@ -85,11 +73,7 @@ def wrap_tensorboard_set_model(original):
         size, rank = launch.world()
         if size == 1 or rank == 0:
             return original(self, model)
-        log_dir = self.log_dir
-        self.log_dir = _scratch_dir(self)
-        try:
+        with object_state.swapped(self, "log_dir", _scratch_dir(self)):
             return original(self, model)
-        finally:
-            self.log_dir = log_dir
 
     return set_model

@@ -2,6 +2,7 @@
 local shards.
 """
 
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard
 
 from keras_dtensor import model_parallel
@@ -12,8 +13,6 @@ __all__ = ["wrap_slice_update"]
 def _aligned(inputs, start_indices, updates):
     """`(inputs, updates)`, each replicated one cut like the other where
     the update spans a whole dim the other shards: no communication."""
-    from torch.distributed.tensor import DTensor
-
     if not (
         isinstance(inputs, DTensor)
         and isinstance(updates, DTensor)
@@ -26,11 +25,11 @@ def _aligned(inputs, start_indices, updates):
     pairs = zip(inputs.placements, updates.placements, strict=True)
     for i, pair in enumerate(pairs):
         for to, source in ((0, pair[1]), (1, pair[0])):
-            if not (pair[to].is_replicate() and type(source) is Shard):
-                continue
-            dim = source.dim
+            dim = source.dim if type(source) is Shard else None
             if (
-                start_indices[dim] == 0
+                dim is not None
+                and pair[to].is_replicate()
+                and start_indices[dim] == 0
                 and inputs.shape[dim] == updates.shape[dim]
                 and inputs.shape[dim] >= mesh.size(i)  # no rank left empty
                 and Shard(dim) not in cut[to]
@@ -49,8 +48,6 @@ def wrap_slice_update(original):
     DTensor runs on each shard), the operands aligned (`_aligned`)."""
 
     def slice_update(inputs, start_indices, updates):
-        from torch.distributed.tensor import DTensor
-
         record = model_parallel.recorder()  # a DTensor run being recorded
         given = inputs
         if isinstance(inputs, DTensor) or isinstance(updates, DTensor):

@@ -15,13 +15,12 @@ from keras_dtensor.backend.distribution_lib import as_backend_layout
 from keras_dtensor.backend.distribution_lib import check_layout
 from keras_dtensor.backend.distribution_lib import distribute_tensor
 from keras_dtensor.backend.errors import AssignedInCall
-from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.layout import local_slices
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.backend.shards import shard_global_tensor
 from keras_dtensor.hooks import sharded_init
 
 __all__ = [
-    "variable_layout",
     "wrap_convert_to_numpy",
     "wrap_direct_assign",
     "wrap_filter_empty_gradients",
@@ -30,10 +29,10 @@ __all__ = [
 ]
 
 
-def variable_layout(variable):
+def _variable_layout(variable):
     """The variable's `TensorLayout`, resolved once; `None` (a plain
-    Parameter) with no distribution, under `DataParallel` or in one
-    process (where the layout is still checked, as N would)."""
+    Parameter) without one, under `DataParallel` or in one process (where
+    the layout is still checked, as N processes would)."""
     distribution = context.current()
     if distribution is None or context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
@@ -54,14 +53,12 @@ def _to_dtensor(variable, value):
     )
     if isinstance(value, DTensor):
         return distribute_tensor(value, layout)
-    convert_to_tensor = compat.torch_core().convert_to_tensor
-    value = convert_to_tensor(value, dtype=variable._dtype)
+    value = compat.torch_core().convert_to_tensor(value, dtype=variable._dtype)
     return shard_global_tensor(value, layout)
 
 
 def _owned(dtensor):
-    """A DTensor whose local shard owns its memory (a view would keep
-    the full value alive)."""
+    """A copy whose local shard owns its memory (not a view of the whole)."""
     return DTensor.from_local(
         dtensor.to_local().clone(),
         dtensor.device_mesh,
@@ -78,7 +75,7 @@ def wrap_initialize(original):
     def _initialize(self, value):
         model_parallel.variables_changed()
         self._shape = self._validate_shape(value.shape)
-        if variable_layout(self) is None:
+        if _variable_layout(self) is None:
             return original(self, value)
         if isinstance(value, torch.nn.Parameter):
             value = value.detach()
@@ -96,7 +93,7 @@ def wrap_initialize_with_initializer(original):
 
     def _initialize_with_initializer(self, initializer):
         model_parallel.variables_changed()
-        if variable_layout(self) is None:
+        if _variable_layout(self) is None:
             return original(self, initializer)
         # An initializer's seed generator may be a (replicated) variable.
         with context.global_values():
@@ -109,17 +106,16 @@ def wrap_initialize_with_initializer(original):
 def _initialize_shard_only(variable, initializer):
     """Creates only this rank's shard of `variable`; `False` where Keras's
     own path (the full value drawn, then sliced) must run."""
-    convert_to_tensor = compat.torch_core().convert_to_tensor
-    get_device = compat.torch_core().get_device
+    backend = compat.torch_core()
     layout = as_backend_layout(
         variable._layout, path=variable.path, shape=variable._shape
     )
     mesh, placements = layout.device_mesh, layout.placements
-    if all(p.is_replicate() for p in placements):
-        return False
-    if not sharded_init.supports(initializer):
-        return False
-    if not sharded_init.chunked_draws_match(str(get_device())):
+    if (
+        all(p.is_replicate() for p in placements)
+        or not sharded_init.supports(initializer)
+        or not sharded_init.chunked_draws_match(str(backend.get_device()))
+    ):
         return False
     shape = tuple(variable._shape)
     ranges = local_slices(shape, mesh, placements)
@@ -131,24 +127,16 @@ def _initialize_shard_only(variable, initializer):
     )
     local_shape = tuple(n for _, n in ranges)
     if value is not None:
-        value = convert_to_tensor(value, dtype=variable._dtype)
+        value = backend.convert_to_tensor(value, dtype=variable._dtype)
     if value is None or tuple(value.shape) != local_shape:
         raise RuntimeError(
             f"keras-dtensor: sharded initialization of {variable.path!r} "
             f"(shape {shape}) with {type(initializer).__name__} produced "
             f"shape {None if value is None else tuple(value.shape)}, expected "
-            f"this rank's shard "
-            f"{local_shape}. Please report this; as a workaround, pass the "
-            "initial value as an array."
+            f"this rank's shard {local_shape}. Please report this; as a "
+            "workaround, pass the initial value as an array."
         )
-    dtensor = DTensor.from_local(
-        value.contiguous(),
-        mesh,
-        placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
-    )
+    dtensor = from_local(value.contiguous(), mesh, placements, shape)
     variable._value = torch.nn.Parameter(
         dtensor, requires_grad=variable.trainable
     )
@@ -214,10 +202,9 @@ def _in_layout_of(grad, variable):
 
 
 def wrap_filter_empty_gradients(original):
-    """Wraps `BaseOptimizer._filter_empty_gradients(grads, variables)`, the
-    first thing `optimizer.apply` does: each gradient, left by backward
-    partial or split along another dim, is laid out as its variable, so
-    the optimizer's in-place updates need no placement change."""
+    """Wraps `BaseOptimizer._filter_empty_gradients`, the first thing
+    `optimizer.apply` does: each gradient laid out as its variable, so the
+    optimizer's in-place updates need no placement change."""
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)
