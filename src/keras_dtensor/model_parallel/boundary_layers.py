@@ -1,13 +1,9 @@
 """Tensor-parallel layers as DTensor islands in a call on local tensors.
 
-In a local run (`local_run`) that follows a `Record` (`Replay`), a
-boundary layer runs as DTensors, its weights untouched: its inputs made
-DTensors with the placements they had in the DTensor run, its outputs'
-partial sums reduced (one all-reduce, as `RowwiseParallel`) and handed on
-as local tensors; or all-gathered first, where the record says its
-outputs leave replicated. A split `Dense`/`EinsumDense` runs on its
-shards instead (`local_split`). Everything else runs on local tensors.
-Which layers are the boundary is decided by `local_run_check`. See
+In a local run that follows a `Record` (`Replay`), a boundary layer's
+inputs become DTensors placed as in the DTensor run, and its outputs
+leave as local tensors, partial sums reduced by one all-reduce (or
+all-gathered where the record says they leave replicated). See
 docs/internals/local-run.md.
 """
 

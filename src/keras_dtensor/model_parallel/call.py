@@ -1,13 +1,10 @@
 """The one entry of ModelParallel: a layer call under a layout.
 
 `call_layer` runs every `Layer.__call__` under a distribution other than
-`DataParallel`: inside a local run, by `local_run.inner_call`; a nested
-call on DTensors, its batch-sharded weights gathered (`fsdp_weights`);
-the outermost call with the global batch made batch-sharded DTensors,
-then locally where the model's layouts allow it (`local_run`), else on
-DTensors. Every layer's outputs leave with their partial sums reduced,
-and their gradients are laid out as the outputs where they enter the
-layer in backward. See docs/internals/local-run.md.
+`DataParallel`: locally where the model allows it (`local_run`), else on
+DTensors. Outputs leave with partial sums reduced; their gradients are
+laid out as the outputs where they enter the layer in backward. See
+docs/internals/local-run.md.
 """
 
 import functools

@@ -1,11 +1,8 @@
 """Keras's torch `einsum` and `matmul` on local shards, by subscripts.
 
-An einsum of DTensors runs once on the local shards, laid out by its
-subscripts as `mm` is (`ops.einsum_plan`), not by torch's decomposition,
-whose merged `_StridedShard` dims `bmm` can only gather. Inside a split
-layer's call on its shards (`local_shards.scope`), `einsum` and a
-`Dense` kernel's `matmul` are placed by the same rules. Anything else is
-left to torch. See docs/internals/local-run.md.
+An einsum of DTensors runs once on the local shards, placed by its
+subscripts (`ops.einsum_plan`), not by torch's decomposition, whose merged
+`_StridedShard` dims `bmm` can only gather. See docs/internals/local-run.md.
 """
 
 import functools

@@ -1,17 +1,13 @@
 """Batch-sharded weights gathered group by group, freed after their forward.
 
-Gathering every batch-sharded weight at once would hold the whole model on
-every rank from the first forward to the last backward: the memory FSDP
-exists to avoid. As FSDP2 (`reshard_after_forward`), the local run
-gathers a group's weights before its forward (`packed_gather`: one
-all-gather, the next group's started), frees them after it, and gathers
-them again when backward first needs a tensor autograd saved from them
-(`saved_tensors_hooks`); gradients leave by one reduce-scatter a group. A
-unit is a layer directly under the model; consecutive units in call
-order form groups of at least `KERAS_DTENSOR_GATHER_MB`; a weight shared by
-units, or of a unit called twice (a tied embedding), is gathered for the
-whole call. Every rank runs the same layers in the same order, so the
-collectives match. Design notes: `docs/internals/data-parallel.md`.
+As FSDP2 (`reshard_after_forward`): a group's weights are gathered before
+its forward (one all-gather, the next group's started), freed after it,
+and gathered again when backward needs what autograd saved from them;
+gradients leave by one reduce-scatter a group. Groups are consecutive
+units (layers directly under the model) of at least
+`KERAS_DTENSOR_GATHER_MB`; a shared weight is gathered for the whole
+call. Every rank runs the same layers in the same order, so the
+collectives match. See docs/internals/local-run.md.
 """
 
 import collections

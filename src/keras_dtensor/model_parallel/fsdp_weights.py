@@ -1,12 +1,9 @@
 """Weights sharded over the batch axis, gathered by the layer that uses them.
 
-Outside a local run, during the call of a layer, its own trainable
-variables sharded over the batch axis (`("batch", None)`, Keras's FSDP)
-read as their gathered value (one all-gather each, other mesh axes left
-as they are), as FSDP2 gathers a module's parameters for its forward:
-every op inside sees a replicated weight and needs no communication, and
-the gather's backward reduce-scatters the gradient to the shard. See
-docs/internals/local-run.md.
+Outside a local run, a layer's own batch-sharded trainable variables read
+gathered during its call (one all-gather each), as FSDP2 gathers a
+module's parameters: the ops inside need no communication, and the
+gather's backward reduce-scatters the gradient to the shard.
 """
 
 import contextlib

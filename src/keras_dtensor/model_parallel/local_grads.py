@@ -1,11 +1,9 @@
 """A DTensor weight read as its local tensor, its gradient laid out once.
 
-`local(value, grad_placements)` is `value.to_local(grad_placements=...)`
-with the gradient's `DTensorSpec` built once per weight and placements,
-not at every step; `local_many` reads many weights through one autograd
-node. The gradient is the same tensor with the same layout and reaches
-the weight through autograd as before (`.grad`, hooks and
-`torch.autograd.grad` unchanged). See docs/internals/local-run.md.
+`local_many` is `value.to_local(grad_placements=...)` for many weights
+through one autograd node, each gradient's `DTensorSpec` built once per
+weight: the same gradients, hooks and `.grad`. See
+docs/internals/local-run.md.
 """
 
 import torch

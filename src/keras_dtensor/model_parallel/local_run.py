@@ -1,15 +1,9 @@
 """A model's outermost call on this rank's rows, as plain tensors.
 
-Where a model's layouts allow it (`local_run_spec`), the call runs on
-local tensors: the inputs enter as this rank's rows and the outputs leave
-as the batch-sharded DTensors the loss and metrics expect; every weight
-reads as its local, whole tensor while its layer runs, batch-sharded ones
-gathered group by group (`fsdp_blocks`) or at once (`packed_gather`),
-their gradients laid out as `local_grads` says. Tensor-parallel layers run
-as DTensor islands (`boundary_layers`), the call checked once per input
-signature (`local_run_check`). A layer that adds a loss or assigns a
-variable in its call sends the model back to DTensors. See
-docs/internals/local-run.md.
+Inputs enter as local rows, outputs leave as the batch-sharded DTensors
+the loss expects; weights read as whole local tensors while their layer
+runs. A layer that adds a loss or assigns a variable in its call sends the
+model back to DTensors. See docs/internals/local-run.md.
 """
 
 import contextlib

@@ -1,15 +1,10 @@
 """Whether a model's local run between tensor-parallel layers is exact.
 
-A plain tensor does not say how it is laid out, and a layer's code is
-arbitrary, so nothing is assumed: the first call of each input signature
-runs as DTensors (without autograd, recorded: `reference_run`) and then
-locally, following the record (`boundary_layers`). The local run is kept
-only if it raised nothing and its outputs equal the DTensor run's bit for
-bit on every rank (one all-reduce of the verdicts). Otherwise the layer
-at fault joins the boundary, or the model's own sharded outputs leave
-replicated, and the check runs again; when nothing helps, the signature
-runs as DTensors and rank 0 says why, once per distribution. See
-docs/internals/local-run.md.
+The first call of each input signature runs as DTensors (recorded) and
+then locally; the local run is kept only if its outputs equal the DTensor
+run's bit for bit on every rank, agreed by one all-reduce. Otherwise a
+layer joins the boundary and the check runs again, or the signature runs
+as DTensors and rank 0 says why. See docs/internals/local-run.md.
 """
 
 import dataclasses

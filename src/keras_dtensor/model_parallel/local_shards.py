@@ -1,12 +1,9 @@
 """Contractions of local shards, their collectives explicit.
 
-Inside `scope(mesh, tensors)`, local tensors registered with their
-placements and global shapes meet in Keras's `einsum` or `matmul`
-(`contract`), placed by the einsum rules (`ops.einsum_plan`): the output
-is a local shard, or each rank's part of a partial sum that the caller
-reduces when the layer returns (`all_reduce`). A contraction this cannot
-place raises `Unsupported`, and the caller runs the layer as DTensors.
-See docs/internals/local-run.md.
+Inside `scope`, registered local tensors meet in `einsum` or `matmul`
+(`contract`), placed by `ops.einsum_plan`: the output is a local shard or
+a partial sum the caller all-reduces. What cannot be placed raises
+`Unsupported`. See docs/internals/local-run.md.
 """
 
 import contextlib

@@ -1,13 +1,9 @@
 """A tensor-parallel `Dense` or `EinsumDense` in a local run, on its shards.
 
-A column or row split `Dense`/`EinsumDense` (Keras's own `call`, no LoRA,
-not quantized), a boundary layer of a local run, runs on local tensors
-instead of as DTensors: its weights read as their local shards, a
-replicated input passed through `local_shards.copy_in`, its contraction
-placed by `local_shards` and a row split's partial sum all-reduced when
-it returns. The values are the DTensor run's, op for op; where a call
-cannot be placed, the layer runs as DTensors from then on. See
-docs/internals/local-run.md.
+Its weights read as local shards, its contraction placed by
+`local_shards`, a row split's partial sum all-reduced when it returns:
+the DTensor run's values, op for op. A call that cannot be placed sends
+the layer to DTensors from then on. See docs/internals/local-run.md.
 """
 
 import dataclasses

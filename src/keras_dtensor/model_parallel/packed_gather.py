@@ -1,9 +1,8 @@
 """Many shards gathered by one all-gather, their gradients scattered back by
 one reduce-scatter, as FSDP2 gathers a group of parameters.
 
-Each rank packs its shards (`torch.chunk`'s, DTensor's `Shard`) side by
-side in one flat buffer (`ops.flat_buffers`), each padded to the chunk so
-every rank's pack has one size; the padding is never read.
+Each rank packs its shards side by side in one flat buffer, each padded to
+`torch.chunk`'s chunk so every rank's pack has one size.
 """
 
 import functools

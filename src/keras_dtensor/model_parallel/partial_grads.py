@@ -1,10 +1,8 @@
 """Gradients that arrive as partial sums, reduced together in buckets.
 
-The gradient of a weight replicated over the batch axis leaves backward
-as a `Partial` sum over it. Rather than one all-reduce per variable, the
-partial sums that resolve to a replicated placement are grouped by mesh,
-reduced mesh axes and dtype, and reduced in buckets of at most
-`KERAS_DTENSOR_BUCKET_MB` (`ops.flat_buffers`), as DDP and FSDP2 do.
+Partial sums over axes their weight is replicated on are grouped by mesh,
+axes and dtype, and all-reduced in buckets of `KERAS_DTENSOR_BUCKET_MB`
+(`ops.flat_buffers`), as DDP does.
 """
 
 from torch.distributed.tensor import DTensor

@@ -1,10 +1,9 @@
 """The DTensor run a local run is checked against, as it ran.
 
-`local_run_check` runs a model's call once as DTensors inside
-`recording(Record(...))`: each nested layer call with weights notes its
-inputs' layouts, whether it joins the boundary (`boundary_layers`) and its
-outputs' layouts; the reshapes and `slice_update`s of the model's own code
-note theirs (`reshapes`). The local run then follows the `Record`.
+Inside `recording(Record(...))`, each nested layer call with weights
+notes its inputs' and outputs' layouts and whether it joins the boundary;
+reshapes and `slice_update`s of the model's own code note theirs. The
+local run then follows the `Record`.
 """
 
 import contextlib

@@ -1,12 +1,8 @@
 """Reshapes to global shapes in a local run, made local; and a replicated
 KV cache cut to this rank's heads.
 
-A reshape in a model's own code to a shape from its config (keras_hub's
-Gemma attention splits its global head count into groups) takes, in a
-local run, the local shape of the same reshape in the DTensor run it
-follows (`Record.note_reshape`, in call order); a `slice_update` whose
-DTensor run cut a replicated cache to head shards does the same cut.
-Where the recorded shards differ in size, nothing is changed. See
+Each takes the local shape the same op had in the recorded DTensor run, in
+call order; where the recorded shards differ in size, nothing changes. See
 docs/internals/local-run.md.
 """
 
