@@ -34,8 +34,7 @@ _REPLAY = contextvars.ContextVar("keras_dtensor_replay", default=None)
 
 
 class Mismatch(Exception):  # noqa: N818 (a signal, not an error)
-    """The local run parted from the DTensor run: a call it did not make,
-    an input laid out otherwise, or outputs that differ."""
+    """The local run parted from the DTensor run."""
 
 
 @dataclasses.dataclass
@@ -47,20 +46,18 @@ class Replay:
     counts: dict = dataclasses.field(default_factory=dict)
     culprit: object = None  # the innermost layer whose call raised
     values_differ: bool = False  # a traced layer's values differed here
-    # `(local tensor, its DTensor)` of the last input wrapped: one tensor
-    # given to consecutive boundary layers (query, key, value) is wrapped
-    # once, so their gradients add up as one partial sum. One slot: no
-    # earlier input is kept alive.
+    # The last input wrapped (`local_split`: copied in), one slot: given to
+    # consecutive boundary layers (query, key, value), it is wrapped once,
+    # so their gradients add up as one partial sum.
     wrapped: tuple = (None, None)
-    # The same for `local_split`: `(local tensor, through copy_in, axes)`.
     copied: tuple = (None, None, None)
     reshaped: int = 0  # reshapes run so far, outside boundary layers
     sliced: int = 0  # and slice_updates
 
     def to_dtensor(self, x, recorded):
-        if recorded is None or not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
-        if isinstance(x, DTensor):
+        if recorded is None:
             return x
         last, out = self.wrapped
         if last is x and out.placements == recorded[0]:

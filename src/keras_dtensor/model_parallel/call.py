@@ -44,10 +44,8 @@ def _grad_in_layout(placements, grad):
 
 
 def _laid_out(x):
-    """`x` with its partial sums reduced, its gradient laid out as `x`
-    where it arrives (a partial sum reduced, as `ColwiseParallel` does at
-    a module's input): backward inside a layer sees what its forward
-    produced."""
+    """`x` with partial sums reduced, its gradient reduced to `x`'s layout
+    where it arrives (as `ColwiseParallel` at a module's input)."""
     x = reduce_partial(x)
     if (
         isinstance(x, DTensor)
@@ -59,26 +57,15 @@ def _laid_out(x):
 
 
 def _reduced(outputs):
-    """A layer's outputs with partial sums reduced (`_laid_out` under
-    autograd)."""
+    """A layer's outputs with partial sums reduced."""
     fn = _laid_out if torch.is_grad_enabled() else reduce_partial
     return fast_tree.map_structure(fn, outputs)
 
 
 def call_layer(layer, original, args, kwargs, distribution):
-    """Runs `original(layer, *args, **kwargs)` under `distribution`.
-
-    Args:
-        layer: the Keras layer being called.
-        original: Keras's `Layer.__call__`.
-        args: the call's positional arguments.
-        kwargs: the call's keyword arguments.
-        distribution: the active distribution (not `DataParallel`).
-
-    Returns:
-        The layer's outputs: DTensors with no partial sums, or plain
-        tensors inside a local run.
-    """
+    """Runs `original(layer, *args, **kwargs)` (Keras's `Layer.__call__`)
+    under `distribution`; returns DTensors with no partial sums, or plain
+    tensors inside a local run."""
     if not torch.compiler.is_compiling() and local_run.active():
         return local_run.inner_call(layer, original, args, kwargs)
     if _in_layer_call():

@@ -12,7 +12,6 @@ collectives match. See docs/internals/local-run.md.
 
 import collections
 import dataclasses
-import functools
 
 import torch
 
@@ -29,22 +28,16 @@ _MARK = object()
 
 @dataclasses.dataclass
 class Layout:
-    """How one model's gathered weights are grouped: `groups`, tuples of
-    indices into the run spec's weights, in call order; `unit_group`:
-    id(unit) -> its group; `root`: indices gathered for the whole call;
-    `order`: the call order it was built from (None: the layers' order);
-    `failed`: a grouped call met a freed weight."""
+    """A model's gathered weights by group (indices into the run spec's
+    weights, in call order); `root`, gathered for the whole call; `order`,
+    the call order built from (None: the layers' order); `failed`, a
+    grouped call met a freed weight."""
 
     groups: tuple
     unit_group: dict
     root: tuple
     order: tuple | None
     failed: bool = False
-
-    @functools.cached_property
-    def grouped(self):
-        """Indices of every weight some group gathers."""
-        return frozenset(i for group in self.groups for i in group)
 
 
 def _units(model):
@@ -68,9 +61,8 @@ def _units(model):
 
 
 def build(model, run_spec, order):
-    """The `Layout` of `model` (the outermost layer `run_spec` runs), or
-    None when grouping frees nothing; `order`: ids of the units a call
-    reached, in call order (None before the first call)."""
+    """The `Layout` of `model`, or None when grouping frees nothing;
+    `order`: ids of the units a call reached (None before the first)."""
     owners, units = _units(model)
     by_unit = collections.defaultdict(list)
     root = []
@@ -105,9 +97,8 @@ def build(model, run_spec, order):
 
 
 class Session:
-    """The gathers of one grouped call and of its backward: `values` are
-    the weights' DTensor values in `run_spec`'s order, `group` the batch
-    axis's process group."""
+    """The gathers of one grouped call and its backward (`values`: the
+    weights' DTensor values in `run_spec`'s order)."""
 
     def __init__(self, run_spec, layout, values, group):
         self.run_spec, self.layout, self.values = run_spec, layout, values
@@ -132,7 +123,9 @@ class Session:
 
     def _start(self, indices):
         shards = local_grads.local_many([self.values[i] for i in indices])
-        pending = packed_gather.start(shards, self._specs(indices), self.group)
+        pending = packed_gather.Pending(
+            shards, self._specs(indices), self.group
+        )
         return pending, shards
 
     def gather_root(self):
@@ -181,8 +174,7 @@ class Session:
             self.ptrs.pop(full.untyped_storage().data_ptr(), None)
 
     def close(self):
-        """The call is over: every group let go (the last one stays
-        alive through what autograd saved of it), started gathers done."""
+        """Every group let go (the last lives on in what autograd saved)."""
         if self.current is not None:
             self._release(self.current)
         self.current = None
@@ -232,4 +224,4 @@ class Session:
         indices = self.layout.groups[g]
         with torch.no_grad():
             shards = [self.values[i].to_local() for i in indices]
-        return packed_gather.start(shards, self._specs(indices), self.group)
+        return packed_gather.Pending(shards, self._specs(indices), self.group)

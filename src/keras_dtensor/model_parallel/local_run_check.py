@@ -7,7 +7,6 @@ layer joins the boundary and the check runs again, or the signature runs
 as DTensors and rank 0 says why. See docs/internals/local-run.md.
 """
 
-import dataclasses
 import re
 import warnings
 
@@ -23,9 +22,10 @@ from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import local_run_spec
 from keras_dtensor.model_parallel import reference_run
 
-__all__ = ["State", "agree", "call", "matches", "reason", "signature"]
+__all__ = ["agree", "call", "matches", "reason", "signature"]
 
-# On a model: `(run_spec, {signature: Record or None}, {layouts: State})`.
+# On a model: `(run_spec, {signature: Record or None}, {layouts: (ids of
+# layers promoted to the boundary, of boundary layers handing on whole)})`.
 _RECORDS = "_keras_dtensor_sharded_records"
 _MISSING = object()
 _SAID = "_keras_dtensor_said_runs_as_dtensors"
@@ -48,9 +48,8 @@ def signature(flat):
 
 
 def matches(reference, local, final):
-    """Whether the local run's outputs (`final`: as the DTensors the call
-    returns) are this rank's shards of the DTensor run's, bit for bit;
-    `(ok, reason)`."""
+    """`(ok, reason)`: whether the local run's outputs (`final`, as
+    DTensors) are this rank's shards of the DTensor run's, bit for bit."""
     flat_ref = fast_tree.flatten(reference)
     flat_local = fast_tree.flatten(local)
     flat_final = fast_tree.flatten(final)  # as long: `outputs_global`
@@ -76,8 +75,7 @@ def matches(reference, local, final):
 
 
 def reason(error):
-    """One line saying why a local run failed, without the frame Keras
-    wraps around an error raised in a layer's call."""
+    """Why a local run failed, in one line, without Keras's frame."""
     text = str(error)
     if "\n\n" in text:  # "Exception encountered when calling ...\n\n"
         text = text.split("\n\n")[1]
@@ -87,31 +85,18 @@ def reason(error):
 
 
 def agree(code, mesh):
-    """The lowest and highest of every rank's verdict (an int): one
-    all-reduce of `[code, -code]` (MIN)."""
+    """The lowest and highest verdict of all ranks (one all-reduce)."""
     both = torch.tensor([code, -code], device=mesh.device_type)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
     low, high = both.tolist()
     return low, -high
 
 
-@dataclasses.dataclass
-class State:
-    """A model's layers promoted to the boundary, and its boundary layers
-    whose outputs leave replicated (ids), for one layout of its inputs."""
-
-    promoted: set = dataclasses.field(default_factory=set)
-    replicated: set = dataclasses.field(default_factory=set)
-
-
 def call(layer, run_spec, flat, reference, run):
-    """A model's call with its tensor-parallel layers as DTensor islands.
-
-    `flat`: the call's inputs, flattened; `reference()` runs the call as
-    DTensors; `run(replay)` runs it on local tensors following `replay`.
-    Returns `(True, outputs)`, or `(False, None)`: run it as DTensors.
-    All ranks take each decision together (`agree`).
-    """
+    """A model's call with its tensor-parallel layers as DTensor islands:
+    `(True, outputs)`, or `(False, None)` to run as DTensors. `reference()`
+    runs the call as DTensors, `run(replay)` locally following `replay`.
+    All ranks take each decision together (`agree`)."""
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
         return False, None  # Keras's shape inference: nothing to compare
     cached = object_state.get_on(layer, _RECORDS)
@@ -131,8 +116,7 @@ def call(layer, run_spec, flat, reference, run):
     layouts = tuple(
         tuple(x.placements) if isinstance(x, DTensor) else None for x in flat
     )
-    state = states.setdefault(layouts, State())
-    promoted, replicated = state.promoted, state.replicated
+    promoted, replicated = states.setdefault(layouts, (set(), set()))
     order = {id(sub): i for i, sub in enumerate(run_spec.layers)}
     # Verdicts: a layer's index (promote it), `ok`, `trace` (trace the
     # layers' outputs to find where the runs part) or -1 (no layer).

@@ -34,12 +34,10 @@ _CREATED = "keras_dtensor_variables_created"
 
 @dataclasses.dataclass(frozen=True)
 class LocalRunSpec:
-    """How one model runs locally: its mesh, the batch axis's mesh dim,
-    `(variable, gather, grad placements)` for each weight, its layers,
-    the indices of the weights to gather; under a tensor-parallel layout,
-    the indices of the weights sharded over another axis (`kept`, left
-    as DTensors) and the ids of the layers owning them (`boundary`, run
-    as DTensors: `boundary_layers`)."""
+    """How one model runs locally: `(variable, gather, grad placements)`
+    per weight; `gathered`, indices to gather; `kept`, indices left as
+    DTensors (sharded over a non-batch axis) and `boundary`, the ids of
+    the layers owning them."""
 
     mesh: object
     dim: int
@@ -50,8 +48,7 @@ class LocalRunSpec:
     boundary: frozenset = frozenset()
 
     def whole(self, placements):
-        """Whether an activation so placed is laid out like the batch:
-        rows sharded over the batch axis, whole along every other."""
+        """Whether `placements` shard rows over the batch axis only."""
         return all(
             (i == self.dim and p == Shard(0)) or whole_along(self.mesh, i, p)
             for i, p in enumerate(placements)
@@ -59,7 +56,7 @@ class LocalRunSpec:
 
 
 def _created():
-    """The count of variables created: a one-item list in Keras's state."""
+    """The count of variables created (a list in Keras's global state)."""
     from keras.src.backend.common import global_state
 
     count = global_state.get_global_attribute(_CREATED)
@@ -76,8 +73,8 @@ def variables_changed():
 
 def _build(layer, batch_axis):
     """The spec, or None. Layers owning a weight sharded over a non-batch
-    axis are the boundary, all their weights kept as DTensors; a boundary
-    layer with weighted sublayers, or the model itself, rules it out."""
+    axis are the boundary (not the model, nor one with weighted
+    sublayers)."""
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
@@ -146,14 +143,12 @@ def _build(layer, batch_axis):
 
 
 def whole_along(mesh, dim, placement):
-    """Whether a local tensor placed so on mesh dim `dim` is the whole
-    tensor along it: replicated, or any placement over one process."""
+    """Whether `placement` on mesh dim `dim` leaves the tensor whole."""
     return placement.is_replicate() or mesh.size(dim) == 1
 
 
 def forget(layer):
-    """The model runs as DTensors from now on (until a variable is
-    created)."""
+    """The model runs as DTensors until a variable is created."""
     cached = object_state.get_on(layer, _PLAN)
     if cached is not None:
         object_state.set_on(layer, _PLAN, (*cached[:2], None))
@@ -174,8 +169,7 @@ def spec_for(layer, distribution):
 
 
 def shards_enter(run_spec, flat):
-    """Whether a tensor-parallel call's inputs can enter its local run as
-    their shards: DTensors on the spec's mesh with no partial sums."""
+    """Whether the inputs are on the spec's mesh, with no partial sums."""
     return all(
         not isinstance(x, DTensor)
         or (
@@ -187,8 +181,7 @@ def shards_enter(run_spec, flat):
 
 
 def adding_losses(layers):
-    """The layers holding a loss that is a plain tensor (one rank's share,
-    from a local run): a loss must be a global value."""
+    """The layers holding a plain-tensor loss (one rank's share)."""
     return [
         sub
         for sub in layers

@@ -35,9 +35,8 @@ class Unsupported(Exception):  # noqa: N818 (a signal, not an error)
 
 @contextlib.contextmanager
 def scope(mesh, tensors):
-    """Contractions of `tensors` (`[(local, placements, global shape)]`)
-    inside run on local shards. Yields the set of mesh dims over which a
-    contraction left partial sums."""
+    """Contractions of `tensors` (`(local, placements, global shape)`) run
+    on local shards; yields the mesh dims left with partial sums."""
     known = {_key(t): (t, tuple(p), tuple(s)) for t, p, s in tensors}
     summed = set()
     token = _SCOPE.set((mesh, known, summed))
@@ -63,8 +62,7 @@ def _summed(x, groups):
 
 
 class _GradAsIs(torch.autograd.Function):
-    """`fn(x)`, a sum or one rank's part of it; backward passes the
-    (replicated) gradient as it is."""
+    """`fn(x)`; backward passes the gradient as it is."""
 
     @staticmethod
     def forward(ctx, x, fn):
@@ -109,8 +107,7 @@ def share(x, n):
 
 
 def contract(subscripts, operands, run):
-    """`run(*operands)` on local shards, laid out by `subscripts`; raises
-    `Unsupported` for operands or layouts it cannot place."""
+    """`run(*operands)` on local shards, placed by `subscripts`."""
     mesh, known, pending = _SCOPE.get()
     specs = []
     for x in operands:

@@ -13,21 +13,19 @@ import torch.distributed as dist
 from keras_dtensor.backend import layout
 from keras_dtensor.ops.flat_buffers import offsets
 
-__all__ = ["Pending", "finish", "gather_shards", "start"]
+__all__ = ["Pending", "finish", "gather_shards"]
 
 
 def _collective(name, old):
-    """torch 2.13's `name`, else `old` (which 2.13 warns on); looked up at
-    each call, as FSDP2 does, so a tool replacing torch's collectives
-    replaces these too."""
+    """torch 2.13's `name`, else `old`; looked up at each call, as FSDP2
+    does, so a tool replacing torch's collectives replaces these too."""
     return getattr(dist, name, None) or getattr(dist, old)
 
 
 @functools.lru_cache(maxsize=256)
 def _pack_layout(specs, world, rank):
-    """Per spec `(dim, shape)`: `(this rank's rows, the padded chunk's
-    shape, every rank's `(rank, first row, rows)`, its `(start, size)` in
-    the pack)`, and the pack's size; computed once."""
+    """Per `(dim, shape)`: this rank's rows, the padded chunk's shape,
+    each rank's `(rank, first row, rows)` and its span in the pack."""
     rows, padded, spans = [], [], []
     for dim, shape in specs:
         n, rest = shape[dim], (*shape[:dim], *shape[dim + 1 :])
@@ -41,8 +39,8 @@ def _pack_layout(specs, world, rank):
 
 
 class Pending:
-    """An all-gather of packed shards in flight; `wait()` gives the full
-    tensors, each with a storage of its own."""
+    """An all-gather of packed shards in flight; pass it to `finish`, or
+    `wait()` for the values alone."""
 
     def __init__(self, shards, specs, group):
         self.specs, self.group = tuple(specs), group
@@ -63,8 +61,7 @@ class Pending:
         self.like = pack.new_empty(0)
 
     def wait(self):
-        """The full tensors, once the gather is done (once: the buffer is
-        let go)."""
+        """The full tensors, each with its own storage (once only)."""
         self.work.wait()
         gathered = self.gathered.view(self.world, -1)
         self.gathered = self.work = None
@@ -83,8 +80,7 @@ class Pending:
 
 
 class _GatherShards(torch.autograd.Function):
-    """forward(pending, *shards) -> the full tensors `pending` gathers;
-    backward reduce-scatters their gradients to the shards."""
+    """The full tensors `pending` gathers; backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, pending, *shards):
@@ -94,9 +90,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         pending = ctx.pending
-        # Each rank's rows of every gradient go to its row of one pack;
-        # the padding's sums are never read, so only a missing gradient
-        # is zeroed.
+        # The padding's sums are never read: only a missing grad is zeroed.
         packs = pending.like.new_empty((pending.world, pending.size))
         for grad, (_, padded, spans, (at, n)), (dim, _) in zip(
             grads, pending.layout, pending.specs, strict=True
@@ -127,13 +121,6 @@ def gather_shards(shards, specs, group):
     return finish(Pending(shards, specs, group), shards)
 
 
-def start(shards, specs, group):
-    """Starts gathering `shards` (as `gather_shards`) without waiting: a
-    `Pending` to pass to `finish`, or to `wait()` on for values alone."""
-    return Pending(shards, specs, group)
-
-
 def finish(pending, shards):
-    """The full tensors of a started gather, with `gather_shards`'s
-    backward to `shards`."""
+    """The full tensors of `pending`, with `gather_shards`'s backward."""
     return _GatherShards.apply(pending, *shards)

@@ -24,8 +24,7 @@ _UNSEEN = object()
 
 
 def _local_reshape(x, newshape):
-    """The shape to give `reshape(x, newshape)` in a local run that
-    follows a DTensor run; None for `newshape` as it is."""
+    """The local shape for `reshape(x, newshape)`, or None."""
     replay = _replay_for(x)
     if replay is None:
         return None
@@ -74,9 +73,8 @@ def wrap_reshape(original):
 
 
 def local_cache(inputs, updates):
-    """`inputs` of a `slice_update` in a local run, cut to this rank's
-    shard where the DTensor run's result was split and its `inputs`
-    replicated; None for `inputs` as it is."""
+    """A `slice_update`'s `inputs` cut to this rank's shard where the
+    DTensor run cut a replicated cache; None for `inputs` as it is."""
     replay = _replay_for(inputs) if isinstance(updates, torch.Tensor) else None
     if replay is None:
         return None
@@ -119,9 +117,8 @@ def _replay_for(x):
 
 
 def _plan(recorded, mesh):
-    """`(input's local shape, result's global shape, its local shape)` of a
-    recorded reshape, or None where its shards differ in size (a rank
-    could take another path than its peers)."""
+    """`(input's local shape, result's global and local shapes)`, or None
+    where shards differ in size (ranks could part ways)."""
     if recorded is None:
         return None
     before, after = recorded
