@@ -135,8 +135,7 @@ def _to_dtensor(x, spec, mesh, batch_dim):
     out = DTensor.from_local(x, mesh, placements, run_check=False)
     if tuple(out.shape) == shape:
         return out
-    # An output handed on whole: cut to the recorded shards (no
-    # communication).
+    # Handed on whole: cut to the recorded shards (no communication).
     whole = _whole(placements, batch_dim)
     if whole != tuple(placements):
         out = DTensor.from_local(x, mesh, whole, run_check=False)

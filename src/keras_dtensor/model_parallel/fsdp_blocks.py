@@ -221,7 +221,5 @@ class Session:
         return fulls
 
     def _start_values(self, g):
-        indices = self.layout.groups[g]
         with torch.no_grad():
-            shards = [self.values[i].to_local() for i in indices]
-        return packed_gather.Pending(shards, self._specs(indices), self.group)
+            return self._start(self.layout.groups[g])[0]

@@ -51,16 +51,13 @@ def _input_rows(run_spec, flat):
     for x in flat:
         if not isinstance(x, DTensor):
             continue
-        if x.device_mesh != run_spec.mesh:
+        if x.device_mesh != run_spec.mesh or not run_spec.whole(x.placements):
             return None
-        for i, placement in enumerate(x.placements):
-            if i == run_spec.dim and placement == Shard(0):
-                shape = (x.shape[0], x.to_local().shape[0])
-                if rows not in (None, shape):
-                    return None
-                rows = shape
-            elif not local_run_spec.whole_along(run_spec.mesh, i, placement):
+        if run_spec.dim is not None and x.placements[run_spec.dim] == Shard(0):
+            shape = (x.shape[0], x.to_local().shape[0])
+            if rows not in (None, shape):
                 return None
+            rows = shape
     return rows
 
 
@@ -215,7 +212,7 @@ def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
     replaying, kept = contextlib.nullcontext(), run_spec.kept
     if replay is not None:
         replaying = boundary_layers.replaying(replay)
-        kept = replay.record.kept()
+        kept = replay.record.kept
     with (
         _local_weights(run_spec, layout, kept) as session,
         _plain_only(),
@@ -267,8 +264,7 @@ def call(layer, original, run_spec, args, kwargs, reference):
     except RuntimeError as error:
         if layout is None or "mixed torch.Tensor and DTensor" not in str(error):
             raise
-        # A freed weight read outside its unit's call: every rank got
-        # here at the same op; from now on all weights are gathered.
+        # A freed weight read outside its unit: every rank fails here.
         layout.failed = True
         if not console.silent():  # rank 0's, as the package's logs
             warnings.warn(

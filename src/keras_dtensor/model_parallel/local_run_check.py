@@ -50,23 +50,20 @@ def signature(flat):
 def matches(reference, local, final):
     """`(ok, reason)`: whether the local run's outputs (`final`, as
     DTensors) are this rank's shards of the DTensor run's, bit for bit."""
-    flat_ref = fast_tree.flatten(reference)
-    flat_local = fast_tree.flatten(local)
-    flat_final = fast_tree.flatten(final)  # as long: `outputs_global`
-    for ref, out, made in zip(flat_ref, flat_local, flat_final, strict=True):
+    flats = [fast_tree.flatten(x) for x in (reference, local, final)]
+    for ref, out, made in zip(*flats, strict=True):
         if not isinstance(ref, torch.Tensor):
             continue
         if not isinstance(ref, DTensor) or isinstance(out, DTensor):
             return False, "an output is not a DTensor in the DTensor run"
-        out = made.to_local()
-        shard = ref.to_local()
+        out, shard = made.to_local().detach(), ref.to_local().detach()
         if shard.shape != out.shape or shard.dtype != out.dtype:
             return False, (
                 f"an output's local shape {tuple(out.shape)} is not the "
                 f"shard's {tuple(shard.shape)}"
             )
-        if not torch.equal(shard.detach(), out.detach()):
-            diff = (shard.detach().double() - out.detach().double()).abs()
+        if not torch.equal(shard, out):
+            diff = (shard.double() - out.double()).abs()
             return False, (
                 "an output's values differ from the DTensor run's (by up "
                 f"to {diff.max().item():.3g})"
@@ -80,8 +77,7 @@ def reason(error):
     if "\n\n" in text:  # "Exception encountered when calling ...\n\n"
         text = text.split("\n\n")[1]
     text = re.sub(r"\x1b\[[0-9;]*m", "", text).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(error).__name__}: {first}"
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def agree(code, mesh):

@@ -26,9 +26,8 @@ __all__ = [
 ]
 
 _PLAN = "_keras_dtensor_local_batch"
-# Counts variables created, in Keras's global state (a new count after
-# `clear_session`): a model's cached spec is rebuilt when it moves, without
-# walking every sublayer's weights each step.
+# Variables created, in Keras's global state (reset by `clear_session`):
+# cached specs are rebuilt when it moves, without walking the weights.
 _CREATED = "keras_dtensor_variables_created"
 
 

@@ -23,9 +23,8 @@ __all__ = [
     "share",
 ]
 
-# `(mesh, {key: (tensor, placements, global shape)}, summed mesh dims)` of
-# the layer call running on local shards, or None. Keyed by memory, shape
-# and strides: a module hook may hand the layer an alias of its input.
+# `(mesh, {key: (tensor, placements, global shape)}, summed mesh dims)`;
+# keyed by memory, shape and strides (a hook may hand on an alias).
 _SCOPE = contextvars.ContextVar("keras_dtensor_local_shards", default=None)
 
 
