@@ -78,8 +78,7 @@ def current_replay():
 
 
 def checked_call(replay, layer, original, args, kwargs):
-    """A layer call of a local run being traced: its outputs must have
-    the fingerprint the DTensor run's had, else the runs part here."""
+    """A traced layer call: its outputs' fingerprint must be as recorded."""
     key = reference_run.next_key(replay.counts, layer)
     outputs = original(layer, *args, **kwargs)
     expected, specs = replay.record.fingerprints.get(key, (None, ()))
@@ -158,9 +157,8 @@ def reduce_partial(x):
 
 
 def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
-    """Runs a boundary layer inside a local run: on its shards
-    (`local_split`), or as DTensors in `dtensor_scope(layer)`, its
-    inputs laid out as recorded; returns local tensors."""
+    """A boundary layer on its shards, or as DTensors placed as recorded in
+    `dtensor_scope(layer)`; returns local tensors."""
     key = reference_run.next_key(replay.counts, layer)
     recorded = replay.record.calls.get(key)
     flat = fast_tree.flatten((args, kwargs))

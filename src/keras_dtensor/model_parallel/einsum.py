@@ -86,8 +86,7 @@ def wrap_einsum(original):
 
 
 def wrap_matmul(original):
-    """Wraps Keras's torch `matmul(x1, x2)`, placed inside
-    `local_shards.scope`."""
+    """Wraps Keras's torch `matmul(x1, x2)` for `local_shards.scope`."""
 
     @functools.wraps(original)
     def matmul(x1, x2):

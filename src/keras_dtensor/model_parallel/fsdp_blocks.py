@@ -97,8 +97,7 @@ def build(model, run_spec, order):
 
 
 class Session:
-    """The gathers of one grouped call and its backward (`values`: the
-    weights' DTensor values in `run_spec`'s order)."""
+    """The gathers of one grouped call and of its backward."""
 
     def __init__(self, run_spec, layout, values, group):
         self.run_spec, self.layout, self.values = run_spec, layout, values

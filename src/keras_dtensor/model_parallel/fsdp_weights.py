@@ -67,8 +67,7 @@ def _swapped(plan):
 
 
 def gathered_weights(layer, distribution):
-    """A context in which `layer`'s batch-sharded weights read gathered
-    (none while torch.compile traces)."""
+    """A context in which `layer`'s batch-sharded weights read gathered."""
     if not layer.built or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     plan = _plan(layer, distribution.batch_dim_name)

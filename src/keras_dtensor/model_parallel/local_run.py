@@ -87,10 +87,8 @@ def _to_global(run_spec, rows, x, layer):
 
 @contextlib.contextmanager
 def _local_weights(run_spec, layout, kept):
-    """Every weight but the `kept` ones reads as its whole local tensor,
-    batch-sharded ones gathered at once (one all-gather per dtype) or
-    group by group under a `fsdp_blocks.Layout` (yields its `Session`,
-    else None)."""
+    """Every weight but the `kept` reads as its whole local tensor, gathered
+    at once (per dtype) or by group (yields the `Session`, else None)."""
     values = [variable._value for variable, _, _ in run_spec.weights]
     whole = list(values)  # kept, and shards until their group gathers
     session = None
@@ -148,8 +146,7 @@ def _local_weights(run_spec, layout, kept):
 
 
 def inner_call(layer, original, args, kwargs):
-    """A layer called inside a local call: its weights' group gathered,
-    or, for a boundary layer, run as DTensors or on its shards."""
+    """A layer called inside a local call."""
     replay = boundary_layers.current_replay()
     try:
         if replay is not None and id(layer) in replay.record.boundary:
@@ -171,8 +168,7 @@ def inner_call(layer, original, args, kwargs):
 
 @contextlib.contextmanager
 def _dtensor_scope(layer):
-    """A boundary layer's call inside a local call: as DTensors, as
-    outside one, its batch-sharded weights gathered for the call."""
+    """A boundary layer's call as DTensors, as outside a local call."""
     with (
         scoped(_ACTIVE, False),
         context.global_values(),
@@ -196,8 +192,7 @@ def _plain_only():
 
 
 def _layout(layer, run_spec):
-    """The model's `fsdp_blocks.Layout` for this call, or None (all
-    weights gathered at once)."""
+    """The model's `fsdp_blocks.Layout`, or None (all gathered at once)."""
     if not run_spec.gathered:
         return None
     cached = object_state.get_on(layer, _GROUPS)
@@ -227,12 +222,8 @@ def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
 
 
 def call(layer, original, run_spec, args, kwargs, reference):
-    """Runs `original(layer, *args, **kwargs)` on local rows.
-
-    Returns `(True, outputs)`, or `(False, None)` when the call must run as
-    DTensors instead. `reference()` runs the call as DTensors, for
-    `local_run_check`.
-    """
+    """`(True, outputs)` of the call on local rows, or `(False, None)`:
+    run as DTensors (`reference()`, which `local_run_check` compares)."""
     flat = fast_tree.flatten((args, kwargs))
     if run_spec.boundary:
         # A compiled forward (`jit_compile=True`) cannot hold the islands.

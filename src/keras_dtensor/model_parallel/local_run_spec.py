@@ -71,9 +71,8 @@ def variables_changed():
 
 
 def _build(layer, batch_axis):
-    """The spec, or None. Layers owning a weight sharded over a non-batch
-    axis are the boundary (not the model, nor one with weighted
-    sublayers)."""
+    """The spec, or None; layers owning a weight sharded over a non-batch
+    axis are the boundary (not the model, nor one with weighted ones)."""
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
@@ -119,9 +118,7 @@ def _build(layer, batch_axis):
     index = {id(variable): i for i, (variable, _, _) in enumerate(items)}
     boundary, kept = set(), {index[v] for v in sharded}
     for sub in layers if sharded else ():
-        own = list(sub._trainable_variables) + list(
-            sub._non_trainable_variables
-        )
+        own = [*sub._trainable_variables, *sub._non_trainable_variables]
         if not any(id(variable) in sharded for variable in own):
             continue
         if sub is layer or any(

@@ -39,8 +39,7 @@ def _pack_layout(specs, world, rank):
 
 
 class Pending:
-    """An all-gather of packed shards in flight; pass it to `finish`, or
-    `wait()` for the values alone."""
+    """A packed all-gather in flight: `finish` it, or `wait()` for values."""
 
     def __init__(self, shards, specs, group):
         self.specs, self.group = tuple(specs), group

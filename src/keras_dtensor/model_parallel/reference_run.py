@@ -49,9 +49,8 @@ def spec(x):
 
 
 def even(recorded, mesh, skip=None):
-    """Whether a recorded `(placements, shape)` has no partial sums and
-    shards of one shape on every rank (a shard over mesh dim `skip`
-    aside): then every rank takes the same decisions."""
+    """Whether a recorded `(placements, shape)` has no partial sums and even
+    shards (mesh dim `skip` aside): every rank takes the same path."""
     if recorded is None:
         return False
     placements, shape = recorded
@@ -184,8 +183,7 @@ def recorder():
 
 
 def fingerprint(outputs):
-    """This rank's share of each output tensor, summed two ways: equal
-    for equal tensors (enough to find the layer where runs part)."""
+    """This rank's share of each output tensor, summed two ways."""
     out = []
     for x in fast_tree.flatten(outputs):
         if isinstance(x, torch.Tensor):

@@ -119,13 +119,11 @@ def _replay_for(x):
 def _plan(recorded, mesh):
     """`(input's local shape, result's global and local shapes)`, or None
     where shards differ in size (ranks could part ways)."""
-    if recorded is None:
-        return None
-    before, after = recorded
-    if not (
-        reference_run.even(before, mesh) and reference_run.even(after, mesh)
+    if recorded is None or not all(
+        reference_run.even(r, mesh) for r in recorded
     ):
         return None
+    before, after = recorded
     return (
         torch.Size(placed_shape(before[1], mesh, before[0])),
         after[1],
