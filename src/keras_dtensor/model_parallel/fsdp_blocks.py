@@ -113,19 +113,11 @@ class Session:
         # Units in call order, for a layout made in the layers' order.
         self.order = [] if layout.order is None else None
 
-    def _specs(self, indices):
-        dim = self.run_spec.dim
-        return [
-            (self.values[i].placements[dim].dim, tuple(self.values[i].shape))
-            for i in indices
-        ]
-
     def _start(self, indices):
-        shards = local_grads.local_many([self.values[i] for i in indices])
-        pending = packed_gather.Pending(
-            shards, self._specs(indices), self.group
-        )
-        return pending, shards
+        values = [self.values[i] for i in indices]
+        shards = local_grads.local_many(values)
+        specs = packed_gather.shard_specs(values, self.run_spec.dim)
+        return packed_gather.Pending(shards, specs, self.group), shards
 
     def gather_root(self):
         """`{index: full}` of the weights gathered for the whole call."""

@@ -111,10 +111,9 @@ def _local_weights(run_spec, layout, kept):
     for (i, _), local_tensor in zip(read, locals_, strict=True):
         whole[i] = local_tensor
     for indices in by_dtype.values():
-        specs = [
-            (values[i].placements[run_spec.dim].dim, tuple(values[i].shape))
-            for i in indices
-        ]
+        specs = packed_gather.shard_specs(
+            [values[i] for i in indices], run_spec.dim
+        )
         fulls = packed_gather.gather_shards(
             [whole[i] for i in indices], specs, group
         )

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from keras_dtensor.backend import layout
 from keras_dtensor.ops.flat_buffers import offsets
 
-__all__ = ["Pending", "finish", "gather_shards"]
+__all__ = ["Pending", "finish", "gather_shards", "shard_specs"]
 
 
 def _collective(name, old):
@@ -111,6 +111,11 @@ class _GatherShards(torch.autograd.Function):
             shard = local[at : at + n].view(padded)[:rows].movedim(0, dim)
             out.append(shard.contiguous())
         return (None, *out)
+
+
+def shard_specs(values, dim):
+    """`(sharded dim, global shape)` of DTensors sharded on mesh dim `dim`."""
+    return [(value.placements[dim].dim, tuple(value.shape)) for value in values]
 
 
 def gather_shards(shards, specs, group):
