@@ -28,10 +28,9 @@ _MARK = object()
 
 @dataclasses.dataclass
 class Layout:
-    """A model's gathered weights by group (indices into the run spec's
-    weights, in call order); `root`, gathered for the whole call; `order`,
-    the call order built from (None: the layers' order); `failed`, a
-    grouped call met a freed weight."""
+    """A model's gathered weights by group, in call order; `root`, those
+    gathered for the whole call; `order`, the call order built from (None:
+    the layers' order); `failed`, a grouped call met a freed weight."""
 
     groups: tuple
     unit_group: dict

@@ -198,8 +198,7 @@ def _layout(layer, run_spec):
     if cached is None or cached[0] is not run_spec:
         layout = fsdp_blocks.build(layer, run_spec, order=None)
         cached = object_state.set_on(layer, _GROUPS, (run_spec, layout))
-    layout = cached[1]
-    return None if layout is None or layout.failed else layout
+    return None if cached[1] is None or cached[1].failed else cached[1]
 
 
 def _run(layer, original, run_spec, args, kwargs, layout, replay=None):

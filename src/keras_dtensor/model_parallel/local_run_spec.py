@@ -34,9 +34,8 @@ _CREATED = "keras_dtensor_variables_created"
 @dataclasses.dataclass(frozen=True)
 class LocalRunSpec:
     """How one model runs locally: `(variable, gather, grad placements)`
-    per weight; `gathered`, indices to gather; `kept`, indices left as
-    DTensors (sharded over a non-batch axis) and `boundary`, the ids of
-    the layers owning them."""
+    per weight; `kept`, indices of those sharded over a non-batch axis
+    (left as DTensors), and `boundary`, the ids of the layers owning them."""
 
     mesh: object
     dim: int
