@@ -44,8 +44,7 @@ def _grad_in_layout(placements, grad):
 
 
 def _laid_out(x):
-    """`x` with partial sums reduced, its gradient reduced to `x`'s layout
-    where it arrives (as `ColwiseParallel` at a module's input)."""
+    """`x` with partial sums reduced, its gradient laid out as `x`."""
     x = reduce_partial(x)
     if (
         isinstance(x, DTensor)

@@ -1,13 +1,10 @@
 """Batch-sharded weights gathered group by group, freed after their forward.
 
 As FSDP2 (`reshard_after_forward`): a group's weights are gathered before
-its forward (one all-gather, the next group's started), freed after it,
-and gathered again when backward needs what autograd saved from them;
-gradients leave by one reduce-scatter a group. Groups are consecutive
-units (layers directly under the model) of at least
-`KERAS_DTENSOR_GATHER_MB`; a shared weight is gathered for the whole
-call. Every rank runs the same layers in the same order, so the
-collectives match. See docs/internals/local-run.md.
+its forward (one all-gather), freed after it, and gathered again when
+backward needs what autograd saved from them; gradients leave by one
+reduce-scatter a group. Every rank runs the same layers in the same
+order, so the collectives match. See docs/internals/local-run.md.
 """
 
 import collections

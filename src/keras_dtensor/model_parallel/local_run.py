@@ -178,8 +178,7 @@ def _dtensor_scope(layer):
 
 @contextlib.contextmanager
 def _plain_only():
-    """No implicit replication inside: a DTensor meeting a local tensor
-    here would be a bug, and must raise rather than mix silently."""
+    """No implicit replication: a DTensor meeting a local tensor raises."""
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = False

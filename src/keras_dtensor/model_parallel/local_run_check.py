@@ -142,8 +142,7 @@ def call(layer, run_spec, flat, reference, run):
             and len(promoted) < _MAX_PROMOTED
         )
 
-    # Layers made to hand on whole outputs, and why the model's own call
-    # failed before the first of them.
+    # Layers made to hand on whole outputs, and the first failure's reason.
     tried, first_why = [], None
     while True:
         record = reference_run.Record(
@@ -162,8 +161,7 @@ def call(layer, run_spec, flat, reference, run):
             return False, None
         record.set_outputs(expected)
         if not record.between:
-            # Every layer a boundary layer: nothing to run locally, for
-            # any signature, until a new weight changes the model.
+            # Nothing to run locally, for any signature, until a new weight.
             records[key] = None
             local_run_spec.forget(layer)
             return False, None
