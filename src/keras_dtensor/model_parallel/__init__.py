@@ -1,18 +1,15 @@
 """ModelParallel the DTensor way: layouts from a `LayoutMap`, run locally
 where they allow it.
 
-Every layer call goes through `call_layer` (`call`). A model with
-FSDP-style layouts runs on this rank's rows as plain tensors (`local_run`,
-decided by `local_run_spec`), its batch-sharded weights gathered block by
-block (`fsdp_blocks`, `packed_gather`), each weight read locally
-(`local_grads`). Its tensor-parallel layers are DTensor islands
-(`boundary_layers`) or run on their local shards (`local_split`,
-`local_shards`, `einsum`), checked once against the DTensor run as it ran
-(`reference_run`, `local_run_check`); reshapes to global shapes take their
-local shape from that run (`reshapes`). Anything else runs on DTensors,
-batch-sharded weights gathered by their layer (`fsdp_weights`). Partial-sum
-gradients are reduced together before the optimizer (`partial_grads`).
-See docs/internals/local-run.md.
+`call` is the one entry of every layer call. `local_run_spec` decides
+which models run on local tensors (`local_run`): FSDP-style weights
+gathered by block (`fsdp_blocks`, `packed_gather`) and read locally
+(`local_grads`); tensor-parallel layers as DTensor islands
+(`boundary_layers`) or on their shards (`local_split`, `local_shards`,
+`einsum`), checked against the recorded DTensor run (`reference_run`,
+`local_run_check`, `reshapes`). Elsewhere layers gather their own weights
+(`fsdp_weights`); `partial_grads` reduces partial-sum gradients in
+buckets. See docs/internals/local-run.md.
 """
 
 from keras_dtensor.model_parallel.call import call_layer

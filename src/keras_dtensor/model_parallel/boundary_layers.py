@@ -1,13 +1,9 @@
 """Tensor-parallel layers as DTensor islands in a call on local tensors.
 
-In a local run (`local_run`) that follows a `Record` (`Replay`), a
-boundary layer runs as DTensors, its weights untouched: its inputs made
-DTensors with the placements they had in the DTensor run, its outputs'
-partial sums reduced (one all-reduce, as `RowwiseParallel`) and handed on
-as local tensors; or all-gathered first, where the record says its
-outputs leave replicated. A split `Dense`/`EinsumDense` runs on its
-shards instead (`local_split`). Everything else runs on local tensors.
-Which layers are the boundary is decided by `local_run_check`. See
+In a local run that follows a `Record` (`Replay`), a boundary layer's
+inputs become DTensors placed as in the DTensor run, and its outputs
+leave as local tensors, partial sums reduced by one all-reduce (or
+all-gathered where the record says they leave replicated). See
 docs/internals/local-run.md.
 """
 
@@ -38,8 +34,7 @@ _REPLAY = contextvars.ContextVar("keras_dtensor_replay", default=None)
 
 
 class Mismatch(Exception):  # noqa: N818 (a signal, not an error)
-    """The local run parted from the DTensor run: a call it did not make,
-    an input laid out otherwise, or outputs that differ."""
+    """The local run parted from the DTensor run."""
 
 
 @dataclasses.dataclass
@@ -51,20 +46,18 @@ class Replay:
     counts: dict = dataclasses.field(default_factory=dict)
     culprit: object = None  # the innermost layer whose call raised
     values_differ: bool = False  # a traced layer's values differed here
-    # `(local tensor, its DTensor)` of the last input wrapped: one tensor
-    # given to consecutive boundary layers (query, key, value) is wrapped
-    # once, so their gradients add up as one partial sum. One slot: no
-    # earlier input is kept alive.
+    # The last input wrapped (`local_split`: copied in), one slot: given to
+    # consecutive boundary layers (query, key, value), it is wrapped once,
+    # so their gradients add up as one partial sum.
     wrapped: tuple = (None, None)
-    # The same for `local_split`: `(local tensor, through copy_in, axes)`.
     copied: tuple = (None, None, None)
     reshaped: int = 0  # reshapes run so far, outside boundary layers
     sliced: int = 0  # and slice_updates
 
     def to_dtensor(self, x, recorded):
-        if recorded is None or not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
-        if isinstance(x, DTensor):
+        if recorded is None:
             return x
         last, out = self.wrapped
         if last is x and out.placements == recorded[0]:
@@ -85,8 +78,7 @@ def current_replay():
 
 
 def checked_call(replay, layer, original, args, kwargs):
-    """A layer call of a local run being traced: its outputs must have
-    the fingerprint the DTensor run's had, else the runs part here."""
+    """A traced layer call: its outputs' fingerprint must be as recorded."""
     key = reference_run.next_key(replay.counts, layer)
     outputs = original(layer, *args, **kwargs)
     expected, specs = replay.record.fingerprints.get(key, (None, ()))
@@ -142,8 +134,7 @@ def _to_dtensor(x, spec, mesh, batch_dim):
     out = DTensor.from_local(x, mesh, placements, run_check=False)
     if tuple(out.shape) == shape:
         return out
-    # An output handed on whole: cut to the recorded shards (no
-    # communication).
+    # Handed on whole: cut to the recorded shards (no communication).
     whole = _whole(placements, batch_dim)
     if whole != tuple(placements):
         out = DTensor.from_local(x, mesh, whole, run_check=False)
@@ -166,9 +157,8 @@ def reduce_partial(x):
 
 
 def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
-    """Runs a boundary layer inside a local run: on its shards
-    (`local_split`), or as DTensors in `dtensor_scope(layer)`, its
-    inputs laid out as recorded; returns local tensors."""
+    """A boundary layer on its shards, or as DTensors placed as recorded in
+    `dtensor_scope(layer)`; returns local tensors."""
     key = reference_run.next_key(replay.counts, layer)
     recorded = replay.record.calls.get(key)
     flat = fast_tree.flatten((args, kwargs))

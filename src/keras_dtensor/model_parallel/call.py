@@ -1,13 +1,10 @@
 """The one entry of ModelParallel: a layer call under a layout.
 
 `call_layer` runs every `Layer.__call__` under a distribution other than
-`DataParallel`: inside a local run, by `local_run.inner_call`; a nested
-call on DTensors, its batch-sharded weights gathered (`fsdp_weights`);
-the outermost call with the global batch made batch-sharded DTensors,
-then locally where the model's layouts allow it (`local_run`), else on
-DTensors. Every layer's outputs leave with their partial sums reduced,
-and their gradients are laid out as the outputs where they enter the
-layer in backward. See docs/internals/local-run.md.
+`DataParallel`: locally where the model allows it (`local_run`), else on
+DTensors. Outputs leave with partial sums reduced; their gradients are
+laid out as the outputs where they enter the layer in backward. See
+docs/internals/local-run.md.
 """
 
 import functools
@@ -47,10 +44,7 @@ def _grad_in_layout(placements, grad):
 
 
 def _laid_out(x):
-    """`x` with its partial sums reduced, its gradient laid out as `x`
-    where it arrives (a partial sum reduced, as `ColwiseParallel` does at
-    a module's input): backward inside a layer sees what its forward
-    produced."""
+    """`x` with partial sums reduced, its gradient laid out as `x`."""
     x = reduce_partial(x)
     if (
         isinstance(x, DTensor)
@@ -62,26 +56,15 @@ def _laid_out(x):
 
 
 def _reduced(outputs):
-    """A layer's outputs with partial sums reduced (`_laid_out` under
-    autograd)."""
+    """A layer's outputs with partial sums reduced."""
     fn = _laid_out if torch.is_grad_enabled() else reduce_partial
     return fast_tree.map_structure(fn, outputs)
 
 
 def call_layer(layer, original, args, kwargs, distribution):
-    """Runs `original(layer, *args, **kwargs)` under `distribution`.
-
-    Args:
-        layer: the Keras layer being called.
-        original: Keras's `Layer.__call__`.
-        args: the call's positional arguments.
-        kwargs: the call's keyword arguments.
-        distribution: the active distribution (not `DataParallel`).
-
-    Returns:
-        The layer's outputs: DTensors with no partial sums, or plain
-        tensors inside a local run.
-    """
+    """Runs `original(layer, *args, **kwargs)` (Keras's `Layer.__call__`)
+    under `distribution`; returns DTensors with no partial sums, or plain
+    tensors inside a local run."""
     if not torch.compiler.is_compiling() and local_run.active():
         return local_run.inner_call(layer, original, args, kwargs)
     if _in_layer_call():

@@ -1,11 +1,8 @@
 """Keras's torch `einsum` and `matmul` on local shards, by subscripts.
 
-An einsum of DTensors runs once on the local shards, laid out by its
-subscripts as `mm` is (`ops.einsum_plan`), not by torch's decomposition,
-whose merged `_StridedShard` dims `bmm` can only gather. Inside a split
-layer's call on its shards (`local_shards.scope`), `einsum` and a
-`Dense` kernel's `matmul` are placed by the same rules. Anything else is
-left to torch. See docs/internals/local-run.md.
+An einsum of DTensors runs once on the local shards, placed by its
+subscripts (`ops.einsum_plan`), not by torch's decomposition, whose merged
+`_StridedShard` dims `bmm` can only gather. See docs/internals/local-run.md.
 """
 
 import functools
@@ -19,22 +16,11 @@ from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import local_shards
 from keras_dtensor.ops import einsum_plan
 
-__all__ = ["shard_plan", "wrap_einsum", "wrap_matmul"]
-
-
-def shard_plan(subscripts, operands):
-    """`(input placements, their gradients', output placements, output
-    global shape)` of an einsum of DTensors on local shards, or None."""
-    mesh = operands[0].device_mesh
-    if any(x.device_mesh != mesh for x in operands):
-        return None
-    specs = tuple((tuple(x.placements), tuple(x.shape)) for x in operands)
-    return einsum_plan.plan_for(subscripts, mesh, specs)
+__all__ = ["wrap_einsum", "wrap_matmul"]
 
 
 def _global_stride(local, shape):
-    """The global strides laid out in the local result's dim order (a
-    permuted view stays one)."""
+    """Global strides in the local result's dim order (a permuted view)."""
     order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), d))
     strides = contiguous_strides([shape[d] for d in order])
     out = [0] * local.ndim
@@ -68,18 +54,22 @@ def wrap_einsum(original):
         ):
             return original(subscripts, *operands, **kwargs)
         operands = _tensors(operands)
-        if not all(isinstance(x, DTensor) for x in operands):
-            return original(subscripts, *operands, **kwargs)
-        found = shard_plan(subscripts, operands)
-        if found is None:
+        mesh = getattr(operands[0], "device_mesh", None)
+        found = all(
+            isinstance(x, DTensor) and x.device_mesh == mesh for x in operands
+        ) and einsum_plan.plan_for(
+            subscripts,
+            mesh,
+            tuple((tuple(x.placements), tuple(x.shape)) for x in operands),
+        )
+        if not found:
             return original(subscripts, *operands, **kwargs)
         targets, grads, placements, shape = found
-        mesh = operands[0].device_mesh
-        local = []
-        for x, target, grad in zip(operands, targets, grads, strict=True):
-            if tuple(x.placements) != target:
-                x = x.redistribute(mesh, target)
-            local.append(local_grads.local(x, grad))
+        operands = [
+            x if tuple(x.placements) == t else x.redistribute(mesh, t)
+            for x, t in zip(operands, targets, strict=True)
+        ]
+        local = local_grads.local_many(operands, grads)
         out = original(subscripts, *local, **kwargs)
         if _global_stride(out, tuple(out.shape)) != out.stride():
             out = out.contiguous()  # not a permuted dense result
@@ -96,8 +86,7 @@ def wrap_einsum(original):
 
 
 def wrap_matmul(original):
-    """Wraps Keras's torch `matmul(x1, x2)`: a `Dense` kernel's product
-    inside `local_shards.scope`; everywhere else it returns at once."""
+    """Wraps Keras's torch `matmul(x1, x2)` for `local_shards.scope`."""
 
     @functools.wraps(original)
     def matmul(x1, x2):

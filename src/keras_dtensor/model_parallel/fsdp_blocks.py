@@ -1,22 +1,14 @@
 """Batch-sharded weights gathered group by group, freed after their forward.
 
-Gathering every batch-sharded weight at once would hold the whole model on
-every rank from the first forward to the last backward: the memory FSDP
-exists to avoid. As FSDP2 (`reshard_after_forward`), the local run
-gathers a group's weights before its forward (`packed_gather`: one
-all-gather, the next group's started), frees them after it, and gathers
-them again when backward first needs a tensor autograd saved from them
-(`saved_tensors_hooks`); gradients leave by one reduce-scatter a group. A
-unit is a layer directly under the model; consecutive units in call
-order form groups of at least `KERAS_DTENSOR_GATHER_MB`; a weight shared by
-units, or of a unit called twice (a tied embedding), is gathered for the
-whole call. Every rank runs the same layers in the same order, so the
-collectives match. Design notes: `docs/internals/data-parallel.md`.
+As FSDP2 (`reshard_after_forward`): a group's weights are gathered before
+its forward (one all-gather), freed after it, and gathered again when
+backward needs what autograd saved from them; gradients leave by one
+reduce-scatter a group. Every rank runs the same layers in the same
+order, so the collectives match. See docs/internals/local-run.md.
 """
 
 import collections
 import dataclasses
-import functools
 
 import torch
 
@@ -33,22 +25,15 @@ _MARK = object()
 
 @dataclasses.dataclass
 class Layout:
-    """How one model's gathered weights are grouped: `groups`, tuples of
-    indices into the run spec's weights, in call order; `unit_group`:
-    id(unit) -> its group; `root`: indices gathered for the whole call;
-    `order`: the call order it was built from (None: the layers' order);
-    `failed`: a grouped call met a freed weight."""
+    """A model's gathered weights by group, in call order; `root`, those
+    gathered for the whole call; `order`, the call order built from (None:
+    the layers' order); `failed`, a grouped call met a freed weight."""
 
     groups: tuple
     unit_group: dict
     root: tuple
     order: tuple | None
     failed: bool = False
-
-    @functools.cached_property
-    def grouped(self):
-        """Indices of every weight some group gathers."""
-        return frozenset(i for group in self.groups for i in group)
 
 
 def _units(model):
@@ -72,9 +57,8 @@ def _units(model):
 
 
 def build(model, run_spec, order):
-    """The `Layout` of `model` (the outermost layer `run_spec` runs), or
-    None when grouping frees nothing; `order`: ids of the units a call
-    reached, in call order (None before the first call)."""
+    """The `Layout` of `model`, or None when grouping frees nothing;
+    `order`: ids of the units a call reached (None before the first)."""
     owners, units = _units(model)
     by_unit = collections.defaultdict(list)
     root = []
@@ -109,9 +93,7 @@ def build(model, run_spec, order):
 
 
 class Session:
-    """The gathers of one grouped call and of its backward: `values` are
-    the weights' DTensor values in `run_spec`'s order, `group` the batch
-    axis's process group."""
+    """The gathers of one grouped call and of its backward."""
 
     def __init__(self, run_spec, layout, values, group):
         self.run_spec, self.layout, self.values = run_spec, layout, values
@@ -127,17 +109,11 @@ class Session:
         # Units in call order, for a layout made in the layers' order.
         self.order = [] if layout.order is None else None
 
-    def _specs(self, indices):
-        dim = self.run_spec.dim
-        return [
-            (self.values[i].placements[dim].dim, tuple(self.values[i].shape))
-            for i in indices
-        ]
-
     def _start(self, indices):
-        shards = local_grads.local_many([self.values[i] for i in indices])
-        pending = packed_gather.start(shards, self._specs(indices), self.group)
-        return pending, shards
+        values = [self.values[i] for i in indices]
+        shards = local_grads.local_many(values)
+        specs = packed_gather.shard_specs(values, self.run_spec.dim)
+        return packed_gather.Pending(shards, specs, self.group), shards
 
     def gather_root(self):
         """`{index: full}` of the weights gathered for the whole call."""
@@ -185,8 +161,7 @@ class Session:
             self.ptrs.pop(full.untyped_storage().data_ptr(), None)
 
     def close(self):
-        """The call is over: every group let go (the last one stays
-        alive through what autograd saved of it), started gathers done."""
+        """Every group let go (the last lives on in what autograd saved)."""
         if self.current is not None:
             self._release(self.current)
         self.current = None
@@ -233,7 +208,5 @@ class Session:
         return fulls
 
     def _start_values(self, g):
-        indices = self.layout.groups[g]
         with torch.no_grad():
-            shards = [self.values[i].to_local() for i in indices]
-        return packed_gather.start(shards, self._specs(indices), self.group)
+            return self._start(self.layout.groups[g])[0]

@@ -1,12 +1,9 @@
 """Weights sharded over the batch axis, gathered by the layer that uses them.
 
-Outside a local run, during the call of a layer, its own trainable
-variables sharded over the batch axis (`("batch", None)`, Keras's FSDP)
-read as their gathered value (one all-gather each, other mesh axes left
-as they are), as FSDP2 gathers a module's parameters for its forward:
-every op inside sees a replicated weight and needs no communication, and
-the gather's backward reduce-scatters the gradient to the shard. See
-docs/internals/local-run.md.
+Outside a local run, a layer's own batch-sharded trainable variables read
+gathered during its call (one all-gather each), as FSDP2 gathers a
+module's parameters: the ops inside need no communication, and the
+gather's backward reduce-scatters the gradient to the shard.
 """
 
 import contextlib
@@ -23,8 +20,8 @@ _PLAN = "_keras_dtensor_weight_gather"
 
 
 def batch_placement(value, batch_axis):
-    """`(mesh dim of the batch axis, its Shard placement or None)` for a
-    DTensor on a mesh with the batch axis; None otherwise."""
+    """`(batch axis's mesh dim, its Shard or None)`, or None when `value`
+    is no DTensor on a mesh with the batch axis."""
     if not isinstance(value, DTensor):
         return None
     names = value.device_mesh.mesh_dim_names or ()
@@ -36,8 +33,8 @@ def batch_placement(value, batch_axis):
 
 
 def _plan(layer, batch_axis):
-    """`((variable, placements), ...)` of the layer's own trainable
-    variables to gather, cached until their number changes (LoRA)."""
+    """`(variable, gathered placements)` of the layer's own trainable
+    variables, cached until their number changes (LoRA)."""
     own = layer.__dict__.get("_trainable_variables")
     if not own:
         return ()
@@ -70,8 +67,7 @@ def _swapped(plan):
 
 
 def gathered_weights(layer, distribution):
-    """A context in which `layer`'s batch-sharded weights read gathered
-    (a null context when it has none, or while torch.compile traces)."""
+    """A context in which `layer`'s batch-sharded weights read gathered."""
     if not layer.built or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     plan = _plan(layer, distribution.batch_dim_name)

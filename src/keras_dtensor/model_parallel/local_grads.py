@@ -1,11 +1,9 @@
 """A DTensor weight read as its local tensor, its gradient laid out once.
 
-`local(value, grad_placements)` is `value.to_local(grad_placements=...)`
-with the gradient's `DTensorSpec` built once per weight and placements,
-not at every step; `local_many` reads many weights through one autograd
-node. The gradient is the same tensor with the same layout and reaches
-the weight through autograd as before (`.grad`, hooks and
-`torch.autograd.grad` unchanged). See docs/internals/local-run.md.
+`local_many` is `value.to_local(grad_placements=...)` for many weights
+through one autograd node, each gradient's `DTensorSpec` built once per
+weight: the same gradients, hooks and `.grad`. See
+docs/internals/local-run.md.
 """
 
 import torch
@@ -13,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import object_state
 
-__all__ = ["like", "local", "local_many"]
+__all__ = ["like", "local_many"]
 
 _SPECS = "_keras_dtensor_grad_specs"
 
@@ -64,9 +62,8 @@ class _ToLocalMany(torch.autograd.Function):
 
 
 def local_many(values, grad_placements=None):
-    """`[local(v, p) for v, p in zip(values, grad_placements)]`
-    (`grad_placements` None: each value's own), the leaves among `values`
-    (variables' values) read through one autograd node."""
+    """`v.to_local(grad_placements=p)` for each value and placements (None:
+    the value's own), the leaves among `values` through one autograd node."""
     if grad_placements is None:
         grad_placements = [None] * len(values)
     out = [None] * len(values)
@@ -91,14 +88,8 @@ def local_many(values, grad_placements=None):
     return out
 
 
-def local(value, grad_placements=None):
-    """`value.to_local(grad_placements=grad_placements)` of a weight."""
-    return local_many([value], [grad_placements])[0]
-
-
 def like(local_tensor, value):
-    """`local_tensor` as a DTensor laid out as `value` (its local shape
-    and stride), without building a new spec."""
+    """`local_tensor` as a DTensor laid out as `value`, reusing its spec."""
     own = value._local_tensor
     if local_tensor.shape != own.shape or local_tensor.stride() != own.stride():
         return DTensor.from_local(

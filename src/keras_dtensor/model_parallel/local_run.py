@@ -1,15 +1,9 @@
 """A model's outermost call on this rank's rows, as plain tensors.
 
-Where a model's layouts allow it (`local_run_spec`), the call runs on
-local tensors: the inputs enter as this rank's rows and the outputs leave
-as the batch-sharded DTensors the loss and metrics expect; every weight
-reads as its local, whole tensor while its layer runs, batch-sharded ones
-gathered group by group (`fsdp_blocks`) or at once (`packed_gather`),
-their gradients laid out as `local_grads` says. Tensor-parallel layers run
-as DTensor islands (`boundary_layers`), the call checked once per input
-signature (`local_run_check`). A layer that adds a loss or assigns a
-variable in its call sends the model back to DTensors. See
-docs/internals/local-run.md.
+Inputs enter as local rows, outputs leave as the batch-sharded DTensors
+the loss expects; weights read as whole local tensors while their layer
+runs. A layer that adds a loss or assigns a variable in its call sends the
+model back to DTensors. See docs/internals/local-run.md.
 """
 
 import contextlib
@@ -57,16 +51,13 @@ def _input_rows(run_spec, flat):
     for x in flat:
         if not isinstance(x, DTensor):
             continue
-        if x.device_mesh != run_spec.mesh:
+        if x.device_mesh != run_spec.mesh or not run_spec.whole(x.placements):
             return None
-        for i, placement in enumerate(x.placements):
-            if i == run_spec.dim and placement == Shard(0):
-                shape = (x.shape[0], x.to_local().shape[0])
-                if rows not in (None, shape):
-                    return None
-                rows = shape
-            elif not local_run_spec.whole_along(run_spec.mesh, i, placement):
+        if run_spec.dim is not None and x.placements[run_spec.dim] == Shard(0):
+            shape = (x.shape[0], x.to_local().shape[0])
+            if rows not in (None, shape):
                 return None
+            rows = shape
     return rows
 
 
@@ -96,10 +87,8 @@ def _to_global(run_spec, rows, x, layer):
 
 @contextlib.contextmanager
 def _local_weights(run_spec, layout, kept):
-    """Every weight but the `kept` ones reads as its whole local tensor,
-    batch-sharded ones gathered at once (one all-gather per dtype) or
-    group by group under a `fsdp_blocks.Layout` (yields its `Session`,
-    else None)."""
+    """Every weight but the `kept` reads as its whole local tensor, gathered
+    at once (per dtype) or by group (yields the `Session`, else None)."""
     values = [variable._value for variable, _, _ in run_spec.weights]
     whole = list(values)  # kept, and shards until their group gathers
     session = None
@@ -122,10 +111,9 @@ def _local_weights(run_spec, layout, kept):
     for (i, _), local_tensor in zip(read, locals_, strict=True):
         whole[i] = local_tensor
     for indices in by_dtype.values():
-        specs = [
-            (values[i].placements[run_spec.dim].dim, tuple(values[i].shape))
-            for i in indices
-        ]
+        specs = packed_gather.shard_specs(
+            [values[i] for i in indices], run_spec.dim
+        )
         fulls = packed_gather.gather_shards(
             [whole[i] for i in indices], specs, group
         )
@@ -157,8 +145,7 @@ def _local_weights(run_spec, layout, kept):
 
 
 def inner_call(layer, original, args, kwargs):
-    """A layer called inside a local call: its weights' group gathered,
-    or, for a boundary layer, run as DTensors or on its shards."""
+    """A layer called inside a local call."""
     replay = boundary_layers.current_replay()
     try:
         if replay is not None and id(layer) in replay.record.boundary:
@@ -180,8 +167,7 @@ def inner_call(layer, original, args, kwargs):
 
 @contextlib.contextmanager
 def _dtensor_scope(layer):
-    """A boundary layer's call inside a local call: as DTensors, as
-    outside one, its batch-sharded weights gathered for the call."""
+    """A boundary layer's call as DTensors, as outside a local call."""
     with (
         scoped(_ACTIVE, False),
         context.global_values(),
@@ -192,8 +178,7 @@ def _dtensor_scope(layer):
 
 @contextlib.contextmanager
 def _plain_only():
-    """No implicit replication inside: a DTensor meeting a local tensor
-    here would be a bug, and must raise rather than mix silently."""
+    """No implicit replication: a DTensor meeting a local tensor raises."""
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = False
@@ -205,23 +190,21 @@ def _plain_only():
 
 
 def _layout(layer, run_spec):
-    """The model's `fsdp_blocks.Layout` for this call, or None (all
-    weights gathered at once)."""
+    """The model's `fsdp_blocks.Layout`, or None (all gathered at once)."""
     if not run_spec.gathered:
         return None
     cached = object_state.get_on(layer, _GROUPS)
     if cached is None or cached[0] is not run_spec:
         layout = fsdp_blocks.build(layer, run_spec, order=None)
         cached = object_state.set_on(layer, _GROUPS, (run_spec, layout))
-    layout = cached[1]
-    return None if layout is None or layout.failed else layout
+    return None if cached[1] is None or cached[1].failed else cached[1]
 
 
 def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
     replaying, kept = contextlib.nullcontext(), run_spec.kept
     if replay is not None:
         replaying = boundary_layers.replaying(replay)
-        kept = replay.record.kept()
+        kept = replay.record.kept
     with (
         _local_weights(run_spec, layout, kept) as session,
         _plain_only(),
@@ -236,12 +219,8 @@ def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
 
 
 def call(layer, original, run_spec, args, kwargs, reference):
-    """Runs `original(layer, *args, **kwargs)` on local rows.
-
-    Returns `(True, outputs)`, or `(False, None)` when the call must run as
-    DTensors instead. `reference()` runs the call as DTensors, for
-    `local_run_check`.
-    """
+    """`(True, outputs)` of the call on local rows, or `(False, None)`:
+    run as DTensors (`reference()`, which `local_run_check` compares)."""
     flat = fast_tree.flatten((args, kwargs))
     if run_spec.boundary:
         # A compiled forward (`jit_compile=True`) cannot hold the islands.
@@ -273,8 +252,7 @@ def call(layer, original, run_spec, args, kwargs, reference):
     except RuntimeError as error:
         if layout is None or "mixed torch.Tensor and DTensor" not in str(error):
             raise
-        # A freed weight read outside its unit's call: every rank got
-        # here at the same op; from now on all weights are gathered.
+        # A freed weight read outside its unit: every rank fails here.
         layout.failed = True
         if not console.silent():  # rank 0's, as the package's logs
             warnings.warn(

@@ -1,15 +1,10 @@
 """Whether a model's local run between tensor-parallel layers is exact.
 
-A plain tensor does not say how it is laid out, and a layer's code is
-arbitrary, so nothing is assumed: the first call of each input signature
-runs as DTensors (without autograd, recorded: `reference_run`) and then
-locally, following the record (`boundary_layers`). The local run is kept
-only if it raised nothing and its outputs equal the DTensor run's bit for
-bit on every rank (one all-reduce of the verdicts). Otherwise the layer
-at fault joins the boundary, or the model's own sharded outputs leave
-replicated, and the check runs again; when nothing helps, the signature
-runs as DTensors and rank 0 says why, once per distribution. See
-docs/internals/local-run.md.
+The first call of each input signature runs as DTensors (recorded) and
+then locally; the local run is kept only if its outputs equal the DTensor
+run's bit for bit on every rank, agreed by one all-reduce. Otherwise a
+layer joins the boundary and the check runs again, or the signature runs
+as DTensors and rank 0 says why. See docs/internals/local-run.md.
 """
 
 import dataclasses
@@ -53,26 +48,22 @@ def signature(flat):
 
 
 def matches(reference, local, final):
-    """Whether the local run's outputs (`final`: as the DTensors the call
-    returns) are this rank's shards of the DTensor run's, bit for bit;
-    `(ok, reason)`."""
-    flat_ref = fast_tree.flatten(reference)
-    flat_local = fast_tree.flatten(local)
-    flat_final = fast_tree.flatten(final)  # as long: `outputs_global`
-    for ref, out, made in zip(flat_ref, flat_local, flat_final, strict=True):
+    """`(ok, reason)`: whether the local run's outputs (`final`, as
+    DTensors) are this rank's shards of the DTensor run's, bit for bit."""
+    flats = [fast_tree.flatten(x) for x in (reference, local, final)]
+    for ref, out, made in zip(*flats, strict=True):
         if not isinstance(ref, torch.Tensor):
             continue
         if not isinstance(ref, DTensor) or isinstance(out, DTensor):
             return False, "an output is not a DTensor in the DTensor run"
-        out = made.to_local()
-        shard = ref.to_local()
+        out, shard = made.to_local().detach(), ref.to_local().detach()
         if shard.shape != out.shape or shard.dtype != out.dtype:
             return False, (
                 f"an output's local shape {tuple(out.shape)} is not the "
                 f"shard's {tuple(shard.shape)}"
             )
-        if not torch.equal(shard.detach(), out.detach()):
-            diff = (shard.detach().double() - out.detach().double()).abs()
+        if not torch.equal(shard, out):
+            diff = (shard.double() - out.double()).abs()
             return False, (
                 "an output's values differ from the DTensor run's (by up "
                 f"to {diff.max().item():.3g})"
@@ -81,19 +72,16 @@ def matches(reference, local, final):
 
 
 def reason(error):
-    """One line saying why a local run failed, without the frame Keras
-    wraps around an error raised in a layer's call."""
+    """Why a local run failed, in one line, without Keras's frame."""
     text = str(error)
     if "\n\n" in text:  # "Exception encountered when calling ...\n\n"
         text = text.split("\n\n")[1]
     text = re.sub(r"\x1b\[[0-9;]*m", "", text).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(error).__name__}: {first}"
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def agree(code, mesh):
-    """The lowest and highest of every rank's verdict (an int): one
-    all-reduce of `[code, -code]` (MIN)."""
+    """The lowest and highest verdict of all ranks (one all-reduce)."""
     both = torch.tensor([code, -code], device=mesh.device_type)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
     low, high = both.tolist()
@@ -102,21 +90,18 @@ def agree(code, mesh):
 
 @dataclasses.dataclass
 class State:
-    """A model's layers promoted to the boundary, and its boundary layers
-    whose outputs leave replicated (ids), for one layout of its inputs."""
+    """Ids of a model's layers promoted to the boundary, and of its boundary
+    layers whose outputs leave replicated, for one layout of its inputs."""
 
     promoted: set = dataclasses.field(default_factory=set)
     replicated: set = dataclasses.field(default_factory=set)
 
 
 def call(layer, run_spec, flat, reference, run):
-    """A model's call with its tensor-parallel layers as DTensor islands.
-
-    `flat`: the call's inputs, flattened; `reference()` runs the call as
-    DTensors; `run(replay)` runs it on local tensors following `replay`.
-    Returns `(True, outputs)`, or `(False, None)`: run it as DTensors.
-    All ranks take each decision together (`agree`).
-    """
+    """A model's call with its tensor-parallel layers as DTensor islands:
+    `(True, outputs)`, or `(False, None)` to run as DTensors. `reference()`
+    runs the call as DTensors, `run(replay)` locally following `replay`.
+    All ranks take each decision together (`agree`)."""
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
         return False, None  # Keras's shape inference: nothing to compare
     cached = object_state.get_on(layer, _RECORDS)
@@ -157,8 +142,7 @@ def call(layer, run_spec, flat, reference, run):
             and len(promoted) < _MAX_PROMOTED
         )
 
-    # Layers made to hand on whole outputs, and why the model's own call
-    # failed before the first of them.
+    # Layers made to hand on whole outputs, and the first failure's reason.
     tried, first_why = [], None
     while True:
         record = reference_run.Record(
@@ -177,8 +161,7 @@ def call(layer, run_spec, flat, reference, run):
             return False, None
         record.set_outputs(expected)
         if not record.between:
-            # Every layer a boundary layer: nothing to run locally, for
-            # any signature, until a new weight changes the model.
+            # Nothing to run locally, for any signature, until a new weight.
             records[key] = None
             local_run_spec.forget(layer)
             return False, None

@@ -1,8 +1,7 @@
 """Which models run on local tensors (`local_run`), decided once.
 
 A model's `LocalRunSpec` is cached on it until a variable is created
-anywhere (LoRA adds weights after build). See docs/internals/local-run.md
-for what qualifies and why.
+anywhere (LoRA adds weights after build). See docs/internals/local-run.md.
 """
 
 import dataclasses
@@ -27,20 +26,16 @@ __all__ = [
 ]
 
 _PLAN = "_keras_dtensor_local_batch"
-# Counts variables created, in Keras's global state (a new count after
-# `clear_session`): a model's cached spec is rebuilt when it moves, without
-# walking every sublayer's weights each step.
+# Variables created, in Keras's global state (reset by `clear_session`):
+# cached specs are rebuilt when it moves, without walking the weights.
 _CREATED = "keras_dtensor_variables_created"
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalRunSpec:
-    """How one model runs locally: its mesh, the batch axis's mesh dim,
-    `(variable, gather, grad placements)` for each weight, its layers,
-    the indices of the weights to gather; under a tensor-parallel layout,
-    the indices of the weights sharded over another axis (`kept`, left
-    as DTensors) and the ids of the layers owning them (`boundary`, run
-    as DTensors: `boundary_layers`)."""
+    """How one model runs locally: `(variable, gather, grad placements)`
+    per weight; `kept`, indices of those sharded over a non-batch axis
+    (left as DTensors), and `boundary`, the ids of the layers owning them."""
 
     mesh: object
     dim: int
@@ -51,8 +46,7 @@ class LocalRunSpec:
     boundary: frozenset = frozenset()
 
     def whole(self, placements):
-        """Whether an activation so placed is laid out like the batch:
-        rows sharded over the batch axis, whole along every other."""
+        """Whether `placements` shard rows over the batch axis only."""
         return all(
             (i == self.dim and p == Shard(0)) or whole_along(self.mesh, i, p)
             for i, p in enumerate(placements)
@@ -60,7 +54,7 @@ class LocalRunSpec:
 
 
 def _created():
-    """The count of variables created: a one-item list in Keras's state."""
+    """The count of variables created (a list in Keras's global state)."""
     from keras.src.backend.common import global_state
 
     count = global_state.get_global_attribute(_CREATED)
@@ -76,9 +70,8 @@ def variables_changed():
 
 
 def _build(layer, batch_axis):
-    """The spec, or None. Layers owning a weight sharded over a non-batch
-    axis are the boundary, all their weights kept as DTensors; a boundary
-    layer with weighted sublayers, or the model itself, rules it out."""
+    """The spec, or None; layers owning a weight sharded over a non-batch
+    axis are the boundary (not the model, nor one with weighted ones)."""
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
@@ -124,9 +117,7 @@ def _build(layer, batch_axis):
     index = {id(variable): i for i, (variable, _, _) in enumerate(items)}
     boundary, kept = set(), {index[v] for v in sharded}
     for sub in layers if sharded else ():
-        own = list(sub._trainable_variables) + list(
-            sub._non_trainable_variables
-        )
+        own = [*sub._trainable_variables, *sub._non_trainable_variables]
         if not any(id(variable) in sharded for variable in own):
             continue
         if sub is layer or any(
@@ -147,14 +138,12 @@ def _build(layer, batch_axis):
 
 
 def whole_along(mesh, dim, placement):
-    """Whether a local tensor placed so on mesh dim `dim` is the whole
-    tensor along it: replicated, or any placement over one process."""
+    """Whether `placement` on mesh dim `dim` leaves the tensor whole."""
     return placement.is_replicate() or mesh.size(dim) == 1
 
 
 def forget(layer):
-    """The model runs as DTensors from now on (until a variable is
-    created)."""
+    """The model runs as DTensors until a variable is created."""
     cached = object_state.get_on(layer, _PLAN)
     if cached is not None:
         object_state.set_on(layer, _PLAN, (*cached[:2], None))
@@ -175,8 +164,7 @@ def spec_for(layer, distribution):
 
 
 def shards_enter(run_spec, flat):
-    """Whether a tensor-parallel call's inputs can enter its local run as
-    their shards: DTensors on the spec's mesh with no partial sums."""
+    """Whether the inputs are on the spec's mesh, with no partial sums."""
     return all(
         not isinstance(x, DTensor)
         or (
@@ -188,8 +176,7 @@ def shards_enter(run_spec, flat):
 
 
 def adding_losses(layers):
-    """The layers holding a loss that is a plain tensor (one rank's share,
-    from a local run): a loss must be a global value."""
+    """The layers holding a plain-tensor loss (one rank's share)."""
     return [
         sub
         for sub in layers

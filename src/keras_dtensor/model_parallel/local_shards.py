@@ -1,12 +1,9 @@
 """Contractions of local shards, their collectives explicit.
 
-Inside `scope(mesh, tensors)`, local tensors registered with their
-placements and global shapes meet in Keras's `einsum` or `matmul`
-(`contract`), placed by the einsum rules (`ops.einsum_plan`): the output
-is a local shard, or each rank's part of a partial sum that the caller
-reduces when the layer returns (`all_reduce`). A contraction this cannot
-place raises `Unsupported`, and the caller runs the layer as DTensors.
-See docs/internals/local-run.md.
+Inside `scope`, registered local tensors meet in `einsum` or `matmul`
+(`contract`), placed by `ops.einsum_plan`: the output is a local shard or
+a partial sum the caller all-reduces. What cannot be placed raises
+`Unsupported`. See docs/internals/local-run.md.
 """
 
 import contextlib
@@ -26,9 +23,8 @@ __all__ = [
     "share",
 ]
 
-# `(mesh, {key: (tensor, placements, global shape)}, summed mesh dims)` of
-# the layer call running on local shards, or None. Keyed by memory, shape
-# and strides: a module hook may hand the layer an alias of its input.
+# `(mesh, {key: (tensor, placements, global shape)}, summed mesh dims)`;
+# keyed by memory, shape and strides (a hook may hand on an alias).
 _SCOPE = contextvars.ContextVar("keras_dtensor_local_shards", default=None)
 
 
@@ -38,9 +34,8 @@ class Unsupported(Exception):  # noqa: N818 (a signal, not an error)
 
 @contextlib.contextmanager
 def scope(mesh, tensors):
-    """Contractions of `tensors` (`[(local, placements, global shape)]`)
-    inside run on local shards. Yields the set of mesh dims over which a
-    contraction left partial sums."""
+    """Contractions of `tensors` (`(local, placements, global shape)`) run
+    on local shards; yields the mesh dims left with partial sums."""
     known = {_key(t): (t, tuple(p), tuple(s)) for t, p, s in tensors}
     summed = set()
     token = _SCOPE.set((mesh, known, summed))
@@ -66,8 +61,7 @@ def _summed(x, groups):
 
 
 class _GradAsIs(torch.autograd.Function):
-    """`fn(x)`, a sum or one rank's part of it; backward passes the
-    (replicated) gradient as it is."""
+    """`fn(x)`; backward passes the gradient as it is."""
 
     @staticmethod
     def forward(ctx, x, fn):
@@ -112,8 +106,7 @@ def share(x, n):
 
 
 def contract(subscripts, operands, run):
-    """`run(*operands)` on local shards, laid out by `subscripts`; raises
-    `Unsupported` for operands or layouts it cannot place."""
+    """`run(*operands)` on local shards, placed by `subscripts`."""
     mesh, known, pending = _SCOPE.get()
     specs = []
     for x in operands:

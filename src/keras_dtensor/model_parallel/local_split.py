@@ -1,13 +1,9 @@
 """A tensor-parallel `Dense` or `EinsumDense` in a local run, on its shards.
 
-A column or row split `Dense`/`EinsumDense` (Keras's own `call`, no LoRA,
-not quantized), a boundary layer of a local run, runs on local tensors
-instead of as DTensors: its weights read as their local shards, a
-replicated input passed through `local_shards.copy_in`, its contraction
-placed by `local_shards` and a row split's partial sum all-reduced when
-it returns. The values are the DTensor run's, op for op; where a call
-cannot be placed, the layer runs as DTensors from then on. See
-docs/internals/local-run.md.
+Its weights read as local shards, its contraction placed by
+`local_shards`, a row split's partial sum all-reduced when it returns:
+the DTensor run's values, op for op. A call that cannot be placed sends
+the layer to DTensors from then on. See docs/internals/local-run.md.
 """
 
 import dataclasses
@@ -44,10 +40,8 @@ def _eligible(layer):
 
 @dataclasses.dataclass(frozen=True)
 class _SplitLayout:
-    """One layer on its shards for one layout of its inputs: `weights`
-    `(variable, value, gradient placements)`; per flat input None or
-    `(local shape, placements, global shape, mesh dims copied in)`;
-    `summed`, the mesh dims of the contraction's partial sum."""
+    """A layer on its shards for one layout of its inputs: per input None
+    or `(local shape, placements, global shape, mesh dims copied in)`."""
 
     weights: tuple
     inputs: tuple
@@ -58,8 +52,7 @@ class _SplitLayout:
 
 
 def _plan(replay, layer, flat, recorded):
-    """A `_SplitLayout`, `_NEVER` (never on shards) or None (not for these
-    inputs)."""
+    """A `_SplitLayout`, `_NEVER`, or None (not for these inputs)."""
     mesh, batch_dim = replay.mesh, replay.record.run_spec.dim
     weights, split_axes = [], set()
     for variable in layer.weights:
@@ -101,8 +94,7 @@ def _plan(replay, layer, flat, recorded):
 
 
 def call(replay, layer, original, args, kwargs, flat, recorded):
-    """Runs boundary layer `layer` on local shards: `(True, outputs)`,
-    or `(False, None)` when it must run as DTensors."""
+    """`(True, outputs)` of `layer` on its shards, or `(False, None)`."""
     state = object_state.get_on(layer, _STATE)
     if state is None:
         state = object_state.set_on(layer, _STATE, _eligible(layer))
@@ -171,9 +163,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
 
 def _summed(layer, inputs, mesh):
     """The mesh dims of the contraction's partial sum (`[]` or one), or
-    None for a call this cannot place: one input, its product with the
-    kernel placed without redistribution, and no activation after a
-    partial sum (DTensor would reduce first)."""
+    None: one input, no redistribution, no activation after a sum."""
     from keras import activations
     from keras.layers import EinsumDense
 

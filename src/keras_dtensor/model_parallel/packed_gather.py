@@ -1,9 +1,8 @@
 """Many shards gathered by one all-gather, their gradients scattered back by
 one reduce-scatter, as FSDP2 gathers a group of parameters.
 
-Each rank packs its shards (`torch.chunk`'s, DTensor's `Shard`) side by
-side in one flat buffer (`ops.flat_buffers`), each padded to the chunk so
-every rank's pack has one size; the padding is never read.
+Each rank packs its shards side by side in one flat buffer, each padded to
+`torch.chunk`'s chunk so every rank's pack has one size.
 """
 
 import functools
@@ -14,21 +13,19 @@ import torch.distributed as dist
 from keras_dtensor.backend import layout
 from keras_dtensor.ops.flat_buffers import offsets
 
-__all__ = ["Pending", "finish", "gather_shards", "start"]
+__all__ = ["Pending", "finish", "gather_shards", "shard_specs"]
 
 
 def _collective(name, old):
-    """torch 2.13's `name`, else `old` (which 2.13 warns on); looked up at
-    each call, as FSDP2 does, so a tool replacing torch's collectives
-    replaces these too."""
+    """torch 2.13's `name`, else `old`; looked up at each call, as FSDP2
+    does, so a tool replacing torch's collectives replaces these too."""
     return getattr(dist, name, None) or getattr(dist, old)
 
 
 @functools.lru_cache(maxsize=256)
 def _pack_layout(specs, world, rank):
-    """Per spec `(dim, shape)`: `(this rank's rows, the padded chunk's
-    shape, every rank's `(rank, first row, rows)`, its `(start, size)` in
-    the pack)`, and the pack's size; computed once."""
+    """Per `(dim, shape)`: this rank's rows, the padded chunk's shape,
+    each rank's `(rank, first row, rows)` and its span in the pack."""
     rows, padded, spans = [], [], []
     for dim, shape in specs:
         n, rest = shape[dim], (*shape[:dim], *shape[dim + 1 :])
@@ -42,8 +39,7 @@ def _pack_layout(specs, world, rank):
 
 
 class Pending:
-    """An all-gather of packed shards in flight; `wait()` gives the full
-    tensors, each with a storage of its own."""
+    """A packed all-gather in flight: `finish` it, or `wait()` for values."""
 
     def __init__(self, shards, specs, group):
         self.specs, self.group = tuple(specs), group
@@ -64,8 +60,7 @@ class Pending:
         self.like = pack.new_empty(0)
 
     def wait(self):
-        """The full tensors, once the gather is done (once: the buffer is
-        let go)."""
+        """The full tensors, each with its own storage (once only)."""
         self.work.wait()
         gathered = self.gathered.view(self.world, -1)
         self.gathered = self.work = None
@@ -84,8 +79,7 @@ class Pending:
 
 
 class _GatherShards(torch.autograd.Function):
-    """forward(pending, *shards) -> the full tensors `pending` gathers;
-    backward reduce-scatters their gradients to the shards."""
+    """The full tensors `pending` gathers; backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, pending, *shards):
@@ -95,9 +89,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         pending = ctx.pending
-        # Each rank's rows of every gradient go to its row of one pack;
-        # the padding's sums are never read, so only a missing gradient
-        # is zeroed.
+        # The padding's sums are never read: only a missing grad is zeroed.
         packs = pending.like.new_empty((pending.world, pending.size))
         for grad, (_, padded, spans, (at, n)), (dim, _) in zip(
             grads, pending.layout, pending.specs, strict=True
@@ -121,6 +113,11 @@ class _GatherShards(torch.autograd.Function):
         return (None, *out)
 
 
+def shard_specs(values, dim):
+    """`(sharded dim, global shape)` of DTensors sharded on mesh dim `dim`."""
+    return [(value.placements[dim].dim, tuple(value.shape)) for value in values]
+
+
 def gather_shards(shards, specs, group):
     """Full tensors from this rank's `shards` (plain, one dtype) in one
     all-gather over `group`, `specs` giving each `(sharded dim, global
@@ -128,13 +125,6 @@ def gather_shards(shards, specs, group):
     return finish(Pending(shards, specs, group), shards)
 
 
-def start(shards, specs, group):
-    """Starts gathering `shards` (as `gather_shards`) without waiting: a
-    `Pending` to pass to `finish`, or to `wait()` on for values alone."""
-    return Pending(shards, specs, group)
-
-
 def finish(pending, shards):
-    """The full tensors of a started gather, with `gather_shards`'s
-    backward to `shards`."""
+    """The full tensors of `pending`, with `gather_shards`'s backward."""
     return _GatherShards.apply(pending, *shards)

@@ -1,10 +1,8 @@
 """Gradients that arrive as partial sums, reduced together in buckets.
 
-The gradient of a weight replicated over the batch axis leaves backward
-as a `Partial` sum over it. Rather than one all-reduce per variable, the
-partial sums that resolve to a replicated placement are grouped by mesh,
-reduced mesh axes and dtype, and reduced in buckets of at most
-`KERAS_DTENSOR_BUCKET_MB` (`ops.flat_buffers`), as DDP and FSDP2 do.
+Partial sums over axes their weight is replicated on are grouped by mesh,
+axes and dtype, and all-reduced in buckets of `KERAS_DTENSOR_BUCKET_MB`
+(`ops.flat_buffers`), as DDP does.
 """
 
 from torch.distributed.tensor import DTensor
@@ -17,8 +15,7 @@ __all__ = ["reduce_partial_grads"]
 
 
 def _key(grad, value):
-    """The group a gradient joins, or None when it is not a partial sum
-    that reduces to `value`'s placements."""
+    """The bucket group of a partial sum reducing to `value`'s layout."""
     if not isinstance(grad, DTensor) or not isinstance(value, DTensor):
         return None
     if grad.device_mesh != value.device_mesh:
@@ -40,9 +37,8 @@ def _key(grad, value):
 
 
 def reduce_partial_grads(grads, values):
-    """`grads` (DTensors or None, in the optimizer's order: the same on
-    every rank) with every partial sum over axes its value in `values` is
-    replicated on reduced, laid out as that value."""
+    """`grads` (in the optimizer's order, the same on every rank) with each
+    partial sum over axes its value is replicated on reduced."""
     groups = {}
     for index, (grad, value) in enumerate(zip(grads, values, strict=True)):
         key = _key(grad, value)

@@ -1,15 +1,15 @@
 """The DTensor run a local run is checked against, as it ran.
 
-`local_run_check` runs a model's call once as DTensors inside
-`recording(Record(...))`: each nested layer call with weights notes its
-inputs' layouts, whether it joins the boundary (`boundary_layers`) and its
-outputs' layouts; the reshapes and `slice_update`s of the model's own code
-note theirs (`reshapes`). The local run then follows the `Record`.
+Inside `recording(Record(...))`, each nested layer call with weights
+notes its inputs' and outputs' layouts and whether it joins the boundary;
+reshapes and `slice_update`s of the model's own code note theirs. The
+local run then follows the `Record`.
 """
 
 import contextlib
 import contextvars
 import dataclasses
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -49,9 +49,8 @@ def spec(x):
 
 
 def even(recorded, mesh, skip=None):
-    """Whether a recorded `(placements, shape)` has no partial sums and
-    shards of one shape on every rank (a shard over mesh dim `skip`
-    aside): then every rank takes the same decisions."""
+    """Whether a recorded `(placements, shape)` has no partial sums and even
+    shards (mesh dim `skip` aside): every rank takes the same path."""
     if recorded is None:
         return False
     placements, shape = recorded
@@ -81,8 +80,7 @@ class Record:
     outputs: tuple = ()
     counts: dict = dataclasses.field(default_factory=dict)
     weights: dict = dataclasses.field(default_factory=dict)
-    # `{key: (fingerprint, output specs)}` of every layer call, while a
-    # local run that differed is traced to its layer.
+    # `{key: (fingerprint, output specs)}`, while tracing a difference.
     fingerprints: dict | None = None
     between: int = 0  # layer calls that run locally
     # The model's own sublayers (ids); those among the boundary layers
@@ -90,19 +88,16 @@ class Record:
     children: frozenset = frozenset()
     sharded_outputs: list = dataclasses.field(default_factory=list)
     replicated: frozenset = frozenset()
-    # `(input spec, result spec)` of each reshape and `slice_update`
-    # outside the boundary layers, in call order.
+    # `(input spec, result spec)`s outside the boundary layers, in order.
     reshapes: list = dataclasses.field(default_factory=list)
     reshape_plans: dict = dataclasses.field(default_factory=dict)
     slice_updates: list = dataclasses.field(default_factory=list)
     inside: int = 0  # boundary layer calls under way
     # `local_split`'s plans, by `(id(layer), its inputs' specs)`.
     split_plans: dict = dataclasses.field(default_factory=dict)
-    # The layers (ids; None: the model) whose own ops meet a boundary
-    # layer's output cut into shards of different sizes.
+    # Layers (ids; None: the model) meeting a boundary output cut unevenly.
     uneven: set = dataclasses.field(default_factory=set)
     stack: list = dataclasses.field(default_factory=list)
-    _kept: frozenset | None = None
 
     def _whole(self, specs):
         return all(s is None or self.run_spec.whole(s[0]) for s in specs)
@@ -128,21 +123,19 @@ class Record:
         self.between += id(layer) not in self.boundary
         return key
 
+    @functools.cached_property
     def kept(self):
-        """Indices into the spec's weights of the boundary layers' weights,
-        which the local run leaves as DTensors (computed once)."""
-        if self._kept is None:
-            ids = {
-                id(variable)
-                for layer_id in self.boundary
-                for variable in self.weights.get(layer_id, ())
-            }
-            self._kept = self.run_spec.kept | frozenset(
-                i
-                for i, (variable, _, _) in enumerate(self.run_spec.weights)
-                if id(variable) in ids
-            )
-        return self._kept
+        """Indices of the weights the local run leaves as DTensors."""
+        ids = {
+            id(variable)
+            for layer_id in self.boundary
+            for variable in self.weights.get(layer_id, ())
+        }
+        return self.run_spec.kept | frozenset(
+            i
+            for i, (variable, _, _) in enumerate(self.run_spec.weights)
+            if id(variable) in ids
+        )
 
     def leave(self, key, outputs):
         specs = tuple(spec(x) for x in fast_tree.flatten(outputs))
@@ -190,18 +183,12 @@ def recorder():
 
 
 def fingerprint(outputs):
-    """This rank's share of each output tensor, summed two ways: equal
-    for equal tensors (enough to find the layer where runs part)."""
+    """This rank's share of each output tensor, summed two ways."""
     out = []
     for x in fast_tree.flatten(outputs):
         if isinstance(x, torch.Tensor):
             local = x.to_local() if isinstance(x, DTensor) else x
             local = local.detach().double()
-            out.append(
-                (
-                    tuple(local.shape),
-                    local.sum().item(),
-                    local.abs().sum().item(),
-                )
-            )
+            sums = (local.sum().item(), local.abs().sum().item())
+            out.append((tuple(local.shape), *sums))
     return tuple(out)

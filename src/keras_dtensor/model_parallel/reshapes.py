@@ -1,12 +1,8 @@
 """Reshapes to global shapes in a local run, made local; and a replicated
 KV cache cut to this rank's heads.
 
-A reshape in a model's own code to a shape from its config (keras_hub's
-Gemma attention splits its global head count into groups) takes, in a
-local run, the local shape of the same reshape in the DTensor run it
-follows (`Record.note_reshape`, in call order); a `slice_update` whose
-DTensor run cut a replicated cache to head shards does the same cut.
-Where the recorded shards differ in size, nothing is changed. See
+Each takes the local shape the same op had in the recorded DTensor run, in
+call order; where the recorded shards differ in size, nothing changes. See
 docs/internals/local-run.md.
 """
 
@@ -28,8 +24,7 @@ _UNSEEN = object()
 
 
 def _local_reshape(x, newshape):
-    """The shape to give `reshape(x, newshape)` in a local run that
-    follows a DTensor run; None for `newshape` as it is."""
+    """The local shape for `reshape(x, newshape)`, or None."""
     replay = _replay_for(x)
     if replay is None:
         return None
@@ -78,9 +73,8 @@ def wrap_reshape(original):
 
 
 def local_cache(inputs, updates):
-    """`inputs` of a `slice_update` in a local run, cut to this rank's
-    shard where the DTensor run's result was split and its `inputs`
-    replicated; None for `inputs` as it is."""
+    """A `slice_update`'s `inputs` cut to this rank's shard where the
+    DTensor run cut a replicated cache; None for `inputs` as it is."""
     replay = _replay_for(inputs) if isinstance(updates, torch.Tensor) else None
     if replay is None:
         return None
@@ -123,16 +117,13 @@ def _replay_for(x):
 
 
 def _plan(recorded, mesh):
-    """`(input's local shape, result's global shape, its local shape)` of a
-    recorded reshape, or None where its shards differ in size (a rank
-    could take another path than its peers)."""
-    if recorded is None:
-        return None
-    before, after = recorded
-    if not (
-        reference_run.even(before, mesh) and reference_run.even(after, mesh)
+    """`(input's local shape, result's global and local shapes)`, or None
+    where shards differ in size (ranks could part ways)."""
+    if recorded is None or not all(
+        reference_run.even(r, mesh) for r in recorded
     ):
         return None
+    before, after = recorded
     return (
         torch.Size(placed_shape(before[1], mesh, before[0])),
         after[1],
