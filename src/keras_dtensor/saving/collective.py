@@ -1,10 +1,8 @@
 """Saving under a distribution: rank 0 writes, from every rank's shards.
 
-Every rank runs Keras's writer in the same order; rank 0's file is staged
-and renamed into place, the others' go to scratch. The ranks meet first
-(a save on some ranks only is an error, not a hang) and share the outcome
-(every rank raises the same error). A model with nothing distributed is
-saved by each calling rank alone, as plain Keras saves it.
+Every rank runs Keras's writer; rank 0's file is staged and renamed into
+place. The ranks meet first and share the outcome, so every rank raises
+the same error (`docs/internals/saving.md`).
 """
 
 import functools
@@ -27,8 +25,7 @@ __all__ = ["RankZeroFile", "wrap_save", "wrap_save_model_to_fileobj"]
 
 
 def _move_contents(staging, name, directory):
-    """Every file in `staging` into `directory`, the target and `.json`
-    (which lists a sharded save's files) last."""
+    """`staging`'s files into `directory`, the target and `.json` last."""
     entries = os.listdir(staging)
     last = [e for e in entries if e == name or e.endswith(".json")]
     for entry in sorted(set(entries) - set(last)) + sorted(last):
@@ -45,18 +42,6 @@ def _share_failure(problem):
 
 class _PeerFailed(Exception):  # noqa: N818 (a signal, not an error)
     """Another rank failed; its error is raised on every rank."""
-
-
-def _raise_if_failed(failures, what, filepath, own=None):
-    if not failures:
-        return
-    if own is not None:
-        raise own
-    rank, message = failures[0]
-    raise RuntimeError(
-        f"{what}({filepath!r}) failed on rank {rank} of "
-        f"{dist.get_world_size()}: {message}"
-    )
 
 
 def _write_alone(original, model, filepath, *args, **kwargs):
@@ -76,10 +61,8 @@ def _write_alone(original, model, filepath, *args, **kwargs):
 
 
 class RankZeroFile:
-    """One file that every rank writes, of which rank 0's is kept.
-
-    The ranks meet, and rank 0 checks it can write next to the target;
-    `finish` moves its file into place or raises on every rank.
+    """One file that every rank writes, of which rank 0's is kept
+    (`finish` moves it into place or raises on every rank).
 
     Args:
         what: the user-facing call, for messages (`"save_weights"`).
@@ -111,15 +94,19 @@ class RankZeroFile:
                 os.remove(self.target)
             except OSError as e:
                 problem = e
-        # Every rank raises the same error, naming rank 0 and the path.
-        self.check(problem, raise_own=False)
+        self.check(problem, raise_own=False)  # rank 0's error, everywhere
 
     def check(self, problem, raise_own=True):
         """Raises on every rank if any failed; a collective."""
         if failures := _share_failure(problem):
             self.discard()
-            own = problem if raise_own else None
-            _raise_if_failed(failures, self.what, self.final, own)
+            if raise_own and problem is not None:
+                raise problem
+            rank, message = failures[0]
+            raise RuntimeError(
+                f"{self.what}({self.final!r}) failed on rank {rank} of "
+                f"{dist.get_world_size()}: {message}"
+            )
 
     def discard(self):
         """Removes what this rank wrote (idempotent)."""
@@ -134,10 +121,7 @@ class RankZeroFile:
             problem = e
         finally:
             self.discard()
-        # Nobody returns before the file is in place, so any rank may load.
-        _raise_if_failed(
-            _share_failure(problem), self.what, self.final, problem
-        )
+        self.check(problem)  # none returns before the file is in place
 
 
 def _write_on_rank_0(original, what, model, filepath, *args, **kwargs):
@@ -172,8 +156,8 @@ def _is_collective(model):
 
 
 def wrap_save(original, what):
-    """Wraps `saving_lib.save_model` or `save_weights_only` (`original`);
-    `what` names the user-facing call in error messages."""
+    """Wraps `saving_lib.save_model` or `save_weights_only`; `what` names
+    the user-facing call in messages."""
 
     def _save(model, filepath, *args, **kwargs):
         if not multi_process() or not isinstance(filepath, (str, os.PathLike)):
@@ -235,9 +219,8 @@ def _save_archive(model, fileobj):
 
 
 def wrap_save_model_to_fileobj(original):
-    """Wraps `saving_lib._save_model_to_fileobj(model, fileobj[, format])`
-    (no format on Keras 3.16): inside a save, into a file on disk, the
-    `.h5` weights are written in place in the zip."""
+    """Wraps `saving_lib._save_model_to_fileobj(model, fileobj[, format])`:
+    inside a save, into a file on disk, `_save_archive`."""
 
     @functools.wraps(original)
     def _save_model_to_fileobj(model, fileobj, *weights_format):

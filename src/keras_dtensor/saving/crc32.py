@@ -1,8 +1,5 @@
-"""The CRC-32 of two byte strings joined, from the CRC-32 of each.
-
-`crc(a + b) = crc(a) * x^(8 len(b)) + crc(b)` modulo zlib's polynomial,
-x^(8n) built from the squares x^(2^k), so a zip member's CRC-32 is found
-without reading it back.
+"""The CRC-32 of two byte strings joined, from the CRC-32 of each:
+`crc(a + b) = crc(a) * x^(8 len(b)) + crc(b)` modulo zlib's polynomial.
 
 Example:
 >>> combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")

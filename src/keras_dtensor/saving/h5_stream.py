@@ -1,11 +1,8 @@
 """Writing a sharded variable into a Keras `.h5` store without gathering it.
 
-Inside a save's `scope()` every rank writes each DTensor-backed value, in
-the same order: rank 0 fills the dataset in blocks contiguous in the file
-(at most `$KERAS_DTENSOR_SAVE_PIECE_MB`), from one rank per distinct
-shard, point to point or in shared memory (`shm_blocks`). A rank whose
-write fails keeps taking part, so no peer waits; the save raises at the
-end.
+Every rank writes each value in the same order: rank 0 fills the dataset
+in blocks, each part from the lowest rank holding it. A rank whose write
+fails keeps taking part; the save raises at the end.
 """
 
 import contextlib
@@ -54,7 +51,7 @@ class _Save:
     piece_bytes: int
     error: BaseException | None = None
     buffers: dict = dataclasses.field(default_factory=dict)
-    shared: object = None  # `shm_blocks.Shared` of this save, if any
+    shared: object = None  # `shm_blocks.Shared`, if any
     shared_ranks: frozenset | None = None  # None: not tried yet
 
     @property
@@ -103,8 +100,8 @@ def current():
 
 
 def pieces(shape, itemsize, piece_bytes):
-    """Blocks of a C-order array, each contiguous and at most `piece_bytes`
-    (at least one element), as `[(start, stop) per dim]`, in file order.
+    """Contiguous blocks of a C-order array of at most `piece_bytes` (or
+    one element), as `[(start, stop) per dim]`, in file order.
 
     Example:
     >>> pieces((4, 3), 4, 24)
@@ -133,7 +130,7 @@ def pieces(shape, itemsize, piece_bytes):
 
 def shard_owners(shape, mesh, placements):
     """Sorted `[(rank, ranges), ...]`: each distinct non-empty shard's
-    `(start, length)` per dim and the lowest rank holding it."""
+    `(start, length)` per dim, and the lowest rank holding it."""
     ranks = mesh.mesh
     owners = {}
     for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
@@ -176,7 +173,7 @@ def _to_numpy(tensor):
 
 
 def _put(state, dataset, block, buffer):
-    """Rank 0 writes `buffer` as `block` (after an error it only drains)."""
+    """Rank 0 writes `buffer` as `block` unless a write failed."""
     if state.error is not None:
         return
     if buffer.device.type != "cpu":

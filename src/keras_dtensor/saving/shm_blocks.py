@@ -1,11 +1,9 @@
 """Blocks assembled in shared memory by the ranks of rank 0's host.
 
-Each rank copies its part of a block into rank 0's buffers in `/dev/shm`;
-rank 0 writes one block out while the others fill the next. Two pipes per
-rank say "buffer free" and "part in": a message through the process group
-is a round trip on rank 0's time. The files are unlinked once opened and
-their space reserved up front; if any of it fails, `h5_stream` sends the
-parts through the process group.
+Each rank copies its part of a block into rank 0's buffers in `/dev/shm`
+while rank 0 writes out the one before; two pipes per rank say "buffer
+free" and "part in" (not the process group: a round trip on rank 0's
+time). If any of it fails, the parts go through the process group.
 """
 
 import contextlib
@@ -39,8 +37,8 @@ _MESSAGE = struct.Struct("<q")  # a block's index
 
 
 class Shared:
-    """One save's mapped buffers and this rank's pipes (`{rank: (free,
-    filled)}`: rank 0 holds every rank's, another rank its own)."""
+    """One save's mapped buffers and this rank's pipes, `{rank: (free,
+    filled)}`."""
 
     def __init__(self, memory, slot_bytes, pipes):
         self._memory = memory
@@ -127,8 +125,7 @@ def _remove(base, world):
 
 def attach(slot_bytes):
     """`(Shared or None, ranks that opened rank 0's files)`; a collective.
-    The files' names are unique (`uuid4`): a rank that opens one has the
-    right one."""
+    The names are unique (`uuid4`), so a rank that opens one has rank 0's."""
     size = SLOTS * slot_bytes
     world, rank = dist.get_world_size(), dist.get_rank()
     base = os.path.join(_DIRECTORY, f"keras_dtensor_save_{uuid.uuid4().hex}")
@@ -157,8 +154,7 @@ def attach(slot_bytes):
 
 
 def usable(ranks, local, owners):
-    """Whether every rank with a part of a CPU variable opened the buffers
-    (the same answer on every rank)."""
+    """Whether every rank with a part of a CPU variable opened the buffers."""
     return (
         0 in ranks
         and local.device.type == "cpu"

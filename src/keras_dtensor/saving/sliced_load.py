@@ -1,8 +1,7 @@
 """Loading Keras weight files under a distribution: each rank reads its slices.
 
-The store hands out a `SlicedDataset` (numpy still sees the whole array,
-so any layer's `load_own_variables` works); a sharded variable's `assign`
-reads only this rank's slices of it. Others read the whole dataset.
+The store hands out a `SlicedDataset`, a whole array to numpy; a sharded
+variable's `assign` reads only this rank's slices of it.
 """
 
 import functools
@@ -26,12 +25,8 @@ __all__ = [
 
 
 class SlicedDataset:
-    """An h5py dataset that reads only the region asked for.
-
-    Args:
-        dataset: the `h5py.Dataset` (already validated by Keras).
-        bfloat16: whether Keras stored it as bfloat16 (raw uint16).
-    """
+    """An h5py dataset (`bfloat16`: stored by Keras as raw uint16) that
+    reads only the region asked for."""
 
     def __init__(self, dataset, bfloat16=False):
         self._dataset = dataset
@@ -59,8 +54,8 @@ class SlicedDataset:
 
 
 def wrap_h5_store_getitem(original):
-    """Wraps `H5IOStore.__getitem__`: a `SlicedDataset` under a
-    distribution on several processes (not DataParallel: whole values)."""
+    """Wraps `H5IOStore.__getitem__`: a `SlicedDataset` under a sharding
+    distribution on several processes."""
 
     @functools.wraps(original)
     def __getitem__(self, key):

@@ -1,9 +1,7 @@
 """Keras's weight stores, fed sharded values without gathering them.
 
-Inside a save, Keras's stores and the optimizer's `save_own_variables`
-hand each DTensor-backed value to `h5_stream.write` (`ShardedH5IOStore`
-as a `Deferred`: shape and dtype only). A store opened for writing
-outside Keras's save functions (keras_hub's `save_lora_weights`) is a
+Inside a save, each DTensor-backed value goes to `h5_stream.write`; a
+store opened for writing by hand (keras_hub's `save_lora_weights`) is a
 `RankZeroFile`, put in place by its `close`.
 """
 
@@ -45,8 +43,8 @@ def _dtensor_of(value):
 
 
 class Deferred:
-    """A sharded value as `ShardedH5IOStore` sizes its files: `shape` and
-    `dtype` (what `convert_to_numpy` returns inside `deferring()`)."""
+    """A sharded value's `shape` and `dtype`, all `ShardedH5IOStore` needs
+    (what `convert_to_numpy` returns inside `deferring()`)."""
 
     def __init__(self, dtensor):
         self.dtensor = dtensor
@@ -64,8 +62,8 @@ def deferring() -> bool:
 
 
 def wrap_sharded_h5_store_setitem(original):
-    """Wraps `ShardedH5IOStore.__setitem__`: inside a save, a sharded
-    value passes as a `Deferred`."""
+    """Wraps `ShardedH5IOStore.__setitem__`: a sharded value passes as a
+    `Deferred` inside a save."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
@@ -83,8 +81,7 @@ def wrap_sharded_h5_store_setitem(original):
 
 
 def wrap_h5_store_setitem(original):
-    """Wraps `H5IOStore.__setitem__`: inside a save, a DTensor-backed
-    value goes to `h5_stream.write`."""
+    """Wraps `H5IOStore.__setitem__`: `h5_stream.write` inside a save."""
 
     @functools.wraps(original)
     def __setitem__(self, key, value):
@@ -112,7 +109,7 @@ def wrap_h5_store_setitem(original):
 
 def wrap_optimizer_save_own_variables(original):
     """Wraps `BaseOptimizer.save_own_variables`: inside a save, an
-    `H5IOStore` gets each variable, not its `.numpy()` (a gather)."""
+    `H5IOStore` gets each variable, not its `.numpy()`."""
 
     @functools.wraps(original)
     def save_own_variables(self, store):
@@ -138,9 +135,8 @@ def _discard(written, state):
 
 
 def wrap_h5_store_init(original):
-    """Wraps `H5IOStore.__init__`: a file opened for writing under a
-    distribution outside a save is a `RankZeroFile` named after its
-    caller."""
+    """Wraps `H5IOStore.__init__`: a file opened for writing outside a
+    save, under a distribution, is a `RankZeroFile`."""
 
     @functools.wraps(original)
     def __init__(self, path_or_io, archive=None, mode="r"):

@@ -1,16 +1,9 @@
 """A `.zip` written in one pass, one member of it filled in place.
 
-Keras writes the `.keras` weights to a temporary `.h5` and copies it into
-the zip; `StoredZip` gives that member a `Window` on the archive that
-h5py writes at any offset. Its CRC-32 is joined (`crc32.combine`) from
-its large writes' checksums, taken as written, and the small bytes
-between them, read back. The result is an ordinary zip.
-
-Example:
->>> with open("m.zip", "wb") as f, StoredZip(f) as archive:
-...     archive.writestr("config.json", b"{}")
-...     with archive.member("model.weights.h5") as window:
-...         window.write(b"data")
+`StoredZip` gives the `.keras` weights member a `Window` on the archive
+that h5py writes at any offset, instead of Keras's temporary `.h5` and
+copy. Its CRC-32 is joined (`crc32.combine`) from its large writes'
+checksums, taken as written, and the small bytes between, read back.
 """
 
 import bisect
@@ -30,9 +23,8 @@ _SUMMED = 1 << 20  # writes this large are checksummed as they are written
 
 
 class StoredZip:
-    """A zip archive written into an empty file through a descriptor of
-    its own, at explicit offsets; leaving the context without an error
-    writes the central directory.
+    """A zip archive written into an empty file at explicit offsets;
+    leaving the context without an error writes the central directory.
 
     Args:
         fileobj: a binary file opened for writing, at offset 0, with a
@@ -105,8 +97,7 @@ class StoredZip:
         self._end += len(data)
 
     def write(self, path, arcname):
-        """Adds the file (or the empty directory) `path` as `arcname`,
-        as `zipfile.ZipFile.write` does."""
+        """Adds the file or directory `path` as `ZipFile.write` does."""
         info = os.stat(path)
         name = os.path.normpath(arcname).replace(os.sep, "/").lstrip("/")
         attributes = (info.st_mode & 0xFFFF) << 16
@@ -155,9 +146,8 @@ class StoredZip:
 
 
 class Window(io.BytesIO):
-    """A `StoredZip` member as a seekable file (an `io.BytesIO` for
-    Keras's `H5IOStore`, its bytes on disk); leaving the context without
-    an error finishes the member."""
+    """A `StoredZip` member as a seekable file (an `io.BytesIO` to Keras's
+    `H5IOStore`); leaving the context without an error finishes it."""
 
     def __init__(self, archive, entry, base):
         super().__init__()
