@@ -1,12 +1,8 @@
 """Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
 
-The entry points (`api`): `save_checkpoint`, `load_checkpoint`,
-`latest_checkpoint`, `export_weights`, `import_weights`;
-`ShardedCheckpoint` (`callback`) saves during `fit` and resumes. They are
-served by the manifest and its checksums (`manifest`), the writer
-(`writer`), the reader (`reader`) and termination signals
-(`preemption`). Imported on first use: `import keras_dtensor` does not
-load DCP.
+The functions (`api`) and `ShardedCheckpoint` (`callback`), served by
+`manifest`, `writer`, `reader` and `preemption` (termination signals).
+Imported on first use: `import keras_dtensor` does not load DCP.
 """
 
 from keras_dtensor.checkpoint.api import PendingCheckpoint

@@ -1,12 +1,9 @@
 """Sharded checkpoints on `torch.distributed.checkpoint` (DCP).
 
 Every rank writes its own shards; any number of processes, under any
-layout, reads them back (DCP reshards on load). A save is staged in a
-hidden directory, its manifest (`manifest`) written last, then renamed
-into place: a checkpoint without its manifest is never loaded. A load
-checks every file before the model is touched. Every function here is
-collective: every rank calls it, in the same order. The keys and the
-design: `docs/internals/saving.md`.
+layout, reads them back. A save is staged, its manifest written last,
+then renamed into place; a load checks every file first. Every function
+here is collective (`docs/internals/saving.md`).
 """
 
 import functools
@@ -85,8 +82,8 @@ def _short(error):
 
 
 def _commit(final, staging, write, state, world, extra, storage_writer):
-    """Runs `write()`, then writes the manifest last and moves the
-    checkpoint into place; a failure on any rank raises on every rank."""
+    """Runs `write()`, then the manifest, then moves the checkpoint into
+    place; a failure on any rank raises on every rank."""
     _, rank = launch.world()
     problem = None
     try:
@@ -132,11 +129,8 @@ def _commit(final, staging, write, state, world, extra, storage_writer):
 
 
 class PendingCheckpoint:
-    """A checkpoint being written in the background (`async_save=True`).
-
-    `result()` waits for the files, then commits them (a collective: every
-    rank calls it) and returns the checkpoint's path.
-    """
+    """A checkpoint being written in the background (`async_save=True`);
+    `result()`, on every rank, commits it and returns its path."""
 
     def __init__(self, commit):
         self._commit, self._path = commit, None
@@ -150,9 +144,8 @@ class PendingCheckpoint:
 def save_checkpoint(model, directory, async_save=False, extra=None):
     """Saves `model`'s variables and optimizer state as a DCP checkpoint.
 
-    Every rank writes its own shards (one copy of each replicated value).
-    The checkpoint appears at `directory` only once complete, replacing
-    any there.
+    Every rank writes its own shards; the checkpoint appears at
+    `directory` only once complete, replacing any there.
 
     Args:
         model: a built Keras model (its optimizer is built if needed).
@@ -224,8 +217,8 @@ def _check_keys(directory, contents, state):
 def load_checkpoint(model, directory):
     """Loads a checkpoint into `model` (and its optimizer), resharding.
 
-    Any number of processes, under any layouts, may load it. Files are
-    checked first: a damaged checkpoint raises, the model untouched.
+    Any number of processes, under any layouts, may load it; a damaged
+    checkpoint raises before the model is touched.
 
     Args:
         model: a built Keras model of the same architecture.
@@ -259,9 +252,7 @@ def load_checkpoint(model, directory):
 
 
 def latest_checkpoint(root, prefix=""):
-    """The newest complete checkpoint directly under `root`, or `None`.
-
-    Newest by name: name them so they sort (`epoch-0003`, ...).
+    """The newest complete checkpoint under `root` by name, or `None`.
 
     Args:
         root: the folder of checkpoints.
@@ -295,8 +286,7 @@ def checkpoints(root, prefix=""):
 def export_weights(model, directory, filepath):
     """Writes a checkpoint's weights as an ordinary Keras `.weights.h5`.
 
-    Loads the checkpoint into `model` (any number of processes, any
-    layout), then `model.save_weights(filepath)`.
+    `load_checkpoint(model, directory)`, then `model.save_weights`.
 
     Example:
     >>> from keras_dtensor.checkpoint import export_weights

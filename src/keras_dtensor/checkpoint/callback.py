@@ -1,9 +1,8 @@
 """`ShardedCheckpoint`: sharded checkpoints from `fit`, with resume.
 
 A checkpoint resumes at its exact batch where the input can be positioned
-(its position: the random states at the epoch's start and now, and the
-epoch's metric states, each rank's, in the manifest); otherwise its epoch
-restarts from its first batch (Keras's `BackupAndRestore` semantics).
+(random and metric states in its manifest), otherwise at its epoch's
+first batch, as Keras's `BackupAndRestore` does.
 """
 
 import base64
@@ -58,8 +57,7 @@ def _own(position):
 
 
 def _set_random_state(position, which):
-    """Sets the global generators as at the epoch's start (`"begin"`) or
-    at the checkpoint (`"moment"`)."""
+    """Sets the global generators as at `"begin"` or `"moment"`."""
     state = _own(position)[0][which]
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state(

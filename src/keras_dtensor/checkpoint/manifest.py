@@ -1,13 +1,9 @@
 """The manifest of a sharded checkpoint, and how its files are checked.
 
-The manifest `keras_dtensor.json`, written last, holds the digest and
-size of every file and the keys with their global shapes and dtypes.
-A digest (`crc32_blocks`) is zlib's CRC-32 of each block of `BLOCK` bytes
-(the last one shorter), 8 hex digits each: it finds accidental damage
-cheaply; it is not tamper-evident. Format 1's (a SHA-256 per file) are
-still read. Nothing here trusts the files: the manifest is JSON, the
-ranks share the checks of every file before a load, and DCP's pickled
-`.metadata` is read through an allow-list of DCP's metadata types.
+`keras_dtensor.json` holds each file's size and digest (`crc32_blocks`:
+a CRC-32 per `BLOCK` bytes, for accidental damage, not tampering) and
+the keys' shapes and dtypes. Nothing here trusts the files: DCP's
+pickled `.metadata` is read through an allow-list.
 """
 
 import hashlib
@@ -98,8 +94,7 @@ def _merged(mine):
 
 def gathered_hashes(directory, names, mine):
     """`{name: digest}` for `names` from every rank's digests (`mine`);
-    files no rank has a digest for are hashed here, the ranks sharing
-    them."""
+    the ranks share hashing the files none has a digest for."""
     merged = _merged(mine)
     missing = [n for n in names if n not in merged]
     if missing:

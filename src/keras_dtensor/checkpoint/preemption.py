@@ -1,10 +1,8 @@
 """Termination signals during `fit`: noticed on any rank, acted on by all.
 
-The handler only notes the signal: a step or a collective in flight must
-finish on every rank. At step boundaries the ranks agree one vote late
-(`Vote`), so all stop at the same boundary and none is left inside a
-collective the others have left. A signal outside `fit` goes to the
-handler that was there before.
+The handler only notes the signal; at step boundaries the ranks agree
+one vote late (`Vote`), so all stop at the same boundary. A signal
+outside `fit` goes to the handler that was there before.
 """
 
 import contextlib
@@ -88,7 +86,7 @@ def signal_name(number: int) -> str:
 
 def gloo_group(key):
     """A gloo group of every rank, kept in Keras's global state under
-    `key` (`None` without a process group)."""
+    `key`, or `None`."""
     group = global_state.get_global_attribute(key)
     if group is None and dist.is_initialized():
         group = dist.new_group(backend="gloo")
@@ -99,11 +97,10 @@ def gloo_group(key):
 class Vote:
     """Whether any rank was signalled, agreed one vote late.
 
-    Every rank calls `at_boundary` at the same boundaries with the signal
-    it received (0: none); a signal number returned means stop here. About
-    every `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds each rank launches an
-    all-reduce (maximum) of its signal and its proposal for the boundaries
-    to the next vote, and reads the previous one, long done.
+    Every rank calls `at_boundary` at the same boundaries with its signal
+    (0: none); a signal returned means stop here. About every
+    `KERAS_DTENSOR_PREEMPTION_CHECK_S` seconds each rank launches an
+    all-reduce of its signal and proposed interval, and reads the last.
     """
 
     MAX_EVERY = 64

@@ -1,9 +1,8 @@
 """Reading sharded checkpoints: allow-listed metadata, direct reads.
 
-`SafeReader` reads DCP's `.metadata` through `manifest`'s allow-list,
-refuses items DCP would unpickle freely (`BYTE_IO`), and reads a plain
-contiguous tensor straight into the destination (no new tensor to copy
-from); anything else goes through DCP's reader.
+`SafeReader` refuses what DCP would unpickle freely and reads a plain
+contiguous tensor straight into the destination; anything else goes
+through DCP's reader.
 """
 
 import collections

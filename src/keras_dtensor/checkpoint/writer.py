@@ -1,9 +1,7 @@
 """Writing sharded checkpoints: the digest of every file, taken on write.
 
-`DigestingWriter`'s streams checksum what they write (`manifest`), so a
-save never reads its files again; a file not written in one pass gets no
-digest and is read again at commit. Meanwhile `torch.save` skips its zip
-CRC-32: `torch.load` never checks it; the manifest covers the same bytes.
+A file not written in one pass is read again at commit. `torch.save`
+skips its zip CRC-32 meanwhile: the manifest covers the same bytes.
 """
 
 import contextlib
@@ -21,7 +19,7 @@ __all__ = ["DigestingWriter"]
 
 class _Crc32Off:
     """`torch.save` without its zip CRC-32 while any of our writes run
-    (a process-wide option; an async save may overlap another)."""
+    (process-wide; an async save may overlap another)."""
 
     lock = threading.Lock()
     depth = 0
@@ -102,8 +100,8 @@ class _DigestingFileSystem(filesystem.FileSystem):
 
 
 class DigestingWriter(dcp.FileSystemWriter):
-    """`FileSystemWriter` whose `digests` are `{file name: digest}` of the
-    files this process wrote, taken while writing."""
+    """`FileSystemWriter` with `digests`, `{file name: digest}`, of the
+    files this process wrote."""
 
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)
