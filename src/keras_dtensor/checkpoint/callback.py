@@ -288,18 +288,16 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         second signal during the save is only noted."""
         started = time.monotonic()
         vote, self._vote = self._vote, None
-        if vote is not None:
-            vote.close()
+        vote.close()  # every rank launched it
         self._finish()
         if self._saved_at != self._batches:
             self._save_here(in_epoch, epoch=epoch, force_sync=True)
         self._stop_listening()
         preemption.exit_preempted(
-            f"keras_dtensor: {preemption.signal_name(number)} on some rank; "
+            number,
             f"all ranks stopped after batch {self._batches} (epoch "
             f"{self._epoch + 1}), checkpoint in {self.directory!r} "
-            f"({time.monotonic() - started:.2f} s); exiting with code "
-            f"{preemption.EXIT_CODE}."
+            f"({time.monotonic() - started:.2f} s)",
         )
 
     def _save_here(self, in_epoch, epoch=None, force_sync=False):

@@ -173,10 +173,10 @@ def _check(directory, name, expected, block):
     return None
 
 
-def _block_bytes(directory, manifest):
-    """The block size of a format 2 manifest's digests."""
+def verify(directory, manifest):
+    """Checks every file against the manifest; raises on every rank."""
     kind = manifest.get("digest") or {}
-    block = kind.get("block_bytes")
+    block = kind.get("block_bytes")  # None in format 1: a SHA-256 per file
     if manifest["format"] == FORMAT and (
         kind.get("algorithm") != "crc32_blocks"
         or not isinstance(block, int)
@@ -186,14 +186,8 @@ def _block_bytes(directory, manifest):
             f"Checkpoint {directory!r} has digests {kind!r}; this version "
             "checks crc32_blocks (a CRC-32 per block of block_bytes)."
         )
-    return block  # None for format 1: a SHA-256 per file
-
-
-def verify(directory, manifest):
-    """Checks every file against the manifest; raises on every rank."""
     world, rank = launch.world()
     expected = manifest["files"]
-    block = _block_bytes(directory, manifest)
     names = sorted(expected)
     problem = None
     for name in names[rank::world]:

@@ -24,7 +24,6 @@ __all__ = [
     "Vote",
     "exit_preempted",
     "gloo_group",
-    "signal_name",
 ]
 
 # EX_TEMPFAIL (sysexits.h): a run stopped on a signal, its checkpoint saved.
@@ -75,13 +74,6 @@ class Signals:
                 return True
             frame = frame.f_back
         return False
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def gloo_group(key):
@@ -160,8 +152,17 @@ class Vote:
         return signalled
 
 
-def exit_preempted(message):
-    """Ends the process with `EXIT_CODE` after `message` (rank 0)."""
+def exit_preempted(number, where):
+    """Ends the process with `EXIT_CODE`, saying why on rank 0."""
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
     if launch.world()[1] == 0:
-        print(message, file=sys.stderr, flush=True)
+        print(
+            f"keras_dtensor: {name} on some rank; {where}; exiting with code "
+            f"{EXIT_CODE}.",
+            file=sys.stderr,
+            flush=True,
+        )
     raise SystemExit(EXIT_CODE)

@@ -258,18 +258,6 @@ def streamable(dtensor):
     return all(type(p) in (Shard, Replicate) for p in dtensor.placements)
 
 
-def _create(store, key, value):
-    if not store._h5_entry_initialized:
-        store._create_h5_group(store._h5_entry_path)
-    dtype = numpy_dtype(value.dtype)
-    dataset = store._h5_entry_group.create_dataset(
-        key, shape=tuple(value.shape), dtype=dtype
-    )
-    if value.dtype == torch.bfloat16:
-        dataset.attrs["dtype"] = "bfloat16"  # as Keras marks it
-    return dataset
-
-
 def write(store, key, value, state):
     """Writes DTensor `value` as `store[key]`, every rank taking part."""
     owners = shard_owners(value.shape, value.device_mesh, value.placements)
@@ -279,7 +267,13 @@ def write(store, key, value, state):
     dataset = None
     if state.error is None:
         try:
-            dataset = _create(store, key, value)
+            if not store._h5_entry_initialized:
+                store._create_h5_group(store._h5_entry_path)
+            dataset = store._h5_entry_group.create_dataset(
+                key, shape=tuple(value.shape), dtype=numpy_dtype(value.dtype)
+            )
+            if value.dtype == torch.bfloat16:
+                dataset.attrs["dtype"] = "bfloat16"  # as Keras marks it
         except Exception as e:
             state.error = e
     if value.device_mesh.device_type == "cpu" and state.shared_ranks is None:

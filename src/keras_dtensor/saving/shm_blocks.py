@@ -80,41 +80,31 @@ def _open_pipes(base, rank):
     return tuple(opened)
 
 
-def _create(base, size, world):
-    """Rank 0: the memory, its space reserved, and every rank's pipes."""
-    fd = os.open(base, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def _open(base, size, rank, world):
+    """Rank 0 makes the memory (its space reserved) and every rank's pipes;
+    another rank opens the memory and its own pipes."""
+    create = os.O_CREAT | os.O_EXCL if rank == 0 else 0
+    fd = os.open(base, os.O_RDWR | os.O_CLOEXEC | create, 0o600)
     try:
-        os.posix_fallocate(fd, 0, size)
+        if rank == 0:
+            os.posix_fallocate(fd, 0, size)
+        elif os.fstat(fd).st_size != size:
+            raise OSError("another size")
         memory = mmap.mmap(fd, size)
     finally:
         os.close(fd)
     pipes = {}
     try:
-        for rank in range(1, world):
-            for path in _paths(base, rank):
-                os.mkfifo(path, 0o600)
-            pipes[rank] = _open_pipes(base, rank)
+        for peer in range(1, world) if rank == 0 else [rank]:
+            if rank == 0:
+                for path in _paths(base, peer):
+                    os.mkfifo(path, 0o600)
+            pipes[0 if rank else peer] = _open_pipes(base, peer)
     except OSError:
         _close(pipes)
         memory.close()
         raise
     return memory, pipes
-
-
-def _join(base, size, rank):
-    """Another rank: rank 0's memory and this rank's pipes."""
-    fd = os.open(base, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        if os.fstat(fd).st_size != size:
-            raise OSError("another size")
-        memory = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    try:
-        return memory, {0: _open_pipes(base, rank)}
-    except OSError:
-        memory.close()
-        raise
 
 
 def _remove(base, world):
@@ -132,7 +122,7 @@ def attach(slot_bytes):
     memory = pipes = None
     if rank == 0:
         try:
-            memory, pipes = _create(base, size, world)
+            memory, pipes = _open(base, size, rank, world)
         except (OSError, AttributeError, ValueError):  # no /dev/shm, full
             memory = None
     sent = base.encode() if memory is not None else b""
@@ -140,7 +130,7 @@ def attach(slot_bytes):
     if found and rank != 0:
         base = found.decode()
         try:
-            memory, pipes = _join(base, size, rank)
+            memory, pipes = _open(base, size, rank, world)
         except (OSError, ValueError):
             memory = None
     opened = launch.all_gather_ints(int(memory is not None))
