@@ -81,10 +81,10 @@ def _short(error):
     return f"{type(error).__name__}: {error}"
 
 
-def _commit(final, staging, write, state, world, extra, storage_writer):
+def _commit(final, staging, write, state, extra, storage_writer):
     """Runs `write()`, then the manifest, then moves the checkpoint into
     place; a failure on any rank raises on every rank."""
-    _, rank = launch.world()
+    world, rank = launch.world()
     problem = None
     try:
         write()
@@ -164,7 +164,7 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
         f"save_checkpoint({os.fspath(directory)!r})",
         "every rank writes its shards",
     )
-    world, rank = launch.world()
+    rank = launch.world()[1]
     final = os.path.abspath(os.fspath(directory))
     token = launch.broadcast_bytes(uuid.uuid4().hex.encode()).decode()
     staging = files.staging_path(final, token)  # rank 0's name
@@ -189,7 +189,7 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
             state, storage_writer=storage_writer, process_group=group
         ).result
     commit = functools.partial(
-        _commit, final, staging, write, state, world, extra, storage_writer
+        _commit, final, staging, write, state, extra, storage_writer
     )
     return PendingCheckpoint(commit) if async_save else commit()
 
@@ -266,9 +266,7 @@ def latest_checkpoint(root, prefix=""):
     >>> if path is not None:
     ...     keras_dtensor.load_checkpoint(model, path)
     """
-    if not os.path.isdir(root):
-        return None
-    found = checkpoints(os.path.abspath(root), prefix)
+    found = os.path.isdir(root) and checkpoints(os.path.abspath(root), prefix)
     return found[-1] if found else None
 
 
