@@ -7,6 +7,7 @@ first batch, as Keras's `BackupAndRestore` does.
 
 import base64
 import contextlib
+import functools
 import json
 import os
 import random
@@ -215,9 +216,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             _set_random_state(resumed, "begin")
             resume.request(
                 resumed["batches"],
-                lambda positioned, kind: self._resumed(
-                    resumed, positioned, kind
-                ),
+                functools.partial(self._resumed, resumed),
                 self._resumed_epochs,
             )
         elif loaded:  # at an epoch's start: its shuffle all the same

@@ -188,9 +188,8 @@ def verify(directory, manifest):
         )
     world, rank = launch.world()
     expected = manifest["files"]
-    names = sorted(expected)
     problem = None
-    for name in names[rank::world]:
+    for name in sorted(expected)[rank::world]:
         try:
             problem = _check(directory, name, expected[name], block)
         except OSError as e:

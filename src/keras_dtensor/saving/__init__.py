@@ -1,11 +1,9 @@
 """`.h5` and `.keras` files under a distribution, without a whole copy.
 
-Keras's writers and readers run on every rank: `collective` (rank 0
-writes the file from every rank's shards; a failure on any rank raises on
-every rank), `stores` (sharded values go to `h5_stream`, written in
-pieces, assembled in shared memory on one host by `shm_blocks`),
-`zip_writer` (the `.keras` zip in one pass; `zip_format`, `crc32`) and
-`sliced_load` (each rank reads its slices). The files are Keras's own.
+`collective` (rank 0 writes Keras's own file from every rank's shards),
+`stores` (sharded values go to `h5_stream` in pieces, on one host through
+`shm_blocks`), `zip_writer` (the `.keras` zip in one pass; `zip_format`,
+`crc32`) and `sliced_load` (each rank reads its slices).
 """
 
 from keras_dtensor.saving.collective import wrap_save
