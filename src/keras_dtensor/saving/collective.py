@@ -61,13 +61,8 @@ def _write_alone(original, model, filepath, *args, **kwargs):
 
 
 class RankZeroFile:
-    """One file that every rank writes, of which rank 0's is kept
-    (`finish` moves it into place or raises on every rank).
-
-    Args:
-        what: the user-facing call, for messages (`"save_weights"`).
-        filepath: the target path.
-    """
+    """`filepath`, written by every rank, rank 0's kept: `finish` moves it
+    into place or raises on every rank, naming the call `what`."""
 
     def __init__(self, what, filepath):
         self.what, self.final = what, os.fspath(filepath)

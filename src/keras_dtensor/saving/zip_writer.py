@@ -23,13 +23,9 @@ _SUMMED = 1 << 20  # writes this large are checksummed as they are written
 
 
 class StoredZip:
-    """A zip archive written into an empty file at explicit offsets;
-    leaving the context without an error writes the central directory.
-
-    Args:
-        fileobj: a binary file opened for writing, at offset 0, with a
-            path (`name`).
-    """
+    """A zip archive written at explicit offsets into `fileobj`, an empty
+    binary file with a path (`name`); leaving the context without an
+    error writes the central directory."""
 
     def __init__(self, fileobj):
         fileobj.flush()
