@@ -278,8 +278,9 @@ def write(store, key, value, state):
             state.error = e
     if value.device_mesh.device_type == "cpu" and state.shared_ranks is None:
         state.shared, state.shared_ranks = shm_blocks.attach(state.slot_bytes)
-    ranks = state.shared_ranks or ()
-    shared = state.shared if shm_blocks.usable(ranks, local, owners) else None
+    ranks = state.shared_ranks or ()  # those that opened the buffers
+    usable = 0 in ranks and local.is_cpu and all(r in ranks for r, _ in owners)
+    shared = state.shared if usable else None
     if rank == 0:
         for block, values in _assemble(state, local, blocks, owners, shared):
             _put(state, dataset, block, values)

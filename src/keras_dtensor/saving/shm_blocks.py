@@ -27,7 +27,6 @@ __all__ = [
     "free_slot",
     "grant",
     "part_in",
-    "usable",
     "wait_for_part",
 ]
 
@@ -141,15 +140,6 @@ def attach(slot_bytes):
     if memory is None:
         return None, ranks
     return Shared(memory, slot_bytes, pipes), ranks
-
-
-def usable(ranks, local, owners):
-    """Whether every rank with a part of a CPU variable opened the buffers."""
-    return (
-        0 in ranks
-        and local.device.type == "cpu"
-        and all(rank in ranks for rank, _ in owners)
-    )
 
 
 def _hear(fd, block, who):
