@@ -53,22 +53,12 @@ class _Window(io.RawIOBase):
         return got
 
 
-@dataclasses.dataclass(frozen=True)
-class _Storage:
-    dtype: torch.dtype
-    key: str
-    numel: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Saved:
-    """A tensor record of a `torch.save` zip: where its bytes lie."""
-
-    storage: _Storage
-    offset: int
-    size: tuple
-    stride: tuple
-    data_start: int = 0  # of the storage's bytes, within the item
+_Storage = collections.namedtuple("_Storage", "dtype key numel")
+# A tensor record of a `torch.save` zip: where its bytes lie (`data_start`:
+# of the storage's bytes, within the item).
+_Saved = collections.namedtuple(
+    "_Saved", "storage offset size stride data_start", defaults=(0,)
+)
 
 
 def _describe(storage, offset, size, stride, *rest):
@@ -155,7 +145,7 @@ def _saved_tensor(window):
         struct.error,
     ):
         return None
-    return dataclasses.replace(saved, data_start=start)
+    return saved._replace(data_start=start)
 
 
 def _byte_range(saved, offsets, lengths):
