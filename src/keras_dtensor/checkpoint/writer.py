@@ -111,10 +111,6 @@ class DigestingWriter(dcp.FileSystemWriter):
     def digests(self):
         return dict(self.fs.digests)
 
-    def reset(self, checkpoint_id=None):
-        super().reset(checkpoint_id)
-        self.fs.digests.clear()
-
     def write_data(self, plan, planner):
         with _Crc32Off():
             return super().write_data(plan, planner)
