@@ -65,20 +65,6 @@ def _paths(base, rank):
     return f"{base}.{rank}.free", f"{base}.{rank}.filled"
 
 
-def _open_pipes(base, rank):
-    """A rank's two pipes, opened without waiting for the other end."""
-    opened = []
-    try:
-        for path in _paths(base, rank):
-            opened.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
-            if not stat.S_ISFIFO(os.fstat(opened[-1]).st_mode):
-                raise OSError(f"{path} is not a pipe")
-    except OSError:
-        _close({rank: opened})
-        raise
-    return tuple(opened)
-
-
 def _open(base, size, rank, world):
     """Rank 0 makes the memory (its space reserved) and every rank's pipes;
     another rank opens the memory and its own pipes."""
@@ -93,12 +79,15 @@ def _open(base, size, rank, world):
     finally:
         os.close(fd)
     pipes = {}
-    try:
+    try:  # opened for reading and writing: no wait for the other end
         for peer in range(1, world) if rank == 0 else [rank]:
-            if rank == 0:
-                for path in _paths(base, peer):
+            opened = pipes[0 if rank else peer] = []
+            for path in _paths(base, peer):
+                if rank == 0:
                     os.mkfifo(path, 0o600)
-            pipes[0 if rank else peer] = _open_pipes(base, peer)
+                opened.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+                if not stat.S_ISFIFO(os.fstat(opened[-1]).st_mode):
+                    raise OSError(f"{path} is not a pipe")
     except OSError:
         _close(pipes)
         memory.close()
