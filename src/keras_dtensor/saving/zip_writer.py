@@ -56,18 +56,6 @@ class StoredZip:
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written
 
-    def _read_crc(self, start, stop, crc=0):
-        """`crc` continued over the file's bytes in `[start, stop)`."""
-        buffer = memoryview(bytearray(min(_CHUNK, stop - start)))
-        while start < stop:
-            want = min(len(buffer), stop - start)
-            got = os.preadv(self._fd, [buffer[:want]], start)
-            if got <= 0:
-                raise OSError("the archive is shorter than its member")
-            crc = zlib.crc32(buffer[:got], crc)
-            start += got
-        return crc
-
     def _start(self, name, attributes, seconds, size, crc=0, zip64=False):
         if self._open is not None:
             busy = self._open.entry.name.decode()
@@ -210,10 +198,14 @@ class Window(io.BytesIO):
 
     def crc(self):
         """The member's CRC-32: its pieces' joined, the gaps read back."""
-        crc, done = 0, 0
+        crc, buffer = 0, memoryview(bytearray(_CHUNK))
+        self.seek(0)
         for start, stop, piece in [*self._summed, (self.size, self.size, 0)]:
-            gap = (self.base + done, self.base + start)
-            crc = self.archive._read_crc(*gap, crc)
+            while self._position < start:
+                got = self.readinto(buffer[: start - self._position])
+                if got <= 0:
+                    raise OSError("the archive is shorter than its member")
+                crc = zlib.crc32(buffer[:got], crc)
             crc = crc32.combine(crc, piece, stop - start)
-            done = stop
+            self.seek(stop)
         return crc
