@@ -266,21 +266,18 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             self._finish()
         finally:
             self._stop_listening()
-        if self._resumed_epochs:
-            self._fill_history()
+        history = getattr(self.model, "history", None)
+        if self._resumed_epochs and isinstance(
+            history, keras.callbacks.History
+        ):
+            epochs, logs = self._history  # the epochs before the resume too
+            history.epoch = list(epochs)
+            history.history = {k: list(v) for k, v in logs.items()}
 
     def _stop_listening(self):
         if self._signals is not None:
             self._signals.uninstall()
         self._signals = self._vote = None
-
-    def _fill_history(self):
-        """Gives `fit`'s History the epochs trained before a resume."""
-        history = getattr(self.model, "history", None)
-        if isinstance(history, keras.callbacks.History):
-            epochs, logs = self._history
-            history.epoch = list(epochs)
-            history.history = {k: list(v) for k, v in logs.items()}
 
     def _preempted(self, number, in_epoch, epoch=None):
         """Every rank is here: save this step (if not yet) and exit; a
