@@ -168,10 +168,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._batches, self._epoch, self._saved_at = 0, 0, -1
         self._epoch_start = 0  # batches trained when this epoch began
         self._begin_state = None  # random state when this epoch began
-        self._history = ([], {})  # epochs and logs, resumed ones too
+        self._history = {"epoch": [], "logs": {}}  # resumed epochs too
         self._resumed_epochs = 0
         self._position = None  # where the resumed epoch continues
-        self._loaded = False
         if self.on_preemption:  # before loading: a signal then is saved too
             self._signals = preemption.Signals(self.model, self.signals)
             if not self._signals.install():
@@ -198,20 +197,15 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._saved_at = int(extra.get("batches", -1))
         self._epoch = int(extra.get("epoch", 0))
         self.model._initial_epoch = self._epoch
-        history = extra.get("history") or {}
-        self._history = (
-            list(history.get("epoch", [])),
-            dict(history.get("logs", {})),
-        )
-        self._resumed_epochs = len(self._history[0])
-        self._position = extra.get("position")
-        self._loaded = True
+        self._history.update(extra.get("history") or {})
+        self._resumed_epochs = len(self._history["epoch"])
+        # At an epoch's start (no position): its shuffle all the same.
+        self._position = extra.get("position") or {"batches": 0}
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_start = self._batches
         resumed, self._position = self._position, None
-        loaded, self._loaded = self._loaded, False
         if resumed and resumed["batches"]:
             _set_random_state(resumed, "begin")
             resume.request(
@@ -219,7 +213,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
                 functools.partial(self._resumed, resumed),
                 self._resumed_epochs,
             )
-        elif loaded:  # at an epoch's start: its shuffle all the same
+        elif resumed:
             resume.request(0, None, self._resumed_epochs)
         self._begin_state = _random_state()
 
@@ -245,10 +239,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._at_boundary(in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
-        epochs, history = self._history
-        epochs.append(epoch)
+        self._history["epoch"].append(epoch)
         for key, value in (logs or {}).items():
-            history.setdefault(key, []).append(_number(value))
+            self._history["logs"].setdefault(key, []).append(_number(value))
         if self.save_freq == "epoch":
             self._save_here(0, epoch=epoch + 1)
         self._at_boundary(0, epoch=epoch + 1)
@@ -270,9 +263,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         if self._resumed_epochs and isinstance(
             history, keras.callbacks.History
         ):
-            epochs, logs = self._history  # the epochs before the resume too
-            history.epoch = list(epochs)
-            history.history = {k: list(v) for k, v in logs.items()}
+            history.epoch = list(self._history["epoch"])  # resumed ones too
+            logs = self._history["logs"].items()
+            history.history = {k: list(v) for k, v in logs}
 
     def _stop_listening(self):
         if self._signals is not None:
@@ -299,12 +292,11 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def _save_here(self, in_epoch, epoch=None, force_sync=False):
         """A checkpoint after `in_epoch` batches of this epoch, or at its
         end (`epoch`: the next one)."""
-        epochs, logs = self._history
         extra = {
             "epoch": self._epoch if epoch is None else epoch,
             "resume_batches": self._epoch_start if in_epoch else self._batches,
             "batches": self._batches,
-            "history": {"epoch": epochs, "logs": logs},
+            "history": self._history,
         }
         if in_epoch:
             extra["position"] = _capture(
