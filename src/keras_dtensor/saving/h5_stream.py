@@ -49,22 +49,20 @@ class _Save:
     """One save on this rank: its first write error and buffers."""
 
     piece_bytes: int
+    slot_bytes: int  # a piece's, rounded up to `_ALIGN`
     error: BaseException | None = None
     buffers: dict = dataclasses.field(default_factory=dict)
     shared: object = None  # `shm_blocks.Shared`, if any
     shared_ranks: frozenset | None = None  # None: not tried yet
 
-    @property
-    def slot_bytes(self):
-        return -(-max(self.piece_bytes, _ALIGN) // _ALIGN) * _ALIGN
-
     def buffer(self, device, blocks):
-        if (device, blocks) not in self.buffers:
+        key = (device, blocks)
+        if key not in self.buffers:
             size = blocks * self.slot_bytes
-            self.buffers[device, blocks] = torch.empty(
+            self.buffers[key] = torch.empty(
                 size, dtype=torch.uint8, device=device
             )
-        return self.buffers[device, blocks]
+        return self.buffers[key]
 
 
 _SAVE = contextvars.ContextVar("keras_dtensor_stream_save", default=None)
@@ -72,7 +70,8 @@ _SAVE = contextvars.ContextVar("keras_dtensor_stream_save", default=None)
 
 def new_save():
     """One save's state on this rank; `end_save` when done."""
-    return _Save(max(1, int(config.get("SAVE_PIECE_MB") * 2**20)))
+    piece = max(1, int(config.get("SAVE_PIECE_MB") * 2**20))
+    return _Save(piece, -(-max(piece, _ALIGN) // _ALIGN) * _ALIGN)
 
 
 def end_save(state):
