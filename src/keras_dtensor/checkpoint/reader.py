@@ -199,8 +199,7 @@ class SafeReader(dcp.FileSystemReader):
                 )
             per_file.setdefault(name, []).append(item)
         for relative_path, items in per_file.items():
-            path = os.path.join(self.path, relative_path)
-            with open(path, "rb") as f:
+            with open(os.path.join(self.path, relative_path), "rb") as f:
                 layouts = {}
                 items.sort(
                     key=lambda i: self.storage_data[i.storage_index].offset

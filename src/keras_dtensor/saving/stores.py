@@ -129,11 +129,6 @@ def wrap_optimizer_save_own_variables(original):
 _DIRECT = "_keras_dtensor_direct_write"
 
 
-def _discard(written, state):
-    written.discard()
-    h5_stream.end_save(state)
-
-
 def wrap_h5_store_init(original):
     """Wraps `H5IOStore.__init__`: a file opened for writing outside a
     save, under a distribution, is a `RankZeroFile`."""
@@ -160,7 +155,8 @@ def wrap_h5_store_init(original):
         state = h5_stream.new_save()
         object_state.set_on(self, _DIRECT, (written, state))
         # A writer that raises before `close()` leaves nothing behind.
-        weakref.finalize(self, _discard, written, state)
+        weakref.finalize(self, written.discard)
+        weakref.finalize(self, h5_stream.end_save, state)
         return None
 
     return __init__
