@@ -106,10 +106,7 @@ class DigestingWriter(dcp.FileSystemWriter):
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)
         self.fs = _DigestingFileSystem()
-
-    @property
-    def digests(self):
-        return dict(self.fs.digests)
+        self.digests = self.fs.digests
 
     def write_data(self, plan, planner):
         with _Crc32Off():
