@@ -17,7 +17,7 @@ from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.batch_layout import distribute_batch
 from keras_dtensor.model_parallel import local_run
 from keras_dtensor.model_parallel.boundary_layers import reduce_partial
-from keras_dtensor.model_parallel.fsdp_weights import gathered_weights
+from keras_dtensor.model_parallel.fsdp_blocks import gathered_weights
 from keras_dtensor.model_parallel.local_run_spec import spec_for
 from keras_dtensor.model_parallel.reference_run import recorder
 

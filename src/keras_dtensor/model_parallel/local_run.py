@@ -24,7 +24,6 @@ from keras_dtensor.backend import object_state
 from keras_dtensor.backend.shards import from_local
 from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import fsdp_blocks
-from keras_dtensor.model_parallel import fsdp_weights
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import local_run_check
 from keras_dtensor.model_parallel import local_run_spec
@@ -171,7 +170,7 @@ def _dtensor_scope(layer):
     with (
         scoped(_ACTIVE, False),
         context.global_values(),
-        fsdp_weights.gathered_weights(layer, context.active()),
+        fsdp_blocks.gathered_weights(layer, context.active()),
     ):
         yield
 

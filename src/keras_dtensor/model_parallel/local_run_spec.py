@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
 from keras_dtensor.backend import object_state
-from keras_dtensor.model_parallel import fsdp_weights
+from keras_dtensor.model_parallel import fsdp_blocks
 
 __all__ = [
     "LocalRunSpec",
@@ -86,7 +86,7 @@ def _build(layer, batch_axis):
     mesh, dim, items, sharded = None, None, [], set()
     for variable in weights:
         value = getattr(variable, "_value", None)
-        found = fsdp_weights.batch_placement(value, batch_axis)
+        found = fsdp_blocks.batch_placement(value, batch_axis)
         if found is None:
             if not isinstance(value, DTensor):
                 return None
