@@ -191,11 +191,15 @@ class Session:
         return packed_gather.Pending(shards, specs, self.group), shards
 
     def gather_root(self):
-        """`{index: full}` of the weights gathered for the whole call."""
-        if not self.layout.root:
-            return {}
-        fulls = packed_gather.finish(*self._start(self.layout.root))
-        return dict(zip(self.layout.root, fulls, strict=True))
+        """`{index: full}` of the weights gathered for the whole call, one
+        all-gather per dtype."""
+        by_dtype, out = {}, {}
+        for i in self.layout.root:
+            by_dtype.setdefault(self.values[i].dtype, []).append(i)
+        for indices in by_dtype.values():
+            fulls = packed_gather.finish(*self._start(indices))
+            out.update(zip(indices, fulls, strict=True))
+        return out
 
     def enter(self, layer):
         """Called as `layer` is called: its group gathered, the last freed."""

@@ -27,7 +27,6 @@ from keras_dtensor.model_parallel import fsdp_blocks
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import local_run_check
 from keras_dtensor.model_parallel import local_run_spec
-from keras_dtensor.model_parallel import packed_gather
 from keras_dtensor.model_parallel.reference_run import scoped
 
 __all__ = ["active", "call", "inner_call"]
@@ -86,44 +85,35 @@ def _to_global(run_spec, rows, x, layer):
 
 @contextlib.contextmanager
 def _local_weights(run_spec, layout, kept):
-    """Every weight but the `kept` reads as its whole local tensor, gathered
-    at once (per dtype) or by group (yields the `Session`, else None)."""
+    """Every weight but the `kept` reads as its whole local tensor, the
+    gathered ones by a `fsdp_blocks.Session` (yielded, else None)."""
     values = [variable._value for variable, _, _ in run_spec.weights]
     whole = list(values)  # kept, and shards until their group gathers
     session = None
     if run_spec.gathered:
+        if layout is None:  # all gathered for the whole call
+            root = tuple(i for i in run_spec.gathered if i not in kept)
+            layout = fsdp_blocks.Layout((), {}, root, ())
         group = run_spec.mesh.get_group(run_spec.dim)
-    if layout is not None:
         session = fsdp_blocks.Session(run_spec, layout, values, group)
         for i, full in session.gather_root().items():
             whole[i] = full
-    read, by_dtype = [], {}  # read locally; gathered at once, by dtype
-    for i, (_, gather, grad) in enumerate(run_spec.weights):
-        if i in kept or (gather and layout is not None):
-            continue
-        read.append((i, None if gather else grad))
-        if gather:
-            by_dtype.setdefault(values[i].dtype, []).append(i)
+    read = [
+        i
+        for i, (_, gather, _) in enumerate(run_spec.weights)
+        if not gather and i not in kept
+    ]
     locals_ = local_grads.local_many(
-        [values[i] for i, _ in read], [grad for _, grad in read]
+        [values[i] for i in read], [run_spec.weights[i][2] for i in read]
     )
-    for (i, _), local_tensor in zip(read, locals_, strict=True):
+    for i, local_tensor in zip(read, locals_, strict=True):
         whole[i] = local_tensor
-    for indices in by_dtype.values():
-        specs = packed_gather.shard_specs(
-            [values[i] for i in indices], run_spec.dim
-        )
-        fulls = packed_gather.gather_shards(
-            [whole[i] for i in indices], specs, group
-        )
-        for i, full in zip(indices, fulls, strict=True):
-            whole[i] = full
     try:
         for (variable, _, _), value in zip(
             run_spec.weights, whole, strict=True
         ):
             variable._value = value
-        if session is None:
+        if session is None or not layout.groups:
             yield None
             return
         with (
