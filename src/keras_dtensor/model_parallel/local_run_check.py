@@ -1,13 +1,12 @@
 """Whether a model's local run between tensor-parallel layers is exact.
 
-The first call of each input signature runs as DTensors (recorded) and
-then locally; the local run is kept only if its outputs equal the DTensor
-run's bit for bit on every rank, agreed by one all-reduce. Otherwise a
-layer joins the boundary and the check runs again, or the signature runs
-as DTensors and rank 0 says why. See docs/internals/local-run.md.
+The first call of each input signature runs as DTensors (recorded), then
+locally; the local run is kept only if its outputs equal the DTensor
+run's bit for bit on every rank (one all-reduce agrees). Otherwise a layer
+joins the boundary and the check runs again, or the signature runs as
+DTensors. See docs/internals/local-run.md.
 """
 
-import dataclasses
 import re
 import warnings
 
@@ -23,9 +22,9 @@ from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import local_run_spec
 from keras_dtensor.model_parallel import reference_run
 
-__all__ = ["State", "agree", "call", "matches", "reason", "signature"]
+__all__ = ["agree", "call", "matches", "reason", "signature"]
 
-# On a model: `(run_spec, {signature: Record or None}, {layouts: State})`.
+# On a model: `(run_spec, {signature: Record or None}, {layouts: sets})`.
 _RECORDS = "_keras_dtensor_sharded_records"
 _MISSING = object()
 _SAID = "_keras_dtensor_said_runs_as_dtensors"
@@ -48,8 +47,8 @@ def signature(flat):
 
 
 def matches(reference, local, final):
-    """`(ok, reason)`: whether the local run's outputs (`final`, as
-    DTensors) are this rank's shards of the DTensor run's, bit for bit."""
+    """`(ok, reason)`: whether `final` (the local outputs as DTensors) are
+    this rank's shards of the DTensor run's, bit for bit."""
     flats = [fast_tree.flatten(x) for x in (reference, local, final)]
     for ref, out, made in zip(*flats, strict=True):
         if not isinstance(ref, torch.Tensor):
@@ -88,15 +87,6 @@ def agree(code, mesh):
     return low, -high
 
 
-@dataclasses.dataclass
-class State:
-    """Ids of a model's layers promoted to the boundary, and of its boundary
-    layers whose outputs leave replicated, for one layout of its inputs."""
-
-    promoted: set = dataclasses.field(default_factory=set)
-    replicated: set = dataclasses.field(default_factory=set)
-
-
 def call(layer, run_spec, flat, reference, run):
     """A model's call with its tensor-parallel layers as DTensor islands:
     `(True, outputs)`, or `(False, None)` to run as DTensors. `reference()`
@@ -117,12 +107,12 @@ def call(layer, run_spec, flat, reference, run):
         return True, boundary_layers.outputs_global(
             record, run_spec.mesh, outputs
         )
-    # The layers promoted depend on the placements of the inputs too.
+    # Ids of the layers promoted to the boundary and of the boundary layers
+    # whose outputs leave replicated, by the placements of the inputs.
     layouts = tuple(
         tuple(x.placements) if isinstance(x, DTensor) else None for x in flat
     )
-    state = states.setdefault(layouts, State())
-    promoted, replicated = state.promoted, state.replicated
+    promoted, replicated = states.setdefault(layouts, (set(), set()))
     order = {id(sub): i for i, sub in enumerate(run_spec.layers)}
     # Verdicts: a layer's index (promote it), `ok`, `trace` (trace the
     # layers' outputs to find where the runs part) or -1 (no layer).
@@ -133,14 +123,17 @@ def call(layer, run_spec, flat, reference, run):
         for sub in layer._flatten_layers(include_self=False, recursive=False)
     )
 
-    def promotable(sub):
-        return (
-            sub is not None
-            and id(sub) in order
-            and sub is not layer
-            and id(sub) not in record.boundary
-            and len(promoted) < _MAX_PROMOTED
-        )
+    def blame(sub, default=-1):
+        """The verdict promoting `sub`, where it may be promoted."""
+        if (
+            sub is None
+            or id(sub) not in order
+            or sub is layer
+            or id(sub) in record.boundary
+            or len(promoted) >= _MAX_PROMOTED
+        ):
+            return default
+        return order[id(sub)]
 
     # Layers made to hand on whole outputs, and the first failure's reason.
     tried, first_why = [], None
@@ -187,20 +180,18 @@ def call(layer, run_spec, flat, reference, run):
             if replay.values_differ:  # traced to a layer on this rank
                 same = False
                 why = f"{replay.culprit.name!r}: its outputs differ"
-                culprit = replay.culprit
-                code = order[id(culprit)] if promotable(culprit) else -1
+                code = blame(replay.culprit)
             adding = local_run_spec.adding_losses(run_spec.layers)
             if same and adding:
                 # A loss must be a global value: its layer runs as DTensors.
                 why = f"{adding[0].name!r} adds a loss in its call"
-                code = order[id(adding[0])] if promotable(adding[0]) else -1
+                code = blame(adding[0])
         except AssignedInCall:
             why = "a layer assigns a variable in its call"
         except Exception as error:  # noqa: BLE001 (any: DTensors)
             why = reason(error)
             # Raised at a boundary layer's input: the cause is upstream.
-            culprit = replay.culprit
-            code = order[id(culprit)] if promotable(culprit) else default
+            code = blame(replay.culprit, default)
         low, high = agree(code, run_spec.mesh)
         if low == high == ok:
             record.fingerprints = None  # later calls are not traced
@@ -228,10 +219,10 @@ def call(layer, run_spec, flat, reference, run):
         replicated.difference_update(tried)
         why = first_why
     distribution = context.active()
-    said = distribution is None or object_state.get_on(
-        distribution, _SAID, False
-    )
-    if not said and not console.silent():
+    if distribution is None or object_state.get_on(distribution, _SAID):
+        return False, None
+    object_state.set_on(distribution, _SAID, True)
+    if not console.silent():
         warnings.warn(
             f"keras-dtensor: {layer.name!r} runs as DTensors between its "
             "tensor-parallel layers, not on local tensors: its local run "
@@ -240,6 +231,4 @@ def call(layer, run_spec, flat, reference, run):
             + f". Mesh {run_spec.mesh}.",
             stacklevel=4,
         )
-    if distribution is not None:
-        object_state.set_on(distribution, _SAID, True)
     return False, None
