@@ -1,8 +1,8 @@
 """ModelParallel the DTensor way: layouts from a `LayoutMap`, run locally
 where they allow it.
 
-`call` is the one entry of every layer call. `local_run_spec` decides
-which models run on local tensors (`local_run`): batch-sharded weights
+`local_run` holds the one entry of every layer call; `local_run_spec`
+decides which models run there on local tensors: batch-sharded weights
 gathered by block (`fsdp_blocks`, `packed_gather`) and read locally
 (`local_grads`); tensor-parallel layers as DTensor islands
 (`boundary_layers`) or on their shards (`local_split`, `local_shards`),
@@ -12,9 +12,9 @@ checked against the recorded DTensor run (`reference_run`,
 See docs/internals/local-run.md.
 """
 
-from keras_dtensor.model_parallel.call import call_layer
 from keras_dtensor.model_parallel.local_grads import reduce_partial_grads
 from keras_dtensor.model_parallel.local_run import active as in_local_run
+from keras_dtensor.model_parallel.local_run import call_layer
 from keras_dtensor.model_parallel.local_run_spec import variables_changed
 from keras_dtensor.model_parallel.local_shards import wrap_einsum
 from keras_dtensor.model_parallel.local_shards import wrap_matmul
