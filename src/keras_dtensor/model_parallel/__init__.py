@@ -1,15 +1,13 @@
 """ModelParallel the DTensor way: layouts from a `LayoutMap`, run locally
 where they allow it.
 
-`local_run` holds the one entry of every layer call; `local_run_spec`
-decides which models run there on local tensors: batch-sharded weights
-gathered by block (`fsdp_blocks`, `packed_gather`) and read locally
-(`local_grads`); tensor-parallel layers as DTensor islands
-(`boundary_layers`) or on their shards (`local_split`, `local_shards`),
-checked against the recorded DTensor run (`reference_run`,
-`local_run_check`, `reshapes`). Elsewhere layers gather their own weights
-(`fsdp_blocks`); `local_grads` reduces partial-sum gradients in buckets.
-See docs/internals/local-run.md.
+`local_run` (the one entry of a layer call) runs a model on local tensors
+where `local_run_spec` allows: batch-sharded weights gathered by block
+(`fsdp_blocks`, `packed_gather`), read locally (`local_grads`);
+tensor-parallel layers as DTensor islands (`boundary_layers`) or on their
+shards (`local_split`, `local_shards`), checked against the recorded
+DTensor run (`reference_run`, `local_run_check`, `reshapes`). See
+docs/internals/local-run.md.
 """
 
 from keras_dtensor.model_parallel.local_grads import reduce_partial_grads

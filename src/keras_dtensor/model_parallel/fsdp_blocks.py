@@ -1,15 +1,10 @@
 """Batch-sharded weights gathered as FSDP2 gathers them.
 
-Outside a local run, a layer's own batch-sharded trainable variables read
-gathered during its call (`gathered_weights`, one all-gather each): the
-ops inside need no communication, and the gather's backward
-reduce-scatters the gradient to the shard. In a local run they are
-gathered group by group (`Session`), as with `reshard_after_forward`: a
-group's weights are gathered before its forward (one all-gather), freed
-after it, and gathered again when backward needs what autograd saved from
-them; gradients leave by one reduce-scatter a group. Every rank runs the
-same layers in the same order, so the collectives match. See
-docs/internals/local-run.md.
+Outside a local run, by the layer that owns them, for its call
+(`gathered_weights`); in one, group by group (`Session`): gathered before
+the group's forward, freed after it, gathered again for its backward.
+Every rank runs the same layers in the same order, so the collectives
+match. See docs/internals/local-run.md.
 """
 
 import collections

@@ -1,10 +1,8 @@
 """DTensor weights read as local tensors, and their gradients laid out.
 
-`local_many` is `value.to_local(grad_placements=...)` for many weights
-through one autograd node, each gradient's `DTensorSpec` built once per
-weight: the same gradients, hooks and `.grad`. `reduce_partial_grads`
-all-reduces the partial-sum gradients of replicated weights in buckets of
-`KERAS_DTENSOR_BUCKET_MB` (`ops.flat_buffers`), as DDP does. See
+`local_many` reads many weights through one autograd node, each
+gradient's `DTensorSpec` built once; `reduce_partial_grads` all-reduces
+replicated weights' partial-sum gradients in buckets, as DDP does. See
 docs/internals/local-run.md.
 """
 

@@ -1,14 +1,10 @@
-"""The one entry of ModelParallel, a layer call under a layout, and the
-local run: a model's outermost call on this rank's rows, as plain tensors.
+"""The one entry of ModelParallel (`call_layer`) and the local run: a
+model's outermost call on this rank's rows, as plain tensors.
 
-`call_layer` runs every `Layer.__call__` under a distribution other than
-`DataParallel`. Its outputs leave with partial sums reduced; their
-gradients are laid out as the outputs where they enter the layer in
-backward. A model whose `LocalRunSpec` allows it runs locally: inputs
-enter as local rows, outputs leave as the batch-sharded DTensors the loss
-expects; weights read as whole local tensors while their layer runs. A
-layer that adds a loss or assigns a variable in its call sends the model
-back to DTensors. See docs/internals/local-run.md.
+Outputs leave with partial sums reduced. A model whose `LocalRunSpec`
+allows it takes local rows in and gives batch-sharded DTensors out; a
+layer that adds a loss or assigns a variable sends it back to DTensors.
+See docs/internals/local-run.md.
 """
 
 import contextlib

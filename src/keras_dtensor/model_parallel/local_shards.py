@@ -1,12 +1,9 @@
-"""Contractions of local shards, their collectives explicit; Keras's torch
-`einsum` and `matmul` placed by subscripts.
+"""Contractions of local shards, their collectives explicit, placed by
+subscripts (`ops.einsum_plan`) for Keras's torch `einsum` and `matmul`.
 
-Inside `scope`, registered local tensors meet in `einsum` or `matmul`
-(`contract`), placed by `ops.einsum_plan`: the output is a local shard or
-a partial sum the caller all-reduces; what cannot be placed raises
-`Unsupported`. Outside it, an einsum of DTensors runs once on the local
-shards, placed by its subscripts, not by torch's decomposition, whose
-merged `_StridedShard` dims `bmm` can only gather. See
+Inside `scope`, registered local tensors contract to a local shard or a
+partial sum the caller all-reduces, else raise `Unsupported`; outside
+it, an einsum of DTensors runs once on the local shards. See
 docs/internals/local-run.md.
 """
 

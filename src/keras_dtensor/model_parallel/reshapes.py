@@ -20,8 +20,6 @@ from keras_dtensor.model_parallel import reference_run
 
 __all__ = ["local_cache", "wrap_reshape"]
 
-_UNSEEN = object()
-
 
 def _local_reshape(x, newshape):
     """The local shape for `reshape(x, newshape)`, or None."""
@@ -34,12 +32,12 @@ def _local_reshape(x, newshape):
     if shape is None or not all(type(n) is int for n in shape):
         return None
     plans = replay.record.reshape_plans
-    plan = plans.get(i, _UNSEEN)
-    if plan is _UNSEEN:
+    if i not in plans:
         recorded = replay.record.reshapes
-        plan = plans[i] = _plan(
+        plans[i] = _plan(
             recorded[i] if i < len(recorded) else None, replay.mesh
         )
+    plan = plans[i]
     if plan is None:
         return None
     before, whole, local = plan
@@ -106,8 +104,7 @@ def _replay_for(x):
     """The replay of the checked local run `x` is a plain tensor of."""
     replay = boundary_layers.current_replay()
     if (
-        replay is None
-        or not local_run.active()
+        not local_run.active()
         or local_shards.active()  # a split layer's own call
         or not isinstance(x, torch.Tensor)
         or isinstance(x, DTensor)
