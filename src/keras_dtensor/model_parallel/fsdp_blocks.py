@@ -107,20 +107,19 @@ class Layout:
 
 
 def _units(model):
-    """`{id(variable): [id(unit), ...]}` and the units, in layer order."""
+    """`{id(variable): {id(unit), ...}}` and the units' ids, in order."""
     from keras import Model
 
-    owners = collections.defaultdict(list)
-    units = []
+    owners, units = collections.defaultdict(set), []
 
     def walk(layer):
         for child in layer._flatten_layers(include_self=False, recursive=False):
             if isinstance(child, Model):
                 walk(child)
                 continue
-            units.append(child)
+            units.append(id(child))
             for variable in child.weights:
-                owners[id(variable)].append(id(child))
+                owners[id(variable)].add(id(child))
 
     walk(model)
     return owners, units
@@ -134,14 +133,14 @@ def build(model, run_spec, order):
     root = []
     calls = collections.Counter(order or ())
     for i in run_spec.gathered:
-        found = set(owners.get(id(run_spec.weights[i][0]), ()))
-        unit = found.pop() if len(found) == 1 else None
+        found = owners.get(id(run_spec.weights[i][0]), ())
+        unit = next(iter(found)) if len(found) == 1 else None
         if unit is None or calls[unit] > 1:
             root.append(i)  # shared, or called again (a tied projection)
         else:
             by_unit[unit].append(i)
     # Units in call order, those the first call did not reach at the end.
-    ranked = dict.fromkeys([*(order or ()), *(id(unit) for unit in units)])
+    ranked = dict.fromkeys([*(order or ()), *units])
     ranked = [unit for unit in ranked if unit in by_unit]
     sizes = [
         sum(nbytes(run_spec.weights[i][0]._value) for i in by_unit[unit])

@@ -92,7 +92,8 @@ def _to_global(run_spec, rows, x, layer):
 def _local_weights(run_spec, layout, kept):
     """Every weight but the `kept` reads as its whole local tensor, the
     gathered ones by a `fsdp_blocks.Session` (yielded, else None)."""
-    values = [variable._value for variable, _, _ in run_spec.weights]
+    variables = [variable for variable, _, _ in run_spec.weights]
+    values = [variable._value for variable in variables]
     whole = list(values)  # kept, and shards until their group gathers
     session = None
     if run_spec.gathered:
@@ -114,9 +115,7 @@ def _local_weights(run_spec, layout, kept):
     for i, local_tensor in zip(read, locals_, strict=True):
         whole[i] = local_tensor
     try:
-        for (variable, _, _), value in zip(
-            run_spec.weights, whole, strict=True
-        ):
+        for variable, value in zip(variables, whole, strict=True):
             variable._value = value
         if session is None or not layout.groups:
             yield None
@@ -132,9 +131,7 @@ def _local_weights(run_spec, layout, kept):
             finally:
                 session.close()
     finally:
-        for (variable, _, _), value in zip(
-            run_spec.weights, values, strict=True
-        ):
+        for variable, value in zip(variables, values, strict=True):
             variable._value = value
 
 
@@ -195,14 +192,11 @@ def _layout(layer, run_spec):
 
 
 def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
-    replaying, kept = contextlib.nullcontext(), run_spec.kept
-    if replay is not None:
-        replaying = boundary_layers.replaying(replay)
-        kept = replay.record.kept
+    kept = run_spec.kept if replay is None else replay.record.kept
     with (
         _local_weights(run_spec, layout, kept) as session,
         _plain_only(),
-        replaying,
+        boundary_layers.replaying(replay),
     ):
         outputs = original(layer, *args, **kwargs)
     if layout is not None and layout.order is None:

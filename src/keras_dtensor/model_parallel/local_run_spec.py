@@ -22,7 +22,6 @@ __all__ = [
     "shards_enter",
     "spec_for",
     "variables_changed",
-    "whole_along",
 ]
 
 _PLAN = "_keras_dtensor_local_batch"
@@ -48,7 +47,7 @@ class LocalRunSpec:
     def whole(self, placements):
         """Whether `placements` shard rows over the batch axis only."""
         return all(
-            (i == self.dim and p == Shard(0)) or whole_along(self.mesh, i, p)
+            (i == self.dim and p == Shard(0)) or _whole_along(self.mesh, i, p)
             for i, p in enumerate(placements)
         )
 
@@ -99,7 +98,7 @@ def _build(layer, batch_axis):
         if shard is not None and type(shard) is not Shard:  # e.g. strided
             return None
         if not all(
-            whole_along(mesh, i, p)
+            _whole_along(mesh, i, p)
             for i, p in enumerate(value.placements)
             if i != dim
         ):
@@ -137,7 +136,7 @@ def _build(layer, batch_axis):
     )
 
 
-def whole_along(mesh, dim, placement):
+def _whole_along(mesh, dim, placement):
     """Whether `placement` on mesh dim `dim` leaves the tensor whole."""
     return placement.is_replicate() or mesh.size(dim) == 1
 
