@@ -7,7 +7,6 @@ it, an einsum of DTensors runs once on the local shards. See
 docs/internals/local-run.md.
 """
 
-import contextlib
 import contextvars
 import functools
 
@@ -18,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from keras_dtensor import compat
 from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.model_parallel import local_grads
+from keras_dtensor.model_parallel.reference_run import scoped
 from keras_dtensor.ops import einsum_plan
 
 __all__ = [
@@ -40,17 +40,11 @@ class Unsupported(Exception):  # noqa: N818 (a signal, not an error)
     """The call cannot run on local shards: run it as DTensors."""
 
 
-@contextlib.contextmanager
 def scope(mesh, tensors):
     """Contractions of `tensors` (`(local, placements, global shape)`) run
-    on local shards; yields the mesh dims left with partial sums."""
+    on local shards; yields `(mesh, them, mesh dims left partial sums)`."""
     known = {_key(t): (t, tuple(p), tuple(s)) for t, p, s in tensors}
-    summed = set()
-    token = _SCOPE.set((mesh, known, summed))
-    try:
-        yield summed
-    finally:
-        _SCOPE.reset(token)
+    return scoped(_SCOPE, (mesh, known, set()))
 
 
 def _key(t):

@@ -142,7 +142,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
     try:
         with (
             object_state.swapped(layer, "_input_spec", None),
-            local_shards.scope(mesh, known) as pending,
+            local_shards.scope(mesh, known) as (_, _, pending),
         ):
             outputs = original(layer, *args, **kwargs)
     except local_shards.Unsupported:
