@@ -66,8 +66,7 @@ class _ToLocalMany(torch.autograd.Function):
 def local_many(values, grad_placements=None):
     """`v.to_local(grad_placements=p)` for each value and placements (None:
     the value's own), the leaves among `values` through one autograd node."""
-    if grad_placements is None:
-        grad_placements = [None] * len(values)
+    grad_placements = grad_placements or [None] * len(values)
     out = [None] * len(values)
     shared, specs = [], []
     for i, (value, placements) in enumerate(

@@ -115,9 +115,8 @@ def shard_specs(values, dim):
 
 
 def gather_shards(shards, specs, group):
-    """Full tensors from this rank's `shards` (plain, one dtype) in one
-    all-gather over `group`, `specs` giving each `(sharded dim, global
-    shape)`; backward reduce-scatters their gradients to the shards."""
+    """Full tensors of `shards` (one dtype; `specs` their `(sharded dim,
+    global shape)`) in one all-gather; backward reduce-scatters."""
     return finish(Pending(shards, specs, group), shards)
 
 
