@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.layout import even_shards
+from keras_dtensor.backend.layout import placed_shape
 
 __all__ = [
     "Record",
@@ -83,9 +84,9 @@ class Record:
     children: frozenset = frozenset()
     sharded_outputs: list = dataclasses.field(default_factory=list)
     replicated: frozenset = frozenset()
-    # `(input spec, result spec)`s outside the boundary layers, in order.
+    # Reshapes (`note_reshape`) and `(input spec, result spec)`s of
+    # `slice_update`s outside the boundary layers, in order.
     reshapes: list = dataclasses.field(default_factory=list)
-    reshape_plans: dict = dataclasses.field(default_factory=dict)
     slice_updates: list = dataclasses.field(default_factory=list)
     inside: int = 0  # boundary layer calls under way
     split_plans: dict = dataclasses.field(default_factory=dict)
@@ -152,9 +153,20 @@ class Record:
             self.sharded_outputs.append(layer_id)
 
     def note_reshape(self, x, out):
-        """Notes a reshape's input and result in the DTensor run."""
-        if not self.inside:
-            self.reshapes.append((spec(x), spec(out)))
+        """Notes a reshape's `(input's local shape, result's global and
+        local shapes)`, or None where shards differ in size (ranks could
+        part ways)."""
+        if self.inside:
+            return
+        before, after, mesh = spec(x), spec(out), self.run_spec.mesh
+        plan = None
+        if even(before, mesh) and even(after, mesh):
+            plan = (
+                torch.Size(placed_shape(before[1], mesh, before[0])),
+                after[1],
+                placed_shape(after[1], mesh, after[0]),
+            )
+        self.reshapes.append(plan)
 
     def note_slice_update(self, inputs, out):
         """Notes a `slice_update`'s updated tensor and result."""

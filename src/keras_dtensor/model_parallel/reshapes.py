@@ -31,13 +31,8 @@ def _local_reshape(x, newshape):
     shape = tuple(newshape) if isinstance(newshape, (list, tuple)) else None
     if shape is None or not all(type(n) is int for n in shape):
         return None
-    plans = replay.record.reshape_plans
-    if i not in plans:
-        recorded = replay.record.reshapes
-        plans[i] = _plan(
-            recorded[i] if i < len(recorded) else None, replay.mesh
-        )
-    plan = plans[i]
+    recorded = replay.record.reshapes
+    plan = recorded[i] if i < len(recorded) else None
     if plan is None:
         return None
     before, whole, local = plan
@@ -111,18 +106,3 @@ def _replay_for(x):
     ):
         return None
     return replay
-
-
-def _plan(recorded, mesh):
-    """`(input's local shape, result's global and local shapes)`, or None
-    where shards differ in size (ranks could part ways)."""
-    if recorded is None or not all(
-        reference_run.even(r, mesh) for r in recorded
-    ):
-        return None
-    before, after = recorded
-    return (
-        torch.Size(placed_shape(before[1], mesh, before[0])),
-        after[1],
-        placed_shape(after[1], mesh, after[0]),
-    )
