@@ -107,8 +107,7 @@ def call(layer, run_spec, flat, reference, run):
         return True, boundary_layers.outputs_global(
             record, run_spec.mesh, outputs
         )
-    # Ids of the layers promoted to the boundary and of the boundary layers
-    # whose outputs leave replicated, by the placements of the inputs.
+    # By input placements: layers promoted, those handing on whole outputs.
     layouts = tuple(
         tuple(x.placements) if isinstance(x, DTensor) else None for x in flat
     )
@@ -201,9 +200,8 @@ def call(layer, run_spec, flat, reference, run):
             tracing = True
             continue
         if low == high == -1 and tracing:
-            # No layer at fault: the model's own ops. The next of its own
-            # boundary layers with sharded outputs hands them on whole
-            # (the same record on every rank: the same choice).
+            # No layer at fault: the model's own ops. Its next boundary layer
+            # with sharded outputs hands them on whole (the same on all ranks).
             untried = [i for i in record.sharded_outputs if i not in replicated]
             if untried and len(replicated) < _MAX_PROMOTED:
                 first_why = why if first_why is None else first_why

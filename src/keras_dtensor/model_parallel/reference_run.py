@@ -84,8 +84,7 @@ class Record:
     children: frozenset = frozenset()
     sharded_outputs: list = dataclasses.field(default_factory=list)
     replicated: frozenset = frozenset()
-    # Reshapes (`note_reshape`) and `(input spec, result spec)`s of
-    # `slice_update`s outside the boundary layers, in order.
+    # Reshape plans, `slice_update` specs: outside boundary layers, in order.
     reshapes: list = dataclasses.field(default_factory=list)
     slice_updates: list = dataclasses.field(default_factory=list)
     inside: int = 0  # boundary layer calls under way

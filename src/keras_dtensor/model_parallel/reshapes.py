@@ -38,8 +38,7 @@ def _local_reshape(x, newshape):
     before, whole, local = plan
     if len(whole) != len(shape) or local == shape or x.shape != before:
         return None
-    # The same reshape as recorded: each dim asked for is the global one,
-    # the local one, or inferred (-1).
+    # As recorded: each dim asked for is the global one, the local one or -1.
     for asked, g, n in zip(shape, whole, local, strict=True):
         if asked not in (g, n, -1):
             return None
