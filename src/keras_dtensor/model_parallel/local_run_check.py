@@ -7,6 +7,7 @@ joins the boundary and the check runs again, or the signature runs as
 DTensors. See docs/internals/local-run.md.
 """
 
+import dataclasses
 import re
 import warnings
 
@@ -22,9 +23,9 @@ from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import local_run_spec
 from keras_dtensor.model_parallel import reference_run
 
-__all__ = ["agree", "call", "matches", "reason", "signature"]
+__all__ = ["State", "agree", "call", "matches", "reason", "signature"]
 
-# On a model: `(run_spec, {signature: Record or None}, {layouts: sets})`.
+# On a model: `(run_spec, {signature: Record or None}, {layouts: State})`.
 _RECORDS = "_keras_dtensor_sharded_records"
 _MISSING = object()
 _SAID = "_keras_dtensor_said_runs_as_dtensors"
@@ -87,6 +88,15 @@ def agree(code, mesh):
     return low, -high
 
 
+@dataclasses.dataclass
+class State:
+    """Ids of a model's layers promoted to the boundary, and of its boundary
+    layers whose outputs leave replicated, for one layout of its inputs."""
+
+    promoted: set = dataclasses.field(default_factory=set)
+    replicated: set = dataclasses.field(default_factory=set)
+
+
 def call(layer, run_spec, flat, reference, run):
     """A model's call with its tensor-parallel layers as DTensor islands:
     `(True, outputs)`, or `(False, None)` to run as DTensors. `reference()`
@@ -107,11 +117,12 @@ def call(layer, run_spec, flat, reference, run):
         return True, boundary_layers.outputs_global(
             record, run_spec.mesh, outputs
         )
-    # By input placements: layers promoted, those handing on whole outputs.
+    # The layers promoted depend on the placements of the inputs too.
     layouts = tuple(
         tuple(x.placements) if isinstance(x, DTensor) else None for x in flat
     )
-    promoted, replicated = states.setdefault(layouts, (set(), set()))
+    state = states.setdefault(layouts, State())
+    promoted, replicated = state.promoted, state.replicated
     order = {id(sub): i for i, sub in enumerate(run_spec.layers)}
     # Verdicts: a layer's index (promote it), `ok`, `trace` (trace the
     # layers' outputs to find where the runs part) or -1 (no layer).
