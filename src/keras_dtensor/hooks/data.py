@@ -1,8 +1,6 @@
-"""Where data enters the distributed computation: batches become DTensors.
-
-Every input kind is the global batch on every process, each keeping its
-rows (loaded alone where `loader_shards`, `pydataset_shards` can); with
-`auto_shard_dataset=False`, each process's own.
+"""Where batches become DTensors: every input kind is the global batch on
+every process, each keeping its rows (loaded alone where `loader_shards`,
+`pydataset_shards` can); with `auto_shard_dataset=False`, its own.
 """
 
 import functools
@@ -57,8 +55,7 @@ def wrap_get_iterator(original):
 
 
 def _own_shards(adapter, distribution):
-    """This process's shards of the adapter's global batches, or `None`
-    where every process reads the input whole."""
+    """This process's shards of the global batches, or `None` (read whole)."""
     if isinstance(adapter, compat.data_adapter_class("TorchDataLoaderAdapter")):
         return loader_shards.sharded_loader(
             adapter.get_torch_dataloader(), distribution
@@ -73,7 +70,6 @@ def _own_shards(adapter, distribution):
 
 @functools.cache
 def _say_read_whole():
-    """One warning per process: every process runs a tf.data pipeline."""
     warnings.warn(
         f"keras-dtensor: each of the {world()[0]} processes reads this "
         "tf.data pipeline whole (its maps run on every element in every "
@@ -86,8 +82,8 @@ def _say_read_whole():
 
 
 def wrap_epoch_iter(original):
-    """Wraps `TorchEpochIterator.__iter__`: a resumed epoch starts at the
-    batch its checkpoint was written at (`backend.resume`)."""
+    """Wraps `TorchEpochIterator.__iter__`: a resumed epoch starts at its
+    checkpoint's batch (`backend.resume`)."""
 
     def __iter__(self):
         pending = resume.take()
@@ -109,8 +105,8 @@ def wrap_epoch_iter(original):
 
 
 def wrap_make_function(original, kind):
-    """Wraps `TorchTrainer.make_{kind}_function`: what is still plain when
-    a step starts (`train_on_batch`'s arrays) is laid out as global."""
+    """Wraps `TorchTrainer.make_{kind}_function`: plain inputs (such as
+    `train_on_batch`'s) laid out as global values."""
     attribute = f"{kind}_function"
 
     def make_function(self, force=False):
@@ -144,9 +140,8 @@ def wrap_make_function(original, kind):
 
 
 def wrap_get_data_adapter(original):
-    """Wraps `data_adapters.get_data_adapter`: with several processes the
-    adapter is built as for one (every input kind yields the global batch;
-    this process's rows are kept later), not Keras's tf.data-only split."""
+    """Wraps `data_adapters.get_data_adapter`: built as for one process
+    (the global batch; rows kept later), not Keras's tf.data-only split."""
 
     def _get_data_adapter(x, *args, **kwargs):
         distribution = context.current()

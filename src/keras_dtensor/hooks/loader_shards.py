@@ -1,6 +1,5 @@
-"""A map-style `DataLoader` loading only this process's batch shard: every
-rank draws the global batch's indices from the user's batch sampler, then
-fetches and collates its shard, tagged (`batch_layout.tag_shard`).
+"""A map-style `DataLoader` loading only this process's rows: every rank
+draws the global batch's indices, then fetches and collates its shard.
 """
 
 import zlib
@@ -25,12 +24,9 @@ _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """This process's shards of `loader`'s batches (through a loader with its
-    settings), or `None` where it is read whole: an `IterableDataset`, no
-    automatic batching, a layout not split by batch alone, or
-    `KERAS_DTENSOR_SHARDED_LOADING=0`."""
-    if not config.get("SHARDED_LOADING") or world()[0] == 1:
-        return None
+    """This process's shards of `loader`'s batches, or `None` where it is
+    read whole (an `IterableDataset`, no automatic batching, no
+    `shard_rule`)."""
     if loader.batch_sampler is None or isinstance(
         loader.dataset, torch_data.IterableDataset
     ):
@@ -62,7 +58,7 @@ def sharded_loader(loader, distribution):
 
 
 class Reiterable:
-    """Iterates `make()` each time, as Keras iterates its loader per epoch."""
+    """Iterates `make()` each time, as Keras iterates its loader."""
 
     def __init__(self, make):
         self.make = make
@@ -72,7 +68,7 @@ class Reiterable:
 
 
 def _epochs(derived):
-    # iter() when iterated, not at the first batch: it draws its seed then.
+    # iter() when iterated: the loader draws its seed then.
     return Reiterable(lambda: _tagged(iter(derived)))
 
 
@@ -84,9 +80,11 @@ def _tagged(iterator):
 
 
 def shard_rule(distribution):
-    """`(total, rank) -> (start, length)`: a rank's rows of a global batch
-    (DataParallel's split, else the data layout's), or `None` where the
-    batch is not split by its leading dim alone."""
+    """`(total, rank) -> (start, length)`: a rank's rows of a global batch,
+    or `None` where the batch is read whole: one process, not split by its
+    leading dim alone, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
+    if not config.get("SHARDED_LOADING") or world()[0] == 1:
+        return None
     if context.is_data_parallel(distribution):
 
         def row_shard(total, rank):
@@ -98,7 +96,7 @@ def shard_rule(distribution):
     if any(p.is_shard() and p.dim != 0 for p in placements):
         return None
     if not any(p.is_shard() for p in placements):
-        return None  # a replicated batch: every rank loads it whole
+        return None  # replicated: every rank loads it whole
     coordinates = {
         int(mesh.mesh[c]): list(c) for c in np.ndindex(*mesh.mesh.shape)
     }
@@ -110,7 +108,6 @@ def shard_rule(distribution):
 
 
 def _digest(indices):
-    """A checksum of a global batch's indices."""
     try:
         raw = np.asarray(indices)
         if raw.dtype.kind in "biu":
@@ -122,8 +119,7 @@ def _digest(indices):
 
 class _ShardIndices:
     """The user's batch sampler, cut to this process's shard: `(indices,
-    (start, total, digest, empty))` (`empty`: no rows, the first sample
-    stands in for the structure)."""
+    (start, total, digest, empty))`; an empty shard fetches one sample."""
 
     def __init__(self, batch_sampler, rule, rank):
         self.batch_sampler, self.rule, self.rank = batch_sampler, rule, rank
@@ -153,7 +149,7 @@ class _Keyed(torch_data.Dataset):
 
 
 class _Collate:
-    """The user's `collate_fn` on the fetched samples; the meta beside."""
+    """The user's `collate_fn` on the fetched samples."""
 
     def __init__(self, collate_fn):
         self.collate_fn = collate_fn

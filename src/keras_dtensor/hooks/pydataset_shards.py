@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_dtensor import config
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import tag_shard
@@ -29,8 +28,8 @@ __all__ = ["sharded_batches", "take_over_workers"]
 
 def sharded_batches(adapter, distribution):
     """This process's shards of `adapter`'s batches, or `None` where they
-    are read whole: unknown length, `use_multiprocessing`, a layout not
-    split by batch alone, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
+    are read whole (unknown length, `use_multiprocessing`, no
+    `shard_rule`)."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
     rule = shard_rule(distribution)
@@ -38,8 +37,8 @@ def sharded_batches(adapter, distribution):
 
 
 def take_over_workers(adapter, distribution):
-    """Stands down Keras's enqueuer (it would build every batch) of a
-    `PyDataset` built 1/N per process; `_owned` runs the threads."""
+    """Stands down Keras's enqueuer (it builds every batch) where
+    `sharded_batches` shards; `_owned` runs the threads."""
     if adapter.enqueuer is not None and _shardable(adapter, distribution):
         object_state.set_on(adapter, "enqueuer", None)
 
@@ -47,9 +46,7 @@ def take_over_workers(adapter, distribution):
 def _shardable(adapter, distribution):
     py_dataset = adapter.py_dataset
     return (
-        config.get("SHARDED_LOADING")
-        and world()[0] > 1
-        and py_dataset.num_batches is not None
+        py_dataset.num_batches is not None
         and not py_dataset.use_multiprocessing
         and shard_rule(distribution) is not None
     )

@@ -17,27 +17,18 @@ from keras_dtensor.hooks import malloc_trim
 __all__ = ["check_replicas", "check_same_model", "wrap_fit"]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Elements of a local weight summed at a time.
-_CHUNK = 1 << 18
+_CHUNK = 1 << 18  # elements of a local weight summed at a time
 
 
 def _checksum(value):
+    """The int64 sum of a local weight's bits, a chunk at a time (no int64
+    copy of the whole weight)."""
     local = value.to_local() if isinstance(value, DTensor) else value
     flat = local.detach().contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    # The int64 sum without casting all of `bits` at once: one buffer,
-    # preallocated results, nothing allocated between chunks.
-    chunks = bits.split(_CHUNK)
-    size = min(_CHUNK, bits.numel())
-    buffer = torch.empty(size, dtype=torch.int64, device=bits.device)
-    sums = torch.empty(len(chunks), dtype=torch.int64, device=bits.device)
-    for i, chunk in enumerate(chunks):
-        part = buffer[: chunk.numel()]
-        part.copy_(chunk)
-        torch.sum(part, dim=0, out=sums[i])
-    return sums.sum()
+    return sum(c.sum(dtype=torch.int64) for c in bits.split(_CHUNK))
 
 
 def _replica_of(value, world):
