@@ -50,9 +50,8 @@ def wrap_get_iterator(original):
         iterator = None if per_process else _own_shards(adapter, distribution)
         if iterator is None:
             iterator = adapter.get_torch_dataloader()
-        iterator = _checked(
-            iterator, adapter.num_batches, same_batches=not per_process
-        )
+        # iter() now, as Keras does: a DataLoader draws its seed there.
+        iterator = _checked(iter(iterator), adapter.num_batches, per_process)
         if context.is_data_parallel(distribution):
             return iterator  # local mode: the step function takes its rows
         return (
@@ -199,8 +198,7 @@ _END = object()  # the iterator is done
 
 
 def _sample(flat):
-    """At most `_SAMPLE` evenly spaced elements: the cost of a checksum
-    does not grow with the batch."""
+    """At most `_SAMPLE` evenly spaced elements: a checksum's cost is flat."""
     step = max(1, len(flat) // _SAMPLE)
     return flat[::step]
 
@@ -249,15 +247,11 @@ def _raise_if_batches_differ(digests, index):
     )
 
 
-def _checked(iterator, num_batches, same_batches):
+def _checked(iterator, num_batches, per_process):
     """`iterator`'s batches, as many on every rank (known counts compared
-    once, unknown ones batch by batch); with `same_batches`, the same ones
+    once, unknown ones batch by batch); unless `per_process`, the same ones
     (checksums on the first, then every `KERAS_DTENSOR_CHECK_EVERY`)."""
-    # iter() now, as Keras does: a DataLoader draws its seed there.
-    return _compared(iter(iterator), num_batches, same_batches)
-
-
-def _compared(iterator, num_batches, same_batches):
+    same_batches = not per_process
     counts = all_gather_ints(-1 if num_batches is None else num_batches)
     known = all(c >= 0 for c in counts)
     if known and len(set(counts)) > 1:

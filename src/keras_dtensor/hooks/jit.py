@@ -1,7 +1,6 @@
 """`jit_compile=True` under a distribution: a compiled forward, the rest
-eager on DTensors. After a failure, or at dynamo's recompile limit, every
-rank runs eagerly (agreed after a signature's 1st, 2nd, 4th... call).
-`KERAS_DTENSOR_JIT=0`: eager.
+eager on DTensors; after a failure or at dynamo's recompile limit every
+rank runs eagerly (agreed at a signature's 1st, 2nd, 4th... call).
 """
 
 import collections
@@ -30,20 +29,18 @@ def _signature(args, kwargs):
 
 
 def _warn(message):
-    """A warning from rank 0 only."""
     if not console.silent():
         warnings.warn(message, stacklevel=3)
 
 
 def _brief(error):
-    """The error's message on one line, without Keras's ANSI bold."""
+    """The error's message on one line, without ANSI bold."""
     text = str(error).replace("\x1b[1m", "").replace("\x1b[0m", "")
     return " ".join(text.split())[:300]
 
 
 class _Forward:
-    """A model's compiled forward, eager once a rank failed or a function
-    reached the recompile limit."""
+    """A model's compiled forward, eager once every rank agrees to."""
 
     def __init__(self, model):
         self._name = model.name
@@ -76,8 +73,7 @@ class _Forward:
         return outputs
 
     def _started(self, args):
-        """Dynamo's own count of a function's compilations, kept in
-        `_most` (`recompile_limit` caps it)."""
+        """Dynamo's count of a function's compilations, kept in `_most`."""
         from torch._dynamo.callback import CallbackTrigger
 
         if args.callback_trigger != CallbackTrigger.DYNAMO:
@@ -141,8 +137,8 @@ def _compile_forward(model):
 
 
 def wrap_should_torch_compile(original):
-    """Wraps the torch trainer's `_should_torch_compile`
-    (`_use_torch_compile` on Keras 3.16)."""
+    """Wraps the torch trainer's `_should_torch_compile` (or 3.16's
+    `_use_torch_compile`)."""
 
     def _should_torch_compile(self):
         if context.current() is None:

@@ -122,16 +122,6 @@ def shard_rule(distribution):
     return shard_of
 
 
-def _digest(indices):
-    try:
-        raw = np.asarray(indices)
-        if raw.dtype.kind in "biu":
-            return zlib.crc32(raw.astype(np.int64).tobytes())
-    except (TypeError, ValueError):
-        pass
-    return zlib.crc32(repr(list(indices)).encode())
-
-
 class _ShardIndices:
     """The user's batch sampler, cut to this process's shard: `(indices,
     (start, total, digest, empty))`; an empty shard fetches one sample."""
@@ -146,7 +136,8 @@ class _ShardIndices:
         for indices in self.batch_sampler:
             indices = list(indices)
             start, length = self.rule(len(indices), self.rank)
-            meta = (start, len(indices), _digest(indices), not length)
+            digest = zlib.crc32(repr(indices).encode())
+            meta = (start, len(indices), digest, not length)
             yield indices[start : start + length] or [indices[0]], meta
 
 

@@ -1,6 +1,5 @@
 """Around `fit`: the same model on every rank before, equal replicas after
-(one all-gather of each local weight's checksum; drifted replicas mean
-different data or code on some rank).
+(one all-gather of each local weight's checksum).
 """
 
 import functools
@@ -48,8 +47,7 @@ def _replica_of(value, world):
 
 
 def check_replicas(model):
-    """Raises on every rank if replicas of `model`'s trainable weights
-    differ (a collective)."""
+    """Raises on every rank if replicas of trainable weights differ."""
     world, _ = launch.world()
     variables = list(model.trainable_weights)
     if world == 1 or not variables:
@@ -87,9 +85,8 @@ def _signature(weight):
 
 
 def check_same_model(model):
-    """Raises on every rank unless all ranks built the same weights'
-    shapes, dtypes and layouts (not paths: Keras numbers auto-named
-    layers per process)."""
+    """Raises on every rank unless all built the same weights' shapes,
+    dtypes and layouts (not paths: auto-names differ per process)."""
     world, _ = launch.world()
     if world == 1:
         return
@@ -120,8 +117,7 @@ def check_same_model(model):
 
 
 def wrap_fit(original):
-    """Wraps `TorchTrainer.fit`: `check_same_model` and `malloc_trim`
-    before, `check_replicas` after."""
+    """Wraps `TorchTrainer.fit`: checks before and after."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):

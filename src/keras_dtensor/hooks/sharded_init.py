@@ -1,6 +1,5 @@
 """Sharded initialization: only this rank's shard drawn, with the values
-one process would draw (`LocalDraws` walks the stream in blocks); where
-that is not exact (`chunked_draws_match`), the full value is drawn.
+one process would draw, where block-wise draws are exact on the device.
 """
 
 import functools
@@ -11,21 +10,20 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["LocalDraws", "chunked_draws_match", "supports"]
 
-_BLOCK_ELEMENTS = 1 << 20  # elements per drawn block
+_BLOCK_ELEMENTS = 1 << 20
 _DRAWS = (torch.rand, torch.normal)
 _FILLS = {torch.zeros: 0, torch.ones: 1, torch.empty: None}
 
 
 def _block_rows(row_elements, block_elements):
-    """Rows per drawn block: ~`block_elements`, a multiple of 16 elements
-    (torch's CPU normal draws in groups of 16)."""
+    """Rows per block: a multiple of 16 elements (torch's CPU normal draws
+    in groups of 16)."""
     step = 16 // math.gcd(row_elements, 16)
     rows = max(1, block_elements // max(row_elements, 1))
     return max(step, rows - rows % step)
 
 
 def _grid(rows, row_elements, block_elements):
-    """The `(start, stop)` row blocks a whole draw is walked in."""
     block = _block_rows(row_elements, block_elements)
     edges = [*range(0, rows, block), rows]
     bounds = list(zip(edges[:-1], edges[1:], strict=True))
@@ -35,16 +33,13 @@ def _grid(rows, row_elements, block_elements):
 
 
 class _Stream:
-    """One random stream, walked block by block across initializer calls."""
-
     def __init__(self, size, block_elements, generator):
         self.grid = _grid(size[0], math.prod(size[1:]), block_elements)
-        self.next = 0  # the next block of the grid to draw
-        self.generator = generator  # later calls go on with this stream
+        self.next = 0  # the next block to draw
+        self.generator = generator
 
     def read(self, draw, window, inner):
-        """Draws blocks (`draw(rows)`) up to the end of `window` (rows `[lo,
-        hi)`); returns its rows cut by `inner` (`None` for an empty one)."""
+        """Draws blocks up to the end of `window`; its rows cut by `inner`."""
         lo, hi = window
         out = None
         while self.next < len(self.grid) and self.grid[self.next][0] < hi:
@@ -62,9 +57,8 @@ class _Stream:
 
 
 class LocalDraws(TorchFunctionMode):
-    """Answers creation ops of a variable's global `shape` with a window of
-    this rank's part (`ranges`, from `layout.local_slices`), drawing
-    `block_elements` at a time."""
+    """Answers creation ops of the global `shape` with this rank's part
+    (`ranges`, from `layout.local_slices`), drawn in blocks."""
 
     def __init__(self, shape, ranges, block_elements=None):
         super().__init__()
@@ -121,10 +115,9 @@ class LocalDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def run(self, initializer, dtype, blockwise):
-        """This rank's shard of `initializer(shape, dtype)`, or `None` if it
-        made no creation op of the variable's shape. `blockwise`: called
-        once per drawn block of this rank's rows (block-sized temporaries),
-        for initializers whose every call starts the same stream."""
+        """This rank's shard of `initializer(shape, dtype)` (`None`: no
+        creation op of that shape); `blockwise` (every call starts the same
+        stream): called once per block, for block-sized temporaries."""
         row_start, row_count = self.ranges[0]
         stop = row_start + row_count
         windows = [(row_start, stop)]
