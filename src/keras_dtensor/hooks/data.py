@@ -90,8 +90,7 @@ def _say_read_whole():
 
 
 def wrap_epoch_iter(original):
-    """Wraps `TorchEpochIterator.__iter__`: a resumed epoch starts at its
-    checkpoint's batch (`backend.resume`)."""
+    """Wraps `TorchEpochIterator.__iter__`: a resumed epoch's start."""
 
     def __iter__(self):
         pending = resume.take()
@@ -113,8 +112,7 @@ def wrap_epoch_iter(original):
 
 
 def wrap_make_function(original, kind):
-    """Wraps `TorchTrainer.make_{kind}_function`: plain inputs (such as
-    `train_on_batch`'s) laid out as global values."""
+    """Wraps `TorchTrainer.make_{kind}_function`: plain inputs laid out."""
     attribute = f"{kind}_function"
 
     def make_function(self, force=False):
@@ -148,8 +146,7 @@ def wrap_make_function(original, kind):
 
 
 def wrap_get_data_adapter(original):
-    """Wraps `data_adapters.get_data_adapter`: built as for one process
-    (the global batch; rows kept later), not Keras's tf.data-only split."""
+    """Wraps `data_adapters.get_data_adapter`: built as for one process."""
 
     def _get_data_adapter(x, *args, **kwargs):
         distribution = context.current()

@@ -137,8 +137,7 @@ def _compile_forward(model):
 
 
 def wrap_should_torch_compile(original):
-    """Wraps the torch trainer's `_should_torch_compile` (or 3.16's
-    `_use_torch_compile`)."""
+    """Wraps `_should_torch_compile` (3.16: `_use_torch_compile`)."""
 
     def _should_torch_compile(self):
         if context.current() is None:

@@ -20,8 +20,7 @@ __all__ = [
 
 
 class _DataParallelStandIn:
-    """`Trainer.ddp_model` under `DataParallel`: the trainer then runs
-    `loss.backward()`, for the gradient reducer's hooks."""
+    """`Trainer.ddp_model`: the trainer then runs `loss.backward()`."""
 
     def __init__(self, model):
         self._model = weakref.ref(model)

@@ -39,9 +39,7 @@ _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """This process's shards of `loader`'s batches, or `None` where it is
-    read whole (an `IterableDataset`, no automatic batching, no
-    `shard_rule`)."""
+    """This process's shards of `loader`'s batches, or `None` (read whole)."""
     if loader.batch_sampler is None or isinstance(
         loader.dataset, torch_data.IterableDataset
     ):
@@ -123,8 +121,7 @@ def shard_rule(distribution):
 
 
 class _ShardIndices:
-    """The user's batch sampler, cut to this process's shard: `(indices,
-    (start, total, digest, empty))`; an empty shard fetches one sample."""
+    """The user's batch sampler, cut to this process's shard."""
 
     def __init__(self, batch_sampler, rule, rank):
         self.batch_sampler, self.rule, self.rank = batch_sampler, rule, rank
@@ -176,9 +173,7 @@ def _rows_of(batch, start, length):
 
 
 def sharded_batches(adapter, distribution):
-    """This process's shards of `adapter`'s batches, or `None` where they
-    are read whole (unknown length, `use_multiprocessing`, no
-    `shard_rule`)."""
+    """This process's shards of `adapter`'s batches, or `None` (read whole)."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
     rule = shard_rule(distribution)
@@ -186,8 +181,7 @@ def sharded_batches(adapter, distribution):
 
 
 def take_over_workers(adapter, distribution):
-    """Stands down Keras's enqueuer (it builds every batch) where
-    `sharded_batches` shards; `_owned` runs the threads."""
+    """Stands down Keras's enqueuer (it builds every batch)."""
     if adapter.enqueuer is not None and _shardable(adapter, distribution):
         object_state.set_on(adapter, "enqueuer", None)
 
@@ -241,8 +235,8 @@ def _shards(adapter, rule):
 
 
 def _owned(adapter, indices):
-    """This rank's batches, in order; with `workers > 1` built by that many
-    threads, ahead by one more after each taken, up to `max_queue_size`."""
+    """This rank's batches, built by `workers` threads, ahead by one more
+    after each taken."""
     py_dataset = adapter.py_dataset
     if py_dataset.workers <= 1:
         yield from (_build(adapter, index) for index in indices)
@@ -273,8 +267,7 @@ class _Unsupported(Exception):
 
 
 def _spec(x, leaves):
-    """The structure, shapes and dtypes of a batch, JSON-ready; its leaves
-    appended to `leaves` as tensors."""
+    """A batch's structure, shapes and dtypes; its leaves to `leaves`."""
     if x is None:
         return None
     if isinstance(x, (tuple, list)):
@@ -307,8 +300,7 @@ def _rebuild(spec, leaf):
 
 
 def _receive(batch, owner, rule):
-    """This rank's rows of the owner's `batch`: `(shard, start, total)`, or
-    `None` when the batch cannot be scattered."""
+    """`(shard, start, total)` of the owner's `batch`, or `None`."""
     size, rank = world()
     text, leaves = None, []
     if rank == owner:

@@ -20,14 +20,22 @@ _CHUNK = 1 << 18  # elements of a local weight summed at a time
 
 
 def _checksum(value):
-    """The int64 sum of a local weight's bits, a chunk at a time (no int64
-    copy of the whole weight)."""
+    """The int64 sum of a local weight's bits, chunk by chunk through one
+    preallocated buffer (no temporaries to fragment the heap)."""
     local = value.to_local() if isinstance(value, DTensor) else value
     flat = local.detach().contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    return sum(c.sum(dtype=torch.int64) for c in bits.split(_CHUNK))
+    chunks = bits.split(_CHUNK)
+    size = min(_CHUNK, bits.numel())
+    buffer = torch.empty(size, dtype=torch.int64, device=bits.device)
+    sums = torch.empty(len(chunks), dtype=torch.int64, device=bits.device)
+    for i, chunk in enumerate(chunks):
+        part = buffer[: chunk.numel()]
+        part.copy_(chunk)
+        torch.sum(part, dim=0, out=sums[i])
+    return sums.sum()
 
 
 def _replica_of(value, world):

@@ -41,8 +41,8 @@ def _aligned(inputs, start_indices, updates):
 
 
 def wrap_slice_update(original):
-    """Wraps Keras's torch `slice_update`: for DTensors, int start indices
-    (basic slicing, run on each shard) and aligned operands."""
+    """Wraps `slice_update`: for DTensors, int start indices (basic slicing,
+    run on each shard) and aligned operands."""
 
     def slice_update(inputs, start_indices, updates):
         record = model_parallel.recorder()  # a DTensor run being recorded

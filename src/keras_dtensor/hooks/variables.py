@@ -85,8 +85,7 @@ def wrap_initialize(original):
 
 
 def wrap_initialize_with_initializer(original):
-    """Wraps `Variable._initialize_with_initializer`: only this rank's shard
-    drawn where `sharded_init` can."""
+    """Wraps `Variable._initialize_with_initializer`: a shard drawn."""
 
     def _initialize_with_initializer(self, initializer):
         model_parallel.variables_changed()
@@ -195,8 +194,8 @@ def _in_layout_of(grad, variable):
 
 
 def wrap_filter_empty_gradients(original):
-    """Wraps `BaseOptimizer._filter_empty_gradients` (`optimizer.apply`'s
-    first step): each gradient laid out as its variable."""
+    """Wraps `BaseOptimizer._filter_empty_gradients`: each gradient laid
+    out as its variable, before the optimizer's in-place updates."""
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)
