@@ -33,12 +33,6 @@ def _warn(message):
         warnings.warn(message, stacklevel=3)
 
 
-def _brief(error):
-    """The error's message on one line, without ANSI bold."""
-    text = str(error).replace("\x1b[1m", "").replace("\x1b[0m", "")
-    return " ".join(text.split())[:300]
-
-
 class _Forward:
     """A model's compiled forward, eager once every rank agrees to."""
 
@@ -94,13 +88,16 @@ class _Forward:
             outputs = self._compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the eager rerun re-raises
             self.error = e
+            # Its message on one line, without Keras's ANSI bold.
+            text = str(e).replace("\x1b[1m", "").replace("\x1b[0m", "")
+            text = " ".join(text.split())[:300]
             with torch.no_grad():
                 for variable, value in saved:
                     variable.value.copy_(value)
             _warn(
                 f"jit_compile=True: torch.compile could not run the "
                 f"forward of model {self._name!r} over DTensors "
-                f"({type(e).__name__}: {_brief(e)}); it runs eagerly."
+                f"({type(e).__name__}: {text}); it runs eagerly."
             )
             return self._eager(*args, **kwargs)
         return outputs

@@ -39,7 +39,8 @@ _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """This process's shards of `loader`'s batches, or `None` (read whole)."""
+    """This process's shards of an epoch of `loader`, or `None` (read
+    whole); its iterator made now, when Keras would draw its seed."""
     if loader.batch_sampler is None or isinstance(
         loader.dataset, torch_data.IterableDataset
     ):
@@ -49,7 +50,7 @@ def sharded_loader(loader, distribution):
         return None
     cached = object_state.get_on(loader, _DERIVED)
     if cached is not None and cached[0] is distribution:
-        return _epochs(cached[1])
+        return _tagged(iter(cached[1]))
     workers = loader.num_workers
     derived = torch_data.DataLoader(
         _Keyed(loader.dataset),
@@ -67,22 +68,7 @@ def sharded_loader(loader, distribution):
         in_order=getattr(loader, "in_order", True),
     )
     object_state.set_on(loader, _DERIVED, (distribution, derived))
-    return _epochs(derived)
-
-
-class _Reiterable:
-    """Iterates `make()` each time, as Keras iterates its loader."""
-
-    def __init__(self, make):
-        self.make = make
-
-    def __iter__(self):
-        return self.make()
-
-
-def _epochs(derived):
-    # iter() when iterated: the loader draws its seed then.
-    return _Reiterable(lambda: _tagged(iter(derived)))
+    return _tagged(iter(derived))
 
 
 def _tagged(iterator):
@@ -173,11 +159,11 @@ def _rows_of(batch, start, length):
 
 
 def sharded_batches(adapter, distribution):
-    """This process's shards of `adapter`'s batches, or `None` (read whole)."""
+    """This process's shards of an epoch of `adapter`, or `None`."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
     rule = shard_rule(distribution)
-    return _Reiterable(lambda: _shards(adapter, rule))
+    return _shards(adapter, rule)
 
 
 def take_over_workers(adapter, distribution):
