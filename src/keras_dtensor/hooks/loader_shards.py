@@ -162,8 +162,7 @@ def sharded_batches(adapter, distribution):
     """This process's shards of an epoch of `adapter`, or `None`."""
     if adapter.enqueuer is not None or not _shardable(adapter, distribution):
         return None
-    rule = shard_rule(distribution)
-    return _shards(adapter, rule)
+    return _shards(adapter, shard_rule(distribution))
 
 
 def take_over_workers(adapter, distribution):
