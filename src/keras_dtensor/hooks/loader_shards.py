@@ -52,11 +52,12 @@ def sharded_loader(loader, distribution):
     if cached is not None and cached[0] is distribution:
         return _tagged(iter(cached[1]))
     workers = loader.num_workers
+    keyed = _Keyed(loader.dataset, loader.collate_fn)
     derived = torch_data.DataLoader(
-        _Keyed(loader.dataset),
+        keyed,
         batch_sampler=_ShardIndices(loader.batch_sampler, rule, world()[1]),
         num_workers=workers,
-        collate_fn=_Collate(loader.collate_fn),
+        collate_fn=keyed.collate,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
@@ -125,10 +126,11 @@ class _ShardIndices:
 
 
 class _Keyed(torch_data.Dataset):
-    """The user's dataset, fetched by `_ShardIndices`'s keys."""
+    """The user's dataset and `collate_fn` on `_ShardIndices`'s keys, each
+    batch's meta carried beside its samples."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, dataset, collate_fn):
+        self.dataset, self.collate_fn = dataset, collate_fn
 
     def __getitems__(self, key):
         indices, meta = key
@@ -136,14 +138,7 @@ class _Keyed(torch_data.Dataset):
             return self.dataset.__getitems__(indices), meta
         return [self.dataset[i] for i in indices], meta
 
-
-class _Collate:
-    """The user's `collate_fn` on the fetched samples."""
-
-    def __init__(self, collate_fn):
-        self.collate_fn = collate_fn
-
-    def __call__(self, fetched):
+    def collate(self, fetched):
         return self.collate_fn(fetched[0]), fetched[1]
 
 
