@@ -1,10 +1,12 @@
-"""Losses a layer adds in its call, computed over the global batch.
+"""Losses that are no mean over rows, computed over the global batch.
 
 As on JAX, whose DataParallel step runs on global arrays, a layer seen
 calling `add_loss` runs in a train step on DTensors over the batch mesh
-(`call_layer`), or on the gathered batch where the split is uneven;
-gradients crossing it are rescaled so every path counts once after the
-reducer's row weighting. Design notes: `docs/internals/data-parallel.md`.
+(`call_layer`), or on the gathered batch where the split is uneven; a
+compiled loss reduced otherwise than by a mean over rows runs on the
+gathered batch (`over_global_batch`). Gradients crossing them are
+rescaled so every path counts once after the reducer's row weighting.
+Design notes: `docs/internals/data-parallel.md`.
 """
 
 import contextlib
@@ -17,6 +19,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from keras_dtensor import compat
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
@@ -30,7 +33,9 @@ __all__ = [
     "call_layer",
     "current_step",
     "find_loss_layers",
-    "gather_with_grad",
+    "needs_global",
+    "over_global_batch",
+    "probe",
     "step_scope",
     "wrap_add_loss",
 ]
@@ -39,6 +44,8 @@ _ADDS_LOSSES = "_keras_dtensor_adds_losses"
 # A layer whose DTensor run failed: it runs on the gathered global batch.
 _GATHERED = "_keras_dtensor_adds_losses_gathered"
 _STEP = "keras_dtensor_data_parallel_step"
+_GLOBAL = ("sum", "mean_with_sample_weight")
+_WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
 
 
 class _Step:
@@ -176,12 +183,25 @@ def current_step():
     return _global_state().get_global_attribute(_STEP)
 
 
-def gather_with_grad(x, counts, share):
-    """This rank's rows `x` as the global batch; backward divides its rows'
-    gradient by its `share`, which the reducer weighs back."""
-    if share:
-        x = _scaled(x, 1.0 / share)
-    return _GatherRows.apply(x, counts)
+def _gather(x, step, counts, share, with_grad=True, mask=False):
+    """This rank's rows `x` as the global batch (`mask`: its Keras mask
+    too); with `with_grad`, backward divides its rows' gradient by its
+    `share`, which the reducer weighs back."""
+    from keras.src.backend.common.masking import get_keras_mask
+    from keras.src.backend.common.masking import set_keras_mask
+
+    if not _batch_aligned(x, step):
+        return x
+    keras_mask = get_keras_mask(x) if mask else None
+    if with_grad and x.requires_grad:
+        if share:
+            x = _scaled(x, 1.0 / share)
+        out = _GatherRows.apply(x, counts)
+    else:
+        out = gather_rows(x.detach(), counts)
+    if keras_mask is not None:
+        set_keras_mask(out, gather_rows(keras_mask, counts))
+    return out
 
 
 def call_layer(layer, original, args, kwargs):
@@ -239,12 +259,9 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
     """The layer on the gathered batch; this rank keeps its output rows."""
     from keras.src import tree
 
-    def gather(x):
-        if _batch_aligned(x, step):
-            return gather_with_grad(x, counts, share)
-        return x
-
-    args, kwargs = tree.map_structure(gather, (args, kwargs))
+    args, kwargs = tree.map_structure(
+        lambda x: _gather(x, step, counts, share), (args, kwargs)
+    )
     outputs = original(layer, *args, **kwargs)
 
     def own(x):
@@ -295,3 +312,58 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
         return x.full_tensor()
 
     return tree.map_structure(local, outputs)
+
+
+def needs_global(model):
+    """Whether `model` compiled a loss that is no mean over rows."""
+    return any(
+        getattr(loss_fn, "reduction", None) in _GLOBAL
+        or object_state.get_on(loss_fn, _WHOLE_BATCH)
+        for loss_fn in _flat_losses(model)
+    )
+
+
+def probe(model, y_true, y_pred):
+    """Notes which losses from outside Keras return one value for the
+    whole batch, on the meta tensors of Keras's symbolic build."""
+    from keras.src import tree
+
+    if tree.is_nested(y_true) or tree.is_nested(y_pred):
+        return
+    for loss_fn in _flat_losses(model):
+        fn = getattr(loss_fn, "fn", loss_fn)
+        if getattr(fn, "__module__", "").startswith("keras."):
+            continue
+        if object_state.get_on(loss_fn, _WHOLE_BATCH) is not None:
+            continue
+        whole = False  # not probed: as a mean over rows
+        meta = compat.torch_core().device_scope("meta")
+        with contextlib.suppress(Exception), meta:
+            whole = loss_fn.call(y_true, y_pred).dim() == 0
+        object_state.set_on(loss_fn, _WHOLE_BATCH, whole)
+
+
+def _flat_losses(model):
+    compiled = getattr(model, "_compile_loss", None)
+    return [entry[1] for entry in getattr(compiled, "_flat_losses", None) or ()]
+
+
+def over_global_batch(compiled, step):
+    """`compiled(y_true, y_pred, sample_weight)` on `step`'s global batch,
+    `y_pred` gathered with autograd."""
+    from keras.src import tree
+
+    def call(y_true, y_pred, sample_weight=None):
+        counts = step.count()
+        share = step.rows / step.global_rows
+
+        def gather(x, with_grad=False):
+            return _gather(x, step, counts, share, with_grad, mask=True)
+
+        return compiled(
+            tree.map_structure(gather, y_true),
+            tree.map_structure(lambda x: gather(x, True), y_pred),
+            tree.map_structure(gather, sample_weight),
+        )
+
+    return call

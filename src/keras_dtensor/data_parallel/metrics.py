@@ -18,7 +18,6 @@ from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel import global_batch_losses
-from keras_dtensor.data_parallel import global_loss
 from keras_dtensor.data_parallel.state import state_of
 from keras_dtensor.ops.flat_buffers import offsets
 
@@ -271,7 +270,7 @@ def wrap_compute_loss(original):
 
 def wrap_compute_loss_without_rows(original):
     """Wraps `Trainer.compute_loss` under DataParallel: a loss that is no
-    mean over rows runs on the global batch (`global_loss`); a rank with
+    mean over rows runs on the global batch (`global_batch_losses`); a rank with
     no rows gets a scalar zero loss, so backward runs as on the others."""
 
     @functools.wraps(original)
@@ -287,13 +286,13 @@ def wrap_compute_loss_without_rows(original):
             y_pred = given.get("y_pred")
             if isinstance(y_pred, torch.Tensor) and y_pred.is_meta:
                 loss = original(self, *args, **kwargs)  # builds the losses
-                global_loss.probe(self, given.get("y"), y_pred)
+                global_batch_losses.probe(self, given.get("y"), y_pred)
                 return loss
-        if step is not None and global_loss.needs_global(self):
+        if step is not None and global_batch_losses.needs_global(self):
             with object_state.swapped(
                 self,
                 "_compile_loss",
-                global_loss.over_global_batch(self._compile_loss, step),
+                global_batch_losses.over_global_batch(self._compile_loss, step),
             ):
                 return original(self, *args, **kwargs)
         if getattr(state_of(self, create=False), "frozen", None) is None:
