@@ -9,9 +9,8 @@ from keras_dtensor.backend.launch import world
 
 __all__ = [
     "gather_rows",
-    "leading_rows",
     "local_rows",
-    "row_counts",
+    "rank_counts",
     "row_range",
     "split_counts",
 ]
@@ -22,22 +21,22 @@ def _to_tensor(x):
 
 
 def local_rows(batch, distribution, shard=None):
-    """`(this process's rows of batch, how many)`, maybe none; `batch`
-    already is them with `auto_shard_dataset=False` or a `shard`."""
+    """`(this process's rows of batch, how many, the global batch's rows)`;
+    `batch` already is them with a `shard`, or with
+    `auto_shard_dataset=False` (global rows unknown: `None`)."""
     from keras.src import tree
 
     leaves = [x for x in tree.flatten(batch) if x is not None]
-    if not leaves:
-        return batch, 0
-    total = int(leaves[0].shape[0])
+    total = int(leaves[0].shape[0]) if leaves else 0
     if shard is not None or not distribution.auto_shard_dataset:
-        return tree.map_structure(_to_tensor, batch), total
+        local = tree.map_structure(_to_tensor, batch)
+        return local, total, None if shard is None else shard.total
     start, length = row_range(total)
 
     def cut(x):
         return None if x is None else _to_tensor(x)[start : start + length]
 
-    return tree.map_structure(cut, batch), length
+    return tree.map_structure(cut, batch), length, total
 
 
 def split_counts(total):
@@ -47,6 +46,14 @@ def split_counts(total):
     return [total // size + (rank < total % size) for rank in range(size)]
 
 
+def rank_counts(rows, global_rows):
+    """Every rank's rows, in rank order: split from `global_rows`, or
+    gathered when it is `None`."""
+    if global_rows is None:
+        return all_gather_ints(rows)
+    return split_counts(global_rows)
+
+
 def row_range(total):
     """`(start, length)` of this process's rows of a global batch."""
     counts = split_counts(total)
@@ -54,36 +61,17 @@ def row_range(total):
     return sum(counts[:rank]), counts[rank]
 
 
-def leading_rows(batch):
-    """Rows of a batch: the leading dim of its first array."""
-    from keras.src import tree
-
-    return int(next(x for x in tree.flatten(batch) if x is not None).shape[0])
-
-
-def row_counts(batch, distribution, shard=None):
-    """Rows every rank computes on, in rank order."""
-    if shard is not None:
-        return split_counts(shard.total)
-    if distribution.auto_shard_dataset:
-        return split_counts(leading_rows(batch))
-    return all_gather_ints(leading_rows(batch))
-
-
 def gather_rows(outputs, counts):
     """Each rank's rows of `outputs` (nested) all-gathered in global order;
     `counts`: every rank's rows, in rank order."""
     from keras.src import tree
 
-    size, _ = world()
-    if size == 1:
-        return outputs
     widest = max(counts)
 
     def gather(x):
         padded = x.new_zeros((widest, *x.shape[1:]))
         padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(size)]
+        parts = [torch.empty_like(padded) for _ in counts]
         dist.all_gather(parts, padded.contiguous())
         return torch.cat(
             [part[:n] for part, n in zip(parts, counts, strict=True)]

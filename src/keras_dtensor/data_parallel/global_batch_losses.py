@@ -23,11 +23,10 @@ from keras_dtensor import compat
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
 from keras_dtensor.backend.shards import from_local
 from keras_dtensor.data_parallel.batch_split import gather_rows
-from keras_dtensor.data_parallel.batch_split import split_counts
+from keras_dtensor.data_parallel.batch_split import rank_counts
 
 __all__ = [
     "call_layer",
@@ -60,10 +59,7 @@ class _Step:
     def count(self):
         """Every rank's rows, in rank order (counted once)."""
         if self.counts is None:
-            if self.global_rows is None:
-                self.counts = all_gather_ints(self.rows)
-            else:
-                self.counts = split_counts(self.global_rows)
+            self.counts = rank_counts(self.rows, self.global_rows)
             self.global_rows = sum(self.counts)
         return self.counts
 

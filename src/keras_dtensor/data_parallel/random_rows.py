@@ -13,6 +13,7 @@ import functools
 import torch
 
 from keras_dtensor.backend import context
+from keras_dtensor.data_parallel.batch_split import row_range
 
 __all__ = [
     "SHAPED_DRAWS",
@@ -39,9 +40,13 @@ _ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
 
 
 @contextlib.contextmanager
-def split_rows(start, length, total):
-    """A train step on rows `[start, start + length)` of `total`."""
-    token = _ROWS.set(_Rows(start, length, total) if length != total else None)
+def split_rows(rows, total):
+    """A train step on this rank's `rows` of a global batch of `total`
+    (`None`: unknown, draws left alone)."""
+    split = None
+    if total is not None and rows != total:
+        split = _Rows(row_range(total)[0], rows, total)
+    token = _ROWS.set(split)
     try:
         yield
     finally:

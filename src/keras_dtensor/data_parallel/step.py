@@ -6,7 +6,6 @@ the reducer and update split built (`_prepare`); Keras's own step on the
 rows; rank 0's moving statistics everywhere; predict outputs gathered.
 """
 
-import contextlib
 import functools
 
 from keras_dtensor import compat
@@ -15,10 +14,8 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.batch_split import gather_rows
-from keras_dtensor.data_parallel.batch_split import leading_rows
 from keras_dtensor.data_parallel.batch_split import local_rows
-from keras_dtensor.data_parallel.batch_split import row_counts
-from keras_dtensor.data_parallel.batch_split import row_range
+from keras_dtensor.data_parallel.batch_split import rank_counts
 from keras_dtensor.data_parallel.global_batch_losses import find_loss_layers
 from keras_dtensor.data_parallel.global_batch_losses import step_scope
 from keras_dtensor.data_parallel.metrics import global_logs
@@ -84,24 +81,14 @@ def run_step(model, step, kind, data, distribution):
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data
     shard = batch_shard(batch)  # this rank's rows, loaded as such
+    local, rows, global_rows = local_rows(batch, distribution, shard)
     if kind == "predict":
-        counts = row_counts(batch, distribution, shard)
-        local, _ = local_rows(batch, distribution, shard)
+        counts = rank_counts(rows, global_rows)
         return gather_rows(step([local]), counts)
-    local, rows = local_rows(batch, distribution, shard)
-    # A global batch split here or by the loader: its row count is known.
-    global_rows = None
-    if shard is not None:
-        global_rows = shard.total
-    elif distribution.auto_shard_dataset:
-        global_rows = leading_rows(batch)
     if kind != "train":
         with without_rows(model, rows), step_scope(rows, global_rows):
             return global_logs(model, kind, step([local]))
     state = _prepare(model, step, local)
-    random_rows = contextlib.nullcontext()
-    if global_rows is not None:
-        random_rows = split_rows(row_range(global_rows)[0], rows, global_rows)
     split = state.split if state.fit_depth else None
     to_owners = (
         split is not None
@@ -113,7 +100,7 @@ def run_step(model, step, kind, data, distribution):
         split.partial = state.reducer.to_owners
     try:
         with (
-            random_rows,
+            split_rows(rows, global_rows),
             splitting_updates(split),
             without_rows(model, rows),
             step_scope(rows, global_rows),
