@@ -64,34 +64,30 @@ class _Step:
         return self.counts
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: the global batch; backward: this rank's rows."""
+class _Rows(torch.autograd.Function):
+    """This rank's rows to the global batch (`gather`) or back; backward
+    the reverse, this rank's rows of the gradient multiplied by `scale`."""
 
     @staticmethod
-    def forward(ctx, x, counts):
-        _, rank = world()
-        ctx.start = sum(counts[:rank])
-        ctx.rows = counts[rank]
-        return gather_rows(x.detach(), counts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.start : ctx.start + ctx.rows], None
-
-
-class _OwnRows(torch.autograd.Function):
-    """Forward: this rank's rows; backward: the gathered gradient."""
-
-    @staticmethod
-    def forward(ctx, x, counts):
-        _, rank = world()
-        ctx.counts = counts
-        start = sum(counts[:rank])
-        return x[start : start + counts[rank]].clone()
+    def forward(ctx, x, counts, gather, scale):
+        ctx.counts, ctx.gather, ctx.scale = counts, gather, scale
+        return _switch(x.detach(), counts, gather)
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_rows(grad.contiguous(), ctx.counts), None
+        if ctx.gather:
+            grad = _switch(grad, ctx.counts, False) * ctx.scale
+        else:
+            grad = _switch(grad * ctx.scale, ctx.counts, True)
+        return grad, None, None, None
+
+
+def _switch(x, counts, gather):
+    if gather:
+        return gather_rows(x.contiguous(), counts)
+    rank = world()[1]
+    start = sum(counts[:rank])
+    return x[start : start + counts[rank]].clone()
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -190,9 +186,7 @@ def _gather(x, step, counts, share, with_grad=True, mask=False):
         return x
     keras_mask = get_keras_mask(x) if mask else None
     if with_grad and x.requires_grad:
-        if share:
-            x = _scaled(x, 1.0 / share)
-        out = _GatherRows.apply(x, counts)
+        out = _Rows.apply(x, counts, True, 1.0 / share if share else 1.0)
     else:
         out = gather_rows(x.detach(), counts)
     if keras_mask is not None:
@@ -264,7 +258,7 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return x
         if x.shape[0] == step.global_rows:
-            return _scaled(_OwnRows.apply(x, counts), share)
+            return _Rows.apply(x, counts, False, share)
         return x
 
     return tree.map_structure(own, outputs)

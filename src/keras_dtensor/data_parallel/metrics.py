@@ -34,16 +34,16 @@ __all__ = [
 
 
 class EarlyMetrics:
-    """`states` (the same order on every rank) summed with backward, in
-    the last bucket's tail or alone (`launch()`); `frozen`:
-    `{id(state): value}` to sum instead (`without_rows`)."""
+    """`states` (one order on every rank) summed with backward, in the
+    last bucket's tail or alone (`launch()`); `frozen`: `{id(state):
+    value}` to sum instead (`without_rows`)."""
 
     def __init__(self, states, frozen=None):
         self.states = states
         self.versions = [s._version for s in states]
         self.flat = _flat_double(states, frozen)
         self.work = None
-        self.pending = True  # neither launched nor received yet
+        self.pending = True  # neither launched nor received
 
     @staticmethod
     def states_of(model, with_compiled):
@@ -86,13 +86,8 @@ class EarlyMetrics:
             self.work.wait()
             self.work = None
         values = _unflatten(self.flat, self.states)
-        return {
-            id(s): value
-            for s, value, same in zip(
-                self.states, values, self.unchanged(), strict=True
-            )
-            if same
-        }
+        pairs = zip(self.states, values, self.unchanged(), strict=True)
+        return {id(s): value for s, value, same in pairs if same}
 
 
 def _flat_double(tensors, frozen=None):
@@ -298,14 +293,15 @@ def wrap_compute_loss_without_rows(original):
         if getattr(state_of(self, create=False), "frozen", None) is None:
             return original(self, *args, **kwargs)
         compiled = self.__dict__.get("_compile_loss")
-        if compiled is None:
-            return _summed_if_empty(original(self, *args, **kwargs))
         # Keras stacks it with the losses layers added: a scalar first.
-        with object_state.swapped(
-            self,
-            "_compile_loss",
-            lambda *a, **k: _summed_if_empty(compiled(*a, **k)),
-        ):
+        swap = contextlib.nullcontext()
+        if compiled is not None:
+            swap = object_state.swapped(
+                self,
+                "_compile_loss",
+                lambda *a, **k: _summed_if_empty(compiled(*a, **k)),
+            )
+        with swap:
             return _summed_if_empty(original(self, *args, **kwargs))
 
     return compute_loss

@@ -9,7 +9,6 @@ rows; rank 0's moving statistics everywhere; predict outputs gathered.
 import functools
 
 from keras_dtensor import compat
-from keras_dtensor import config
 from keras_dtensor.backend import context
 from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import world
@@ -28,7 +27,6 @@ from keras_dtensor.data_parallel.zero_update import UpdateSplit
 from keras_dtensor.data_parallel.zero_update import broadcast_from_rank0
 from keras_dtensor.data_parallel.zero_update import splitting_updates
 from keras_dtensor.data_parallel.zero_update import sync_optimizer_state
-from keras_dtensor.ops.flat_buffers import FlatParams
 
 __all__ = [
     "run_step",
@@ -48,14 +46,9 @@ def _prepare(model, step, local):
     state.close()
     broadcast_from_rank0(model.variables)
     variables = model.trainable_weights
-    params = [v.value for v in variables]
     state.split = UpdateSplit(variables)
-    owners = None
-    if state.split.owner:
-        owners = [state.split.owner.get(id(v)) for v in variables]
-        if config.get("SPLIT_UPDATE"):
-            state.split.buffers = FlatParams(params, owners)
-    state.reducer = GradientReducer(params, model, owners=owners)
+    params = [v.value for v in variables]
+    state.reducer = GradientReducer(params, model, state.split.owners)
     state.statistics = _moving_statistics(model)
     state.step = step
     find_loss_layers(model, local)
