@@ -1,18 +1,33 @@
-"""A batch split into balanced per-rank rows, and gathered back."""
+"""A batch split into balanced per-rank rows, and gathered back.
+
+Seeded random draws follow the split: in a train step a seeded draw shaped
+like this rank's rows is drawn for the global batch and cut to its rows,
+the values one process would use. Unseeded draws (torch's global
+generator) are left alone.
+"""
+
+import contextlib
+import contextvars
+import functools
 
 import torch
 import torch.distributed as dist
 
 from keras_dtensor import compat
+from keras_dtensor.backend import context
 from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
 
 __all__ = [
+    "SHAPED_DRAWS",
     "gather_rows",
     "local_rows",
     "rank_counts",
     "row_range",
     "split_counts",
+    "split_rows",
+    "wrap_dropout",
+    "wrap_shaped_draw",
 ]
 
 
@@ -78,3 +93,99 @@ def gather_rows(outputs, counts):
         )
 
     return tree.map_structure(gather, outputs)
+
+
+# `keras.src.backend.torch.random` functions whose first argument is a shape.
+SHAPED_DRAWS = (
+    "normal",
+    "uniform",
+    "randint",
+    "truncated_normal",
+    "gamma",
+    "binomial",
+    "beta",
+)
+
+
+_ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
+
+
+@contextlib.contextmanager
+def split_rows(rows, total):
+    """Seeded draws inside are this rank's `rows` of a global batch of
+    `total` (`None`: unknown, draws left alone)."""
+    split = None
+    if total is not None and rows != total:
+        split = (row_range(total)[0], rows, total)
+    token = _ROWS.set(split)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def _split_of(seed, shape=None):
+    """`(start, length, total)` for a draw of `shape` (`None`: any) with
+    `seed` in a split train step, else `None`."""
+    # Nothing distributed: return before the ContextVar read, which
+    # torch.compile cannot trace (a graph break in every compiled step).
+    if context.current() is None:
+        return None
+    split = _ROWS.get()
+    if split is None or seed is None:
+        return None
+    from keras.src.random.seed_generator import SeedGenerator
+
+    if isinstance(seed, SeedGenerator) and seed._initial_seed is None:
+        return None  # unseeded
+    if shape is not None and (not shape or shape[0] != split[1]):
+        return None
+    return split
+
+
+def wrap_shaped_draw(original):
+    """Wraps `random.<draw>(shape, ..., seed=None)` (see above)."""
+
+    @functools.wraps(original)
+    def draw(shape, *args, **kwargs):
+        split = _split_of(kwargs.get("seed"), tuple(shape))
+        if split is None:
+            return original(shape, *args, **kwargs)
+        start, length, total = split
+        whole = original((total, *tuple(shape)[1:]), *args, **kwargs)
+        return whole[start : start + length]
+
+    return draw
+
+
+def wrap_dropout(original):
+    """Wraps `random.dropout(inputs, rate, noise_shape=None, seed=None)`."""
+
+    @functools.wraps(original)
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        split = None if rate in (0.0, 1.0) else _split_of(seed)
+        if split is None or inputs.device.type == "meta":
+            return original(inputs, rate, noise_shape, seed)
+        shape = tuple(inputs.shape)
+        if noise_shape is not None:
+            shape = tuple(
+                n if d is None else d
+                for n, d in zip(shape, noise_shape, strict=True)
+            )
+        start, length, total = split
+        if not shape or shape[0] != length:
+            return original(inputs, rate, noise_shape, seed)
+        # The global mask as one process draws it, cut to this rank's rows.
+        from keras.src.backend.torch.random import torch_seed_generator
+
+        keep_prob = 1.0 - rate
+        whole = torch.full((total, *shape[1:]), keep_prob, device=inputs.device)
+        mask = torch.bernoulli(whole, generator=torch_seed_generator(seed))
+        mask = mask[start : start + length].bool()
+        return torch.where(
+            torch.broadcast_to(mask, inputs.shape),
+            inputs / keep_prob,
+            torch.zeros_like(inputs, dtype=inputs.dtype),
+        )
+
+    return dropout

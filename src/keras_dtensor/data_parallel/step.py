@@ -15,12 +15,12 @@ from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.batch_split import gather_rows
 from keras_dtensor.data_parallel.batch_split import local_rows
 from keras_dtensor.data_parallel.batch_split import rank_counts
+from keras_dtensor.data_parallel.batch_split import split_rows
 from keras_dtensor.data_parallel.global_batch_losses import find_loss_layers
 from keras_dtensor.data_parallel.global_batch_losses import step_scope
 from keras_dtensor.data_parallel.metrics import global_logs
 from keras_dtensor.data_parallel.metrics import is_keras_train_step
 from keras_dtensor.data_parallel.metrics import without_rows
-from keras_dtensor.data_parallel.random_rows import split_rows
 from keras_dtensor.data_parallel.reducer import GradientReducer
 from keras_dtensor.data_parallel.state import state_of
 from keras_dtensor.data_parallel.zero_update import UpdateSplit
