@@ -255,9 +255,7 @@ def _gathered(layer, original, args, kwargs, step, counts, share):
     outputs = original(layer, *args, **kwargs)
 
     def own(x):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return x
-        if x.shape[0] == step.global_rows:
+        if isinstance(x, torch.Tensor) and x.shape[:1] == (step.global_rows,):
             return _Rows.apply(x, counts, False, share)
         return x
 

@@ -155,10 +155,8 @@ def wrap_get_metrics_result(original):
         summed = {} if early is None else early.summed()
         late = [s for s in flat_states if id(s) not in summed]
         if late:
-            flat = _flat_double(late, getattr(state, "frozen", None))
-            dist.all_reduce(flat)
-            values = _unflatten(flat, late)
-            summed.update(zip(map(id, late), values, strict=True))
+            frozen = getattr(state, "frozen", None)
+            summed.update(EarlyMetrics(late, frozen).summed())
         results = {}
         for metric, group in zip(metrics, states, strict=True):
             result = metric.stateless_result([summed[id(s)] for s in group])
@@ -172,15 +170,18 @@ def wrap_get_metrics_result(original):
 
 
 @functools.cache
-def _keras_steps():
-    torch_trainer = compat.torch_trainer_class()
-    base = compat.base_trainer_class()
-    return torch_trainer.train_step, base.compute_metrics, torch_trainer
+def _torch_trainer():
+    return compat.torch_trainer_class()
+
+
+def _is_keras(model, name):
+    """Whether `model`'s method `name` is Keras's own."""
+    return getattr(type(model), name) is getattr(_torch_trainer(), name)
 
 
 def is_keras_train_step(model):
     """Whether `model` trains with Keras's own `train_step`."""
-    return type(model).train_step is _keras_steps()[0]
+    return _is_keras(model, "train_step")
 
 
 def global_logs(model, kind, logs):
@@ -188,9 +189,7 @@ def global_logs(model, kind, logs):
     step's, each value whose key names a metric result becomes the global
     result; the others stay this rank's, with one warning per model."""
     name = f"{kind}_step"
-    if getattr(type(model), name) is getattr(_keras_steps()[2], name):
-        return logs
-    if not isinstance(logs, dict):
+    if _is_keras(model, name) or not isinstance(logs, dict):
         return logs
     results = model.get_metrics_result()
     local = []
@@ -234,9 +233,7 @@ def _armed_reducer(model):
     reducer = getattr(state_of(model, create=False), "reducer", None)
     if reducer is None or not reducer.active or not is_keras_train_step(model):
         return None
-    if type(model).compute_metrics is not _keras_steps()[1]:
-        return None
-    return reducer
+    return reducer if _is_keras(model, "compute_metrics") else None
 
 
 def wrap_compute_loss(original):

@@ -37,6 +37,7 @@ class GradientReducer:
         self.params = list(params)
         order = self.params[::-1]
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
+        self.owners = bool(owners)
         runs = buckets(
             [nbytes(p) for p in order],
             bucket_bytes,
@@ -49,15 +50,11 @@ class GradientReducer:
         ]
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
         # The widest state every bucket sums without rounding (0: none).
-        self.tail_width = min(
-            (
-                b[0].element_size()
-                if b[0].dtype in (torch.float32, torch.float64)
-                else 0
-                for b in self.buckets
-            ),
-            default=0,
-        )
+        floats = (torch.float32, torch.float64)
+        widths = [
+            b[0].element_size() * (b[0].dtype in floats) for b in self.buckets
+        ]
+        self.tail_width = min(widths, default=0)
         self._allocate(_TAIL_ROOM)
         self.world, self.rank = world()
         # Per bucket: {owner: (start, stop)}, and the (peer, buffer) pairs
@@ -80,7 +77,6 @@ class GradientReducer:
                     if r != self.rank
                 ]
             )
-        self.owners = bool(owners) and None not in owner_of.values()
         self.model = weakref.ref(model)
         self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
@@ -116,7 +112,7 @@ class GradientReducer:
         """Arms the reducer for a train step on `rows` of `global_rows`
         (`None`: summed with the gradients); `to_owners`: to owners only."""
         self.active = True
-        self.to_owners = bool(to_owners) and self.owners
+        self.to_owners = to_owners and self.owners
         self.metrics_updated = False
         self.rows = rows
         self.weight = None if global_rows is None else rows / global_rows

@@ -12,21 +12,12 @@ from keras_dtensor import compat
 from keras_dtensor.backend import context
 from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import world
-from keras_dtensor.data_parallel.batch_split import gather_rows
-from keras_dtensor.data_parallel.batch_split import local_rows
-from keras_dtensor.data_parallel.batch_split import rank_counts
-from keras_dtensor.data_parallel.batch_split import split_rows
-from keras_dtensor.data_parallel.global_batch_losses import find_loss_layers
-from keras_dtensor.data_parallel.global_batch_losses import step_scope
-from keras_dtensor.data_parallel.metrics import global_logs
-from keras_dtensor.data_parallel.metrics import is_keras_train_step
-from keras_dtensor.data_parallel.metrics import without_rows
+from keras_dtensor.data_parallel import batch_split
+from keras_dtensor.data_parallel import global_batch_losses
+from keras_dtensor.data_parallel import metrics
+from keras_dtensor.data_parallel import zero_update
 from keras_dtensor.data_parallel.reducer import GradientReducer
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.data_parallel.zero_update import UpdateSplit
-from keras_dtensor.data_parallel.zero_update import broadcast_from_rank0
-from keras_dtensor.data_parallel.zero_update import splitting_updates
-from keras_dtensor.data_parallel.zero_update import sync_optimizer_state
 
 __all__ = [
     "run_step",
@@ -42,16 +33,16 @@ def _prepare(model, step, local):
     state = state_of(model)
     if state.step is step:
         return state
-    sync_optimizer_state(model)  # the owners may change
+    zero_update.sync_optimizer_state(model)  # the owners may change
     state.close()
-    broadcast_from_rank0(model.variables)
+    zero_update.broadcast_from_rank0(model.variables)
     variables = model.trainable_weights
-    state.split = UpdateSplit(variables)
+    state.split = zero_update.UpdateSplit(variables)
     params = [v.value for v in variables]
     state.reducer = GradientReducer(params, model, state.split.owners)
     state.statistics = _moving_statistics(model)
     state.step = step
-    find_loss_layers(model, local)
+    global_batch_losses.find_loss_layers(model, local)
     return state
 
 
@@ -73,39 +64,39 @@ def run_step(model, step, kind, data, distribution):
     if world()[0] == 1:
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data
-    shard = batch_shard(batch)  # this rank's rows, loaded as such
-    local, rows, global_rows = local_rows(batch, distribution, shard)
+    local, rows, global_rows = batch_split.local_rows(
+        batch,
+        distribution,
+        batch_shard(batch),  # rows loaded as such
+    )
     if kind == "predict":
-        counts = rank_counts(rows, global_rows)
-        return gather_rows(step([local]), counts)
+        counts = batch_split.rank_counts(rows, global_rows)
+        return batch_split.gather_rows(step([local]), counts)
+    scope = global_batch_losses.step_scope(rows, global_rows)
     if kind != "train":
-        with without_rows(model, rows), step_scope(rows, global_rows):
-            return global_logs(model, kind, step([local]))
+        with metrics.without_rows(model, rows), scope:
+            return metrics.global_logs(model, kind, step([local]))
     state = _prepare(model, step, local)
     split = state.split if state.fit_depth else None
     to_owners = (
         split is not None
-        and is_keras_train_step(model)
+        and metrics.is_keras_train_step(model)
         and split.to_owners(model.optimizer)
     )
     state.reducer.begin(rows, global_rows, to_owners=to_owners)
-    if split is not None:
-        split.partial = state.reducer.to_owners
     try:
         with (
-            split_rows(rows, global_rows),
-            splitting_updates(split),
-            without_rows(model, rows),
-            step_scope(rows, global_rows),
+            batch_split.split_rows(rows, global_rows),
+            zero_update.splitting_updates(split, state.reducer.to_owners),
+            metrics.without_rows(model, rows),
+            scope,
         ):
             logs = step([local])
         if state.statistics:  # as DDP broadcasts its buffers
-            broadcast_from_rank0(state.statistics)
-        return global_logs(model, kind, logs)
+            zero_update.broadcast_from_rank0(state.statistics)
+        return metrics.global_logs(model, kind, logs)
     finally:
         state.reducer.end()
-        if split is not None:
-            split.partial = False
 
 
 def wrap_fit(original):
@@ -122,7 +113,7 @@ def wrap_fit(original):
             history = original(self, *args, **kwargs)
         finally:
             state.fit_depth -= 1
-        sync_optimizer_state(self)
+        zero_update.sync_optimizer_state(self)
         return history
 
     return fit

@@ -94,7 +94,8 @@ class UpdateSplit:
             return False
         if optimizer.global_clipnorm or optimizer.gradient_accumulation_steps:
             return False
-        base = _base_optimizer()
+        from keras.src.optimizers.base_optimizer import BaseOptimizer as base
+
         for name in _WHOLE_GRADIENT_METHODS:
             if getattr(type(optimizer), name, None) is not getattr(base, name):
                 return False
@@ -109,13 +110,6 @@ _WHOLE_GRADIENT_METHODS = (
     "_filter_empty_gradients",
     "_overwrite_variables_directly_with_gradients",
 )
-
-
-@functools.cache
-def _base_optimizer():
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    return BaseOptimizer
 
 
 def _slots(optimizer):
@@ -194,13 +188,18 @@ def _raise_partial(optimizer, variables, owners, split):
 
 
 @contextlib.contextmanager
-def splitting_updates(split):
-    """Optimizer updates inside are split by `split` (`None`: whole)."""
+def splitting_updates(split, partial):
+    """Optimizer updates inside are split by `split` (`None`: whole);
+    `partial`: the gradients went to their owners only."""
     token = _ACTIVE.set(split)
+    if split is not None:
+        split.partial = partial
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        if split is not None:
+            split.partial = False
 
 
 def wrap_add_variable_from_reference(original):
