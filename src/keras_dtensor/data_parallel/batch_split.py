@@ -1,9 +1,8 @@
 """A batch split into balanced per-rank rows, and gathered back.
 
-Seeded random draws follow the split: in a train step a seeded draw shaped
-like this rank's rows is drawn for the global batch and cut to its rows,
-the values one process would use. Unseeded draws (torch's global
-generator) are left alone.
+In a train step a seeded draw shaped like this rank's rows is drawn for
+the global batch and cut to its rows: the values one process would use.
+Unseeded draws (torch's global generator) are left alone.
 """
 
 import contextlib
@@ -62,8 +61,7 @@ def split_counts(total):
 
 
 def rank_counts(rows, global_rows):
-    """Every rank's rows, in rank order: split from `global_rows`, or
-    gathered when it is `None`."""
+    """Every rank's rows, in rank order (`global_rows=None`: gathered)."""
     if global_rows is None:
         return all_gather_ints(rows)
     return split_counts(global_rows)
@@ -125,8 +123,7 @@ def split_rows(rows, total):
 
 
 def _split_of(seed, shape=None):
-    """`(start, length, total)` for a draw of `shape` (`None`: any) with
-    `seed` in a split train step, else `None`."""
+    """`(start, length, total)` of a seeded draw to split, else `None`."""
     # Nothing distributed: return before the ContextVar read, which
     # torch.compile cannot trace (a graph break in every compiled step).
     if context.current() is None:

@@ -150,9 +150,8 @@ def wrap_add_loss(original):
 
 
 def find_loss_layers(model, batch):
-    """Marks the layers of `model` that add losses in a training call, by a
-    symbolic run on `batch`'s shapes (Keras builds with `training=False`,
-    where keras_hub's MoE blocks add none); no collectives."""
+    """Marks the layers of `model` that add losses in a training call:
+    a symbolic run on `batch`'s shapes (Keras builds with `training=False`)."""
     from keras.src import backend
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -176,9 +175,8 @@ def current_step():
 
 
 def _gather(x, step, counts, share, with_grad=True, mask=False):
-    """This rank's rows `x` as the global batch (`mask`: its Keras mask
-    too); with `with_grad`, backward divides its rows' gradient by its
-    `share`, which the reducer weighs back."""
+    """This rank's rows `x` as the global batch; backward divides their
+    gradient by `share`, which the reducer weighs back."""
     from keras.src.backend.common.masking import get_keras_mask
     from keras.src.backend.common.masking import set_keras_mask
 

@@ -103,6 +103,7 @@ class GradientReducer:
     def _reset(self):
         self.ready = [0] * len(self.buckets)
         self.works = {}
+        self.rows_work = None  # the row count's own all-reduce
         self.queued = False
         self.total_rows = None
         self.tail = None  # the sums the last bucket carries, flat, float64
@@ -165,9 +166,7 @@ class GradientReducer:
                 self.early.launch()
             if self.weight is None:
                 self.total_rows = parts[-1]
-                self.works["rows"] = dist.all_reduce(
-                    self.total_rows, async_op=True
-                )
+                self.rows_work = dist.all_reduce(self.total_rows, async_op=True)
             return
         tail = parts[0] if len(parts) == 1 else torch.cat(parts)
         if tail.numel() > self.tail_room:  # no gradient is in yet
@@ -177,10 +176,7 @@ class GradientReducer:
     def _launch(self, index):
         if not self.to_owners:
             n = self.sizes[index]
-            last = (
-                len(self.works) - ("rows" in self.works)
-                == len(self.buckets) - 1
-            )
+            last = len(self.works) == len(self.buckets) - 1
             if last and self.tail is not None:
                 n += self.tail.numel()
                 self.buffers[index][self.sizes[index] : n].copy_(self.tail)
@@ -220,9 +216,8 @@ class GradientReducer:
                 if p.grad is not self.slot[id(p)][1]:
                     self.slot[id(p)][1].zero_()
             self._launch(index)
-        rows = self.works.pop("rows", None)
-        if rows is not None:
-            rows.wait()
+        if self.rows_work is not None:
+            self.rows_work.wait()
         for index, work in sorted(self.works.items()):
             self._wait(index, work)
         if self.tail_at is not None:

@@ -28,8 +28,7 @@ __all__ = [
 
 
 def _prepare(model, step, local):
-    """The model's state for train function `step`, built once (on this
-    rank's rows `local`)."""
+    """The model's state for train function `step`, built once."""
     state = state_of(model)
     if state.step is step:
         return state
