@@ -234,13 +234,12 @@ def _on_global_batch(layer, original, args, kwargs, step):
     return _gathered(layer, original, args, kwargs, step, counts, share)
 
 
+def _plain(x):
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
 def _batch_aligned(x, step):
-    return (
-        isinstance(x, torch.Tensor)
-        and not isinstance(x, DTensor)
-        and x.dim() > 0
-        and x.shape[0] == step.rows
-    )
+    return _plain(x) and x.shape[:1] == (step.rows,)
 
 
 def _gathered(layer, original, args, kwargs, step, counts, share):
@@ -275,20 +274,16 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
         return from_local(x, mesh, [Shard(0)], shape)
 
     args, kwargs = tree.map_structure(shard, (args, kwargs))
-    swapped = []
-    for variable in layer.trainable_variables:
-        value = variable._value
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            variable._value = DTensor.from_local(
-                value, mesh, [Replicate()], run_check=False
-            )
-            swapped.append((variable, value))
-    try:
-        with implicit_replication():
-            outputs = original(layer, *args, **kwargs)
-    finally:
-        for variable, value in swapped:
-            variable._value = value
+    with contextlib.ExitStack() as stack:
+        for variable in layer.trainable_variables:
+            value = variable._value
+            if _plain(value):
+                value = DTensor.from_local(value, mesh, [Replicate()])
+                stack.enter_context(
+                    object_state.swapped(variable, "_value", value)
+                )
+        stack.enter_context(implicit_replication())
+        outputs = original(layer, *args, **kwargs)
 
     def local(x):
         if not isinstance(x, DTensor):
@@ -318,9 +313,8 @@ def probe(model, y_true, y_pred):
         return
     for loss_fn in _flat_losses(model):
         fn = getattr(loss_fn, "fn", loss_fn)
-        if getattr(fn, "__module__", "").startswith("keras."):
-            continue
-        if object_state.get_on(loss_fn, _WHOLE_BATCH) is not None:
+        keras_own = getattr(fn, "__module__", "").startswith("keras.")
+        if keras_own or object_state.get_on(loss_fn, _WHOLE_BATCH) is not None:
             continue
         whole = False  # not probed: as a mean over rows
         meta = compat.torch_core().device_scope("meta")

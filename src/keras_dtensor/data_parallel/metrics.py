@@ -262,8 +262,9 @@ def wrap_compute_loss(original):
 
 def wrap_compute_loss_without_rows(original):
     """Wraps `Trainer.compute_loss` under DataParallel: a loss that is no
-    mean over rows runs on the global batch (`global_batch_losses`); a rank with
-    no rows gets a scalar zero loss, so backward runs as on the others."""
+    mean over rows runs on the global batch (`global_batch_losses`); a
+    rank with no rows gets a scalar zero loss, so backward runs as on the
+    others."""
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
@@ -280,12 +281,11 @@ def wrap_compute_loss_without_rows(original):
                 loss = original(self, *args, **kwargs)  # builds the losses
                 global_batch_losses.probe(self, given.get("y"), y_pred)
                 return loss
-        if step is not None and global_batch_losses.needs_global(self):
-            with object_state.swapped(
-                self,
-                "_compile_loss",
-                global_batch_losses.over_global_batch(self._compile_loss, step),
-            ):
+        elif global_batch_losses.needs_global(self):
+            loss = global_batch_losses.over_global_batch(
+                self._compile_loss, step
+            )
+            with object_state.swapped(self, "_compile_loss", loss):
                 return original(self, *args, **kwargs)
         if getattr(state_of(self, create=False), "frozen", None) is None:
             return original(self, *args, **kwargs)
