@@ -16,9 +16,7 @@ from keras_dtensor import config
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.metrics import EarlyMetrics
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.ops.flat_buffers import buckets
-from keras_dtensor.ops.flat_buffers import flat_views
-from keras_dtensor.ops.flat_buffers import nbytes
+from keras_dtensor.ops import flat_buffers
 
 __all__ = ["GradientReducer"]
 
@@ -38,8 +36,8 @@ class GradientReducer:
         order = self.params[::-1]
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
         self.owners = bool(owners)
-        runs = buckets(
-            [nbytes(p) for p in order],
+        runs = flat_buffers.buckets(
+            [flat_buffers.nbytes(p) for p in order],
             bucket_bytes,
             keys=[p.dtype for p in order],
             first_cap=_FIRST_BUCKET_BYTES,
@@ -95,7 +93,7 @@ class GradientReducer:
         self.tail_room = tail_room
         self.buffers, self.slot = [], {}  # slot: id(param) -> (bucket, view)
         for index, bucket in enumerate(self.buckets):
-            flat, places = flat_views(bucket, room=tail_room)
+            flat, places = flat_buffers.flat_views(bucket, room=tail_room)
             self.buffers.append(flat)
             for p, place in zip(bucket, places, strict=True):
                 self.slot[id(p)] = (index, place)
