@@ -135,9 +135,7 @@ def wrap_distribute_tensor(original):
     @functools.wraps(original)
     def distribute_tensor(tensor, layout):
         if context.is_data_parallel():
-            convert_to_tensor = compat.torch_core().convert_to_tensor
-
-            return convert_to_tensor(tensor)
+            return compat.torch_core().convert_to_tensor(tensor)
         return original(tensor, layout)
 
     return distribute_tensor
