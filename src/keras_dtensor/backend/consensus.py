@@ -40,8 +40,7 @@ _ERRORS = {
 
 
 def failures(problem: BaseException | str | None) -> list[tuple[int, str]]:
-    """`[(rank, message), ...]` of the ranks whose `problem` is not `None`,
-    on every rank (an all-gather)."""
+    """`[(rank, message)]` of the ranks with a `problem` (an all-gather)."""
     mine = "" if problem is None else str(problem)
     gathered = launch.all_gather_bytes(mine.encode())
     return [(r, m.decode()) for r, m in enumerate(gathered) if m]
@@ -53,21 +52,18 @@ def first_failure(problem: BaseException | str | None) -> str | None:
     return found[0][1] if found else None
 
 
-def _path_text(filename):
-    if filename is None or isinstance(filename, (str, int)):
-        return filename
-    try:
-        return os.fsdecode(filename)
-    except TypeError:
-        return str(filename)
-
-
 def _error_fields(error):
+    filename = getattr(error, "filename", None)
+    if not isinstance(filename, (str, int, type(None))):
+        try:
+            filename = os.fsdecode(filename)
+        except TypeError:
+            filename = str(filename)
     return {
         "error": type(error).__name__,
         "errno": getattr(error, "errno", None),
         "strerror": getattr(error, "strerror", None),
-        "filename": _path_text(getattr(error, "filename", None)),
+        "filename": filename,
         "message": str(error),
     }
 
@@ -85,9 +81,8 @@ def _rebuilt(outcome, where):
 
 
 def on_rank_0(operation, what):
-    """`operation()`'s result (JSON-serializable), run on rank 0, on every
-    rank (a broadcast); if it raises, every rank raises it, naming `what`.
-    """
+    """`operation()`'s JSON-serializable result, run on rank 0, on every
+    rank (a broadcast); if it raises, every rank raises it, naming `what`."""
     size, rank = launch.world()
     payload = None
     if rank == 0:

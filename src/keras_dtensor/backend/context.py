@@ -1,9 +1,8 @@
 """Which distribution runs, and in what scope.
 
 `active()` is Keras's current distribution when it spans several
-processes (over one, hooks return at once: plain Keras computes the
-same). Inside `global_values()` a plain tensor meeting a DTensor counts
-as replicated: DTensor's own implicit-replication setting, no state here.
+processes (over one, plain Keras computes the same). Plain tensors count
+as replicated through DTensor's own implicit-replication setting.
 """
 
 import contextlib
@@ -24,12 +23,11 @@ __all__ = [
 ]
 
 
-_GETTER = []
+_GETTER = []  # not functools.cache: torch.compile traces a list lookup
 
 
 def current():
     """The active Keras distribution, or `None` (traced by `torch.compile`)."""
-    # A list, not functools.cache: torch.compile traces a list lookup.
     if not _GETTER:
         from keras.distribution import distribution
 
@@ -99,14 +97,11 @@ def set_global_values(distribution):
 
 
 def wrap_set_distribution(original):
-    """Wraps `keras.distribution.set_distribution`: under a distribution
-    other than `DataParallel`, plain tensors are global values (as on JAX).
-    """
+    """Wraps `keras.distribution.set_distribution` to `set_global_values`."""
 
     def set_distribution(value):
         if value is not None and is_data_parallel(value) and multi_process():
-            # DataParallel never builds its mesh on torch: check it here.
-            device_ranks(value.device_mesh)
+            device_ranks(value.device_mesh)  # DataParallel never builds it
         original(value)
         set_global_values(value)
 

@@ -126,7 +126,7 @@ def _to_backend_mesh(device_mesh):
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = device_ranks(device_mesh)
-    launch.ensure_process_group()
+    launch.init_process_group()
     kept = _kept_axes(device_mesh)
     shape = tuple(device_mesh.shape[i] for i in kept)
     names = tuple(device_mesh.axis_names[i] for i in kept)
@@ -223,12 +223,9 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     """Distribute the input data with the corresponding layout: this
     process's slice becomes the global batch `DTensor` (no communication).
     """
-    if isinstance(per_process_batch, DTensor):
+    if isinstance(per_process_batch, DTensor) or launch.num_processes() == 1:
         return distribute_tensor(per_process_batch, layout)
     per_process_batch = _as_tensor(per_process_batch)
-    if launch.num_processes() == 1:
-        check_layout(layout, tuple(per_process_batch.shape))
-        return per_process_batch
     layout = as_backend_layout(layout)
     mesh = layout.device_mesh
     parts = 1

@@ -6,7 +6,6 @@ __all__ = [
     "AssignedInCall",
     "collective_failure",
     "describe_mesh",
-    "layout_error",
     "local_output_error",
 ]
 
@@ -14,21 +13,6 @@ __all__ = [
 def describe_mesh(mesh_shape, axis_names) -> str:
     """Returns `mesh shape (2, 2), axis_names ('batch', 'model')`."""
     return f"mesh shape {tuple(mesh_shape)}, axis_names {tuple(axis_names)}"
-
-
-def layout_error(
-    reason, *, axes, mesh_shape, axis_names, path=None, shape=None
-) -> ValueError:
-    """The `ValueError` for a layout that cannot be applied: "Cannot shard
-    `dense/kernel` (4, 8) with axes ('x',) on mesh shape (2,), axis_names
-    ('model',): unknown axis 'x'." """
-    what = f"`{path}`" if path else "tensor"
-    if shape is not None:
-        what += f" {tuple(shape)}"
-    return ValueError(
-        f"Cannot shard {what} with axes {tuple(axes)} on "
-        f"{describe_mesh(mesh_shape, axis_names)}: {reason}."
-    )
 
 
 # Fragments of torch.distributed's own messages when a peer is gone.

@@ -23,7 +23,6 @@ __all__ = [
     "all_gather_ints",
     "broadcast_bytes",
     "device_type",
-    "ensure_process_group",
     "init_process_group",
     "local_device",
     "agree_on_seed",
@@ -37,8 +36,7 @@ __all__ = [
 
 
 def under_launcher() -> bool:
-    """Whether `RANK`, `WORLD_SIZE` and a rendezvous (torchrun's
-    `MASTER_ADDR` or `KERAS_DTENSOR_INIT_METHOD`) are set."""
+    """Whether `RANK`, `WORLD_SIZE` and a rendezvous address are set."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and (
         "MASTER_ADDR" in os.environ or config.get("INIT_METHOD") is not None
     )
@@ -76,6 +74,7 @@ def init_process_group(job_addresses=None, num_processes=None, process_id=None):
             )
         return False
     timeout = datetime.timedelta(seconds=config.get("TIMEOUT"))
+    url, kwargs = None, {}
     if job_addresses:
         addresses = job_addresses.split(",")
         if num_processes not in (None, len(addresses)) and len(addresses) > 1:
@@ -84,26 +83,21 @@ def init_process_group(job_addresses=None, num_processes=None, process_id=None):
                 f"{len(addresses)} jobs, but num_processes is "
                 f"{num_processes}"
             )
-        if num_processes is None:
-            num_processes = len(addresses)
         if process_id is None:
             raise ValueError(
                 "`process_id` is required with `job_addresses`. Received: "
                 f"job_addresses={job_addresses}, process_id=None"
             )
         url = f"tcp://{addresses[0]}"
-        kwargs = dict(rank=process_id, world_size=num_processes)
+        world = len(addresses) if num_processes is None else num_processes
+        kwargs = dict(rank=process_id, world_size=world)
     elif under_launcher():
         url = config.get("INIT_METHOD") or "env://"
-        kwargs = {}
         if url != "env://":
             rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
             kwargs = dict(rank=int(rank), world_size=int(world))
-    else:
-        url = None
-    if url is None:
-        store, rank, world = dist.HashStore(), 0, 1
-    else:
+    store, rank, world = dist.HashStore(), 0, 1
+    if url is not None:
         rendezvous = dist.rendezvous(url, timeout=timeout, **kwargs)
         store, rank, world = next(rendezvous)
     # A fresh key space per torchrun restart.
@@ -148,12 +142,6 @@ def _check_placement_order():
         )
 
 
-def ensure_process_group():
-    """Starts the process group if a mesh or collective needs one."""
-    if not dist.is_initialized():
-        init_process_group()
-
-
 def world() -> tuple[int, int]:
     """`(world size, rank)` of the running group, else `(1, 0)`."""
     if dist.is_initialized():
@@ -191,9 +179,8 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
         return data
     length = torch.tensor([len(data) if rank == src else 0])
     dist.broadcast(length, src=src)
-    if rank == src:
-        buffer = _as_uint8(data)
-    else:
+    buffer = _as_uint8(data)
+    if rank != src:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
     if buffer.numel():
         dist.broadcast(buffer, src=src)
@@ -222,7 +209,7 @@ def multi_process() -> bool:
 
 def _started() -> bool:
     if not dist.is_initialized() and under_launcher():
-        ensure_process_group()
+        init_process_group()
     return dist.is_initialized()
 
 
@@ -250,9 +237,9 @@ def _destroy():
 
 
 def every_rank_joins(what: str, why: str) -> None:
-    """Raises on the ranks that arrived if some rank does not join `what`
-    (collective because `why`) within `$KERAS_DTENSOR_SAVE_TIMEOUT`: ranks
-    meet in the store, which no collective can pair with."""
+    """Raises if some rank does not join `what` (collective because `why`)
+    within `$KERAS_DTENSOR_SAVE_TIMEOUT`: ranks meet in the store, which
+    no collective can pair with."""
     if not multi_process():
         return
     timeout = config.get("SAVE_TIMEOUT")

@@ -1,7 +1,5 @@
 """Starting the next training epoch at a given batch: the checkpoint
-callback asks once (`request`); the epoch iterator `take`s it, skips the
-batches already trained where its input can be positioned, and reports
-through `done`.
+callback asks once (`request`), the epoch iterator `take`s it and skips.
 """
 
 import dataclasses
@@ -19,8 +17,7 @@ _POSITIONABLE = (
 
 @dataclasses.dataclass
 class Request:
-    """Skip the first `batches` of the next training epoch, the
-    `epochs_read + 1`-th of its input; `done(skipped, kind)` reports."""
+    """Skip `batches` of the next epoch, after `epochs_read` of the input."""
 
     batches: int
     done: Callable[[bool, str], None] | None
@@ -52,8 +49,7 @@ def take() -> Request | None:
 
 
 def count_epochs_read(epoch_iterator, epochs_read: int) -> None:
-    """Adds `epochs_read` to the data adapter's epoch count where it seeds
-    the shuffle (Keras 3.16)."""
+    """Advances the adapter's shuffle-seeding epoch count (Keras 3.16)."""
     adapter = epoch_iterator.data_adapter
     if isinstance(getattr(adapter, "_epoch", None), int):
         adapter._epoch += epochs_read
