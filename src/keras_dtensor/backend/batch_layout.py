@@ -1,6 +1,5 @@
-"""A batch laid out by the distribution: arrays become batch-sharded
-DTensors, from the global batch, this process's slice (`per_process`) or
-a shard tagged with its place (`tag_shard`). No communication.
+"""A batch laid out by the distribution as batch-sharded DTensors, from
+the global batch, this process's slice or a tagged shard; no communication.
 """
 
 import collections
@@ -39,8 +38,8 @@ def _first_leaf(batch):
 
 
 def tag_shard(batch, start, total, digest):
-    """`batch` (this process's shard) with its place marked on its first
-    array (NumPy leaves become tensors, no copy, to carry it)."""
+    """This process's shard `batch`, its place marked on its first array
+    (NumPy leaves become tensors, no copy, to carry it)."""
 
     def as_tensor(x):
         return torch.from_numpy(x) if isinstance(x, np.ndarray) else x

@@ -6,7 +6,6 @@ as replicated through DTensor's own implicit-replication setting.
 """
 
 import contextlib
-import functools
 import re
 import warnings
 
@@ -42,18 +41,13 @@ def active():
     return distribution if several else None  # `None` stays `None`
 
 
-@functools.cache
-def _data_parallel_class():
-    from keras.distribution import DataParallel
-
-    return DataParallel
-
-
 def is_data_parallel(distribution=None) -> bool:
     """Whether `distribution` (default: the current one) is `DataParallel`."""
+    from keras.distribution import DataParallel
+
     if distribution is None:
         distribution = current()
-    return isinstance(distribution, _data_parallel_class())
+    return isinstance(distribution, DataParallel)
 
 
 @contextlib.contextmanager

@@ -59,8 +59,7 @@ def _keras_device_type(device_type=None):
 
 
 def list_devices(device_type=None):
-    """Return all the available devices: one per process, named by global
-    rank (`cpu:0 .. cpu:N-1`, or `gpu:...`)."""
+    """Return all the available devices: one per process, by global rank."""
     kind = _keras_device_type(device_type)
     return [f"{kind}:{i}" for i in range(launch.num_processes())]
 
@@ -221,8 +220,7 @@ def distribute_variable(value, layout):
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
     """Distribute the input data with the corresponding layout: this
-    process's slice becomes the global batch `DTensor` (no communication).
-    """
+    process's slice becomes the global batch `DTensor`, uncommunicated."""
     if isinstance(per_process_batch, DTensor) or launch.num_processes() == 1:
         return distribute_tensor(per_process_batch, layout)
     per_process_batch = _as_tensor(per_process_batch)

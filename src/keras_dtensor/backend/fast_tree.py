@@ -1,6 +1,6 @@
 """Keras's `tree.flatten`, `pack_sequence_as` and `map_structure`, fast
-for plain tuples, lists and dicts of tensors, numbers, strings and None,
-in Keras's order; anything else goes to Keras's.
+for plain tuples, lists and dicts of tensors, numbers, strings and None
+(in Keras's order); anything else goes to Keras's.
 """
 
 import torch

@@ -41,16 +41,14 @@ def split(target) -> tuple[str, str]:
 
 
 def staging_path(target, token: str | None = None) -> str:
-    """A hidden path next to `target`, unique by `token` (default: a new
-    `uuid4().hex`); nothing is created."""
+    """A hidden path next to `target`, unique by `token` (or a new one)."""
     directory, name = split(target)
     token = uuid.uuid4().hex if token is None else token
     return os.path.join(directory, f".{token}.{name}{_SUFFIX}")
 
 
 def move_into_place(source, target) -> None:
-    """Renames `source` to `target`, replacing what is there (a directory:
-    the old one aside first, then removed)."""
+    """Renames `source` to `target`; an old directory goes aside first."""
     source, target = os.fspath(source), os.fspath(target)
     aside = None
     if os.path.isdir(source) and os.path.lexists(target):
@@ -82,8 +80,7 @@ def _orphans(directory):
 
 
 def in_place_or_aside(directory) -> dict[str, str]:
-    """`{name: path}` of `directory`'s visible entries and of the targets
-    a killed replacement left aside."""
+    """`{name: path}` of visible entries and of targets left aside."""
     out = {
         entry: os.path.join(directory, entry)
         for entry in os.listdir(directory)
@@ -94,9 +91,8 @@ def in_place_or_aside(directory) -> dict[str, str]:
 
 
 def remove_leftovers(directory, name: str | None = None) -> None:
-    """Cleans up after killed saves of `name` (default: all) in
-    `directory`: puts back targets moved aside, removes staging paths (of
-    earlier versions too) and dead processes' scratch."""
+    """Puts back targets killed saves of `name` (or all) left aside; removes
+    their staging paths (of earlier versions too) and dead scratch."""
     for target, aside in _orphans(directory).items():
         if name is None or target == name:
             with contextlib.suppress(OSError):

@@ -62,8 +62,7 @@ def even_shards(shape, mesh, placements, skip=None) -> bool:
 
 
 def local_shape(shape, axes, sizes) -> tuple:
-    """The largest shard of `shape` split by normalized `axes` (`sizes`:
-    mesh axis name -> size)."""
+    """The largest shard of `shape` split by normalized `axes` on `sizes`."""
     return tuple(
         chunk(n, math.prod(sizes[name] for name in names), 0)[1]
         for n, names in zip(shape, axes, strict=True)

@@ -2,7 +2,7 @@
 callback asks once (`request`), the epoch iterator `take`s it and skips.
 """
 
-import dataclasses
+import collections
 from collections.abc import Callable
 
 __all__ = ["Request", "positionable", "request", "count_epochs_read", "take"]
@@ -14,14 +14,9 @@ _POSITIONABLE = (
     "PyDatasetAdapter",
 )
 
-
-@dataclasses.dataclass
-class Request:
-    """Skip `batches` of the next epoch, after `epochs_read` of the input."""
-
-    batches: int
-    done: Callable[[bool, str], None] | None
-    epochs_read: int = 0
+Request = collections.namedtuple("Request", ["batches", "done", "epochs_read"])
+Request.__doc__ = """Skip `batches` of the next epoch, after `epochs_read`
+of its input; `done(skipped, kind)` reports."""
 
 
 def _state():
@@ -30,11 +25,7 @@ def _state():
     return global_state
 
 
-def request(
-    batches: int,
-    done: Callable[[bool, str], None] | None,
-    epochs_read: int = 0,
-) -> None:
+def request(batches: int, done: Callable | None, epochs_read=0) -> None:
     """Asks the next training epoch to start at batch `batches`."""
     _state().set_global_attribute(_KEY, Request(batches, done, epochs_read))
 

@@ -1,7 +1,5 @@
-"""A rank's shard of a global value, as a DTensor.
-
-A plain tensor is the global value, the same on every process; laying it
-out keeps this rank's shard, with no communication.
+"""A rank's shard of a global value (a plain tensor, alike on every
+process) as a DTensor, with no communication.
 """
 
 import torch
@@ -27,8 +25,7 @@ def from_local(local, mesh, placements, shape):
 
 
 def shard_global_tensor(tensor, layout):
-    """This rank's shard of the global `tensor`, laid out by a checked
-    `DTensorLayout` (no communication; differentiable)."""
+    """This rank's shard of `tensor` by a checked `DTensorLayout`."""
     mesh = layout.device_mesh
     placements = tuple(layout.placements)
     if not tensor.requires_grad and _cut_here(placements):
@@ -48,8 +45,7 @@ def shard_global_tensor(tensor, layout):
     )
     if all(p.is_replicate() for p in placements):
         return replicated
-    # Replicate -> Shard is a local chunk: no communication.
-    return replicated.redistribute(mesh, placements)
+    return replicated.redistribute(mesh, placements)  # a local chunk
 
 
 def _cut_here(placements):

@@ -1,8 +1,7 @@
 """A vocabulary-sharded embedding's gradient, computed shard only.
 
-DTensor computes a row-sharded table's whole gradient on every rank; here
-the backward masks the output gradient to the indices this rank holds and
-scatters it into a gradient shaped like the local shard.
+DTensor computes a row-sharded table's whole gradient on every rank; this
+backward keeps the indices this rank holds, into a shard-shaped gradient.
 """
 
 import functools
@@ -83,8 +82,7 @@ def _as_dtensor(indices, weight):
 
 def wrap_embedding(original):
     """Wraps `torch.nn.functional.embedding`: a row-sharded DTensor table
-    looked up with gradients and no other option uses `_RowShardedLookup`.
-    """
+    looked up with gradients and no option uses `_RowShardedLookup`."""
 
     @functools.wraps(original)
     def embedding(input, weight, *args, **kwargs):

@@ -1,6 +1,6 @@
-"""Redistributions torch 2.13 gets wrong between partial placements:
-a masked partial meeting a plain partial gradient in backward, and indices
-both gathered and masked in one redistribution."""
+"""Redistributions torch 2.13 gets wrong between partial placements: a masked
+partial meeting a plain partial gradient, and indices gathered and masked
+in one step."""
 
 from torch.distributed.tensor import Replicate
 
@@ -20,8 +20,7 @@ def _mixed_partial(grad_placements, forward_placements):
 
 def wrap_redistribute_backward(original):
     """Wraps DTensor's `_redistribute_backward`: a plain partial gradient
-    meeting a masked partial forward input (which DTensor cannot convert)
-    is summed first (Partial -> Replicate)."""
+    meeting a masked partial forward input is summed first."""
 
     def _redistribute_backward(grad_output, previous_spec, **kwargs):
         dims = _mixed_partial(grad_output.placements, previous_spec.placements)

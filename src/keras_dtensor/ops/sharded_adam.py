@@ -1,9 +1,8 @@
 """Adam's update under a distribution: on local shards, in bounded pieces.
 
-Keras's torch `Adam` (and `AdamW`) updates all variables at once, its
-temporaries the size of all weights. A variable, its slots and its
-gradient laid out alike are updated elementwise on their local tensors,
-with Keras's arithmetic (order and dtypes), a bounded piece at a time.
+Keras's torch `Adam` (and `AdamW`) keeps temporaries the size of all
+weights. A variable, its slots and its gradient laid out alike are updated
+on their local tensors with Keras's arithmetic, a piece at a time.
 """
 
 import functools
@@ -16,12 +15,11 @@ from keras_dtensor.ops.flat_buffers import buckets
 
 __all__ = ["wrap_adam_update"]
 
-# Elements per piece.
-_PIECE = 1 << 20
+_PIECE = 1 << 20  # elements
 
 
 def _local(x):
-    # The update runs under no_grad, where `to_local()` is this tensor.
+    # Under no_grad `to_local()` is this tensor.
     return x._local_tensor if isinstance(x, DTensor) else x
 
 
@@ -89,8 +87,7 @@ def _update(optimizer, group, step_size):
 
 def wrap_adam_update(original):
     """Wraps Keras's torch `Adam._parallel_update_step`: DTensor variables
-    whose slots and gradients share their layout are updated on their
-    local shards in bounded pieces; anything else runs `original`."""
+    whose slots and gradients share their layout go piece by piece."""
 
     @functools.wraps(original)
     def _parallel_update_step(self, grads, variables, learning_rate):

@@ -1,8 +1,7 @@
-"""Sharding strategies for ops DTensor lacks, registered with
-`register_sharding` by the torch entries of the `PATCHES` table: CPU flash
-attention (sharded on the batch or the head dim), `multinomial`
+"""Sharding strategies for ops DTensor lacks, registered by the torch rows
+of `PATCHES`: CPU flash attention (on the batch or head dim), `multinomial`
 (replicated: every rank draws the one-process sample), `scatter_reduce`
-(sharded off the scattered dim) and missing comparisons (elementwise).
+(off the scattered dim) and missing comparisons (elementwise).
 """
 
 import torch
@@ -84,7 +83,7 @@ def scatter_reduce(self, dim, index, src, reduce, **kwargs):
 
 
 def scatter_reduce_ops():
-    """`scatter_reduce` and its in-place form, where torch has no rule."""
+    """`scatter_reduce` and `scatter_reduce_`, where torch has no rule."""
     ops = (_aten.scatter_reduce.two, _aten.scatter_reduce_.two)
     return [op for op in ops if not _has_strategy(op)]
 
@@ -121,8 +120,8 @@ def missing_comparisons():
 
 
 def keep_kwargs_in_place(strategy, op_schema):
-    """Keeps the strategies that leave every keyword tensor (CPU flash
-    attention's mask) where it is: DTensor never redistributes those."""
+    """Keeps the strategies that leave keyword tensors (the attention mask)
+    where they are: DTensor never redistributes those."""
     current = [
         tuple(s.strategies[0].output_spec.placements)
         for s in op_schema.kwargs_strategy
