@@ -44,23 +44,16 @@ DTensorLayout.__doc__ = """A Keras `TensorLayout` as a torch mesh (without
 the Keras mesh's size-1 axes) and one placement per mesh dimension."""
 
 
-def _keras_device_type(device_type=None):
-    own = "gpu" if launch.device_type() == "cuda" else "cpu"
-    if not device_type:
-        return own
-    device_type = device_type.lower()
-    if device_type not in ("cpu", own):
-        raise ValueError(
-            f"This process computes on {own!r}; one device per process, so "
-            f"there are no {device_type!r} devices to list. Received: "
-            f"device_type={device_type!r}"
-        )
-    return device_type
-
-
 def list_devices(device_type=None):
     """Return all the available devices: one per process, by global rank."""
-    kind = _keras_device_type(device_type)
+    own = "gpu" if launch.device_type() == "cuda" else "cpu"
+    kind = device_type.lower() if device_type else own
+    if kind not in ("cpu", own):
+        raise ValueError(
+            f"This process computes on {own!r}; one device per process, so "
+            f"there are no {kind!r} devices to list. Received: "
+            f"device_type={kind!r}"
+        )
     return [f"{kind}:{i}" for i in range(launch.num_processes())]
 
 
@@ -75,19 +68,10 @@ def initialize(job_addresses, num_processes, process_id):
     launch.agree_on_seed()
 
 
-def initialize_rng():
-    """Makes every process use the same global seed."""
-    launch.agree_on_seed()
-
-
-def num_processes():
-    """Return the number of processes for the current distribution setting."""
-    return launch.num_processes()
-
-
-def process_id():
-    """Return the current process ID for the distribution setting."""
-    return launch.process_id()
+# Keras's names for what `launch` does.
+initialize_rng = launch.agree_on_seed
+num_processes = launch.num_processes
+process_id = launch.process_id
 
 
 def device_ranks(device_mesh):
