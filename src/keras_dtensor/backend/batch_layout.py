@@ -38,8 +38,7 @@ def _first_leaf(batch):
 
 
 def tag_shard(batch, start, total, digest):
-    """This process's shard `batch`, its place marked on its first array
-    (NumPy leaves become tensors, no copy, to carry it)."""
+    """This process's shard `batch`, marked with its place (as tensors)."""
 
     def as_tensor(x):
         return torch.from_numpy(x) if isinstance(x, np.ndarray) else x

@@ -1,8 +1,6 @@
-"""One outcome on every rank: failures shared, rank 0's answer broadcast.
-
-A step that fails on some ranks only would leave the others waiting at
-their next collective; here every rank raises instead. Messages travel
-as bytes in tensors: nothing from a peer is unpickled.
+"""One outcome on every rank: failures shared, rank 0's answer broadcast,
+so no rank waits at a collective the others left. Messages travel as
+bytes in tensors: nothing from a peer is unpickled.
 """
 
 import contextlib
@@ -81,8 +79,7 @@ def _rebuilt(outcome, where):
 
 
 def on_rank_0(operation, what):
-    """`operation()`'s JSON-serializable result, run on rank 0, on every
-    rank (a broadcast); if it raises, every rank raises it, naming `what`."""
+    """Rank 0's `operation()` (JSON), or its error naming `what`, everywhere."""
     size, rank = launch.world()
     payload = None
     if rank == 0:

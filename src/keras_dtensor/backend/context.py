@@ -1,8 +1,5 @@
-"""Which distribution runs, and in what scope.
-
-`active()` is Keras's current distribution when it spans several
-processes (over one, plain Keras computes the same). Plain tensors count
-as replicated through DTensor's own implicit-replication setting.
+"""Which distribution runs (`active()`: one over several processes), and
+plain tensors as replicated values (DTensor's implicit replication).
 """
 
 import contextlib
@@ -52,8 +49,7 @@ def is_data_parallel(distribution=None) -> bool:
 
 @contextlib.contextmanager
 def global_values():
-    """Inside, a plain tensor meeting a DTensor counts as replicated;
-    re-entrant, unlike torch's `implicit_replication`."""
+    """Re-entrant `implicit_replication`: plain tensors count as replicated."""
     from torch.distributed.tensor import DTensor
 
     dispatcher = DTensor._op_dispatcher

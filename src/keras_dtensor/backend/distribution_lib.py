@@ -1,8 +1,5 @@
-"""Keras backend distribution module for torch, on DTensor.
-
-`keras/src/backend/jax/distribution_lib.py`'s functions, installed as
-`keras.src.backend.distribution_lib`. Device `i` is rank `i`; a Keras
-`DeviceMesh` becomes a cached torch `DeviceMesh`.
+"""Keras backend distribution module for torch, on DTensor: the JAX
+module's functions; device `i` is rank `i`, a mesh a cached torch mesh.
 """
 
 import collections
@@ -145,8 +142,7 @@ def _to_backend_layout(tensor_layout):
 
 
 def as_backend_layout(layout, path=None, shape=None):
-    """The `DTensorLayout` of `layout` (either kind), checked against
-    `shape` where given; `path` names the tensor in errors."""
+    """The `DTensorLayout` of `layout`, checked against `shape` if given."""
     from keras.src.distribution import TensorLayout
 
     if path is not None or shape is not None:
@@ -162,8 +158,7 @@ def as_backend_layout(layout, path=None, shape=None):
 
 
 def distribute_tensor(tensor, layout):
-    """Distribute the tensor based on the layout: each rank keeps its shard
-    of a plain (global) tensor; a `DTensor` is redistributed."""
+    """Distribute the tensor based on the layout (a `DTensor`: redistribute)."""
     if isinstance(tensor, DTensor):
         layout = as_backend_layout(layout)
         target = (layout.device_mesh, tuple(layout.placements))
@@ -203,8 +198,7 @@ def distribute_variable(value, layout):
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
-    """Distribute the input data with the corresponding layout: this
-    process's slice becomes the global batch `DTensor`, uncommunicated."""
+    """Distribute the input data: this process's slice of the global batch."""
     if isinstance(per_process_batch, DTensor) or launch.num_processes() == 1:
         return distribute_tensor(per_process_batch, layout)
     per_process_batch = _as_tensor(per_process_batch)

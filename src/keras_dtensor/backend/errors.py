@@ -23,8 +23,7 @@ _PEER_FAILURE = re.compile(
 
 
 def collective_failure(error, *, operation, rank, world, timeout):
-    """A `RuntimeError` naming `operation`, the rank and the timeout for
-    a collective that failed because of a peer, else `None`."""
+    """A `RuntimeError` for a collective a peer broke, else `None`."""
     message = str(error)
     if not _PEER_FAILURE.search(message.lower()):
         return None
@@ -50,5 +49,4 @@ def local_output_error(*, layer, shape, rows, rank, mesh) -> ValueError:
 
 
 class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised before a variable is assigned inside a local call: the call
-    runs again as DTensors, and nothing was written twice."""
+    """A local call would assign a variable: it runs again as DTensors."""

@@ -1,8 +1,5 @@
-"""Saves that appear whole: staged next to the target, moved into place.
-
-A reader finds the old file or the new one, never half of one; the next
-save cleans up or puts back what a killed one left (`remove_leftovers`).
-Which rank stages, and when, is the caller's.
+"""Saves that appear whole: staged next to the target, moved into place;
+the next save cleans up or puts back what a killed one left.
 """
 
 import contextlib
@@ -91,8 +88,7 @@ def in_place_or_aside(directory) -> dict[str, str]:
 
 
 def remove_leftovers(directory, name: str | None = None) -> None:
-    """Puts back targets killed saves of `name` (or all) left aside; removes
-    their staging paths (of earlier versions too) and dead scratch."""
+    """Undoes what killed saves of `name` (or all) left, and dead scratch."""
     for target, aside in _orphans(directory).items():
         if name is None or target == name:
             with contextlib.suppress(OSError):

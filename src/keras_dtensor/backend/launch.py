@@ -1,8 +1,5 @@
-"""Process-group lifecycle, and collectives of small values.
-
-One device per process; the rendezvous is torchrun's or
-`keras.distribution.initialize()`'s, else a one-process group in memory.
-"""
+"""Process-group lifecycle (one device per process; torchrun's or Keras's
+rendezvous, else a group of one in memory) and small collectives."""
 
 import atexit
 import datetime
@@ -63,8 +60,7 @@ def _backend():
 
 
 def init_process_group(job_addresses=None, num_processes=None, process_id=None):
-    """Starts the default process group once (`True` if this call did), at
-    the first of Keras's `job_addresses` or at torchrun's rendezvous."""
+    """Starts the default process group once (`True` if this call did)."""
     if dist.is_initialized():
         world = dist.get_world_size()
         if num_processes is not None and num_processes != world:
@@ -237,9 +233,8 @@ def _destroy():
 
 
 def every_rank_joins(what: str, why: str) -> None:
-    """Raises if some rank does not join `what` (collective because `why`)
-    within `$KERAS_DTENSOR_SAVE_TIMEOUT`: ranks meet in the store, which
-    no collective can pair with."""
+    """Raises if some rank does not join `what` in time (in the store, which
+    no collective can pair with)."""
     if not multi_process():
         return
     timeout = config.get("SAVE_TIMEOUT")

@@ -1,8 +1,5 @@
-"""Pure layout arithmetic: Keras axes to DTensor placements, local shapes.
-
-A Keras layout names per tensor dim the mesh axes that shard it (as a JAX
-`PartitionSpec`); placements name per mesh dim what it does to the tensor.
-"""
+"""Pure layout arithmetic: Keras axes (per tensor dim, mesh axes) to DTensor
+placements (per mesh dim, what it does to the tensor), local shapes."""
 
 import math
 
@@ -24,16 +21,14 @@ __all__ = [
 
 
 def chunk(length, parts, index) -> tuple:
-    """`(start, size)` of chunk `index` of `length` in `parts`, by the rule
-    of `torch.chunk` (as DTensor): the last chunks shorter or empty."""
+    """`(start, size)` of chunk `index` of `length` by `torch.chunk`'s rule."""
     step = math.ceil(length / parts) if length else 0
     start = min(index * step, length)
     return start, max(0, min(step, length - start))
 
 
 def local_slices(shape, mesh, placements, coordinate=None) -> list:
-    """`(start, length)` along every dim of `shape` of this rank's shard
-    (or mesh `coordinate`'s), mesh dims applied in order."""
+    """`(start, length)` per dim of this rank's (`coordinate`'s) shard."""
     ranges = [(0, n) for n in shape]
     if coordinate is None:
         coordinate = mesh.get_coordinate()

@@ -1,9 +1,6 @@
-"""Sharding choices that agree across ranks, whatever `PYTHONHASHSEED` is.
-
-DTensor breaks cost ties in the order of sets ordered by salted hashes;
-ranks that choose differently hang. Hashes here depend on values alone,
-the planner's sets keep insertion order, and ranks compare
-`order_digest()` when the group starts.
+"""Sharding choices that agree across ranks, whatever `PYTHONHASHSEED` is:
+hashes of values alone, planner sets in insertion order, and
+`order_digest()` compared when the group starts.
 """
 
 import functools

@@ -1,9 +1,6 @@
-"""Compiling over DTensors: torch fixes a compiled forward needs.
-
-Ranks share torch's on-disk compile cache, where a DTensor's key is alike
-on every rank: the key names the rank. AOTAutograd rebuilds a returned
-view of an input with `as_strided`, which DTensor refuses: a permutation
-or contiguous reshape is rebuilt with `permute` or `view` instead.
+"""Compiling over DTensors: the on-disk cache key names the rank, and a
+returned view of an input is rebuilt without `as_strided` (which DTensor
+refuses) where it is a permutation or a contiguous reshape.
 """
 
 import hashlib

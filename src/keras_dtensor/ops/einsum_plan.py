@@ -34,9 +34,8 @@ def _subscripts(subscripts, shapes):
 
 @functools.lru_cache(maxsize=1024)
 def plan_for(subscripts, mesh, specs):
-    """For operands `specs` (`(placements, global shape)` each): each
-    operand's target placements, its gradient's, and the output's
-    placements and global shape; `None` where torch decides."""
+    """`(targets, grads, output placements, shape)` of operands `specs`
+    (`(placements, global shape)` each); `None` where torch decides."""
     shapes = [shape for _, shape in specs]
     parsed = _subscripts(subscripts, shapes)
     if parsed is None:

@@ -1,8 +1,5 @@
-"""A vocabulary-sharded embedding's gradient, computed shard only.
-
-DTensor computes a row-sharded table's whole gradient on every rank; this
-backward keeps the indices this rank holds, into a shard-shaped gradient.
-"""
+"""A vocabulary-sharded embedding's gradient, computed shard only (DTensor
+computes the whole table's on every rank)."""
 
 import functools
 
@@ -81,8 +78,7 @@ def _as_dtensor(indices, weight):
 
 
 def wrap_embedding(original):
-    """Wraps `torch.nn.functional.embedding`: a row-sharded DTensor table
-    looked up with gradients and no option uses `_RowShardedLookup`."""
+    """Wraps `torch.nn.functional.embedding` for row-sharded tables."""
 
     @functools.wraps(original)
     def embedding(input, weight, *args, **kwargs):

@@ -1,8 +1,6 @@
-"""Tensors packed side by side in flat buffers, in size-capped buckets.
-
-The one packer of every strategy (DDP's buckets, FSDP2's flat
-parameters). Buckets and offsets depend only on the order, sizes and keys
-every rank passes alike, so ranks agree on them without communication.
+"""Tensors packed side by side in flat buffers, in size-capped buckets: the
+one packer of every strategy. Buckets and offsets depend only on what every
+rank passes alike, so ranks agree on them without communication.
 """
 
 import math
@@ -56,8 +54,7 @@ def offsets(shapes):
 
 
 def flat_views(tensors, room=0):
-    """A new flat buffer for `tensors` (one dtype and device) plus `room`
-    elements, and its places as views shaped like them (no copy)."""
+    """A new flat buffer for `tensors` (and `room`), and views shaped so."""
     places = offsets([t.shape for t in tensors])
     flat = tensors[0].new_empty(sum(places[-1]) + room)
     return flat, [
@@ -68,8 +65,7 @@ def flat_views(tensors, room=0):
 
 def all_reduce_packed(tensors, groups, cap):
     """`tensors` (one dtype and device) summed over each of `groups`, in
-    buckets of at most `cap` bytes (a larger one alone, in place); returns
-    the sums in order, views of a bucket or the tensors themselves."""
+    buckets of at most `cap` bytes (a larger one alone, in place)."""
     out, small, sizes = list(tensors), [], []
     for index, tensor in enumerate(tensors):
         n = nbytes(tensor)
@@ -124,8 +120,7 @@ def broadcast_packed(tensors, sources, find=None):
 
 
 class FlatParams:
-    """`params` stored as views of one flat buffer per (owner, dtype), so a
-    `broadcast_packed` from their `owners` goes straight into them."""
+    """`params` as views of one buffer per (owner, dtype), to broadcast."""
 
     def __init__(self, params, owners):
         groups = {}

@@ -1,6 +1,4 @@
-"""Redistributions torch 2.13 gets wrong between partial placements: a masked
-partial meeting a plain partial gradient, and indices gathered and masked
-in one step."""
+"""Redistributions torch 2.13 gets wrong between partial placements."""
 
 from torch.distributed.tensor import Replicate
 
@@ -19,8 +17,7 @@ def _mixed_partial(grad_placements, forward_placements):
 
 
 def wrap_redistribute_backward(original):
-    """Wraps DTensor's `_redistribute_backward`: a plain partial gradient
-    meeting a masked partial forward input is summed first."""
+    """Wraps `_redistribute_backward`: sum a plain partial meeting a mask."""
 
     def _redistribute_backward(grad_output, previous_spec, **kwargs):
         dims = _mixed_partial(grad_output.placements, previous_spec.placements)
@@ -38,9 +35,7 @@ def wrap_redistribute_backward(original):
 
 
 def wrap_redistribute_local_tensor(original):
-    """Wraps DTensor's `redistribute_local_tensor`: when some mesh dims
-    become partial and others change too, the others go first (else a
-    masked partial records its mask for this rank's rows only)."""
+    """Wraps `redistribute_local_tensor`: dims becoming partial go last."""
 
     def redistribute_local_tensor(
         local_tensor, current_spec, target_spec, **kw

@@ -1,9 +1,5 @@
-"""Adam's update under a distribution: on local shards, in bounded pieces.
-
-Keras's torch `Adam` (and `AdamW`) keeps temporaries the size of all
-weights. A variable, its slots and its gradient laid out alike are updated
-on their local tensors with Keras's arithmetic, a piece at a time.
-"""
+"""Adam's update on local shards, in bounded pieces, with Keras's arithmetic
+(Keras's torch `Adam` keeps temporaries the size of all weights)."""
 
 import functools
 
@@ -86,8 +82,7 @@ def _update(optimizer, group, step_size):
 
 
 def wrap_adam_update(original):
-    """Wraps Keras's torch `Adam._parallel_update_step`: DTensor variables
-    whose slots and gradients share their layout go piece by piece."""
+    """Wraps Keras's torch `Adam._parallel_update_step` (see the module)."""
 
     @functools.wraps(original)
     def _parallel_update_step(self, grads, variables, learning_rate):

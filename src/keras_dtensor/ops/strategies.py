@@ -1,8 +1,6 @@
-"""Sharding strategies for ops DTensor lacks, registered by the torch rows
-of `PATCHES`: CPU flash attention (on the batch or head dim), `multinomial`
-(replicated: every rank draws the one-process sample), `scatter_reduce`
-(off the scattered dim) and missing comparisons (elementwise).
-"""
+"""Sharding strategies for ops DTensor lacks (the torch rows of `PATCHES`):
+CPU flash attention, `multinomial` (replicated: the one-process sample),
+`scatter_reduce` and missing comparisons."""
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -120,8 +118,7 @@ def missing_comparisons():
 
 
 def keep_kwargs_in_place(strategy, op_schema):
-    """Keeps the strategies that leave keyword tensors (the attention mask)
-    where they are: DTensor never redistributes those."""
+    """Keeps strategies leaving keyword tensors (which DTensor never moves)."""
     current = [
         tuple(s.strategies[0].output_spec.placements)
         for s in op_schema.kwargs_strategy
