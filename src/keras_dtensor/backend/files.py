@@ -112,20 +112,15 @@ def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{_SCRATCH}{os.getpid()}_")
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
-
-
 def remove_dead_scratch() -> None:
     """Removes the scratch directories of processes that no longer run."""
     pattern = os.path.join(glob.escape(tempfile.gettempdir()), _SCRATCH + "*")
     for path in glob.glob(pattern):
         pid = os.path.basename(path)[len(_SCRATCH) :].partition("_")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            _remove(path)
+        if pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                _remove(path)
+            except OSError:  # another user's process
+                pass

@@ -52,13 +52,6 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _backend():
-    backend = config.get("BACKEND")
-    if backend is not None:
-        return backend
-    return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
-
-
 def init_process_group(job_addresses=None, num_processes=None, process_id=None):
     """Starts the default process group once (`True` if this call did)."""
     if dist.is_initialized():
@@ -99,13 +92,25 @@ def init_process_group(job_addresses=None, num_processes=None, process_id=None):
     # A fresh key space per torchrun restart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"keras_dtensor/{restart}", store)
+    backend = config.get("BACKEND")
     if device_type() == "cuda":
         torch.cuda.set_device(local_device())
+        backend = backend or "cpu:gloo,cuda:nccl"
+    backend = backend or "gloo"
     dist.init_process_group(
-        _backend(), store=store, rank=rank, world_size=world, timeout=timeout
+        backend, store=store, rank=rank, world_size=world, timeout=timeout
     )
     atexit.register(_destroy)
-    _check_placement_order()
+    digests = all_gather_ints(placement_order.order_digest())
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(
+            "keras_dtensor: ranks order DTensor placements differently "
+            f"(ranks {odd} differ from rank 0 of {len(digests)}), so they "
+            "may choose different sharding strategies and hang. Import "
+            "keras_dtensor on every rank before the first DTensor op, and "
+            "do not call keras_dtensor.uninstall() on some ranks only."
+        )
     agree_on_seed()
     return True
 
@@ -122,20 +127,6 @@ def agree_on_seed():
     if multi_process():
         dist.broadcast(seed, src=0)
     rng_utils.set_random_seed(int(seed.item()))
-
-
-def _check_placement_order():
-    """Raises unless every rank orders sets of placements alike."""
-    digests = all_gather_ints(placement_order.order_digest())
-    if len(set(digests)) > 1:
-        odd = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise RuntimeError(
-            "keras_dtensor: ranks order DTensor placements differently "
-            f"(ranks {odd} differ from rank 0 of {len(digests)}), so they "
-            "may choose different sharding strategies and hang. Import "
-            "keras_dtensor on every rank before the first DTensor op, and "
-            "do not call keras_dtensor.uninstall() on some ranks only."
-        )
 
 
 def world() -> tuple[int, int]:

@@ -67,16 +67,6 @@ class _RowShardedLookup(torch.autograd.Function):
         return grad_weight, None, None
 
 
-def _as_dtensor(indices, weight):
-    if isinstance(indices, DTensor):
-        return indices
-    # A plain tensor is a global value, as the forward lookup takes it.
-    mesh = weight.device_mesh
-    return DTensor.from_local(
-        indices, mesh, [Replicate()] * mesh.ndim, run_check=False
-    )
-
-
 def wrap_embedding(original):
     """Wraps `torch.nn.functional.embedding` for row-sharded tables."""
 
@@ -93,7 +83,11 @@ def wrap_embedding(original):
             or not any(p.is_shard(0) for p in weight.placements)
         ):
             return original(input, weight, *args, **kwargs)
-        indices = _as_dtensor(input, weight)
-        return _RowShardedLookup.apply(weight, indices, original)
+        if not isinstance(input, DTensor):  # a global value, as in forward
+            mesh = weight.device_mesh
+            input = DTensor.from_local(
+                input, mesh, [Replicate()] * mesh.ndim, run_check=False
+            )
+        return _RowShardedLookup.apply(weight, input, original)
 
     return embedding

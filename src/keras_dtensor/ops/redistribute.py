@@ -5,27 +5,16 @@ from torch.distributed.tensor import Replicate
 __all__ = ["wrap_redistribute_backward", "wrap_redistribute_local_tensor"]
 
 
-def _mixed_partial(grad_placements, forward_placements):
-    """Mesh dims where a plain sum meets a different partial type."""
-    return [
-        i
-        for i, (grad, forward) in enumerate(
-            zip(grad_placements, forward_placements, strict=True)
-        )
-        if grad.is_partial() and forward.is_partial() and grad != forward
-    ]
-
-
 def wrap_redistribute_backward(original):
     """Wraps `_redistribute_backward`: sum a plain partial meeting a mask."""
 
     def _redistribute_backward(grad_output, previous_spec, **kwargs):
-        dims = _mixed_partial(grad_output.placements, previous_spec.placements)
-        if dims:
-            placements = [
-                Replicate() if i in dims else p
-                for i, p in enumerate(grad_output.placements)
-            ]
+        current = tuple(grad_output.placements)
+        placements = tuple(
+            Replicate() if g.is_partial() and f.is_partial() and g != f else g
+            for g, f in zip(current, previous_spec.placements, strict=True)
+        )
+        if placements != current:  # a plain sum meets another partial
             grad_output = grad_output.redistribute(
                 grad_output.device_mesh, placements
             )
