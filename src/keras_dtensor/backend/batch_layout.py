@@ -72,10 +72,8 @@ def _data_layout(distribution, ndim):
 
 
 def _distribute_leaf(x, distribution, per_process, total=None):
-    as_is = (DTensor, torch.nn.Parameter)
-    if not isinstance(x, np.ndarray) and (
-        not isinstance(x, torch.Tensor) or isinstance(x, as_is)
-    ):
+    as_is = isinstance(x, (DTensor, torch.nn.Parameter))
+    if as_is or not isinstance(x, (np.ndarray, torch.Tensor)):
         return x
     x = compat.torch_core().convert_to_tensor(x)
     if x.ndim == 0:

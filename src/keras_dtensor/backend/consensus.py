@@ -72,9 +72,8 @@ def _rebuilt(outcome, where):
     if issubclass(cls, OSError) and outcome["errno"] is not None:
         # OSError(errno, strerror, filename) prints "[Errno N] ...: 'f'".
         strerror = (outcome["strerror"] or outcome["message"]) + where
-        if outcome["filename"] is None:
-            return cls(outcome["errno"], strerror)
-        return cls(outcome["errno"], strerror, outcome["filename"])
+        filename = [] if outcome["filename"] is None else [outcome["filename"]]
+        return cls(outcome["errno"], strerror, *filename)
     return cls(outcome["message"] + where)
 
 

@@ -6,6 +6,8 @@ import contextlib
 import re
 import warnings
 
+from torch.distributed.tensor import DTensor
+
 from keras_dtensor.backend.distribution_lib import device_ranks
 from keras_dtensor.backend.launch import multi_process
 
@@ -50,8 +52,6 @@ def is_data_parallel(distribution=None) -> bool:
 @contextlib.contextmanager
 def global_values():
     """Re-entrant `implicit_replication`: plain tensors count as replicated."""
-    from torch.distributed.tensor import DTensor
-
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = True
@@ -73,8 +73,6 @@ _ONE_ELEMENT = (
 
 def set_global_values(distribution):
     """Plain tensors are global values under a distribution but DataParallel."""
-    from torch.distributed.tensor import DTensor
-
     on = distribution is not None and not is_data_parallel(distribution)
     DTensor._op_dispatcher._allow_implicit_replication = on
     present = _ONE_ELEMENT in warnings.filters

@@ -6,6 +6,7 @@ import collections
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
@@ -103,7 +104,6 @@ def _kept_axes(device_mesh):
 def _to_backend_mesh(device_mesh):
     """The Keras mesh as a cached torch `DeviceMesh` (a collective to build)."""
     from keras.src.backend.common import global_state
-    from torch.distributed.device_mesh import DeviceMesh
 
     ranks = device_ranks(device_mesh)
     launch.init_process_group()

@@ -6,6 +6,7 @@ refuses) where it is a permutation or a contiguous reshape.
 import hashlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend.layout import contiguous_strides
 
@@ -60,7 +61,6 @@ def _view_of(base, target):
 
 def wrap_gen_alias_from_base(original):
     """Wraps AOTAutograd's `gen_alias_from_base` (see the module)."""
-    from torch.distributed.tensor import DTensor
 
     def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
         out = _view_of(base, target) if isinstance(base, DTensor) else None

@@ -1,6 +1,7 @@
 """Redistributions torch 2.13 gets wrong between partial placements."""
 
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = ["wrap_redistribute_backward", "wrap_redistribute_local_tensor"]
 
@@ -29,8 +30,6 @@ def wrap_redistribute_local_tensor(original):
     def redistribute_local_tensor(
         local_tensor, current_spec, target_spec, **kw
     ):
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
         current, target = current_spec.placements, target_spec.placements
         # The dims becoming partial stay as they are for a first step.
         placements = tuple(

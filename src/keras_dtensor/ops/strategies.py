@@ -3,6 +3,7 @@ CPU flash attention, `multinomial` (replicated: the one-process sample),
 `scatter_reduce` and missing comparisons."""
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import register_sharding
@@ -96,8 +97,6 @@ _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 def _has_strategy(op):
     """Whether torch's DTensor has a sharding rule of its own for `op`."""
-    from torch.distributed.tensor import DTensor
-
     propagator = DTensor._op_dispatcher.sharding_propagator
     tables = (
         "op_strategy_funcs",
