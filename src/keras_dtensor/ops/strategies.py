@@ -124,16 +124,12 @@ def keep_kwargs_in_place(strategy, op_schema):
     ]
     if not current:
         return strategy
-    kept = [
-        spec
-        for spec in strategy.strategies
-        if [
-            tuple(s.placements)
-            for s in spec.input_specs[-len(current) :]
-            if s is not None
-        ]
-        == current
-    ]
+
+    def placed(spec):
+        tail = spec.input_specs[-len(current) :]
+        return [tuple(s.placements) for s in tail if s is not None]
+
+    kept = [spec for spec in strategy.strategies if placed(spec) == current]
     if kept:
         strategy.strategies = kept
     return strategy
