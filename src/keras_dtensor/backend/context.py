@@ -3,6 +3,7 @@ plain tensors as replicated values (DTensor's implicit replication).
 """
 
 import contextlib
+import functools
 import re
 import warnings
 
@@ -40,13 +41,18 @@ def active():
     return distribution if several else None  # `None` stays `None`
 
 
-def is_data_parallel(distribution=None) -> bool:
-    """Whether `distribution` (default: the current one) is `DataParallel`."""
+@functools.cache
+def _data_parallel_class():
     from keras.distribution import DataParallel
 
+    return DataParallel
+
+
+def is_data_parallel(distribution=None) -> bool:
+    """Whether `distribution` (default: the current one) is `DataParallel`."""
     if distribution is None:
         distribution = current()
-    return isinstance(distribution, DataParallel)
+    return isinstance(distribution, _data_parallel_class())
 
 
 @contextlib.contextmanager
