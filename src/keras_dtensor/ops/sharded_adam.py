@@ -21,14 +21,13 @@ def _local(x):
 
 def _aligned(tensors):
     """Whether DTensors `tensors` share mesh, placements and local shape."""
-    if not all(isinstance(t, DTensor) for t in tensors):
-        return False
     first = tensors[0]
     return all(
-        t.device_mesh == first.device_mesh
+        isinstance(t, DTensor)
+        and t.device_mesh == first.device_mesh
         and t.placements == first.placements
         and t._local_tensor.shape == first._local_tensor.shape
-        for t in tensors[1:]
+        for t in tensors
     )
 
 
