@@ -104,7 +104,10 @@ def plan(
     optimizer=None,
     large_replicated_mib=16.0,
 ):
-    """Per-rank bytes of `distribution`'s layouts, computed on `meta`.
+    """Per-rank memory of `distribution`'s layouts, before allocating.
+
+    The model and its optimizer's slots are built on torch's `meta` device,
+    each weight laid out as in a real run.
 
     Args:
         model_or_build_fn: a function that builds the Keras model (run on
@@ -119,9 +122,11 @@ def plan(
         A `MemoryPlan`; `print(plan)` shows the table.
 
     Example:
-    ```python
-    print(keras_dtensor.plan(build_model, distribution, optimizer="adamw"))
-    ```
+    >>> mesh = keras.distribution.DeviceMesh((1, 8), ["batch", "model"])
+    >>> layout_map = keras.distribution.LayoutMap(mesh)
+    >>> layout_map[".*kernel"] = (None, "model")
+    >>> print(keras_dtensor.plan(build_model,
+    ...     keras.distribution.ModelParallel(layout_map=layout_map), "adamw"))
     """
     model, slots = _build_on_meta(model_or_build_fn, optimizer)
     mesh = distribution.device_mesh
