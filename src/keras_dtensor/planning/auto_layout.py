@@ -104,7 +104,20 @@ def auto_layout(
     min_shard_bytes=0,
 ):
     """Derives the layout of every weight of `build()`'s model over
-    `mesh`'s `model_axis` from the model's dataflow; see `auto_layout_map`.
+    `mesh`'s `model_axis` from the model's dataflow.
+
+    Args:
+        build: a function of no arguments that creates the model (run
+            once on torch's `meta` device, with fake tensors), or a model.
+        mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
+        model_axis: the mesh axis weights are split over.
+        batch_axis: the mesh axis the batch is split over.
+        fsdp: also split each weight over `batch_axis` (FSDP-style), on
+            its largest dim that axis divides.
+        sample_input: inputs for one call, for a model without symbolic
+            inputs (subclassed); a functional model's own are used.
+        min_shard_bytes: leave a region whole whose split weights are
+            smaller than this.
 
     Returns:
         An `AutoLayout`: `print()` it for each weight's layout and why, the
@@ -260,30 +273,15 @@ def _label(split):
     return f"{'+'.join(sorted(layers['column']))} -> {'+'.join(rows) or 'sum'}"
 
 
-def auto_layout_map(
-    build,
-    mesh,
-    *,
-    model_axis="model",
-    batch_axis="batch",
-    fsdp=False,
-    sample_input=None,
-    min_shard_bytes=0,
-):
+def auto_layout_map(build, mesh, **options):
     """A `keras.distribution.LayoutMap` for any model, from its dataflow.
 
     Args:
         build: a function of no arguments that creates the model (run
             once on torch's `meta` device, with fake tensors), or a model.
         mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
-        model_axis: the mesh axis weights are split over.
-        batch_axis: the mesh axis the batch is split over.
-        fsdp: also split each weight over `batch_axis` (FSDP-style), on
-            its largest dim that axis divides.
-        sample_input: inputs for one call, for a model without symbolic
-            inputs (subclassed); a functional model's own are used.
-        min_shard_bytes: leave a region whole whose split weights are
-            smaller than this.
+        **options: `model_axis`, `batch_axis`, `fsdp`, `sample_input` and
+            `min_shard_bytes`, as `auto_layout` takes them.
 
     Returns:
         A LayoutMap for `keras.distribution.ModelParallel`; the same on
@@ -299,12 +297,4 @@ def auto_layout_map(
     )
     ```
     """
-    return auto_layout(
-        build,
-        mesh,
-        model_axis=model_axis,
-        batch_axis=batch_axis,
-        fsdp=fsdp,
-        sample_input=sample_input,
-        min_shard_bytes=min_shard_bytes,
-    ).layout_map
+    return auto_layout(build, mesh, **options).layout_map
