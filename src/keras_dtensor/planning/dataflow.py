@@ -10,27 +10,14 @@ import dataclasses
 
 __all__ = ["IDENTITY", "Contraction", "Dataflow", "analyze", "contraction"]
 
-IDENTITY = {
-    "detach",
-    "lift_fresh",
-    "lift_fresh_copy",
-    "clone",
-    "to_copy",
-    "alias",
-    "contiguous",
-    "type_as",
-}
-_VIEWS = IDENTITY | {
-    "view",
-    "unsafe_view",
-    "reshape",
-    "permute",
-    "transpose",
-    "t",
-    "unsqueeze",
-    "squeeze",
-    "expand",
-}
+IDENTITY = set(
+    "detach lift_fresh lift_fresh_copy clone to_copy alias contiguous "
+    "type_as".split()
+)
+_VIEWS = IDENTITY | set(
+    "view unsafe_view reshape permute transpose t unsqueeze squeeze "
+    "expand".split()
+)
 CONTRACTIONS = {"mm", "bmm", "addmm", "baddbmm"}
 
 

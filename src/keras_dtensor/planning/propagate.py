@@ -23,36 +23,14 @@ class Conflict(Exception):  # noqa: N818 (a verdict, not an error)
 
 PARTIAL = "partial"
 SHAPE_ONLY = IDENTITY | {"empty_like", "dropout", "native_dropout", "copy"}
-REDUCTIONS = {
-    "mean",
-    "sum",
-    "amax",
-    "amin",
-    "max",
-    "min",
-    "var",
-    "std",
-    "prod",
-    "logsumexp",
-    "argmax",
-    "argmin",
-    "all",
-    "any",
-    "norm",
-    "linalg_vector_norm",
-}
+REDUCTIONS = set(
+    "mean sum amax amin max min var std prod logsumexp argmax argmin all any "
+    "norm linalg_vector_norm".split()
+)
 ALONG = {"softmax", "log_softmax", "safe_softmax", "cumsum", "topk", "sort"}
-CUTS = {
-    "split",
-    "split_with_sizes",
-    "chunk",
-    "unbind",
-    "slice",
-    "select",
-    "narrow",
-    "flip",
-    "roll",
-}
+CUTS = set(
+    "split split_with_sizes chunk unbind slice select narrow flip roll".split()
+)
 ELEMENTWISE = {"where", "masked_fill", "clamp", "lerp"}
 ATTENTION = {
     "scaled_dot_product_flash_attention_for_cpu",
