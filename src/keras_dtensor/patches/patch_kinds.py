@@ -283,13 +283,12 @@ def status_of(entries, saved):
     for entry in entries:
         original = saved.get(entry.target)
         ok, reason = applies(entry)
+        state = "replaced by another library"
         if not ok:
             state = f"skipped: {reason}"
         elif original is None:
             state = "original"
         elif entry.is_current(original):
             state = "applied"
-        else:
-            state = "replaced by another library"
         result.append((entry.target, state, entry.why))
     return result

@@ -277,11 +277,8 @@ def auto_layout_map(build, mesh, **options):
     """A `keras.distribution.LayoutMap` for any model, from its dataflow.
 
     Args:
-        build: a function of no arguments that creates the model (run
-            once on torch's `meta` device, with fake tensors), or a model.
-        mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
-        **options: `model_axis`, `batch_axis`, `fsdp`, `sample_input` and
-            `min_shard_bytes`, as `auto_layout` takes them.
+        build, mesh, **options: as `auto_layout` takes them (`model_axis`,
+            `batch_axis`, `fsdp`, `sample_input`, `min_shard_bytes`).
 
     Returns:
         A LayoutMap for `keras.distribution.ModelParallel`; the same on

@@ -1,18 +1,13 @@
 """What `auto_layout` decided, as a table and a LayoutMap."""
 
+import collections
 import dataclasses
 
 __all__ = ["AutoLayout", "Entry"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One weight: its layout axes and why."""
-
-    path: str
-    shape: tuple
-    axes: tuple
-    why: str
+# One weight: its layout axes and why.
+Entry = collections.namedtuple("Entry", "path shape axes why")
 
 
 @dataclasses.dataclass
