@@ -14,6 +14,7 @@ from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import lora
 from keras_dtensor.planning.lint import unmatched_keys
+from keras_dtensor.planning.trace import build_on
 from keras_dtensor.planning.trace import keras_itemsize
 
 __all__ = ["MemoryPlan", "VariablePlan", "plan"]
@@ -85,15 +86,13 @@ def _build_on_meta(model_or_build_fn, optimizer):
     previous = context.current()
     keras.distribution.set_distribution(None)  # plain, shape-only weights
     try:
+        model = build_on(model_or_build_fn, "meta")
+        if optimizer is None:
+            return model, []
         with compat.torch_core().device_scope("meta"):
-            model = model_or_build_fn
-            if not isinstance(model, keras.Model) and callable(model):
-                model = model_or_build_fn()
-            if optimizer is None:
-                return model, []
             optimizer = keras.optimizers.get(optimizer)
             optimizer.build(model.trainable_variables)
-            return model, list(optimizer.variables)
+        return model, list(optimizer.variables)
     finally:
         keras.distribution.set_distribution(previous)
 

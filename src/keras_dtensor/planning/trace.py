@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_dtensor import compat
 
-__all__ = ["Node", "Trace", "record"]
+__all__ = ["Node", "Trace", "build_on", "record"]
 
 
 # One aten op (`"mm"`): tensor arguments and outputs as ids (`None` for
@@ -108,7 +108,8 @@ def _layer_in_traceback(error):
     return name
 
 
-def _build(build, device):
+def build_on(build, device):
+    """`build()` run under Keras's `device` scope; a model as it is."""
     import keras
 
     if isinstance(build, keras.Model):
@@ -192,7 +193,7 @@ def record(build, sample_input=None):
     model = None
     try:
         try:
-            model = _build(build, "meta")
+            model = build_on(build, "meta")
             return model, _trace_call(model, sample_input, fake=True)
         except Exception as error:  # noqa: BLE001 (retried on the CPU)
             layer = _layer_in_traceback(error)
@@ -216,7 +217,7 @@ def record(build, sample_input=None):
                 "building it on the CPU instead",
                 stacklevel=2,
             )
-            model = _build(build, "cpu")
+            model = build_on(build, "cpu")
             return model, _trace_call(model, sample_input, fake=False)
     finally:
         keras.distribution.set_distribution(previous)
