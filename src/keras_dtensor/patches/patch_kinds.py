@@ -139,7 +139,7 @@ class Registration(_Entry):
                 propagator.op_strategy_funcs.get(op, MISSING),
                 propagator.op_to_schema_info.get(op, MISSING),
                 # torch's own single-dim rule would win: set aside.
-                _single_dim(propagator).pop(op, MISSING),
+                propagator.op_single_dim_strategy_funcs.pop(op, MISSING),
             )
             register_sharding(op)(self.strategy)
             if self.refine is not None:
@@ -163,7 +163,7 @@ class Registration(_Entry):
             for table, value in (
                 (propagator.op_strategy_funcs, strategy),
                 (propagator.op_to_schema_info, schema),
-                (_single_dim(propagator), single_dim),
+                (propagator.op_single_dim_strategy_funcs, single_dim),
             ):
                 if value is MISSING:
                     table.pop(op, None)
@@ -177,11 +177,6 @@ class Registration(_Entry):
             propagator.op_strategy_funcs.get(op) is ours
             for op, *_, ours in saved
         )
-
-
-def _single_dim(propagator):
-    """DTensor's table of single-dim rules (torch 2.10 on; else empty)."""
-    return getattr(propagator, "op_single_dim_strategy_funcs", {})
 
 
 @dataclasses.dataclass(frozen=True)
