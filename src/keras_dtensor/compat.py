@@ -1,10 +1,8 @@
 """The supported Keras and torch releases, and where Keras keeps what we hook.
 
-Nothing else tests a version. `check_environment()` refuses, at import, a
-Keras or torch outside the supported ranges, with the pip command that
-fixes it. `KERAS` maps each Keras name the package uses to its place on
-the installed release (3.16 moved the torch backend's modules and renamed
-the trainers).
+Nothing else tests a version. `check_environment()` refuses, at import, an
+unsupported Keras or torch with the pip command that fixes it; `KERAS` maps
+each Keras name we use to its place on the installed release.
 """
 
 import functools

@@ -3,10 +3,6 @@
 `get(name)` parses one when asked; `check()` parses all at `install()`,
 so a bad value is an error at import naming the variable and what it
 accepts (docs/guides/configuration.md).
-
-Example:
->>> config.get("TIMEOUT")
-300.0
 """
 
 import dataclasses
