@@ -243,22 +243,21 @@ def _compatible(splits):
     return kept
 
 
-def _score(plan):
-    """More bytes sharded first, then fewer all-reduces."""
-    return (
-        sum(s.nbytes for s in plan),
-        -sum(s.forward + s.backward for s in plan),
-    )
-
-
 def _plan(splits):
-    """`splits` (largest first) as kept by the best-scoring start region,
-    then the rest (the residual stream against Megatron's pairs)."""
-    best = _compatible(splits)
-    for i, first in enumerate(splits[1:], 1):
-        plan = _compatible([first, *splits[:i], *splits[i + 1 :]])
-        if _score(plan) > _score(best):
-            best = plan
+    """`splits` (largest first) as kept by the best start region (more
+    bytes sharded, then fewer all-reduces; the first on a tie), then the
+    rest (the residual stream against Megatron's pairs)."""
+    best = max(
+        (
+            _compatible([first, *splits[:i], *splits[i + 1 :]])
+            for i, first in enumerate(splits)
+        ),
+        key=lambda plan: (
+            sum(s.nbytes for s in plan),
+            -sum(s.forward + s.backward for s in plan),
+        ),
+        default=[],
+    )
     chosen = {id(s) for s in best}
     return best + [s for s in splits if id(s) not in chosen]
 

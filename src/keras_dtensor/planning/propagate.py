@@ -55,14 +55,6 @@ def _atom_split(atoms, j, parts):
     return period // parts, period
 
 
-def _matching_atom(atoms, split, parts):
-    """The atom of a weight dim that `split` cuts, or None."""
-    for j, atom in enumerate(atoms):
-        if atom[1] % parts == 0 and _atom_split(atoms, j, parts) == split[1:]:
-            return j
-    return None
-
-
 def _through_view(node, split, shape_in, shape_out):
     """A split of a view's input, on its output."""
     d, block, period = split
@@ -102,10 +94,11 @@ class _Run:
 
     def place(self, var, atoms, split, role, node, what="a dim"):
         """Split `var` on the atom of `atoms` that `split` cuts."""
-        j = _matching_atom(atoms, split, self.parts)
-        if j is None:
-            _fail(node, f"{var.path}: the split falls inside {what}")
-        self.weight_atom(var, atoms[j], role, node)
+        parts = self.parts
+        for j, (_, size, _) in enumerate(atoms):
+            if size % parts == 0 and _atom_split(atoms, j, parts) == split[1:]:
+                return self.weight_atom(var, atoms[j], role, node)
+        _fail(node, f"{var.path}: the split falls inside {what}")
 
     def weight_atom(self, var, atom, role, node):
         var_dim, _, outer = atom

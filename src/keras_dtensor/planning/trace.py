@@ -31,11 +31,6 @@ Node = collections.namedtuple("Node", "op pointwise inputs args kwargs outputs")
 Trace = collections.namedtuple("Trace", "nodes shapes weights outputs keep")
 
 
-def _op_name(func) -> str:
-    packet = getattr(func, "overloadpacket", None)
-    return str(func) if packet is None else packet.__name__.lstrip("_")
-
-
 class _Recorder(TorchDispatchMode):
     def __init__(self, trace):
         super().__init__()
@@ -60,8 +55,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (list, tuple)) else (out,)
+        packet = getattr(func, "overloadpacket", None)
         node = Node(
-            _op_name(func),
+            str(func) if packet is None else packet.__name__.lstrip("_"),
             torch.Tag.pointwise in getattr(func, "tags", ()),
             tuple(self._ids(a) for a in args),
             tuple(None if isinstance(a, Tensor) else a for a in args),
