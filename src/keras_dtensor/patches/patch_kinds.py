@@ -4,7 +4,7 @@ replacement is still in place."""
 
 import dataclasses
 import functools
-import importlib
+import pkgutil
 import types
 import warnings
 from collections.abc import Callable
@@ -55,11 +55,8 @@ class Patch(_Entry):
         return f"{self.module}.{self.attribute}"
 
     def owner(self):
-        owner = importlib.import_module(self.module)
-        *path, _ = self.attribute.split(".")
-        for name in path:
-            owner = getattr(owner, name)
-        return owner
+        path = self.attribute.rpartition(".")[0]
+        return pkgutil.resolve_name(f"{self.module}:{path}")
 
     @property
     def name(self) -> str:
@@ -194,9 +191,8 @@ class CacheKey(_Entry):
 
     @property
     def target(self) -> str:
-        return f"DTensor sharding cache key: {self.op()} from argument " + str(
-            self.static_argnum
-        )
+        op, argnum = self.op(), self.static_argnum
+        return f"DTensor sharding cache key: {op} from argument {argnum}"
 
     def _table(self, propagator, op):
         """The schema-info table that holds `op` (torch 2.14 has two)."""
