@@ -211,25 +211,20 @@ class CacheKey(_Entry):
         table = self._table(propagator, op)
         before = MISSING if table is None else table[op]
         if before is MISSING or before.static_argnum <= self.static_argnum:
-            return (op, before, before)  # nothing to fix on this torch
+            return (table, op, before, before)  # nothing to fix on this torch
         ours = dataclasses.replace(before, static_argnum=self.static_argnum)
         table[op] = ours
         propagator.propagate_op_sharding.cache_clear()
-        return (op, before, ours)
+        return (table, op, before, ours)
 
     def restore(self, saved):
-        op, before, ours = saved
-        if ours is before:
-            return
-        propagator = _propagator()
-        table = self._table(propagator, op)
-        if table is not None and table.get(op) is ours:
+        table, op, before, ours = saved
+        if ours is not before and table.get(op) is ours:
             table[op] = before
-            propagator.propagate_op_sharding.cache_clear()
+            _propagator().propagate_op_sharding.cache_clear()
 
     def is_current(self, saved):
-        op, _, ours = saved
-        table = self._table(_propagator(), op)
+        table, op, _, ours = saved
         return table is not None and table.get(op) is ours
 
 
