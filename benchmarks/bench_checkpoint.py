@@ -2,14 +2,9 @@
 
     python benchmarks/bench_checkpoint.py --nproc 4 --rounds 3
 
-`--nproc` fresh processes: an `Embedding(--vocab, 128)` and a `Dense(256)`
-kernel laid out `(None, "model")`, Adam, one step (so the slots exist).
-Then, alternating in each round, `kd` (`keras_dtensor.save_checkpoint` /
-`load_checkpoint`) and `dcp` (`torch.distributed.checkpoint.save` / `load`
-of the very same tensors): wall seconds between barriers and the peak
-memory each rank added, the largest over ranks; medians over rounds.
-Targets (issue 13): time <= 1.2 x DCP's, memory added <= its. `--device
-cuda`: the state on each rank's GPU, NCCL; memory stays host memory.
+`kd` (`save_checkpoint`/`load_checkpoint`) and `dcp` of the very same
+tensors, alternating: seconds between barriers and the peak memory each
+rank added, the largest over ranks; medians over rounds.
 """
 
 import argparse

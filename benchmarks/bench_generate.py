@@ -2,19 +2,9 @@
 
     python benchmarks/bench_generate.py --rounds 3
 
-keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's layout map on a
-(1, N) mesh) against a torch decoder of the same sizes and split
-(`parallelize_module`: q/k/v, gate and up by columns, the attention
-output and down by rows, the tied embedding by vocabulary rows as
-keras_hub's map splits it; `torch_tp_whole_embedding`: left whole), each
-with a KV cache, and each in one process; variants alternate round by
-round in fresh processes. Per variant: one `generate` call (batch 2, an
-8-token prompt, 24 new tokens; the best of `--calls` after a warm one, the
-slowest rank), peak RSS and the collectives of one more call; every split
-model must generate its one-process tokens. `_no_collectives` variants
-make every collective a local no-op once warm; `kd_mp_dtensor` runs
-every op as a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0): what the
-tensor-parallel local run gains. Target: kd-MP ÷ torch TP against
+keras_hub's `GemmaCausalLM.generate` against a torch decoder of the same
+sizes and split, each also in one process; every split model must
+generate its one-process tokens. Target: kd-MP ÷ torch TP against
 Keras ÷ torch, per round.
 """
 

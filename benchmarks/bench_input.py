@@ -1,18 +1,11 @@
-"""Input work per rank: keras-dtensor's DataParallel against DDP with a
-`DistributedSampler`, on an input-bound map-style dataset.
+"""Input work per rank: DataParallel against DDP with a `DistributedSampler`.
 
     python benchmarks/bench_input.py --rounds 3 \\
         --out benchmarks/results-input.json
 
-Each sample costs `--sample-ms` of CPU to load, so the loader bounds the
-epoch, as on a GPU: one shuffled epoch of 512 samples at a global batch of
-32, a small MLP, variants alternating in fresh processes: `ddp_sampler`,
-`kd_sharded` (Keras `fit` under DataParallel on a `DataLoader`: each rank
-loads its shard), `kd_whole` (`KERAS_DTENSOR_SHARDED_LOADING=0`: every
-rank loads the global batch) and `kd_pydataset` (a `PyDataset` of the
-same batches). Per variant: the epoch's seconds (rank 0) and the samples
-each rank read. Target (issue 49): samples per rank = 512 / N plus at
-most one batch; `kd_sharded`'s epoch <= 1.1 x `ddp_sampler`'s.
+An input-bound map-style dataset (`Slow`): the loader bounds the epoch,
+as on a GPU. Goal: samples read per rank at most the global count ÷ N
+plus one batch, and an epoch within DDP's.
 """
 
 import os

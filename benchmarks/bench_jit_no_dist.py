@@ -2,13 +2,6 @@
 program with `import keras_dtensor` first, compile time included.
 
     python benchmarks/bench_jit_no_dist.py --rounds 2 [--out OUT]
-
-Each run is a fresh process: a 3 x Dense(64) MLP, `compile(jit_compile=True)`,
-`fit` 2 epochs on 256 rows with `validation_split=0.25`, `evaluate` and
-`predict`, timed from `compile` to the end (tracing and Inductor's code
-generation included). Each variant has its own Inductor cache per round:
-its first run is cold, its second warm. Variants alternate; ratios are
-taken within each round. Target (issue 51): within 5% of plain Keras.
 """
 
 import statistics

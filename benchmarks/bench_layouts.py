@@ -3,13 +3,8 @@
     python benchmarks/bench_layouts.py --nproc 2 \\
         --out benchmarks/results-layouts.json
 
-First `auto_layout`'s own count for every family it is tested on (one
-process, nothing allocated). Then Gemma, Llama and Qwen3-MoE train under
-ModelParallel on a (1, N) mesh with keras_hub's map and with
-`keras_dtensor.auto_layout_map`, each in fresh processes: collectives of
-one training step and of one generated token, parameter and optimizer
-bytes per rank, and the median step time (information only on a CPU).
-Goal: the derived map needs no more collectives and bytes than keras_hub's.
+`auto_layout`'s own count per family (`plans`), then each family trained
+with both maps: collectives a step and a token, bytes per rank.
 """
 
 import statistics

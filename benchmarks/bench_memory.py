@@ -1,26 +1,11 @@
 """Per-rank memory of training and checkpointing: keras-dtensor against torch.
 
     python benchmarks/bench_memory.py                 # models a, b, c; 4 ranks
-    python benchmarks/bench_memory.py --models a --json out.json
     python benchmarks/bench_memory.py --models c --reference  # + one process
 
-Each side of each model runs in its own fresh processes, so neither side's
-allocations or malloc arenas reach the other's figures. Models (fp32, Adam,
-MSE): a: Embedding(1_000_000, 128) laid out (None, "model"), a mean over 4
-tokens, Dense(256) kernel (None, "model"), torch `ColwiseParallel`; b: the
-table ("model", None), torch `RowwiseParallel`; c: bench_step.py's
-transformer blocks and TP split, wider; d: FSDP-style, 8 x Dense(2048)
-kernels ("batch", None) and the batch sharded, torch FSDP2 per layer.
-torch builds on meta and checkpoints with DCP; keras-dtensor fits under
-ModelParallel and saves/loads `.weights.h5` with the optimizer's slots.
-`--reference` also runs each side as one plain process: Keras's own memory
-over torch's, the reference for kd over TP.
-
-Per rank, MiB above a baseline taken after imports and the group's start:
-build RSS; fit peak (VmHWM reset before); steady RSS after fit, and after
-`malloc_trim(0)` with glibc's free bytes before it; the held state (local
-shards, gradients, Adam's slots); keras-dtensor's `plan` prediction; save
-and load seconds and peaks, MiB written and the step found after a load.
+Each side of each model (`MODELS`) runs in its own fresh processes, so
+neither side's allocations reach the other's figures; every figure is MiB
+above a baseline taken after imports and the group's start (`_Probe`).
 """
 
 import argparse

@@ -2,16 +2,9 @@
 
     python benchmarks/bench_no_dist.py --rounds 4 --steps 40
 
-Plain Keras (`plain`) against the same program with `import
-keras_dtensor` and no distribution (`kd`), `DataParallel` over one device
-(`kd_dp1`) and `ModelParallel` on a 1 x 1 mesh (`kd_mp1`), each in fresh
-processes, alternating; ratios to `plain` within each round. Models: MLP
-4 x Dense(256), batch 64; transformer 2 blocks, d_model 128 (attention
-dropout: every step draws seeds), batch 16. Per process: `fit`,
-`train_on_batch` and `predict`, median wall and CPU ms a step and minor
-page faults a step. `--fixed-malloc` pins glibc's mmap and trim
-thresholds, which otherwise adapt per process. Targets (issue 18): `kd`
-<= 1.03 x plain, the others <= 1.05 x.
+Plain Keras against the same program with `import keras_dtensor` and no
+distribution, and with a one-device distribution (`VARIANTS`); ratios to
+`plain` within each round (`TARGETS`).
 """
 
 import resource

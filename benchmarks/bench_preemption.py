@@ -3,14 +3,9 @@
     python benchmarks/bench_preemption.py \\
         --out benchmarks/results-preemption.json
 
-Each case trains under ModelParallel with `ShardedCheckpoint` in `fit`
-(torchrun, gloo); after 10 steps the whole job gets SIGTERM, as a cluster
-sends it. From the signal: seconds until the launcher exits (every rank
-saved its step and exited 75), until the last rank had saved, the save's
-own seconds and the checkpoint's bytes; the job then restarts, and the
-step it resumes at gives the steps lost (must be 0). Cases: the step
-benchmark's transformer and MLP (2 processes) and an MLP of 1 GiB of
-weights (4 x Dense(8192)) on 4 processes.
+Each case (`CASES`) trains with `ShardedCheckpoint` in `fit` until the
+whole job gets SIGTERM, as a cluster sends it; the job then restarts, and
+the step it resumes at gives the steps lost.
 """
 
 import argparse

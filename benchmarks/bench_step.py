@@ -2,24 +2,9 @@
 
     python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
-Variants, interleaved round by round in fresh processes: torch single, DDP,
-TP (`parallelize_module`), FSDP2 (`fully_shard`); Keras single (`_local`:
-one process's share of the batch; `_pair`: that share in 2 processes side
-by side); keras-dtensor DataParallel, ModelParallel (the TP split) and
-FSDP-style (weights sharded over "batch"). Models: MLP 4 x Dense(1024),
-batch 64; transformer 2 blocks, d_model 256, seq 128, batch 8
-(`transformer_small`: d_model 32, seq 16, where each op's host-side cost
-outweighs its arithmetic, as on a GPU). Adam, fp32, MSE.
-
-Per variant: ms a step (wall and the main thread's CPU), peak RSS,
-parameter + optimizer bytes per rank, collectives a step and one untimed
-step counted (`step_counts.py`). Targets: each keras-dtensor variant over
-its torch counterpart against Keras single over torch single, per round,
-as a ratio and in extra ms. `*_no_collectives` variants (not run by
-default) make every collective a local no-op once warm
-(`collectives_off.py`): the host work alone. `kd_mp_dtensor` (not run
-by default) is kd_mp with every op a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0):
-what the tensor-parallel local run gains or costs.
+Every variant (`VARIANTS`) on every model (`MODELS`) in fresh processes,
+round by round; each ratio (`RATIOS`) is taken within its round and held
+against Keras single over torch single (`_targets`).
 """
 
 import os
