@@ -109,12 +109,6 @@ def main(argv=None):
             key: statistics.median(r[key] for r in mine)
             for key in ("save_s", "load_s", "save_added", "load_added")
         }
-        print(variant, {k: round(v, 2) for k, v in table[variant].items()})
-    kd, dcp = table["kd"], table["dcp"]
-    print(
-        f"kd / dcp: save {kd['save_s'] / dcp['save_s']:.2f}, load "
-        f"{kd['load_s'] / dcp['load_s']:.2f}"
-    )
     result = {"rows": rows, "table": table, "device": args.device}
     harness.write_json(args.out, dict(result, nproc=args.nproc))
 

@@ -236,11 +236,8 @@ def main(argv=None):
         env = {"KERAS_DTENSOR_LOCAL_MODEL": "0"} if "dtensor" in variant else {}
         return harness.launch(__file__, nproc, flags, env, args.device)
 
-    def show(index, variant, ranks):
-        ms = max(r["ms"] for r in ranks)  # the slowest rank's
-        return f"round {index} {variant:24} {ms:8.1f} ms"
-
-    runs = harness.rounds(args.rounds, list(VARIANTS), run, show)
+    runs = harness.rounds(args.rounds, list(VARIANTS), run)
+    # Each round's figure is its slowest rank's.
     round_ms = {v: [max(r["ms"] for r in rs) for rs in runs[v]] for v in runs}
     ratios = {
         name: harness.per_round(round_ms[a], round_ms[b])[0]
@@ -265,9 +262,6 @@ def main(argv=None):
     }
     result.update(ratios=ratios, same_tokens=same, collectives=collectives)
     result["no_collectives_ran_none"] = off
-    for name, values in ratios.items():
-        print(f"{name}: {' '.join(f'{v:.2f}' for v in values)}")
-    print(f"tokens as in one process: {same}; collectives {collectives}")
     harness.write_json(args.out, result)
     return 0 if same and off else 1
 

@@ -147,13 +147,7 @@ def main(argv=None):
             flags = [f"--variant={variant}", f"--sample-ms={args.sample_ms}"]
             return harness.launch(__file__, nproc, flags, env)
 
-        def show(index, variant, ranks, nproc=nproc):
-            reads = [r["reads"] for r in ranks]
-            return f"{nproc} processes, round {index}, {variant}: " + (
-                f"{ranks[0]['seconds']:.2f} s, reads {reads}"
-            )
-
-        runs = harness.rounds(args.rounds, VARIANTS, run, show)
+        runs = harness.rounds(args.rounds, VARIANTS, run)
         ddp = [ranks[0]["seconds"] for ranks in runs["ddp_sampler"]]
         for variant, rounds in runs.items():
             seconds = [ranks[0]["seconds"] for ranks in rounds]
@@ -163,7 +157,6 @@ def main(argv=None):
             row["reads_per_rank"] = max(r["reads"] for r in rounds[-1])
             row["goal_reads"] = SAMPLES // nproc + BATCH
             result["rows"].append(row)
-            print(row)
     harness.write_json(args.out, result)
 
 

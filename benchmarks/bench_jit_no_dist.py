@@ -55,11 +55,7 @@ def main(argv=None):
             runs = [harness.launch(__file__, 0, flags, env) for _ in range(2)]
         return [ranks[0]["wall"] for ranks in runs]
 
-    def show(index, variant, took):
-        cold, warm = took
-        return f"round {index} {variant}: cold {cold:.1f} s, warm {warm:.1f} s"
-
-    seconds = harness.rounds(args.rounds, VARIANTS, run, show)
+    seconds = harness.rounds(args.rounds, VARIANTS, run)
     rows = []
     for i, cache in enumerate(("cold", "warm")):
         plain, kd = ([took[i] for took in seconds[v]] for v in VARIANTS)
@@ -67,7 +63,6 @@ def main(argv=None):
         row = {"cache": cache, "plain_s": statistics.median(plain)}
         row["kd_s"] = statistics.median(kd)
         rows.append(dict(row, ratio=[ratio, min(ratios), max(ratios)]))
-        print(rows[-1])
     command = f"python benchmarks/bench_jit_no_dist.py --rounds {args.rounds}"
     record = harness.record(command, rounds=args.rounds, rows=rows)
     harness.write_json(args.out, record)

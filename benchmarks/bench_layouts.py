@@ -162,9 +162,6 @@ def main(argv=None):
             for key in ("param_bytes", "optimizer_bytes", "step_ms"):
                 run[key] = max(r[key] for r in ranks)
             result["runs"].setdefault(family, {})[layout] = run
-            print(
-                family, layout, {k: v for k, v in run.items() if k != "tokens"}
-            )
     harness.write_json(args.out, result)
     return 0
 

@@ -104,13 +104,9 @@ def _tp_plan(model_name, model):
     from torch.distributed.tensor.parallel import ColwiseParallel
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    if model_name == "mlp":
-        return {
-            str(i): ColwiseParallel()
-            if (i // 2) % 2 == 0
-            else RowwiseParallel()
-            for i in range(0, len(model), 2)
-        }
+    if model_name == "mlp":  # Linear layers at even places, alternating
+        styles = ColwiseParallel, RowwiseParallel
+        return {str(i): styles[i // 2 % 2]() for i in range(0, len(model), 2)}
     plan = {}
     for i in range(len(model)):
         for name in ("q", "k", "v", "up"):
@@ -418,7 +414,7 @@ def _processes(variant, args):
     return 1 if single else args.nproc
 
 
-def _launch(variant, model, args):
+def _launch(model, variant, args):
     env = {"BENCH_NPROC": str(args.nproc)}
     if variant.endswith(LOCAL_OFF):
         env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
@@ -449,14 +445,8 @@ def main(argv=None):
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     started, models = time.time(), args.models.split(",")
 
-    def show(index, pair, ranks):
-        ms = 1000 * statistics.median(ranks[0]["times"])
-        return f"round {index} {pair[0]:11} {pair[1]:13} {ms:8.1f} ms"
-
     pairs = [(model, variant) for model in models for variant in variants]
-    raw = harness.rounds(
-        args.rounds, pairs, lambda p: _launch(p[1], p[0], args), show
-    )
+    raw = harness.rounds(args.rounds, pairs, lambda p: _launch(*p, args))
     table = {m: {v: _row(raw[m, v], v, args) for v in variants} for m in models}
     # The diagnostics must have run without any collective once warm.
     ran = {

@@ -231,23 +231,18 @@ def _memory_headline(runs):
 def method(data):
     machines = data[HISTORY]["machines"]
     lines = [
-        "keras-dtensor against native PyTorch on the same machine. A ratio "
-        "is keras-dtensor ÷ its torch counterpart, read against Keras "
-        "single ÷ torch single measured in the same run: the target is "
-        "that the distribution adds no more than Keras itself costs over "
-        "torch, as a ratio (by rounds) and in milliseconds.",
+        "A ratio is keras-dtensor ÷ its torch counterpart on the same "
+        "machine, read against Keras ÷ torch in the same run: the "
+        "distribution should add no more than Keras costs over torch.",
         "",
         *(f"- Machine `{k}`: {v}." for k, v in machines.items()),
-        "- Rounds: every variant runs in fresh processes "
-        "(`torch.distributed.run`); the two variants of a ratio run back "
-        "to back in alternating order, each ratio is taken within its "
-        "round, and the figure is the median over rounds. A target held "
-        "in about half the rounds is at parity, not met with margin.",
-        "- `results-history.json` holds figures measured before the "
-        "benchmarks saved them, each entry with its date, commit and "
-        "command; rerunning the command supersedes it. The dated history "
-        "is `docs/benchmark-history.md`. Every run below is printed whole, "
-        "its records as tables with their own keys as heads.",
+        "- Rounds: each variant in fresh processes, a ratio's two variants "
+        "back to back in alternating order, the ratio taken within its "
+        "round; the figure is the median over rounds. Held in about half "
+        "the rounds is parity, not margin.",
+        "- `results-history.json`: figures measured before the benchmarks "
+        "saved them, with date, commit and command (the dated story: "
+        "`docs/benchmark-history.md`). Below, every run printed whole.",
         "",
     ]
     rows = [
@@ -288,12 +283,6 @@ def flatten(value, path=()):
     return rows
 
 
-def is_table(value):
-    if isinstance(value, list):
-        return any(isinstance(v, dict) for v in value)
-    return isinstance(value, dict)
-
-
 def render(title, run):
     """One run: its prose, when and how it was measured, its scalar
     figures as one table, then each nested figure as a table of records."""
@@ -305,6 +294,12 @@ def render(title, run):
     text.append(f"Measured {when(run)}; its command is in Method.")
     lines = [f"### {title}", "", " ".join(text), ""]
     fields = {k: v for k, v in run.items() if k not in META}
+    is_table = lambda v: (
+        isinstance(v, dict)
+        or (  # noqa: E731
+            isinstance(v, list) and any(isinstance(x, dict) for x in v)
+        )
+    )
     scalars = [(k, cell(v)) for k, v in fields.items() if not is_table(v)]
     if scalars:
         lines += [*table(("figure", "value"), scalars), ""]
