@@ -89,11 +89,8 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, rounds=3, nproc=4, device=True)
     parser.add_argument("--vocab", type=int, default=1_000_000)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":

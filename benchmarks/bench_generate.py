@@ -191,12 +191,12 @@ def _run_keras(variant, calls):
 
 
 def _timed(generate, calls, variant):
-    from collectives_off import CollectivesOff  # beside this script
+    from collectives_off import collectives_off  # beside this script
     from collectives_off import count_collectives
 
     generate()  # first call: checks, caches
     if variant.endswith("_no_collectives"):
-        CollectivesOff().install()
+        collectives_off()
     times = []
     for _ in range(calls):
         harness.sync()
@@ -220,12 +220,9 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=3, nproc=2, device=True)
     parser.add_argument("--variant", choices=sorted(VARIANTS))
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--nproc", type=int, default=2, help="split ones")
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

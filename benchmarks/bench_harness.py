@@ -55,14 +55,20 @@ def launch(script, nproc, arguments, env=None, device="cpu"):
     return sorted(results, key=lambda r: r["rank"])
 
 
-def parser(doc, out=True):
+def parser(doc, out=True, rounds=None, nproc=None, device=False):
     """A benchmark's parser: `mode` ("worker" in launched processes), the
-    hidden `--result-dir` and, with `out`, `--out`."""
+    hidden `--result-dir`, and the flags it shares with others: `--out`,
+    `--rounds`, `--nproc` (given defaults), `--device`."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     if out:
         parser.add_argument("--out", help="write the results JSON here")
+    for flag, default in (("--rounds", rounds), ("--nproc", nproc)):
+        if default:
+            parser.add_argument(flag, type=int, default=default)
+    if device:
+        parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return parser
 
 

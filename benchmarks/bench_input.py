@@ -126,9 +126,8 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=3)
     parser.add_argument("--variant", choices=VARIANTS)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sample-ms", type=float, default=1.0)
     parser.add_argument("--nprocs", default="2,4")
     args = parser.parse_args(argv)

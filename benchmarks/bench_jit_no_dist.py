@@ -41,9 +41,8 @@ def worker(variant, result_dir):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=2)
     parser.add_argument("--variant", choices=VARIANTS)
-    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args.variant, args.result_dir)

@@ -140,11 +140,10 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, nproc=2)
     parser.add_argument("--family", choices=sorted(FAMILIES))
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--map", choices=["shipped", "auto"])
-    parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

@@ -311,9 +311,8 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__, out=False)
+    parser = harness.parser(__doc__, out=False, nproc=4)
     parser.add_argument("--models", default="a,b,c")
-    parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", help="write results here")

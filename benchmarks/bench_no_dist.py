@@ -128,12 +128,11 @@ def _summary(runs):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=4)
     parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--fixed-malloc", action="store_true")

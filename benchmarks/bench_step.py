@@ -173,7 +173,7 @@ def _pair_start(variant):
 def _run_torch(variant, model_name, steps, warmup):
     import torch
     import torch.distributed as dist
-    from collectives_off import CollectivesOff  # beside this script
+    from collectives_off import collectives_off  # beside this script
     from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -223,7 +223,7 @@ def _run_torch(variant, model_name, steps, warmup):
     extra = _pair_start(variant)
     for i in range(warmup + steps + extra):
         if off and i == warmup:
-            CollectivesOff().install(model if variant == "torch_ddp" else None)
+            collectives_off(model if variant == "torch_ddp" else None)
         start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         harness.sync()
@@ -326,7 +326,7 @@ class _count_p2p:  # noqa: N801
 def _run_keras(variant, model_name, steps, warmup):
     import keras  # noqa: I001
     import numpy as np
-    from collectives_off import CollectivesOff  # beside this script
+    from collectives_off import collectives_off  # beside this script
     from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -359,7 +359,7 @@ def _run_keras(variant, model_name, steps, warmup):
 
         def on_train_batch_begin(self, batch, logs=None):
             if off and batch == warmup:
-                CollectivesOff().install()
+                collectives_off()
             harness.sync()
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
@@ -425,17 +425,14 @@ def _launch(model, variant, args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=3, nproc=2, device=True)
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default="mlp,transformer")
     default = ",".join(v for v in VARIANTS if not v.endswith((OFF, LOCAL_OFF)))
     parser.add_argument("--variants", default=default, help="default: all")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--nproc", type=int, default=2, help="distributed")
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)

@@ -283,6 +283,12 @@ def flatten(value, path=()):
     return rows
 
 
+def is_table(value):
+    """A dict, or a list holding dicts: printed as a table of records."""
+    items = value if isinstance(value, list) else [value]
+    return any(isinstance(v, dict) for v in items)
+
+
 def render(title, run):
     """One run: its prose, when and how it was measured, its scalar
     figures as one table, then each nested figure as a table of records."""
@@ -294,12 +300,6 @@ def render(title, run):
     text.append(f"Measured {when(run)}; its command is in Method.")
     lines = [f"### {title}", "", " ".join(text), ""]
     fields = {k: v for k, v in run.items() if k not in META}
-    is_table = lambda v: (
-        isinstance(v, dict)
-        or (  # noqa: E731
-            isinstance(v, list) and any(isinstance(x, dict) for x in v)
-        )
-    )
     scalars = [(k, cell(v)) for k, v in fields.items() if not is_table(v)]
     if scalars:
         lines += [*table(("figure", "value"), scalars), ""]
