@@ -2,14 +2,9 @@
 
     python benchmarks/bench_checkpoint.py --nproc 4 --rounds 3
 
-`--nproc` fresh processes: an `Embedding(--vocab, 128)` and a `Dense(256)`
-kernel laid out `(None, "model")`, Adam, one step (so the slots exist).
-Then, alternating in each round, `kd` (`keras_dtensor.save_checkpoint` /
-`load_checkpoint`) and `dcp` (`torch.distributed.checkpoint.save` / `load`
-of the very same tensors): wall seconds between barriers and the peak
-memory each rank added, the largest over ranks; medians over rounds.
-Targets (issue 13): time <= 1.2 x DCP's, memory added <= its. `--device
-cuda`: the state on each rank's GPU, NCCL; memory stays host memory.
+`kd` (`save_checkpoint`/`load_checkpoint`) and `dcp` of the very same
+tensors, alternating: seconds between barriers and the peak memory each
+rank added, the largest over ranks; medians over rounds.
 """
 
 import argparse
@@ -94,11 +89,8 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, rounds=3, nproc=4, device=True)
     parser.add_argument("--vocab", type=int, default=1_000_000)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
@@ -114,12 +106,6 @@ def main(argv=None):
             key: statistics.median(r[key] for r in mine)
             for key in ("save_s", "load_s", "save_added", "load_added")
         }
-        print(variant, {k: round(v, 2) for k, v in table[variant].items()})
-    kd, dcp = table["kd"], table["dcp"]
-    print(
-        f"kd / dcp: save {kd['save_s'] / dcp['save_s']:.2f}, load "
-        f"{kd['load_s'] / dcp['load_s']:.2f}"
-    )
     result = {"rows": rows, "table": table, "device": args.device}
     harness.write_json(args.out, dict(result, nproc=args.nproc))
 

@@ -2,19 +2,9 @@
 
     python benchmarks/bench_generate.py --rounds 3
 
-keras_hub's `GemmaCausalLM.generate` (greedy, keras_hub's layout map on a
-(1, N) mesh) against a torch decoder of the same sizes and split
-(`parallelize_module`: q/k/v, gate and up by columns, the attention
-output and down by rows, the tied embedding by vocabulary rows as
-keras_hub's map splits it; `torch_tp_whole_embedding`: left whole), each
-with a KV cache, and each in one process; variants alternate round by
-round in fresh processes. Per variant: one `generate` call (batch 2, an
-8-token prompt, 24 new tokens; the best of `--calls` after a warm one, the
-slowest rank), peak RSS and the collectives of one more call; every split
-model must generate its one-process tokens. `_no_collectives` variants
-make every collective a local no-op once warm; `kd_mp_dtensor` runs
-every op as a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0): what the
-tensor-parallel local run gains. Target: kd-MP ÷ torch TP against
+keras_hub's `GemmaCausalLM.generate` against a torch decoder of the same
+sizes and split, each also in one process; every split model must
+generate its one-process tokens. Target: kd-MP ÷ torch TP against
 Keras ÷ torch, per round.
 """
 
@@ -201,12 +191,12 @@ def _run_keras(variant, calls):
 
 
 def _timed(generate, calls, variant):
-    from collectives_off import CollectivesOff  # beside this script
+    from collectives_off import collectives_off  # beside this script
     from collectives_off import count_collectives
 
     generate()  # first call: checks, caches
     if variant.endswith("_no_collectives"):
-        CollectivesOff().install()
+        collectives_off()
     times = []
     for _ in range(calls):
         harness.sync()
@@ -230,12 +220,9 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=3, nproc=2, device=True)
     parser.add_argument("--variant", choices=sorted(VARIANTS))
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--nproc", type=int, default=2, help="split ones")
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
@@ -246,11 +233,8 @@ def main(argv=None):
         env = {"KERAS_DTENSOR_LOCAL_MODEL": "0"} if "dtensor" in variant else {}
         return harness.launch(__file__, nproc, flags, env, args.device)
 
-    def show(index, variant, ranks):
-        ms = max(r["ms"] for r in ranks)  # the slowest rank's
-        return f"round {index} {variant:24} {ms:8.1f} ms"
-
-    runs = harness.rounds(args.rounds, list(VARIANTS), run, show)
+    runs = harness.rounds(args.rounds, list(VARIANTS), run)
+    # Each round's figure is its slowest rank's.
     round_ms = {v: [max(r["ms"] for r in rs) for rs in runs[v]] for v in runs}
     ratios = {
         name: harness.per_round(round_ms[a], round_ms[b])[0]
@@ -275,9 +259,6 @@ def main(argv=None):
     }
     result.update(ratios=ratios, same_tokens=same, collectives=collectives)
     result["no_collectives_ran_none"] = off
-    for name, values in ratios.items():
-        print(f"{name}: {' '.join(f'{v:.2f}' for v in values)}")
-    print(f"tokens as in one process: {same}; collectives {collectives}")
     harness.write_json(args.out, result)
     return 0 if same and off else 1
 

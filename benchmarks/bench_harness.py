@@ -25,6 +25,7 @@ ENV = {
     "PYTHONHASHSEED": "0",
     "KERAS_DTENSOR_LOG_ALL_RANKS": "0",
 }
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
 LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -36,8 +37,7 @@ def launch(script, nproc, arguments, env=None, device="cpu"):
         env["CUDA_VISIBLE_DEVICES"] = ""
     command = [sys.executable, os.path.abspath(script), "worker", *arguments]
     if nproc:
-        run = ["-m", "torch.distributed.run", "--standalone"]
-        command[1:1] = [*run, f"--nproc_per_node={nproc}"]
+        command[1:1] = [*TORCHRUN[1:], f"--nproc_per_node={nproc}"]
     else:
         for name in LAUNCHER:
             env.pop(name, None)
@@ -55,14 +55,20 @@ def launch(script, nproc, arguments, env=None, device="cpu"):
     return sorted(results, key=lambda r: r["rank"])
 
 
-def parser(doc, out=True):
+def parser(doc, out=True, rounds=None, nproc=None, device=False):
     """A benchmark's parser: `mode` ("worker" in launched processes), the
-    hidden `--result-dir` and, with `out`, `--out`."""
+    hidden `--result-dir`, and the flags it shares with others: `--out`,
+    `--rounds`, `--nproc` (given defaults), `--device`."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("mode", nargs="?", default="bench")
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     if out:
         parser.add_argument("--out", help="write the results JSON here")
+    for flag, default in (("--rounds", rounds), ("--nproc", nproc)):
+        if default:
+            parser.add_argument(flag, type=int, default=default)
+    if device:
+        parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return parser
 
 
@@ -99,15 +105,14 @@ def write_result(result_dir, result):
     write_json(os.path.join(result_dir, f"rank{rank}.json"), result)
 
 
-def rounds(count, variants, run, show=None):
+def rounds(count, variants, run):
     """{variant: [run(variant) for each round]}, every other round in
-    reverse order; `show(round, variant, result)` reports each run."""
+    reverse order."""
     out = {v: [] for v in variants}
     for index in range(count):
         for variant in variants if index % 2 == 0 else variants[::-1]:
+            print(f"round {index + 1}: {variant}", flush=True)
             out[variant].append(run(variant))
-            if show:
-                print(show(index + 1, variant, out[variant][-1]), flush=True)
     return out
 
 

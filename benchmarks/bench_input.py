@@ -1,18 +1,11 @@
-"""Input work per rank: keras-dtensor's DataParallel against DDP with a
-`DistributedSampler`, on an input-bound map-style dataset.
+"""Input work per rank: DataParallel against DDP with a `DistributedSampler`.
 
     python benchmarks/bench_input.py --rounds 3 \\
         --out benchmarks/results-input.json
 
-Each sample costs `--sample-ms` of CPU to load, so the loader bounds the
-epoch, as on a GPU: one shuffled epoch of 512 samples at a global batch of
-32, a small MLP, variants alternating in fresh processes: `ddp_sampler`,
-`kd_sharded` (Keras `fit` under DataParallel on a `DataLoader`: each rank
-loads its shard), `kd_whole` (`KERAS_DTENSOR_SHARDED_LOADING=0`: every
-rank loads the global batch) and `kd_pydataset` (a `PyDataset` of the
-same batches). Per variant: the epoch's seconds (rank 0) and the samples
-each rank read. Target (issue 49): samples per rank = 512 / N plus at
-most one batch; `kd_sharded`'s epoch <= 1.1 x `ddp_sampler`'s.
+An input-bound map-style dataset (`Slow`): the loader bounds the epoch,
+as on a GPU. Goal: samples read per rank at most the global count ÷ N
+plus one batch, and an epoch within DDP's.
 """
 
 import os
@@ -133,9 +126,8 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=3)
     parser.add_argument("--variant", choices=VARIANTS)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sample-ms", type=float, default=1.0)
     parser.add_argument("--nprocs", default="2,4")
     args = parser.parse_args(argv)
@@ -154,13 +146,7 @@ def main(argv=None):
             flags = [f"--variant={variant}", f"--sample-ms={args.sample_ms}"]
             return harness.launch(__file__, nproc, flags, env)
 
-        def show(index, variant, ranks, nproc=nproc):
-            reads = [r["reads"] for r in ranks]
-            return f"{nproc} processes, round {index}, {variant}: " + (
-                f"{ranks[0]['seconds']:.2f} s, reads {reads}"
-            )
-
-        runs = harness.rounds(args.rounds, VARIANTS, run, show)
+        runs = harness.rounds(args.rounds, VARIANTS, run)
         ddp = [ranks[0]["seconds"] for ranks in runs["ddp_sampler"]]
         for variant, rounds in runs.items():
             seconds = [ranks[0]["seconds"] for ranks in rounds]
@@ -170,7 +156,6 @@ def main(argv=None):
             row["reads_per_rank"] = max(r["reads"] for r in rounds[-1])
             row["goal_reads"] = SAMPLES // nproc + BATCH
             result["rows"].append(row)
-            print(row)
     harness.write_json(args.out, result)
 
 

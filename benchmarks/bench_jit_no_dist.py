@@ -2,13 +2,6 @@
 program with `import keras_dtensor` first, compile time included.
 
     python benchmarks/bench_jit_no_dist.py --rounds 2 [--out OUT]
-
-Each run is a fresh process: a 3 x Dense(64) MLP, `compile(jit_compile=True)`,
-`fit` 2 epochs on 256 rows with `validation_split=0.25`, `evaluate` and
-`predict`, timed from `compile` to the end (tracing and Inductor's code
-generation included). Each variant has its own Inductor cache per round:
-its first run is cold, its second warm. Variants alternate; ratios are
-taken within each round. Target (issue 51): within 5% of plain Keras.
 """
 
 import statistics
@@ -48,9 +41,8 @@ def worker(variant, result_dir):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=2)
     parser.add_argument("--variant", choices=VARIANTS)
-    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args.variant, args.result_dir)
@@ -62,11 +54,7 @@ def main(argv=None):
             runs = [harness.launch(__file__, 0, flags, env) for _ in range(2)]
         return [ranks[0]["wall"] for ranks in runs]
 
-    def show(index, variant, took):
-        cold, warm = took
-        return f"round {index} {variant}: cold {cold:.1f} s, warm {warm:.1f} s"
-
-    seconds = harness.rounds(args.rounds, VARIANTS, run, show)
+    seconds = harness.rounds(args.rounds, VARIANTS, run)
     rows = []
     for i, cache in enumerate(("cold", "warm")):
         plain, kd = ([took[i] for took in seconds[v]] for v in VARIANTS)
@@ -74,7 +62,6 @@ def main(argv=None):
         row = {"cache": cache, "plain_s": statistics.median(plain)}
         row["kd_s"] = statistics.median(kd)
         rows.append(dict(row, ratio=[ratio, min(ratios), max(ratios)]))
-        print(rows[-1])
     command = f"python benchmarks/bench_jit_no_dist.py --rounds {args.rounds}"
     record = harness.record(command, rounds=args.rounds, rows=rows)
     harness.write_json(args.out, record)

@@ -3,13 +3,8 @@
     python benchmarks/bench_layouts.py --nproc 2 \\
         --out benchmarks/results-layouts.json
 
-First `auto_layout`'s own count for every family it is tested on (one
-process, nothing allocated). Then Gemma, Llama and Qwen3-MoE train under
-ModelParallel on a (1, N) mesh with keras_hub's map and with
-`keras_dtensor.auto_layout_map`, each in fresh processes: collectives of
-one training step and of one generated token, parameter and optimizer
-bytes per rank, and the median step time (information only on a CPU).
-Goal: the derived map needs no more collectives and bytes than keras_hub's.
+`auto_layout`'s own count per family (`plans`), then each family trained
+with both maps: collectives a step and a token, bytes per rank.
 """
 
 import statistics
@@ -145,11 +140,10 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, nproc=2)
     parser.add_argument("--family", choices=sorted(FAMILIES))
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--map", choices=["shipped", "auto"])
-    parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
@@ -167,9 +161,6 @@ def main(argv=None):
             for key in ("param_bytes", "optimizer_bytes", "step_ms"):
                 run[key] = max(r[key] for r in ranks)
             result["runs"].setdefault(family, {})[layout] = run
-            print(
-                family, layout, {k: v for k, v in run.items() if k != "tokens"}
-            )
     harness.write_json(args.out, result)
     return 0
 

@@ -1,26 +1,11 @@
 """Per-rank memory of training and checkpointing: keras-dtensor against torch.
 
     python benchmarks/bench_memory.py                 # models a, b, c; 4 ranks
-    python benchmarks/bench_memory.py --models a --json out.json
     python benchmarks/bench_memory.py --models c --reference  # + one process
 
-Each side of each model runs in its own fresh processes, so neither side's
-allocations or malloc arenas reach the other's figures. Models (fp32, Adam,
-MSE): a: Embedding(1_000_000, 128) laid out (None, "model"), a mean over 4
-tokens, Dense(256) kernel (None, "model"), torch `ColwiseParallel`; b: the
-table ("model", None), torch `RowwiseParallel`; c: bench_step.py's
-transformer blocks and TP split, wider; d: FSDP-style, 8 x Dense(2048)
-kernels ("batch", None) and the batch sharded, torch FSDP2 per layer.
-torch builds on meta and checkpoints with DCP; keras-dtensor fits under
-ModelParallel and saves/loads `.weights.h5` with the optimizer's slots.
-`--reference` also runs each side as one plain process: Keras's own memory
-over torch's, the reference for kd over TP.
-
-Per rank, MiB above a baseline taken after imports and the group's start:
-build RSS; fit peak (VmHWM reset before); steady RSS after fit, and after
-`malloc_trim(0)` with glibc's free bytes before it; the held state (local
-shards, gradients, Adam's slots); keras-dtensor's `plan` prediction; save
-and load seconds and peaks, MiB written and the step found after a load.
+Each side of each model (`MODELS`) runs in its own fresh processes, so
+neither side's allocations reach the other's figures; every figure is MiB
+above a baseline taken after imports and the group's start (`_Probe`).
 """
 
 import argparse
@@ -47,36 +32,16 @@ MODELS["c"]["blocks"] = 2
 SIDES = ("native", "kd")
 
 
-class _Mallinfo(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks "
-        "uordblks fordblks keepcost".split()
-    ]
-
-
-def _libc():
-    """glibc, for `mallinfo2` (free bytes in the arenas) and `malloc_trim`;
-    None elsewhere."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _Mallinfo
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
 class _Probe:
     """Per-rank figures, relative to the baseline taken at construction."""
 
     def __init__(self):
         import torch.distributed as dist
 
-        self.dist, self.libc = dist, _libc()
+        self.dist, self.figures = dist, {}
         gc.collect()
         dist.barrier()
         self.base = harness.status()["VmRSS"]
-        self.figures = {"baseline_rss": self.base / _MIB}
 
     def start(self):
         gc.collect()
@@ -93,14 +58,12 @@ class _Probe:
     def end_fit(self):
         self.figures.update(fit_peak=self.peak(), steady=self.rss())
         gc.collect()
-        free = self.libc and self.libc.mallinfo2().fordblks / _MIB
-        self.figures["malloc_free"] = free
         self.trim()
         self.figures["steady_trimmed"] = self.rss()
 
     def trim(self):
-        if self.libc is not None:
-            self.libc.malloc_trim(0)
+        """glibc's `malloc_trim(0)`: free arena memory back to the OS."""
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     def timed(self, key, start, path):
         elapsed = time.perf_counter() - start
@@ -229,7 +192,6 @@ def _run_native(cfg, args, workdir):
     del model, optimizer, params, slots, held, model_state, optim_state
     probe.trim()
     probe.start()
-    probe.figures["load_start"] = probe.rss()
     model, optimizer = _torch_build(cfg, mesh)
     start = time.perf_counter()
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -326,7 +288,6 @@ def _run_kd(cfg, args, workdir):
     del model  # not clear_session(): it would drop the distribution
     probe.trim()
     probe.start()
-    probe.figures["load_start"] = probe.rss()
     model = build()
     # Slots to load into, as torch's get_state_dict makes for DCP.
     model.optimizer.build(model.trainable_variables)
@@ -350,25 +311,14 @@ def worker(args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__, out=False)
+    parser = harness.parser(__doc__, out=False, nproc=4)
     parser.add_argument("--models", default="a,b,c")
-    parser.add_argument("--sides", default=",".join(SIDES))
-    parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--no-checkpoint", action="store_true")
-    parser.add_argument(
-        "--mmap-threshold",
-        type=int,
-        default=0,
-        help="MALLOC_MMAP_THRESHOLD_ for every worker (0: glibc's dynamic "
-        "one); fixed, every allocation above it goes back to the OS when "
-        "freed, so RSS follows live tensors",
-    )
-    parser.add_argument(
-        "--reference", action="store_true", help="plain torch and Keras too"
-    )
+    parser.add_argument("--mmap-threshold", type=int, default=0)
+    parser.add_argument("--reference", action="store_true")
     parser.add_argument("--single", action="store_true", help="(worker)")
     parser.add_argument("--side", choices=SIDES, help="(worker)")
     parser.add_argument("--model", choices=sorted(MODELS), help="(worker)")
@@ -385,7 +335,7 @@ def main(argv=None):
     summary.update(batch=args.batch, steps=args.steps, env=env)
     for model in args.models.split(","):
         for side, single in itertools.product(
-            args.sides.split(","), (False, True)[: 1 + args.reference]
+            SIDES, (False, True)[: 1 + args.reference]
         ):
             key, nproc = ("reference", 1) if single else ("results", args.nproc)
             flag = [f"--side={side}", f"--model={model}", *flags]
@@ -393,10 +343,6 @@ def main(argv=None):
                 flag += [f"--workdir={workdir}"] + ["--single"] * single
                 ranks = harness.launch(__file__, nproc, flag, env)
             summary[key].setdefault(model, {})[side] = ranks
-            for figure in ranks[0]:  # the worst rank of each figure
-                values = [r[figure] for r in ranks]
-                if None not in values and figure != "rank":
-                    print(f"{model} {key} {side} {figure}: {max(values):.2f}")
     harness.write_json(args.json, summary)
     return 0
 

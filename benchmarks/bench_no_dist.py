@@ -2,16 +2,9 @@
 
     python benchmarks/bench_no_dist.py --rounds 4 --steps 40
 
-Plain Keras (`plain`) against the same program with `import
-keras_dtensor` and no distribution (`kd`), `DataParallel` over one device
-(`kd_dp1`) and `ModelParallel` on a 1 x 1 mesh (`kd_mp1`), each in fresh
-processes, alternating; ratios to `plain` within each round. Models: MLP
-4 x Dense(256), batch 64; transformer 2 blocks, d_model 128 (attention
-dropout: every step draws seeds), batch 16. Per process: `fit`,
-`train_on_batch` and `predict`, median wall and CPU ms a step and minor
-page faults a step. `--fixed-malloc` pins glibc's mmap and trim
-thresholds, which otherwise adapt per process. Targets (issue 18): `kd`
-<= 1.03 x plain, the others <= 1.05 x.
+Plain Keras against the same program with `import keras_dtensor` and no
+distribution, and with a one-device distribution (`VARIANTS`); ratios to
+`plain` within each round.
 """
 
 import resource
@@ -25,7 +18,6 @@ from bench_step import _keras_model
 
 VARIANTS = ("plain", "kd", "kd_dp1", "kd_mp1")
 METHODS = ("fit", "train_on_batch", "predict")
-TARGETS = {"kd": 1.03, "kd_dp1": 1.05, "kd_mp1": 1.05}
 MODELS = {
     "mlp": dict(width=256, layers=4, batch=64),
     "transformer": dict(
@@ -131,22 +123,16 @@ def _summary(runs):
                 for i, key in enumerate(("wall_ratios", "cpu_ratios")):
                     plain = [r[method][i] for r in runs["plain"]]
                     entry[key] = harness.per_round(figures[i], plain)[0]
-                ratio = statistics.median(entry["wall_ratios"])
-                print(
-                    f"{method} {variant}: wall ratio {ratio:.3f} (target "
-                    f"<= {TARGETS[variant]})"
-                )
             out.setdefault(method, {})[variant] = entry
     return out
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=4)
     parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--fixed-malloc", action="store_true")
@@ -162,12 +148,8 @@ def main(argv=None):
         flag = [f"--variant={pair[1]}", f"--model={pair[0]}", *flags]
         return harness.launch(__file__, 0, flag, env)[0]
 
-    def show(index, pair, r):
-        ms = " ".join(f"{m} {r[m][0]:.2f} ({r[m][1]:.2f} CPU)" for m in METHODS)
-        return f"round {index} {pair[0]} {pair[1]}: {ms} ms"
-
     pairs = [(model, variant) for model in models for variant in variants]
-    runs = harness.rounds(args.rounds, pairs, run, show)
+    runs = harness.rounds(args.rounds, pairs, run)
     table = {m: _summary({v: runs[m, v] for v in variants}) for m in models}
     result = {"table": table, "rounds": args.rounds, "steps": args.steps}
     result["fixed_malloc"] = args.fixed_malloc

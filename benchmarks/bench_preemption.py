@@ -3,14 +3,9 @@
     python benchmarks/bench_preemption.py \\
         --out benchmarks/results-preemption.json
 
-Each case trains under ModelParallel with `ShardedCheckpoint` in `fit`
-(torchrun, gloo); after 10 steps the whole job gets SIGTERM, as a cluster
-sends it. From the signal: seconds until the launcher exits (every rank
-saved its step and exited 75), until the last rank had saved, the save's
-own seconds and the checkpoint's bytes; the job then restarts, and the
-step it resumes at gives the steps lost (must be 0). Cases: the step
-benchmark's transformer and MLP (2 processes) and an MLP of 1 GiB of
-weights (4 x Dense(8192)) on 4 processes.
+Each case (`CASES`) trains with `ShardedCheckpoint` in `fit` until the
+whole job gets SIGTERM, as a cluster sends it; the job then restarts, and
+the step it resumes at gives the steps lost.
 """
 
 import argparse
@@ -34,17 +29,11 @@ CASES = {
 
 
 def _model(keras, case):
-    """`(model, batch size, input shape)`."""
-    if case == "mlp_1g":
-        cfg = CASES[case]
-        inputs = keras.Input((cfg["width"],))
-        h = inputs
-        for i in range(cfg["layers"]):
-            h = keras.layers.Dense(cfg["width"], name=f"dense_{i}")(h)
-        return keras.Model(inputs, h), cfg["batch"], (cfg["width"],)
-    cfg = bench_step.MODELS[case]
-    model = bench_step._keras_model(keras, case, cfg)
-    shape = (cfg["width"],) if case == "mlp" else (cfg["seq"], cfg["d_model"])
+    """`(model, batch size, input shape)`; mlp_1g: the MLP, wider."""
+    name = "mlp" if case == "mlp_1g" else case
+    cfg = CASES[case] if case == "mlp_1g" else bench_step.MODELS[case]
+    model = bench_step._keras_model(keras, name, cfg)
+    shape = (cfg["width"],) if name == "mlp" else (cfg["seq"], cfg["d_model"])
     return model, cfg["batch"], shape
 
 
@@ -92,17 +81,9 @@ def _steps(root):
 
 def _job(case, root, signal_after_steps=None):
     env = dict(os.environ, **harness.ENV)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={CASES[case]['nproc']}",
-        os.path.abspath(__file__),
-        "--worker",
-        f"--case={case}",
-        f"--root={root}",
-    ]
+    command = [*harness.TORCHRUN, f"--nproc_per_node={CASES[case]['nproc']}"]
+    command += [os.path.abspath(__file__), "--worker", f"--case={case}"]
+    command.append(f"--root={root}")
     proc = subprocess.Popen(
         command,
         env=env,
@@ -164,7 +145,6 @@ def main(argv=None):
     rows = []
     for case in args.cases.split(","):
         rows.append(measure(case))
-        print(rows[-1], flush=True)
     if args.out:
         update_results(args.out, "signal_to_exit", rows)
 
@@ -177,8 +157,7 @@ def update_results(path, key, rows):
         with open(path) as f:
             data = json.load(f)
     data[key] = harness.record(" ".join(["python", *sys.argv]), rows=rows)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+    harness.write_json(path, data)
 
 
 if __name__ == "__main__":

@@ -2,24 +2,9 @@
 
     python benchmarks/bench_step.py --rounds 6 --out benchmarks/results.json
 
-Variants, interleaved round by round in fresh processes: torch single, DDP,
-TP (`parallelize_module`), FSDP2 (`fully_shard`); Keras single (`_local`:
-one process's share of the batch; `_pair`: that share in 2 processes side
-by side); keras-dtensor DataParallel, ModelParallel (the TP split) and
-FSDP-style (weights sharded over "batch"). Models: MLP 4 x Dense(1024),
-batch 64; transformer 2 blocks, d_model 256, seq 128, batch 8
-(`transformer_small`: d_model 32, seq 16, where each op's host-side cost
-outweighs its arithmetic, as on a GPU). Adam, fp32, MSE.
-
-Per variant: ms a step (wall and the main thread's CPU), peak RSS,
-parameter + optimizer bytes per rank, collectives a step and one untimed
-step counted (`step_counts.py`). Targets: each keras-dtensor variant over
-its torch counterpart against Keras single over torch single, per round,
-as a ratio and in extra ms. `*_no_collectives` variants (not run by
-default) make every collective a local no-op once warm
-(`collectives_off.py`): the host work alone. `kd_mp_dtensor` (not run
-by default) is kd_mp with every op a DTensor (KERAS_DTENSOR_LOCAL_MODEL=0):
-what the tensor-parallel local run gains or costs.
+Every variant (`VARIANTS`) on every model (`MODELS`) in fresh processes,
+round by round; each ratio (`RATIOS`) is taken within its round and held
+against Keras single over torch single (`_targets`).
 """
 
 import os
@@ -119,13 +104,9 @@ def _tp_plan(model_name, model):
     from torch.distributed.tensor.parallel import ColwiseParallel
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    if model_name == "mlp":
-        return {
-            str(i): ColwiseParallel()
-            if (i // 2) % 2 == 0
-            else RowwiseParallel()
-            for i in range(0, len(model), 2)
-        }
+    if model_name == "mlp":  # Linear layers at even places, alternating
+        styles = ColwiseParallel, RowwiseParallel
+        return {str(i): styles[i // 2 % 2]() for i in range(0, len(model), 2)}
     plan = {}
     for i in range(len(model)):
         for name in ("q", "k", "v", "up"):
@@ -192,7 +173,7 @@ def _pair_start(variant):
 def _run_torch(variant, model_name, steps, warmup):
     import torch
     import torch.distributed as dist
-    from collectives_off import CollectivesOff  # beside this script
+    from collectives_off import collectives_off  # beside this script
     from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -242,7 +223,7 @@ def _run_torch(variant, model_name, steps, warmup):
     extra = _pair_start(variant)
     for i in range(warmup + steps + extra):
         if off and i == warmup:
-            CollectivesOff().install(model if variant == "torch_ddp" else None)
+            collectives_off(model if variant == "torch_ddp" else None)
         start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         harness.sync()
@@ -345,7 +326,7 @@ class _count_p2p:  # noqa: N801
 def _run_keras(variant, model_name, steps, warmup):
     import keras  # noqa: I001
     import numpy as np
-    from collectives_off import CollectivesOff  # beside this script
+    from collectives_off import collectives_off  # beside this script
     from step_counts import StepCounts
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -378,7 +359,7 @@ def _run_keras(variant, model_name, steps, warmup):
 
         def on_train_batch_begin(self, batch, logs=None):
             if off and batch == warmup:
-                CollectivesOff().install()
+                collectives_off()
             harness.sync()
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
@@ -433,7 +414,7 @@ def _processes(variant, args):
     return 1 if single else args.nproc
 
 
-def _launch(variant, model, args):
+def _launch(model, variant, args):
     env = {"BENCH_NPROC": str(args.nproc)}
     if variant.endswith(LOCAL_OFF):
         env["KERAS_DTENSOR_LOCAL_MODEL"] = "0"
@@ -444,17 +425,14 @@ def _launch(variant, model, args):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__)
+    parser = harness.parser(__doc__, rounds=3, nproc=2, device=True)
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--models", default="mlp,transformer")
     default = ",".join(v for v in VARIANTS if not v.endswith((OFF, LOCAL_OFF)))
     parser.add_argument("--variants", default=default, help="default: all")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--nproc", type=int, default=2, help="distributed")
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
@@ -464,14 +442,8 @@ def main(argv=None):
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     started, models = time.time(), args.models.split(",")
 
-    def show(index, pair, ranks):
-        ms = 1000 * statistics.median(ranks[0]["times"])
-        return f"round {index} {pair[0]:11} {pair[1]:13} {ms:8.1f} ms"
-
     pairs = [(model, variant) for model in models for variant in variants]
-    raw = harness.rounds(
-        args.rounds, pairs, lambda p: _launch(p[1], p[0], args), show
-    )
+    raw = harness.rounds(args.rounds, pairs, lambda p: _launch(*p, args))
     table = {m: {v: _row(raw[m, v], v, args) for v in variants} for m in models}
     # The diagnostics must have run without any collective once warm.
     ran = {

@@ -90,3 +90,47 @@ def test_newest_run_wins(report):
     assert run["date"] > files["results-targets.json"]["date"]
     runs = report.step_runs(data)
     assert [run["date"] for run in runs] == sorted(r["date"] for r in runs)
+
+
+def test_every_run_is_printed(report):
+    data = report.load()
+    history = data["results-history.json"]
+    areas = {k for k, v in history.items() if isinstance(v, list)}
+    printed = {s for _, group in report.SECTIONS for s in group}
+    assert printed == (set(data) - {"results-history.json"}) | areas
+
+
+def test_every_table_figure_comes_from_the_results(report):
+    data = report.load()
+    text = report.build(data)
+    runs = text.split("\n## Method\n")[1].split("\n## ", 1)[1]
+    # Row labels: the results' keys and cases, and the writer's LABELS.
+    labels = [*_keys(data), *_cases(data), *report.LABELS.values()]
+    known = _spellings(data) | _spellings(labels)
+    missing = [
+        (line[:60], token)
+        for line in runs.splitlines()
+        if line.startswith("|")
+        for token in NUMBER.findall(line)
+        if token not in known
+    ]
+    assert not missing, f"figures not in any results file: {missing}"
+
+
+def _walk(node):
+    """Every (key, value) pair in the results, at any depth."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def _keys(data):
+    return [k for k, _ in _walk(data)]
+
+
+def _cases(data):
+    return [v for k, v in _walk(data) if k == "case"]

@@ -98,36 +98,6 @@ def is_installed() -> bool:
 install()
 
 
-def plan(model_or_build_fn, distribution, optimizer=None, **kwargs):
-    """Per-rank memory of `distribution`'s layouts, before allocating.
-
-    The model and its optimizer's slots are built on torch's `meta` device,
-    each weight laid out as in a real run; the mesh may name more devices
-    than this machine has.
-
-    Args:
-        model_or_build_fn: a function that builds the model, or a model.
-        distribution: the `ModelParallel` or `DataParallel` to plan for.
-        optimizer: an optimizer or its name (e.g. `"adamw"`); `None` for
-            weights only.
-        **kwargs: `large_replicated_mib`, above which a replicated weight
-            is warned about.
-
-    Returns:
-        A plan; `print(plan)` shows weights, slots and totals per rank.
-
-    Example:
-    >>> mesh = keras.distribution.DeviceMesh((1, 8), ["batch", "model"])
-    >>> layout_map = keras.distribution.LayoutMap(mesh)
-    >>> layout_map[".*kernel"] = (None, "model")
-    >>> print(keras_dtensor.plan(build_model,
-    ...     keras.distribution.ModelParallel(layout_map=layout_map), "adamw"))
-    """
-    from keras_dtensor.planning import plan as _plan
-
-    return _plan(model_or_build_fn, distribution, optimizer, **kwargs)
-
-
 _LAZY = {
     "save_checkpoint": "keras_dtensor.checkpoint",
     "load_checkpoint": "keras_dtensor.checkpoint",
@@ -136,6 +106,7 @@ _LAZY = {
     "PREEMPTED_EXIT_CODE": "keras_dtensor.checkpoint",
     "auto_layout": "keras_dtensor.planning",
     "auto_layout_map": "keras_dtensor.planning",
+    "plan": "keras_dtensor.planning",
 }
 
 

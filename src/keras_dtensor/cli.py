@@ -112,8 +112,9 @@ def _run(args):
 
 def _plan(args):
     """Bytes per rank of a layout, nothing allocated."""
-    import importlib
+    import functools
     import json
+    import pkgutil
 
     import keras
     import numpy as np
@@ -125,11 +126,6 @@ def _plan(args):
     devices = [f"cpu:{i}" for i in range(int(np.prod(shape)))]
     mesh = keras.distribution.DeviceMesh(shape, names, devices)
     config = json.loads(args.config) if args.config else {}
-
-    def named(path):
-        module, _, name = path.partition(":")
-        return getattr(importlib.import_module(module), name)
-
     if args.keras_hub:
         import keras_hub
 
@@ -137,13 +133,10 @@ def _plan(args):
         if not args.auto_layout:
             layout_map = build_fn.get_layout_map(mesh)
     else:
-        build_fn = named(args.auto or args.model)
+        build_fn = pkgutil.resolve_name(args.auto or args.model)
         if args.model:
-            layout_map = named(args.layout_map)(mesh)
-
-    def build():
-        return build_fn(**config)
-
+            layout_map = pkgutil.resolve_name(args.layout_map)(mesh)
+    build = functools.partial(build_fn, **config)
     if args.auto or args.auto_layout:
         auto = keras_dtensor.auto_layout(build, mesh)
         print(auto)

@@ -1,10 +1,8 @@
 """The supported Keras and torch releases, and where Keras keeps what we hook.
 
-Nothing else tests a version. `check_environment()` refuses, at import, a
-Keras or torch outside the supported ranges, with the pip command that
-fixes it. `KERAS` maps each Keras name the package uses to its place on
-the installed release (3.16 moved the torch backend's modules and renamed
-the trainers).
+Nothing else tests a version. `check_environment()` refuses, at import, an
+unsupported Keras or torch with the pip command that fixes it; `KERAS` maps
+each Keras name we use to its place on the installed release.
 """
 
 import functools
@@ -96,21 +94,17 @@ def keras_hub_version():
     return _installed("keras-hub", "keras-hub-nightly")
 
 
-def _keras_paths(version):
-    new = version >= Version("3.16.0.dev0")  # the 3.16 layout
-    ops = "keras.src.backend.torch.ops" if new else "keras.src.backend.torch"
-    return types.SimpleNamespace(
-        torch_core=f"{ops}.core",
-        torch_numpy=f"{ops}.numpy",
-        torch_nn=f"{ops}.nn",
-        torch_ops=ops,  # re-exports core's functions
-        torch_trainer="Trainer" if new else "TorchTrainer",
-        should_compile="_use_torch_compile" if new else "_should_torch_compile",
-        base_trainer="BaseTrainer" if new else "Trainer",
-    )
-
-
-KERAS = _keras_paths(keras_version())
+_NEW = keras_version() >= Version("3.16.0.dev0")  # the 3.16 layout
+_OPS = "keras.src.backend.torch.ops" if _NEW else "keras.src.backend.torch"
+KERAS = types.SimpleNamespace(
+    torch_core=f"{_OPS}.core",
+    torch_numpy=f"{_OPS}.numpy",
+    torch_nn=f"{_OPS}.nn",
+    torch_ops=_OPS,  # re-exports core's functions
+    torch_trainer="Trainer" if _NEW else "TorchTrainer",
+    should_compile="_use_torch_compile" if _NEW else "_should_torch_compile",
+    base_trainer="BaseTrainer" if _NEW else "Trainer",
+)
 
 
 def torch_core():

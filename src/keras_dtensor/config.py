@@ -3,10 +3,6 @@
 `get(name)` parses one when asked; `check()` parses all at `install()`,
 so a bad value is an error at import naming the variable and what it
 accepts (docs/guides/configuration.md).
-
-Example:
->>> config.get("TIMEOUT")
-300.0
 """
 
 import dataclasses
@@ -69,6 +65,12 @@ class Setting:
         return "KERAS_DTENSOR_" + self.name
 
 
+def _flag_setting(name, default, what):
+    return Setting(
+        name, _flag, default, "1/0, true/false, yes/no, on/off", what
+    )
+
+
 SETTINGS = (
     Setting(
         "TIMEOUT",
@@ -113,11 +115,9 @@ SETTINGS = (
         "MiB > 0",
         "a saved sharded variable reaches rank 0 in pieces of this size",
     ),
-    Setting(
+    _flag_setting(
         "LOG_ALL_RANKS",
-        _flag,
         False,
-        "1/0, true/false, yes/no, on/off",
         "print Keras's progress and messages on every rank, not only 0",
     ),
     Setting(
@@ -134,27 +134,21 @@ SETTINGS = (
         "an integer >= 0 (0: first batch of each epoch only)",
         "compare the global batch's checksum across ranks every N batches",
     ),
-    Setting(
+    _flag_setting(
         "SHARDED_LOADING",
-        _flag,
         True,
-        "1/0, true/false, yes/no, on/off",
         "a DataLoader or PyDataset loads only this process's rows of each "
         "global batch (0: the whole batch)",
     ),
-    Setting(
+    _flag_setting(
         "LOCAL_BATCH",
-        _flag,
         True,
-        "1/0, true/false, yes/no, on/off",
         "ModelParallel: FSDP-style models run on each rank's rows as plain "
         "tensors, their weights gathered block by block",
     ),
-    Setting(
+    _flag_setting(
         "LOCAL_MODEL",
-        _flag,
         True,
-        "1/0, true/false, yes/no, on/off",
         "ModelParallel, weights sharded over a non-batch axis: only the "
         "layers owning them run as DTensors, the ops between them on local "
         "tensors (torch's tensor parallelism), once a first call per input "
@@ -168,26 +162,20 @@ SETTINGS = (
         "FSDP-style layouts: weights are gathered in blocks of consecutive "
         "layers of at least this size",
     ),
-    Setting(
+    _flag_setting(
         "JIT",
-        _flag,
         True,
-        "1/0, true/false, yes/no, on/off",
         "ModelParallel: jit_compile=True compiles the forward (off: eager)",
     ),
-    Setting(
+    _flag_setting(
         "SYNC_BATCH_NORM",
-        _flag,
         True,
-        "1/0, true/false, yes/no, on/off",
         "DataParallel: BatchNormalization uses the global batch's "
         "statistics (off: each process's own, as DDP)",
     ),
-    Setting(
+    _flag_setting(
         "SPLIT_UPDATE",
-        _flag,
         True,
-        "1/0, true/false, yes/no, on/off",
         "DataParallel: split the optimizer update by variable inside fit",
     ),
     Setting(

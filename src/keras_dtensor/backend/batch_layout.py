@@ -1,6 +1,5 @@
-"""A batch laid out by the distribution: arrays become batch-sharded
-DTensors, from the global batch, this process's slice (`per_process`) or
-a shard tagged with its place (`tag_shard`). No communication.
+"""A batch laid out by the distribution as batch-sharded DTensors, from
+the global batch, this process's slice or a tagged shard; no communication.
 """
 
 import collections
@@ -39,8 +38,7 @@ def _first_leaf(batch):
 
 
 def tag_shard(batch, start, total, digest):
-    """`batch` (this process's shard) with its place marked on its first
-    array (NumPy leaves become tensors, no copy, to carry it)."""
+    """This process's shard `batch`, marked with its place (as tensors)."""
 
     def as_tensor(x):
         return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
@@ -74,10 +72,8 @@ def _data_layout(distribution, ndim):
 
 
 def _distribute_leaf(x, distribution, per_process, total=None):
-    as_is = (DTensor, torch.nn.Parameter)
-    if not isinstance(x, np.ndarray) and (
-        not isinstance(x, torch.Tensor) or isinstance(x, as_is)
-    ):
+    as_is = isinstance(x, (DTensor, torch.nn.Parameter))
+    if as_is or not isinstance(x, (np.ndarray, torch.Tensor)):
         return x
     x = compat.torch_core().convert_to_tensor(x)
     if x.ndim == 0:

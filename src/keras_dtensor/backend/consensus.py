@@ -1,8 +1,6 @@
-"""One outcome on every rank: failures shared, rank 0's answer broadcast.
-
-A step that fails on some ranks only would leave the others waiting at
-their next collective; here every rank raises instead. Messages travel
-as bytes in tensors: nothing from a peer is unpickled.
+"""One outcome on every rank: failures shared, rank 0's answer broadcast,
+so no rank waits at a collective the others left. Messages travel as
+bytes in tensors: nothing from a peer is unpickled.
 """
 
 import contextlib
@@ -40,8 +38,7 @@ _ERRORS = {
 
 
 def failures(problem: BaseException | str | None) -> list[tuple[int, str]]:
-    """`[(rank, message), ...]` of the ranks whose `problem` is not `None`,
-    on every rank (an all-gather)."""
+    """`[(rank, message)]` of the ranks with a `problem` (an all-gather)."""
     mine = "" if problem is None else str(problem)
     gathered = launch.all_gather_bytes(mine.encode())
     return [(r, m.decode()) for r, m in enumerate(gathered) if m]
@@ -53,21 +50,18 @@ def first_failure(problem: BaseException | str | None) -> str | None:
     return found[0][1] if found else None
 
 
-def _path_text(filename):
-    if filename is None or isinstance(filename, (str, int)):
-        return filename
-    try:
-        return os.fsdecode(filename)
-    except TypeError:
-        return str(filename)
-
-
 def _error_fields(error):
+    filename = getattr(error, "filename", None)
+    if not isinstance(filename, (str, int, type(None))):
+        try:
+            filename = os.fsdecode(filename)
+        except TypeError:
+            filename = str(filename)
     return {
         "error": type(error).__name__,
         "errno": getattr(error, "errno", None),
         "strerror": getattr(error, "strerror", None),
-        "filename": _path_text(getattr(error, "filename", None)),
+        "filename": filename,
         "message": str(error),
     }
 
@@ -78,16 +72,13 @@ def _rebuilt(outcome, where):
     if issubclass(cls, OSError) and outcome["errno"] is not None:
         # OSError(errno, strerror, filename) prints "[Errno N] ...: 'f'".
         strerror = (outcome["strerror"] or outcome["message"]) + where
-        if outcome["filename"] is None:
-            return cls(outcome["errno"], strerror)
-        return cls(outcome["errno"], strerror, outcome["filename"])
+        filename = [] if outcome["filename"] is None else [outcome["filename"]]
+        return cls(outcome["errno"], strerror, *filename)
     return cls(outcome["message"] + where)
 
 
 def on_rank_0(operation, what):
-    """`operation()`'s result (JSON-serializable), run on rank 0, on every
-    rank (a broadcast); if it raises, every rank raises it, naming `what`.
-    """
+    """Rank 0's `operation()` (JSON), or its error naming `what`, everywhere."""
     size, rank = launch.world()
     payload = None
     if rank == 0:

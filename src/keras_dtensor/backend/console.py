@@ -1,5 +1,4 @@
-"""Which rank speaks: messages, warnings and progress bars from rank 0
-(every rank with `KERAS_DTENSOR_LOG_ALL_RANKS=1`)."""
+"""Which rank speaks: rank 0, or all with `KERAS_DTENSOR_LOG_ALL_RANKS=1`."""
 
 import torch.distributed as dist
 

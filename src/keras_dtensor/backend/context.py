@@ -1,15 +1,13 @@
-"""Which distribution runs, and in what scope.
-
-`active()` is Keras's current distribution when it spans several
-processes (over one, hooks return at once: plain Keras computes the
-same). Inside `global_values()` a plain tensor meeting a DTensor counts
-as replicated: DTensor's own implicit-replication setting, no state here.
+"""Which distribution runs (`active()`: one over several processes), and
+plain tensors as replicated values (DTensor's implicit replication).
 """
 
 import contextlib
 import functools
 import re
 import warnings
+
+from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend.distribution_lib import device_ranks
 from keras_dtensor.backend.launch import multi_process
@@ -24,12 +22,11 @@ __all__ = [
 ]
 
 
-_GETTER = []
+_GETTER = []  # not functools.cache: torch.compile traces a list lookup
 
 
 def current():
     """The active Keras distribution, or `None` (traced by `torch.compile`)."""
-    # A list, not functools.cache: torch.compile traces a list lookup.
     if not _GETTER:
         from keras.distribution import distribution
 
@@ -60,10 +57,7 @@ def is_data_parallel(distribution=None) -> bool:
 
 @contextlib.contextmanager
 def global_values():
-    """Inside, a plain tensor meeting a DTensor counts as replicated;
-    re-entrant, unlike torch's `implicit_replication`."""
-    from torch.distributed.tensor import DTensor
-
+    """Re-entrant `implicit_replication`: plain tensors count as replicated."""
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = True
@@ -85,8 +79,6 @@ _ONE_ELEMENT = (
 
 def set_global_values(distribution):
     """Plain tensors are global values under a distribution but DataParallel."""
-    from torch.distributed.tensor import DTensor
-
     on = distribution is not None and not is_data_parallel(distribution)
     DTensor._op_dispatcher._allow_implicit_replication = on
     present = _ONE_ELEMENT in warnings.filters
@@ -99,14 +91,11 @@ def set_global_values(distribution):
 
 
 def wrap_set_distribution(original):
-    """Wraps `keras.distribution.set_distribution`: under a distribution
-    other than `DataParallel`, plain tensors are global values (as on JAX).
-    """
+    """Wraps `keras.distribution.set_distribution` to `set_global_values`."""
 
     def set_distribution(value):
         if value is not None and is_data_parallel(value) and multi_process():
-            # DataParallel never builds its mesh on torch: check it here.
-            device_ranks(value.device_mesh)
+            device_ranks(value.device_mesh)  # DataParallel never builds it
         original(value)
         set_global_values(value)
 

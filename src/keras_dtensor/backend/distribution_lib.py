@@ -1,14 +1,12 @@
-"""Keras backend distribution module for torch, on DTensor.
-
-`keras/src/backend/jax/distribution_lib.py`'s functions, installed as
-`keras.src.backend.distribution_lib`. Device `i` is rank `i`; a Keras
-`DeviceMesh` becomes a cached torch `DeviceMesh`.
+"""Keras backend distribution module for torch, on DTensor: the JAX
+module's functions; device `i` is rank `i`, a mesh a cached torch mesh.
 """
 
 import collections
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
@@ -44,24 +42,16 @@ DTensorLayout.__doc__ = """A Keras `TensorLayout` as a torch mesh (without
 the Keras mesh's size-1 axes) and one placement per mesh dimension."""
 
 
-def _keras_device_type(device_type=None):
+def list_devices(device_type=None):
+    """Return all the available devices: one per process, by global rank."""
     own = "gpu" if launch.device_type() == "cuda" else "cpu"
-    if not device_type:
-        return own
-    device_type = device_type.lower()
-    if device_type not in ("cpu", own):
+    kind = device_type.lower() if device_type else own
+    if kind not in ("cpu", own):
         raise ValueError(
             f"This process computes on {own!r}; one device per process, so "
-            f"there are no {device_type!r} devices to list. Received: "
-            f"device_type={device_type!r}"
+            f"there are no {kind!r} devices to list. Received: "
+            f"device_type={kind!r}"
         )
-    return device_type
-
-
-def list_devices(device_type=None):
-    """Return all the available devices: one per process, named by global
-    rank (`cpu:0 .. cpu:N-1`, or `gpu:...`)."""
-    kind = _keras_device_type(device_type)
     return [f"{kind}:{i}" for i in range(launch.num_processes())]
 
 
@@ -76,19 +66,10 @@ def initialize(job_addresses, num_processes, process_id):
     launch.agree_on_seed()
 
 
-def initialize_rng():
-    """Makes every process use the same global seed."""
-    launch.agree_on_seed()
-
-
-def num_processes():
-    """Return the number of processes for the current distribution setting."""
-    return launch.num_processes()
-
-
-def process_id():
-    """Return the current process ID for the distribution setting."""
-    return launch.process_id()
+# Keras's names for what `launch` does.
+initialize_rng = launch.agree_on_seed
+num_processes = launch.num_processes
+process_id = launch.process_id
 
 
 def device_ranks(device_mesh):
@@ -123,10 +104,9 @@ def _kept_axes(device_mesh):
 def _to_backend_mesh(device_mesh):
     """The Keras mesh as a cached torch `DeviceMesh` (a collective to build)."""
     from keras.src.backend.common import global_state
-    from torch.distributed.device_mesh import DeviceMesh
 
     ranks = device_ranks(device_mesh)
-    launch.ensure_process_group()
+    launch.init_process_group()
     kept = _kept_axes(device_mesh)
     shape = tuple(device_mesh.shape[i] for i in kept)
     names = tuple(device_mesh.axis_names[i] for i in kept)
@@ -162,8 +142,7 @@ def _to_backend_layout(tensor_layout):
 
 
 def as_backend_layout(layout, path=None, shape=None):
-    """The `DTensorLayout` of `layout` (either kind), checked against
-    `shape` where given; `path` names the tensor in errors."""
+    """The `DTensorLayout` of `layout`, checked against `shape` if given."""
     from keras.src.distribution import TensorLayout
 
     if path is not None or shape is not None:
@@ -179,8 +158,7 @@ def as_backend_layout(layout, path=None, shape=None):
 
 
 def distribute_tensor(tensor, layout):
-    """Distribute the tensor based on the layout: each rank keeps its shard
-    of a plain (global) tensor; a `DTensor` is redistributed."""
+    """Distribute the tensor based on the layout (a `DTensor`: redistribute)."""
     if isinstance(tensor, DTensor):
         layout = as_backend_layout(layout)
         target = (layout.device_mesh, tuple(layout.placements))
@@ -220,15 +198,10 @@ def distribute_variable(value, layout):
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
-    """Distribute the input data with the corresponding layout: this
-    process's slice becomes the global batch `DTensor` (no communication).
-    """
-    if isinstance(per_process_batch, DTensor):
+    """Distribute the input data: this process's slice of the global batch."""
+    if isinstance(per_process_batch, DTensor) or launch.num_processes() == 1:
         return distribute_tensor(per_process_batch, layout)
     per_process_batch = _as_tensor(per_process_batch)
-    if launch.num_processes() == 1:
-        check_layout(layout, tuple(per_process_batch.shape))
-        return per_process_batch
     layout = as_backend_layout(layout)
     mesh = layout.device_mesh
     parts = 1

@@ -6,7 +6,6 @@ __all__ = [
     "AssignedInCall",
     "collective_failure",
     "describe_mesh",
-    "layout_error",
     "local_output_error",
 ]
 
@@ -14,21 +13,6 @@ __all__ = [
 def describe_mesh(mesh_shape, axis_names) -> str:
     """Returns `mesh shape (2, 2), axis_names ('batch', 'model')`."""
     return f"mesh shape {tuple(mesh_shape)}, axis_names {tuple(axis_names)}"
-
-
-def layout_error(
-    reason, *, axes, mesh_shape, axis_names, path=None, shape=None
-) -> ValueError:
-    """The `ValueError` for a layout that cannot be applied: "Cannot shard
-    `dense/kernel` (4, 8) with axes ('x',) on mesh shape (2,), axis_names
-    ('model',): unknown axis 'x'." """
-    what = f"`{path}`" if path else "tensor"
-    if shape is not None:
-        what += f" {tuple(shape)}"
-    return ValueError(
-        f"Cannot shard {what} with axes {tuple(axes)} on "
-        f"{describe_mesh(mesh_shape, axis_names)}: {reason}."
-    )
 
 
 # Fragments of torch.distributed's own messages when a peer is gone.
@@ -39,8 +23,7 @@ _PEER_FAILURE = re.compile(
 
 
 def collective_failure(error, *, operation, rank, world, timeout):
-    """A `RuntimeError` naming `operation`, the rank and the timeout for
-    a collective that failed because of a peer, else `None`."""
+    """A `RuntimeError` for a collective a peer broke, else `None`."""
     message = str(error)
     if not _PEER_FAILURE.search(message.lower()):
         return None
@@ -66,5 +49,4 @@ def local_output_error(*, layer, shape, rows, rank, mesh) -> ValueError:
 
 
 class AssignedInCall(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised before a variable is assigned inside a local call: the call
-    runs again as DTensors, and nothing was written twice."""
+    """A local call would assign a variable: it runs again as DTensors."""

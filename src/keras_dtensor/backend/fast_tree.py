@@ -1,7 +1,5 @@
-"""Keras's `tree.flatten`, `pack_sequence_as` and `map_structure`, fast
-for plain tuples, lists and dicts of tensors, numbers, strings and None,
-in Keras's order; anything else goes to Keras's.
-"""
+"""Keras's `tree.flatten`, `pack_sequence_as` and `map_structure`, fast for
+plain tuples, lists and dicts of tensors and scalars; else Keras's own."""
 
 import torch
 

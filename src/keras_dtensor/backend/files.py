@@ -1,8 +1,5 @@
-"""Saves that appear whole: staged next to the target, moved into place.
-
-A reader finds the old file or the new one, never half of one; the next
-save cleans up or puts back what a killed one left (`remove_leftovers`).
-Which rank stages, and when, is the caller's.
+"""Saves that appear whole: staged next to the target, moved into place;
+the next save cleans up or puts back what a killed one left.
 """
 
 import contextlib
@@ -41,16 +38,14 @@ def split(target) -> tuple[str, str]:
 
 
 def staging_path(target, token: str | None = None) -> str:
-    """A hidden path next to `target`, unique by `token` (default: a new
-    `uuid4().hex`); nothing is created."""
+    """A hidden path next to `target`, unique by `token` (or a new one)."""
     directory, name = split(target)
     token = uuid.uuid4().hex if token is None else token
     return os.path.join(directory, f".{token}.{name}{_SUFFIX}")
 
 
 def move_into_place(source, target) -> None:
-    """Renames `source` to `target`, replacing what is there (a directory:
-    the old one aside first, then removed)."""
+    """Renames `source` to `target`; an old directory goes aside first."""
     source, target = os.fspath(source), os.fspath(target)
     aside = None
     if os.path.isdir(source) and os.path.lexists(target):
@@ -82,8 +77,7 @@ def _orphans(directory):
 
 
 def in_place_or_aside(directory) -> dict[str, str]:
-    """`{name: path}` of `directory`'s visible entries and of the targets
-    a killed replacement left aside."""
+    """`{name: path}` of visible entries and of targets left aside."""
     out = {
         entry: os.path.join(directory, entry)
         for entry in os.listdir(directory)
@@ -94,9 +88,7 @@ def in_place_or_aside(directory) -> dict[str, str]:
 
 
 def remove_leftovers(directory, name: str | None = None) -> None:
-    """Cleans up after killed saves of `name` (default: all) in
-    `directory`: puts back targets moved aside, removes staging paths (of
-    earlier versions too) and dead processes' scratch."""
+    """Undoes what killed saves of `name` (or all) left, and dead scratch."""
     for target, aside in _orphans(directory).items():
         if name is None or target == name:
             with contextlib.suppress(OSError):
@@ -120,20 +112,15 @@ def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{_SCRATCH}{os.getpid()}_")
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
-
-
 def remove_dead_scratch() -> None:
     """Removes the scratch directories of processes that no longer run."""
     pattern = os.path.join(glob.escape(tempfile.gettempdir()), _SCRATCH + "*")
     for path in glob.glob(pattern):
         pid = os.path.basename(path)[len(_SCRATCH) :].partition("_")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            _remove(path)
+        if pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                _remove(path)
+            except OSError:  # another user's process
+                pass

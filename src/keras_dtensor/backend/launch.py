@@ -1,8 +1,5 @@
-"""Process-group lifecycle, and collectives of small values.
-
-One device per process; the rendezvous is torchrun's or
-`keras.distribution.initialize()`'s, else a one-process group in memory.
-"""
+"""Process-group lifecycle (one device per process; torchrun's or Keras's
+rendezvous, else a group of one in memory) and small collectives."""
 
 import atexit
 import datetime
@@ -23,7 +20,6 @@ __all__ = [
     "all_gather_ints",
     "broadcast_bytes",
     "device_type",
-    "ensure_process_group",
     "init_process_group",
     "local_device",
     "agree_on_seed",
@@ -37,8 +33,7 @@ __all__ = [
 
 
 def under_launcher() -> bool:
-    """Whether `RANK`, `WORLD_SIZE` and a rendezvous (torchrun's
-    `MASTER_ADDR` or `KERAS_DTENSOR_INIT_METHOD`) are set."""
+    """Whether `RANK`, `WORLD_SIZE` and a rendezvous address are set."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and (
         "MASTER_ADDR" in os.environ or config.get("INIT_METHOD") is not None
     )
@@ -57,16 +52,8 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _backend():
-    backend = config.get("BACKEND")
-    if backend is not None:
-        return backend
-    return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
-
-
 def init_process_group(job_addresses=None, num_processes=None, process_id=None):
-    """Starts the default process group once (`True` if this call did), at
-    the first of Keras's `job_addresses` or at torchrun's rendezvous."""
+    """Starts the default process group once (`True` if this call did)."""
     if dist.is_initialized():
         world = dist.get_world_size()
         if num_processes is not None and num_processes != world:
@@ -76,6 +63,7 @@ def init_process_group(job_addresses=None, num_processes=None, process_id=None):
             )
         return False
     timeout = datetime.timedelta(seconds=config.get("TIMEOUT"))
+    url, kwargs = None, {}
     if job_addresses:
         addresses = job_addresses.split(",")
         if num_processes not in (None, len(addresses)) and len(addresses) > 1:
@@ -84,38 +72,45 @@ def init_process_group(job_addresses=None, num_processes=None, process_id=None):
                 f"{len(addresses)} jobs, but num_processes is "
                 f"{num_processes}"
             )
-        if num_processes is None:
-            num_processes = len(addresses)
         if process_id is None:
             raise ValueError(
                 "`process_id` is required with `job_addresses`. Received: "
                 f"job_addresses={job_addresses}, process_id=None"
             )
         url = f"tcp://{addresses[0]}"
-        kwargs = dict(rank=process_id, world_size=num_processes)
+        world = len(addresses) if num_processes is None else num_processes
+        kwargs = dict(rank=process_id, world_size=world)
     elif under_launcher():
         url = config.get("INIT_METHOD") or "env://"
-        kwargs = {}
         if url != "env://":
             rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
             kwargs = dict(rank=int(rank), world_size=int(world))
-    else:
-        url = None
-    if url is None:
-        store, rank, world = dist.HashStore(), 0, 1
-    else:
+    store, rank, world = dist.HashStore(), 0, 1
+    if url is not None:
         rendezvous = dist.rendezvous(url, timeout=timeout, **kwargs)
         store, rank, world = next(rendezvous)
     # A fresh key space per torchrun restart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"keras_dtensor/{restart}", store)
+    backend = config.get("BACKEND")
     if device_type() == "cuda":
         torch.cuda.set_device(local_device())
+        backend = backend or "cpu:gloo,cuda:nccl"
+    backend = backend or "gloo"
     dist.init_process_group(
-        _backend(), store=store, rank=rank, world_size=world, timeout=timeout
+        backend, store=store, rank=rank, world_size=world, timeout=timeout
     )
     atexit.register(_destroy)
-    _check_placement_order()
+    digests = all_gather_ints(placement_order.order_digest())
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(
+            "keras_dtensor: ranks order DTensor placements differently "
+            f"(ranks {odd} differ from rank 0 of {len(digests)}), so they "
+            "may choose different sharding strategies and hang. Import "
+            "keras_dtensor on every rank before the first DTensor op, and "
+            "do not call keras_dtensor.uninstall() on some ranks only."
+        )
     agree_on_seed()
     return True
 
@@ -132,26 +127,6 @@ def agree_on_seed():
     if multi_process():
         dist.broadcast(seed, src=0)
     rng_utils.set_random_seed(int(seed.item()))
-
-
-def _check_placement_order():
-    """Raises unless every rank orders sets of placements alike."""
-    digests = all_gather_ints(placement_order.order_digest())
-    if len(set(digests)) > 1:
-        odd = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise RuntimeError(
-            "keras_dtensor: ranks order DTensor placements differently "
-            f"(ranks {odd} differ from rank 0 of {len(digests)}), so they "
-            "may choose different sharding strategies and hang. Import "
-            "keras_dtensor on every rank before the first DTensor op, and "
-            "do not call keras_dtensor.uninstall() on some ranks only."
-        )
-
-
-def ensure_process_group():
-    """Starts the process group if a mesh or collective needs one."""
-    if not dist.is_initialized():
-        init_process_group()
 
 
 def world() -> tuple[int, int]:
@@ -191,9 +166,8 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
         return data
     length = torch.tensor([len(data) if rank == src else 0])
     dist.broadcast(length, src=src)
-    if rank == src:
-        buffer = _as_uint8(data)
-    else:
+    buffer = _as_uint8(data)
+    if rank != src:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
     if buffer.numel():
         dist.broadcast(buffer, src=src)
@@ -222,7 +196,7 @@ def multi_process() -> bool:
 
 def _started() -> bool:
     if not dist.is_initialized() and under_launcher():
-        ensure_process_group()
+        init_process_group()
     return dist.is_initialized()
 
 
@@ -250,9 +224,8 @@ def _destroy():
 
 
 def every_rank_joins(what: str, why: str) -> None:
-    """Raises on the ranks that arrived if some rank does not join `what`
-    (collective because `why`) within `$KERAS_DTENSOR_SAVE_TIMEOUT`: ranks
-    meet in the store, which no collective can pair with."""
+    """Raises if some rank does not join `what` in time (in the store, which
+    no collective can pair with)."""
     if not multi_process():
         return
     timeout = config.get("SAVE_TIMEOUT")

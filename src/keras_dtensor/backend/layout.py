@@ -1,15 +1,12 @@
-"""Pure layout arithmetic: Keras axes to DTensor placements, local shapes.
-
-A Keras layout names per tensor dim the mesh axes that shard it (as a JAX
-`PartitionSpec`); placements name per mesh dim what it does to the tensor.
-"""
+"""Pure layout arithmetic: Keras axes (per tensor dim, mesh axes) to DTensor
+placements (per mesh dim, what it does to the tensor), local shapes."""
 
 import math
 
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_dtensor.backend.errors import layout_error
+from keras_dtensor.backend.errors import describe_mesh
 
 __all__ = [
     "chunk",
@@ -24,16 +21,14 @@ __all__ = [
 
 
 def chunk(length, parts, index) -> tuple:
-    """`(start, size)` of chunk `index` of `length` split in `parts`, by
-    `torch.chunk`'s rule (as DTensor): the last chunks shorter or empty."""
+    """`(start, size)` of chunk `index` of `length` by `torch.chunk`'s rule."""
     step = math.ceil(length / parts) if length else 0
     start = min(index * step, length)
     return start, max(0, min(step, length - start))
 
 
 def local_slices(shape, mesh, placements, coordinate=None) -> list:
-    """`(start, length)` along every dim of `shape` of this rank's shard
-    (or mesh `coordinate`'s), mesh dims applied in order."""
+    """`(start, length)` per dim of this rank's (`coordinate`'s) shard."""
     ranges = [(0, n) for n in shape]
     if coordinate is None:
         coordinate = mesh.get_coordinate()
@@ -62,8 +57,7 @@ def even_shards(shape, mesh, placements, skip=None) -> bool:
 
 
 def local_shape(shape, axes, sizes) -> tuple:
-    """The largest shard's shape: `shape` split by normalized `axes` over
-    mesh axes of `sizes` (name -> size)."""
+    """The largest shard of `shape` split by normalized `axes` on `sizes`."""
     return tuple(
         chunk(n, math.prod(sizes[name] for name in names), 0)[1]
         for n, names in zip(shape, axes, strict=True)
@@ -100,13 +94,12 @@ def to_placements(axes, mesh_shape, axis_names, *, path=None, shape=None):
     normalized = normalize_axes(axes)
 
     def fail(reason):
-        return layout_error(
-            reason,
-            axes=axes,
-            mesh_shape=mesh_shape,
-            axis_names=axis_names,
-            path=path,
-            shape=shape,
+        what = f"`{path}`" if path else "tensor"
+        if shape is not None:
+            what += f" {tuple(shape)}"
+        return ValueError(
+            f"Cannot shard {what} with axes {tuple(axes)} on "
+            f"{describe_mesh(mesh_shape, axis_names)}: {reason}."
         )
 
     if shape is not None and len(normalized) > len(shape):

@@ -1,6 +1,5 @@
-"""Attributes keras_dtensor sets on Keras objects (out of Keras's
-tracking), each recorded so that `restore()` (from `uninstall()`) puts
-back what it replaced on every object still alive.
+"""Attributes keras_dtensor sets on Keras objects, out of Keras's tracking,
+recorded so that `restore()` (from `uninstall()`) puts back what they hid.
 """
 
 import contextlib
@@ -21,8 +20,7 @@ def _record(obj):
 
 
 def set_on(obj, name, value, undo=None):
-    """Sets and returns `obj.<name> = value`, recorded for `restore()`,
-    which calls `undo(value)` when it takes it off."""
+    """Sets and returns `obj.<name> = value`; `restore()` calls `undo`."""
     saved = obj.__dict__.get(_RECORD)
     if saved is None:
         saved = {}

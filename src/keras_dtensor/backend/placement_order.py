@@ -1,9 +1,6 @@
-"""Sharding choices that agree across ranks, whatever `PYTHONHASHSEED` is.
-
-DTensor breaks cost ties in the order of sets ordered by salted hashes;
-ranks that choose differently hang. Hashes here depend on a placement's
-value alone, the planner's sets keep insertion order, and ranks compare
-`order_digest()` when the group starts.
+"""Sharding choices that agree across ranks, whatever `PYTHONHASHSEED` is:
+hashes of values alone, planner sets in insertion order, and
+`order_digest()` compared when the group starts.
 """
 
 import functools
@@ -35,7 +32,7 @@ def _reduce_op_hash(reduce_op):
 
 
 def partial_hash(self):
-    """`Partial.__hash__` from the reduce op's value (cached)."""
+    """`Partial.__hash__` from the reduce op's value."""
     return _reduce_op_hash(self.reduce_op)
 
 
@@ -76,13 +73,6 @@ def wrap_planner_init(original):
 
 def order_digest() -> int:
     """A digest of how a set of placements iterates in this process."""
-    placements = [
-        Shard(0),
-        Partial("sum"),
-        Replicate(),
-        Partial("avg"),
-        Partial("max"),
-        Shard(1),
-        Partial("min"),
-    ]
+    placements = [Shard(0), Partial("sum"), Replicate(), Partial("avg")]
+    placements += [Partial("max"), Shard(1), Partial("min")]
     return stable_hash(repr(list(set(placements))))

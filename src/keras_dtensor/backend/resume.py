@@ -1,10 +1,8 @@
 """Starting the next training epoch at a given batch: the checkpoint
-callback asks once (`request`); the epoch iterator `take`s it, skips the
-batches already trained where its input can be positioned, and reports
-through `done`.
+callback asks once (`request`), the epoch iterator `take`s it and skips.
 """
 
-import dataclasses
+import collections
 from collections.abc import Callable
 
 __all__ = ["Request", "positionable", "request", "count_epochs_read", "take"]
@@ -16,15 +14,9 @@ _POSITIONABLE = (
     "PyDatasetAdapter",
 )
 
-
-@dataclasses.dataclass
-class Request:
-    """Skip the first `batches` of the next training epoch, the
-    `epochs_read + 1`-th of its input; `done(skipped, kind)` reports."""
-
-    batches: int
-    done: Callable[[bool, str], None] | None
-    epochs_read: int = 0
+Request = collections.namedtuple("Request", ["batches", "done", "epochs_read"])
+Request.__doc__ = """Skip `batches` of the next epoch, after `epochs_read`
+of its input; `done(skipped, kind)` reports."""
 
 
 def _state():
@@ -33,11 +25,7 @@ def _state():
     return global_state
 
 
-def request(
-    batches: int,
-    done: Callable[[bool, str], None] | None,
-    epochs_read: int = 0,
-) -> None:
+def request(batches: int, done: Callable | None, epochs_read=0) -> None:
     """Asks the next training epoch to start at batch `batches`."""
     _state().set_global_attribute(_KEY, Request(batches, done, epochs_read))
 
@@ -52,8 +40,7 @@ def take() -> Request | None:
 
 
 def count_epochs_read(epoch_iterator, epochs_read: int) -> None:
-    """Adds `epochs_read` to the data adapter's epoch count where it seeds
-    the shuffle (Keras 3.16)."""
+    """Advances the adapter's shuffle-seeding epoch count (Keras 3.16)."""
     adapter = epoch_iterator.data_adapter
     if isinstance(getattr(adapter, "_epoch", None), int):
         adapter._epoch += epochs_read

@@ -1,7 +1,5 @@
-"""A rank's shard of a global value, as a DTensor.
-
-A plain tensor is the global value, the same on every process; laying it
-out keeps this rank's shard, with no communication.
+"""A rank's shard of a global value (a plain tensor, alike on every
+process) as a DTensor, with no communication.
 """
 
 import torch
@@ -27,12 +25,17 @@ def from_local(local, mesh, placements, shape):
 
 
 def shard_global_tensor(tensor, layout):
-    """This rank's shard of the global `tensor`, laid out by a checked
-    `DTensorLayout` (no communication; differentiable)."""
+    """This rank's shard of `tensor` by a checked `DTensorLayout`."""
     mesh = layout.device_mesh
     placements = tuple(layout.placements)
-    if not tensor.requires_grad and _cut_here(placements):
-        # What Replicate -> Shard computes, without its planning.
+    dims = [p.dim for p in placements if p.is_shard()]
+    # Dims sharded over one mesh dim each, none partial: what Replicate ->
+    # Shard computes, without its planning.
+    if (
+        not tensor.requires_grad
+        and len(set(dims)) == len(dims) > 0
+        and all(p.is_shard() or p.is_replicate() for p in placements)
+    ):
         ranges = local_slices(tensor.shape, mesh, placements)
         local = tensor[tuple(slice(s, s + n) for s, n in ranges)]
         return DTensor.from_local(
@@ -48,15 +51,4 @@ def shard_global_tensor(tensor, layout):
     )
     if all(p.is_replicate() for p in placements):
         return replicated
-    # Replicate -> Shard is a local chunk: no communication.
-    return replicated.redistribute(mesh, placements)
-
-
-def _cut_here(placements):
-    """Whether some dims are sharded, each over one mesh dim, no partial."""
-    dims = [p.dim for p in placements if p.is_shard()]
-    return (
-        bool(dims)
-        and len(set(dims)) == len(dims)
-        and all(p.is_shard() or p.is_replicate() for p in placements)
-    )
+    return replicated.redistribute(mesh, placements)  # a local chunk

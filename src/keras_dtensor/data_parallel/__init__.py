@@ -1,25 +1,25 @@
 """`DataParallel` the DDP way: plain tensors, bucketed gradient all-reduce.
 
 Every variable is replicated, so DTensor would only add dispatch cost:
-variables are plain Parameters and each step runs Keras's own step on this
-process's rows (`batch_split`); gradients and metric states are reduced
-with backward (`reducer`, `metrics`); inside `fit` the update is split by
-variable (`zero_update`). Batch statistics (`sync_batch_norm`), seeded
-draws (`random_rows`) and losses (`global_batch_losses`, `global_loss`)
-are the global batch's. Entry: `run_step` (`step`); per-model `state`.
-Design notes: `docs/internals/data-parallel.md`.
+each step runs Keras's own step on this process's rows (`batch_split`,
+seeded draws too); gradients and metric states are reduced with backward
+(`reducer`, `metrics`); inside `fit` the update is split by variable
+(`zero_update`). Batch statistics (`sync_batch_norm`) and losses that are
+no mean over rows (`global_batch_losses`) are the global batch's. Entry:
+`run_step` (`step`); per-model `state`. Design notes:
+`docs/internals/data-parallel.md`.
 """
 
+from keras_dtensor.data_parallel.batch_split import SHAPED_DRAWS
 from keras_dtensor.data_parallel.batch_split import split_counts
+from keras_dtensor.data_parallel.batch_split import wrap_dropout
+from keras_dtensor.data_parallel.batch_split import wrap_shaped_draw
 from keras_dtensor.data_parallel.global_batch_losses import call_layer
 from keras_dtensor.data_parallel.global_batch_losses import wrap_add_loss
 from keras_dtensor.data_parallel.metrics import wrap_compute_loss
 from keras_dtensor.data_parallel.metrics import wrap_compute_loss_without_rows
 from keras_dtensor.data_parallel.metrics import wrap_compute_metrics
 from keras_dtensor.data_parallel.metrics import wrap_get_metrics_result
-from keras_dtensor.data_parallel.random_rows import SHAPED_DRAWS
-from keras_dtensor.data_parallel.random_rows import wrap_dropout
-from keras_dtensor.data_parallel.random_rows import wrap_shaped_draw
 from keras_dtensor.data_parallel.step import run_step
 from keras_dtensor.data_parallel.step import update_is_split
 from keras_dtensor.data_parallel.step import wrap_distribute_tensor

@@ -1,10 +1,12 @@
-"""Losses a layer adds in its call, computed over the global batch.
+"""Losses that are no mean over rows, computed over the global batch.
 
 As on JAX, whose DataParallel step runs on global arrays, a layer seen
 calling `add_loss` runs in a train step on DTensors over the batch mesh
-(`call_layer`), or on the gathered batch where the split is uneven;
-gradients crossing it are rescaled so every path counts once after the
-reducer's row weighting. Design notes: `docs/internals/data-parallel.md`.
+(`call_layer`), or on the gathered batch where the split is uneven; a
+compiled loss reduced otherwise than by a mean over rows runs on the
+gathered batch (`over_global_batch`). Gradients crossing them are
+rescaled so every path counts once after the reducer's row weighting.
+Design notes: `docs/internals/data-parallel.md`.
 """
 
 import contextlib
@@ -17,20 +19,22 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from keras_dtensor import compat
 from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
-from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
 from keras_dtensor.backend.shards import from_local
 from keras_dtensor.data_parallel.batch_split import gather_rows
-from keras_dtensor.data_parallel.batch_split import split_counts
+from keras_dtensor.data_parallel.batch_split import rank_counts
 
 __all__ = [
     "call_layer",
     "current_step",
     "find_loss_layers",
-    "gather_with_grad",
+    "needs_global",
+    "over_global_batch",
+    "probe",
     "step_scope",
     "wrap_add_loss",
 ]
@@ -39,6 +43,8 @@ _ADDS_LOSSES = "_keras_dtensor_adds_losses"
 # A layer whose DTensor run failed: it runs on the gathered global batch.
 _GATHERED = "_keras_dtensor_adds_losses_gathered"
 _STEP = "keras_dtensor_data_parallel_step"
+_GLOBAL = ("sum", "mean_with_sample_weight")
+_WHOLE_BATCH = "_keras_dtensor_whole_batch_loss"
 
 
 class _Step:
@@ -53,42 +59,35 @@ class _Step:
     def count(self):
         """Every rank's rows, in rank order (counted once)."""
         if self.counts is None:
-            if self.global_rows is None:
-                self.counts = all_gather_ints(self.rows)
-            else:
-                self.counts = split_counts(self.global_rows)
+            self.counts = rank_counts(self.rows, self.global_rows)
             self.global_rows = sum(self.counts)
         return self.counts
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: the global batch; backward: this rank's rows."""
+class _Rows(torch.autograd.Function):
+    """This rank's rows to the global batch (`gather`) or back; backward
+    the reverse, this rank's rows of the gradient multiplied by `scale`."""
 
     @staticmethod
-    def forward(ctx, x, counts):
-        _, rank = world()
-        ctx.start = sum(counts[:rank])
-        ctx.rows = counts[rank]
-        return gather_rows(x.detach(), counts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.start : ctx.start + ctx.rows], None
-
-
-class _OwnRows(torch.autograd.Function):
-    """Forward: this rank's rows; backward: the gathered gradient."""
-
-    @staticmethod
-    def forward(ctx, x, counts):
-        _, rank = world()
-        ctx.counts = counts
-        start = sum(counts[:rank])
-        return x[start : start + counts[rank]].clone()
+    def forward(ctx, x, counts, gather, scale):
+        ctx.counts, ctx.gather, ctx.scale = counts, gather, scale
+        return _switch(x.detach(), counts, gather)
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_rows(grad.contiguous(), ctx.counts), None
+        if ctx.gather:
+            grad = _switch(grad, ctx.counts, False) * ctx.scale
+        else:
+            grad = _switch(grad * ctx.scale, ctx.counts, True)
+        return grad, None, None, None
+
+
+def _switch(x, counts, gather):
+    if gather:
+        return gather_rows(x.contiguous(), counts)
+    rank = world()[1]
+    start = sum(counts[:rank])
+    return x[start : start + counts[rank]].clone()
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -151,9 +150,8 @@ def wrap_add_loss(original):
 
 
 def find_loss_layers(model, batch):
-    """Marks the layers of `model` that add losses in a training call, by a
-    symbolic run on `batch`'s shapes (Keras builds with `training=False`,
-    where keras_hub's MoE blocks add none); no collectives."""
+    """Marks the layers of `model` that add losses in a training call:
+    a symbolic run on `batch`'s shapes (Keras builds with `training=False`)."""
     from keras.src import backend
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -176,12 +174,22 @@ def current_step():
     return _global_state().get_global_attribute(_STEP)
 
 
-def gather_with_grad(x, counts, share):
-    """This rank's rows `x` as the global batch; backward divides its rows'
-    gradient by its `share`, which the reducer weighs back."""
-    if share:
-        x = _scaled(x, 1.0 / share)
-    return _GatherRows.apply(x, counts)
+def _gather(x, step, counts, share, with_grad=True, mask=False):
+    """This rank's rows `x` as the global batch; backward divides their
+    gradient by `share`, which the reducer weighs back."""
+    from keras.src.backend.common.masking import get_keras_mask
+    from keras.src.backend.common.masking import set_keras_mask
+
+    if not _batch_aligned(x, step):
+        return x
+    keras_mask = get_keras_mask(x) if mask else None
+    if with_grad and x.requires_grad:
+        out = _Rows.apply(x, counts, True, 1.0 / share if share else 1.0)
+    else:
+        out = gather_rows(x.detach(), counts)
+    if keras_mask is not None:
+        set_keras_mask(out, gather_rows(keras_mask, counts))
+    return out
 
 
 def call_layer(layer, original, args, kwargs):
@@ -226,32 +234,26 @@ def _on_global_batch(layer, original, args, kwargs, step):
     return _gathered(layer, original, args, kwargs, step, counts, share)
 
 
+def _plain(x):
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
 def _batch_aligned(x, step):
-    return (
-        isinstance(x, torch.Tensor)
-        and not isinstance(x, DTensor)
-        and x.dim() > 0
-        and x.shape[0] == step.rows
-    )
+    return _plain(x) and x.shape[:1] == (step.rows,)
 
 
 def _gathered(layer, original, args, kwargs, step, counts, share):
     """The layer on the gathered batch; this rank keeps its output rows."""
     from keras.src import tree
 
-    def gather(x):
-        if _batch_aligned(x, step):
-            return gather_with_grad(x, counts, share)
-        return x
-
-    args, kwargs = tree.map_structure(gather, (args, kwargs))
+    args, kwargs = tree.map_structure(
+        lambda x: _gather(x, step, counts, share), (args, kwargs)
+    )
     outputs = original(layer, *args, **kwargs)
 
     def own(x):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return x
-        if x.shape[0] == step.global_rows:
-            return _scaled(_OwnRows.apply(x, counts), share)
+        if isinstance(x, torch.Tensor) and x.shape[:1] == (step.global_rows,):
+            return _Rows.apply(x, counts, False, share)
         return x
 
     return tree.map_structure(own, outputs)
@@ -272,20 +274,16 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
         return from_local(x, mesh, [Shard(0)], shape)
 
     args, kwargs = tree.map_structure(shard, (args, kwargs))
-    swapped = []
-    for variable in layer.trainable_variables:
-        value = variable._value
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            variable._value = DTensor.from_local(
-                value, mesh, [Replicate()], run_check=False
-            )
-            swapped.append((variable, value))
-    try:
-        with implicit_replication():
-            outputs = original(layer, *args, **kwargs)
-    finally:
-        for variable, value in swapped:
-            variable._value = value
+    with contextlib.ExitStack() as stack:
+        for variable in layer.trainable_variables:
+            value = variable._value
+            if _plain(value):
+                value = DTensor.from_local(value, mesh, [Replicate()])
+                stack.enter_context(
+                    object_state.swapped(variable, "_value", value)
+                )
+        stack.enter_context(implicit_replication())
+        outputs = original(layer, *args, **kwargs)
 
     def local(x):
         if not isinstance(x, DTensor):
@@ -295,3 +293,57 @@ def _as_dtensors(layer, original, args, kwargs, step, share):
         return x.full_tensor()
 
     return tree.map_structure(local, outputs)
+
+
+def needs_global(model):
+    """Whether `model` compiled a loss that is no mean over rows."""
+    return any(
+        getattr(loss_fn, "reduction", None) in _GLOBAL
+        or object_state.get_on(loss_fn, _WHOLE_BATCH)
+        for loss_fn in _flat_losses(model)
+    )
+
+
+def probe(model, y_true, y_pred):
+    """Notes which losses from outside Keras return one value for the
+    whole batch, on the meta tensors of Keras's symbolic build."""
+    from keras.src import tree
+
+    if tree.is_nested(y_true) or tree.is_nested(y_pred):
+        return
+    for loss_fn in _flat_losses(model):
+        fn = getattr(loss_fn, "fn", loss_fn)
+        keras_own = getattr(fn, "__module__", "").startswith("keras.")
+        if keras_own or object_state.get_on(loss_fn, _WHOLE_BATCH) is not None:
+            continue
+        whole = False  # not probed: as a mean over rows
+        meta = compat.torch_core().device_scope("meta")
+        with contextlib.suppress(Exception), meta:
+            whole = loss_fn.call(y_true, y_pred).dim() == 0
+        object_state.set_on(loss_fn, _WHOLE_BATCH, whole)
+
+
+def _flat_losses(model):
+    compiled = getattr(model, "_compile_loss", None)
+    return [entry[1] for entry in getattr(compiled, "_flat_losses", None) or ()]
+
+
+def over_global_batch(compiled, step):
+    """`compiled(y_true, y_pred, sample_weight)` on `step`'s global batch,
+    `y_pred` gathered with autograd."""
+    from keras.src import tree
+
+    def call(y_true, y_pred, sample_weight=None):
+        counts = step.count()
+        share = step.rows / step.global_rows
+
+        def gather(x, with_grad=False):
+            return _gather(x, step, counts, share, with_grad, mask=True)
+
+        return compiled(
+            tree.map_structure(gather, y_true),
+            tree.map_structure(lambda x: gather(x, True), y_pred),
+            tree.map_structure(gather, sample_weight),
+        )
+
+    return call

@@ -18,7 +18,6 @@ from keras_dtensor.backend import console
 from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.data_parallel import global_batch_losses
-from keras_dtensor.data_parallel import global_loss
 from keras_dtensor.data_parallel.state import state_of
 from keras_dtensor.ops.flat_buffers import offsets
 
@@ -35,16 +34,16 @@ __all__ = [
 
 
 class EarlyMetrics:
-    """`states` (the same order on every rank) summed with backward, in
-    the last bucket's tail or alone (`launch()`); `frozen`:
-    `{id(state): value}` to sum instead (`without_rows`)."""
+    """`states` (one order on every rank) summed with backward, in the
+    last bucket's tail or alone (`launch()`); `frozen`: `{id(state):
+    value}` to sum instead (`without_rows`)."""
 
     def __init__(self, states, frozen=None):
         self.states = states
         self.versions = [s._version for s in states]
         self.flat = _flat_double(states, frozen)
         self.work = None
-        self.pending = True  # neither launched nor received yet
+        self.pending = True  # neither launched nor received
 
     @staticmethod
     def states_of(model, with_compiled):
@@ -87,13 +86,8 @@ class EarlyMetrics:
             self.work.wait()
             self.work = None
         values = _unflatten(self.flat, self.states)
-        return {
-            id(s): value
-            for s, value, same in zip(
-                self.states, values, self.unchanged(), strict=True
-            )
-            if same
-        }
+        pairs = zip(self.states, values, self.unchanged(), strict=True)
+        return {id(s): value for s, value, same in pairs if same}
 
 
 def _flat_double(tensors, frozen=None):
@@ -161,10 +155,8 @@ def wrap_get_metrics_result(original):
         summed = {} if early is None else early.summed()
         late = [s for s in flat_states if id(s) not in summed]
         if late:
-            flat = _flat_double(late, getattr(state, "frozen", None))
-            dist.all_reduce(flat)
-            values = _unflatten(flat, late)
-            summed.update(zip(map(id, late), values, strict=True))
+            frozen = getattr(state, "frozen", None)
+            summed.update(EarlyMetrics(late, frozen).summed())
         results = {}
         for metric, group in zip(metrics, states, strict=True):
             result = metric.stateless_result([summed[id(s)] for s in group])
@@ -178,15 +170,18 @@ def wrap_get_metrics_result(original):
 
 
 @functools.cache
-def _keras_steps():
-    torch_trainer = compat.torch_trainer_class()
-    base = compat.base_trainer_class()
-    return torch_trainer.train_step, base.compute_metrics, torch_trainer
+def _torch_trainer():
+    return compat.torch_trainer_class()
+
+
+def _is_keras(model, name):
+    """Whether `model`'s method `name` is Keras's own."""
+    return getattr(type(model), name) is getattr(_torch_trainer(), name)
 
 
 def is_keras_train_step(model):
     """Whether `model` trains with Keras's own `train_step`."""
-    return type(model).train_step is _keras_steps()[0]
+    return _is_keras(model, "train_step")
 
 
 def global_logs(model, kind, logs):
@@ -194,9 +189,7 @@ def global_logs(model, kind, logs):
     step's, each value whose key names a metric result becomes the global
     result; the others stay this rank's, with one warning per model."""
     name = f"{kind}_step"
-    if getattr(type(model), name) is getattr(_keras_steps()[2], name):
-        return logs
-    if not isinstance(logs, dict):
+    if _is_keras(model, name) or not isinstance(logs, dict):
         return logs
     results = model.get_metrics_result()
     local = []
@@ -240,9 +233,7 @@ def _armed_reducer(model):
     reducer = getattr(state_of(model, create=False), "reducer", None)
     if reducer is None or not reducer.active or not is_keras_train_step(model):
         return None
-    if type(model).compute_metrics is not _keras_steps()[1]:
-        return None
-    return reducer
+    return reducer if _is_keras(model, "compute_metrics") else None
 
 
 def wrap_compute_loss(original):
@@ -271,8 +262,9 @@ def wrap_compute_loss(original):
 
 def wrap_compute_loss_without_rows(original):
     """Wraps `Trainer.compute_loss` under DataParallel: a loss that is no
-    mean over rows runs on the global batch (`global_loss`); a rank with
-    no rows gets a scalar zero loss, so backward runs as on the others."""
+    mean over rows runs on the global batch (`global_batch_losses`); a
+    rank with no rows gets a scalar zero loss, so backward runs as on the
+    others."""
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
@@ -287,26 +279,26 @@ def wrap_compute_loss_without_rows(original):
             y_pred = given.get("y_pred")
             if isinstance(y_pred, torch.Tensor) and y_pred.is_meta:
                 loss = original(self, *args, **kwargs)  # builds the losses
-                global_loss.probe(self, given.get("y"), y_pred)
+                global_batch_losses.probe(self, given.get("y"), y_pred)
                 return loss
-        if step is not None and global_loss.needs_global(self):
-            with object_state.swapped(
-                self,
-                "_compile_loss",
-                global_loss.over_global_batch(self._compile_loss, step),
-            ):
+        elif global_batch_losses.needs_global(self):
+            loss = global_batch_losses.over_global_batch(
+                self._compile_loss, step
+            )
+            with object_state.swapped(self, "_compile_loss", loss):
                 return original(self, *args, **kwargs)
         if getattr(state_of(self, create=False), "frozen", None) is None:
             return original(self, *args, **kwargs)
         compiled = self.__dict__.get("_compile_loss")
-        if compiled is None:
-            return _summed_if_empty(original(self, *args, **kwargs))
         # Keras stacks it with the losses layers added: a scalar first.
-        with object_state.swapped(
-            self,
-            "_compile_loss",
-            lambda *a, **k: _summed_if_empty(compiled(*a, **k)),
-        ):
+        swap = contextlib.nullcontext()
+        if compiled is not None:
+            swap = object_state.swapped(
+                self,
+                "_compile_loss",
+                lambda *a, **k: _summed_if_empty(compiled(*a, **k)),
+            )
+        with swap:
             return _summed_if_empty(original(self, *args, **kwargs))
 
     return compute_loss

@@ -16,9 +16,7 @@ from keras_dtensor import config
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.metrics import EarlyMetrics
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.ops.flat_buffers import buckets
-from keras_dtensor.ops.flat_buffers import flat_views
-from keras_dtensor.ops.flat_buffers import nbytes
+from keras_dtensor.ops import flat_buffers
 
 __all__ = ["GradientReducer"]
 
@@ -37,8 +35,9 @@ class GradientReducer:
         self.params = list(params)
         order = self.params[::-1]
         owner_of = dict(zip(map(id, self.params), owners or (), strict=False))
-        runs = buckets(
-            [nbytes(p) for p in order],
+        self.owners = bool(owners)
+        runs = flat_buffers.buckets(
+            [flat_buffers.nbytes(p) for p in order],
             bucket_bytes,
             keys=[p.dtype for p in order],
             first_cap=_FIRST_BUCKET_BYTES,
@@ -49,15 +48,11 @@ class GradientReducer:
         ]
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
         # The widest state every bucket sums without rounding (0: none).
-        self.tail_width = min(
-            (
-                b[0].element_size()
-                if b[0].dtype in (torch.float32, torch.float64)
-                else 0
-                for b in self.buckets
-            ),
-            default=0,
-        )
+        floats = (torch.float32, torch.float64)
+        widths = [
+            b[0].element_size() * (b[0].dtype in floats) for b in self.buckets
+        ]
+        self.tail_width = min(widths, default=0)
         self._allocate(_TAIL_ROOM)
         self.world, self.rank = world()
         # Per bucket: {owner: (start, stop)}, and the (peer, buffer) pairs
@@ -80,7 +75,6 @@ class GradientReducer:
                     if r != self.rank
                 ]
             )
-        self.owners = bool(owners) and None not in owner_of.values()
         self.model = weakref.ref(model)
         self.early = None  # the EarlyMetrics of the latest train step
         self.active = False  # only inside a DataParallel train step
@@ -99,7 +93,7 @@ class GradientReducer:
         self.tail_room = tail_room
         self.buffers, self.slot = [], {}  # slot: id(param) -> (bucket, view)
         for index, bucket in enumerate(self.buckets):
-            flat, places = flat_views(bucket, room=tail_room)
+            flat, places = flat_buffers.flat_views(bucket, room=tail_room)
             self.buffers.append(flat)
             for p, place in zip(bucket, places, strict=True):
                 self.slot[id(p)] = (index, place)
@@ -107,6 +101,7 @@ class GradientReducer:
     def _reset(self):
         self.ready = [0] * len(self.buckets)
         self.works = {}
+        self.rows_work = None  # the row count's own all-reduce
         self.queued = False
         self.total_rows = None
         self.tail = None  # the sums the last bucket carries, flat, float64
@@ -116,7 +111,7 @@ class GradientReducer:
         """Arms the reducer for a train step on `rows` of `global_rows`
         (`None`: summed with the gradients); `to_owners`: to owners only."""
         self.active = True
-        self.to_owners = bool(to_owners) and self.owners
+        self.to_owners = to_owners and self.owners
         self.metrics_updated = False
         self.rows = rows
         self.weight = None if global_rows is None else rows / global_rows
@@ -169,9 +164,7 @@ class GradientReducer:
                 self.early.launch()
             if self.weight is None:
                 self.total_rows = parts[-1]
-                self.works["rows"] = dist.all_reduce(
-                    self.total_rows, async_op=True
-                )
+                self.rows_work = dist.all_reduce(self.total_rows, async_op=True)
             return
         tail = parts[0] if len(parts) == 1 else torch.cat(parts)
         if tail.numel() > self.tail_room:  # no gradient is in yet
@@ -181,10 +174,7 @@ class GradientReducer:
     def _launch(self, index):
         if not self.to_owners:
             n = self.sizes[index]
-            last = (
-                len(self.works) - ("rows" in self.works)
-                == len(self.buckets) - 1
-            )
+            last = len(self.works) == len(self.buckets) - 1
             if last and self.tail is not None:
                 n += self.tail.numel()
                 self.buffers[index][self.sizes[index] : n].copy_(self.tail)
@@ -224,9 +214,8 @@ class GradientReducer:
                 if p.grad is not self.slot[id(p)][1]:
                     self.slot[id(p)][1].zero_()
             self._launch(index)
-        rows = self.works.pop("rows", None)
-        if rows is not None:
-            rows.wait()
+        if self.rows_work is not None:
+            self.rows_work.wait()
         for index, work in sorted(self.works.items()):
             self._wait(index, work)
         if self.tail_at is not None:

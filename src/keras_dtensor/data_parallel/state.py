@@ -25,9 +25,8 @@ class ModelState:
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
-        if self.split is not None and self.split.buffers is not None:
-            self.split.buffers.release()
-            self.split.buffers = None
+        if self.split is not None:
+            self.split.release()
 
 
 def state_of(model, create=True):

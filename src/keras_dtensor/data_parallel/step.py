@@ -6,32 +6,18 @@ the reducer and update split built (`_prepare`); Keras's own step on the
 rows; rank 0's moving statistics everywhere; predict outputs gathered.
 """
 
-import contextlib
 import functools
 
 from keras_dtensor import compat
-from keras_dtensor import config
 from keras_dtensor.backend import context
 from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.launch import world
-from keras_dtensor.data_parallel.batch_split import gather_rows
-from keras_dtensor.data_parallel.batch_split import leading_rows
-from keras_dtensor.data_parallel.batch_split import local_rows
-from keras_dtensor.data_parallel.batch_split import row_counts
-from keras_dtensor.data_parallel.batch_split import row_range
-from keras_dtensor.data_parallel.global_batch_losses import find_loss_layers
-from keras_dtensor.data_parallel.global_batch_losses import step_scope
-from keras_dtensor.data_parallel.metrics import global_logs
-from keras_dtensor.data_parallel.metrics import is_keras_train_step
-from keras_dtensor.data_parallel.metrics import without_rows
-from keras_dtensor.data_parallel.random_rows import split_rows
+from keras_dtensor.data_parallel import batch_split
+from keras_dtensor.data_parallel import global_batch_losses
+from keras_dtensor.data_parallel import metrics
+from keras_dtensor.data_parallel import zero_update
 from keras_dtensor.data_parallel.reducer import GradientReducer
 from keras_dtensor.data_parallel.state import state_of
-from keras_dtensor.data_parallel.zero_update import UpdateSplit
-from keras_dtensor.data_parallel.zero_update import broadcast_from_rank0
-from keras_dtensor.data_parallel.zero_update import splitting_updates
-from keras_dtensor.data_parallel.zero_update import sync_optimizer_state
-from keras_dtensor.ops.flat_buffers import FlatParams
 
 __all__ = [
     "run_step",
@@ -42,26 +28,20 @@ __all__ = [
 
 
 def _prepare(model, step, local):
-    """The model's state for train function `step`, built once (on this
-    rank's rows `local`)."""
+    """The model's state for train function `step`, built once."""
     state = state_of(model)
     if state.step is step:
         return state
-    sync_optimizer_state(model)  # the owners may change
+    zero_update.sync_optimizer_state(model)  # the owners may change
     state.close()
-    broadcast_from_rank0(model.variables)
+    zero_update.broadcast_from_rank0(model.variables)
     variables = model.trainable_weights
+    state.split = zero_update.UpdateSplit(variables)
     params = [v.value for v in variables]
-    state.split = UpdateSplit(variables)
-    owners = None
-    if state.split.owner:
-        owners = [state.split.owner.get(id(v)) for v in variables]
-        if config.get("SPLIT_UPDATE"):
-            state.split.buffers = FlatParams(params, owners)
-    state.reducer = GradientReducer(params, model, owners=owners)
+    state.reducer = GradientReducer(params, model, state.split.owners)
     state.statistics = _moving_statistics(model)
     state.step = step
-    find_loss_layers(model, local)
+    global_batch_losses.find_loss_layers(model, local)
     return state
 
 
@@ -83,49 +63,39 @@ def run_step(model, step, kind, data, distribution):
     if world()[0] == 1:
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data
-    shard = batch_shard(batch)  # this rank's rows, loaded as such
+    local, rows, global_rows = batch_split.local_rows(
+        batch,
+        distribution,
+        batch_shard(batch),  # rows loaded as such
+    )
     if kind == "predict":
-        counts = row_counts(batch, distribution, shard)
-        local, _ = local_rows(batch, distribution, shard)
-        return gather_rows(step([local]), counts)
-    local, rows = local_rows(batch, distribution, shard)
-    # A global batch split here or by the loader: its row count is known.
-    global_rows = None
-    if shard is not None:
-        global_rows = shard.total
-    elif distribution.auto_shard_dataset:
-        global_rows = leading_rows(batch)
+        counts = batch_split.rank_counts(rows, global_rows)
+        return batch_split.gather_rows(step([local]), counts)
+    scope = global_batch_losses.step_scope(rows, global_rows)
     if kind != "train":
-        with without_rows(model, rows), step_scope(rows, global_rows):
-            return global_logs(model, kind, step([local]))
+        with metrics.without_rows(model, rows), scope:
+            return metrics.global_logs(model, kind, step([local]))
     state = _prepare(model, step, local)
-    random_rows = contextlib.nullcontext()
-    if global_rows is not None:
-        random_rows = split_rows(row_range(global_rows)[0], rows, global_rows)
     split = state.split if state.fit_depth else None
     to_owners = (
         split is not None
-        and is_keras_train_step(model)
+        and metrics.is_keras_train_step(model)
         and split.to_owners(model.optimizer)
     )
     state.reducer.begin(rows, global_rows, to_owners=to_owners)
-    if split is not None:
-        split.partial = state.reducer.to_owners
     try:
         with (
-            random_rows,
-            splitting_updates(split),
-            without_rows(model, rows),
-            step_scope(rows, global_rows),
+            batch_split.split_rows(rows, global_rows),
+            zero_update.splitting_updates(split, state.reducer.to_owners),
+            metrics.without_rows(model, rows),
+            scope,
         ):
             logs = step([local])
         if state.statistics:  # as DDP broadcasts its buffers
-            broadcast_from_rank0(state.statistics)
-        return global_logs(model, kind, logs)
+            zero_update.broadcast_from_rank0(state.statistics)
+        return metrics.global_logs(model, kind, logs)
     finally:
         state.reducer.end()
-        if split is not None:
-            split.partial = False
 
 
 def wrap_fit(original):
@@ -142,7 +112,7 @@ def wrap_fit(original):
             history = original(self, *args, **kwargs)
         finally:
             state.fit_depth -= 1
-        sync_optimizer_state(self)
+        zero_update.sync_optimizer_state(self)
         return history
 
     return fit
@@ -165,9 +135,7 @@ def wrap_distribute_tensor(original):
     @functools.wraps(original)
     def distribute_tensor(tensor, layout):
         if context.is_data_parallel():
-            convert_to_tensor = compat.torch_core().convert_to_tensor
-
-            return convert_to_tensor(tensor)
+            return compat.torch_core().convert_to_tensor(tensor)
         return original(tensor, layout)
 
     return distribute_tensor

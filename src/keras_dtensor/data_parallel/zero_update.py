@@ -16,6 +16,7 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.launch import world
 from keras_dtensor.data_parallel.state import state_of
+from keras_dtensor.ops.flat_buffers import FlatParams
 from keras_dtensor.ops.flat_buffers import broadcast_packed
 from keras_dtensor.ops.flat_buffers import nbytes
 
@@ -40,34 +41,42 @@ def broadcast_from_rank0(variables):
 
 
 class UpdateSplit:
-    """Which rank updates which variable: whole variables (every Keras
-    update stays exact) dealt out largest first to the least-loaded rank;
-    none with fewer variables than ranks or a model under
-    `$KERAS_DTENSOR_SPLIT_UPDATE_MB`."""
+    """Which rank updates which of `variables`: whole variables (every
+    Keras update stays exact) dealt out largest first to the least-loaded
+    rank; none with fewer variables than ranks or a model under
+    `$KERAS_DTENSOR_SPLIT_UPDATE_MB`. `owners`: each variable's, or `None`;
+    their parameters then live in `FlatParams` (`buffers`)."""
 
     def __init__(self, variables):
         self.world, self.rank = world()
         self.owner = {}
+        self.owners = self.buffers = None
         self.checked = weakref.WeakKeyDictionary()  # optimizer -> bool
         # optimizer -> {id(model variable): owner} of stale slots
         self.stale = weakref.WeakKeyDictionary()
         self.depth = 0
         self.partial = False  # gradients went to their owners only
-        self.buffers = None  # the parameters' `FlatParams`
-        variables = list(variables)
         # Gradient overwrite (float8 scales) needs every global gradient.
         self.overwritten = any(v.overwrite_with_gradient for v in variables)
-        if len(variables) < self.world:
-            return
         values = [v.value for v in variables]
-        sizes = [p.numel() for p in values]
-        if sum(map(nbytes, values)) < config.get("SPLIT_UPDATE_MB") * 2**20:
+        if len(variables) < self.world or (
+            sum(map(nbytes, values)) < config.get("SPLIT_UPDATE_MB") * 2**20
+        ):
             return
         load = [0] * self.world
-        for i in sorted(range(len(variables)), key=lambda i: -sizes[i]):
+        for i in sorted(range(len(values)), key=lambda i: -values[i].numel()):
             rank = load.index(min(load))
             self.owner[id(variables[i])] = rank
-            load[rank] += sizes[i]
+            load[rank] += values[i].numel()
+        self.owners = [self.owner[id(v)] for v in variables]
+        if config.get("SPLIT_UPDATE"):
+            self.buffers = FlatParams(values, self.owners)
+
+    def release(self):
+        """Gives the parameters storage of their own again."""
+        if self.buffers is not None:
+            self.buffers.release()
+            self.buffers = None
 
     def splits(self, optimizer):
         """Whether `optimizer`'s update can be split (cached)."""
@@ -85,7 +94,8 @@ class UpdateSplit:
             return False
         if optimizer.global_clipnorm or optimizer.gradient_accumulation_steps:
             return False
-        base = _base_optimizer()
+        from keras.src.optimizers.base_optimizer import BaseOptimizer as base
+
         for name in _WHOLE_GRADIENT_METHODS:
             if getattr(type(optimizer), name, None) is not getattr(base, name):
                 return False
@@ -100,13 +110,6 @@ _WHOLE_GRADIENT_METHODS = (
     "_filter_empty_gradients",
     "_overwrite_variables_directly_with_gradients",
 )
-
-
-@functools.cache
-def _base_optimizer():
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    return BaseOptimizer
 
 
 def _slots(optimizer):
@@ -185,13 +188,18 @@ def _raise_partial(optimizer, variables, owners, split):
 
 
 @contextlib.contextmanager
-def splitting_updates(split):
-    """Optimizer updates inside are split by `split` (`None`: whole)."""
+def splitting_updates(split, partial):
+    """Optimizer updates inside are split by `split` (`None`: whole);
+    `partial`: the gradients went to their owners only."""
     token = _ACTIVE.set(split)
+    if split is not None:
+        split.partial = partial
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        if split is not None:
+            split.partial = False
 
 
 def wrap_add_variable_from_reference(original):

@@ -1,6 +1,6 @@
-"""`dot_product_attention` on DTensor inputs: Keras's own function on local
-shards (q/k/v split alike over batch or heads, else replicated; the mask
-and bias follow the query), the output placed as the query is.
+"""`dot_product_attention` on DTensors: Keras's function on local shards
+(q/k/v split alike over batch or heads, else replicated), the output, mask
+and bias placed as the query.
 """
 
 from torch.distributed.tensor import DTensor
@@ -50,7 +50,7 @@ def wrap_dot_product_attention(original):
 
 
 def _split_alike(query, key, value):
-    """Whether q/k/v share mesh and placements: batch, heads or replicated."""
+    """Whether q/k/v share mesh and placements over batch or heads."""
     for t in (query, key, value):
         if not isinstance(t, DTensor) or t.device_mesh != query.device_mesh:
             return False

@@ -1,6 +1,5 @@
 """Callbacks on N processes run synchronously (their numpy conversions are
-collectives); messages and `model.summary()` print from rank 0 only
-(`KERAS_DTENSOR_LOG_ALL_RANKS=1`: every rank).
+collectives); messages and `model.summary()` print from rank 0 only.
 """
 
 from keras_dtensor.backend import console
@@ -37,8 +36,7 @@ def wrap_print_msg(original):
 
 
 def wrap_print_summary(original):
-    """Wraps `summary_utils.print_summary`: rank 0 only, unless the caller
-    passes its own `print_fn`."""
+    """Wraps `summary_utils.print_summary`: rank 0 only, bar a `print_fn`."""
 
     def print_summary(model, *args, **kwargs):
         if (

@@ -1,24 +1,31 @@
-"""Where data enters the distributed computation: batches become DTensors.
-
-Every input kind is the global batch on every process, each keeping its
-rows (loaded alone where `loader_shards`, `pydataset_shards` can); with
-`auto_shard_dataset=False`, each process's own.
+"""Where batches become DTensors: every input kind is the global batch on
+every process, each keeping its rows (loaded alone where `loader_shards`
+can); with `auto_shard_dataset=False`, its own. Every rank is checked to
+feed the same steps (the same global batches, or as many of its own): an
+error on every rank instead of wrong rows or a hang.
 """
 
 import functools
+import itertools
 import warnings
+import zlib
+
+import numpy as np
+import torch
 
 from keras_dtensor import compat
+from keras_dtensor import config
 from keras_dtensor import data_parallel
 from keras_dtensor import planning
 from keras_dtensor.backend import context
+from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend import resume
+from keras_dtensor.backend.batch_layout import batch_shard
 from keras_dtensor.backend.batch_layout import distribute_batch
+from keras_dtensor.backend.launch import all_gather_ints
 from keras_dtensor.backend.launch import world
-from keras_dtensor.hooks import input_checks
 from keras_dtensor.hooks import loader_shards
-from keras_dtensor.hooks import pydataset_shards
 
 __all__ = [
     "wrap_epoch_iter",
@@ -43,9 +50,8 @@ def wrap_get_iterator(original):
         iterator = None if per_process else _own_shards(adapter, distribution)
         if iterator is None:
             iterator = adapter.get_torch_dataloader()
-        iterator = input_checks.checked(
-            iterator, adapter.num_batches, same_batches=not per_process
-        )
+        # iter() now, as Keras does: a DataLoader draws its seed there.
+        iterator = _checked(iter(iterator), adapter.num_batches, per_process)
         if context.is_data_parallel(distribution):
             return iterator  # local mode: the step function takes its rows
         return (
@@ -57,14 +63,13 @@ def wrap_get_iterator(original):
 
 
 def _own_shards(adapter, distribution):
-    """This process's shards of the adapter's global batches, or `None`
-    where every process reads the input whole."""
+    """This process's shards of the global batches, or `None` (read whole)."""
     if isinstance(adapter, compat.data_adapter_class("TorchDataLoaderAdapter")):
         return loader_shards.sharded_loader(
             adapter.get_torch_dataloader(), distribution
         )
     if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
-        return pydataset_shards.sharded_batches(adapter, distribution)
+        return loader_shards.sharded_batches(adapter, distribution)
     tf_data = compat.data_adapter_class("TFDatasetAdapter")
     if isinstance(adapter, tf_data) and world()[0] > 1:
         _say_read_whole()
@@ -73,7 +78,6 @@ def _own_shards(adapter, distribution):
 
 @functools.cache
 def _say_read_whole():
-    """One warning per process: every process runs a tf.data pipeline."""
     warnings.warn(
         f"keras-dtensor: each of the {world()[0]} processes reads this "
         "tf.data pipeline whole (its maps run on every element in every "
@@ -86,8 +90,7 @@ def _say_read_whole():
 
 
 def wrap_epoch_iter(original):
-    """Wraps `TorchEpochIterator.__iter__`: a resumed epoch starts at the
-    batch its checkpoint was written at (`backend.resume`)."""
+    """Wraps `TorchEpochIterator.__iter__`: a resumed epoch's start."""
 
     def __iter__(self):
         pending = resume.take()
@@ -109,8 +112,7 @@ def wrap_epoch_iter(original):
 
 
 def wrap_make_function(original, kind):
-    """Wraps `TorchTrainer.make_{kind}_function`: what is still plain when
-    a step starts (`train_on_batch`'s arrays) is laid out as global."""
+    """Wraps `TorchTrainer.make_{kind}_function`: plain inputs laid out."""
     attribute = f"{kind}_function"
 
     def make_function(self, force=False):
@@ -144,9 +146,7 @@ def wrap_make_function(original, kind):
 
 
 def wrap_get_data_adapter(original):
-    """Wraps `data_adapters.get_data_adapter`: with several processes the
-    adapter is built as for one (every input kind yields the global batch;
-    this process's rows are kept later), not Keras's tf.data-only split."""
+    """Wraps `data_adapters.get_data_adapter`: built as for one process."""
 
     def _get_data_adapter(x, *args, **kwargs):
         distribution = context.current()
@@ -159,7 +159,118 @@ def wrap_get_data_adapter(original):
         with object_state.swapped(distribution, "_auto_shard_dataset", False):
             adapter = original(x, *args, **kwargs)
         if isinstance(adapter, compat.data_adapter_class("PyDatasetAdapter")):
-            pydataset_shards.take_over_workers(adapter, distribution)
+            loader_shards.take_over_workers(adapter, distribution)
         return adapter
 
     return _get_data_adapter
+
+
+def _uneven_error(counts, global_batches):
+    low = min(counts)
+    done = [r for r, c in enumerate(counts) if c == low]
+    more = [r for r, c in enumerate(counts) if c != low]
+    if global_batches:
+        how = (
+            "With auto_shard_dataset=True (the default) every process must "
+            "yield the same global batches"
+        )
+        fix = "Give every process the same dataset"
+    else:
+        how = (
+            "With auto_shard_dataset=False each process feeds its own data, "
+            "and every process must yield the same number of batches"
+        )
+        fix = (
+            "Even out the per-process data, or let keras-dtensor shard one "
+            "global dataset"
+        )
+    return RuntimeError(
+        f"{how}: ranks {done} have {low} batches this epoch while ranks "
+        f"{more} have more (batches per rank: {counts}). {fix}."
+    )
+
+
+_SAMPLE = 1 << 16
+_END = object()  # the iterator is done
+
+
+def _sample(flat):
+    """At most `_SAMPLE` evenly spaced elements: a checksum's cost is flat."""
+    step = max(1, len(flat) // _SAMPLE)
+    return flat[::step]
+
+
+def _digest(batch):
+    """A checksum of a batch's numeric contents (-1 for no batch)."""
+    if batch is None:
+        return -1
+    shard = batch_shard(batch)
+    if shard is not None:  # a shard: the global batch's indices
+        return shard.digest
+    crc = 0
+    for leaf in fast_tree.flatten(batch):
+        if isinstance(leaf, torch.Tensor):  # any dtype, bfloat16 too
+            crc = zlib.crc32(repr(tuple(leaf.shape)).encode(), crc)
+            raw = _sample(leaf.detach().reshape(-1)).contiguous()
+            leaf = raw.cpu().view(torch.uint8).numpy()
+        leaf = np.asarray(leaf)
+        if leaf.dtype.kind not in "biufc":  # None, strings: skipped
+            continue
+        raw = np.ascontiguousarray(_sample(leaf.reshape(-1)))
+        crc = zlib.crc32(raw.tobytes(), crc)
+        crc = zlib.crc32(repr(leaf.shape).encode(), crc)
+    return crc
+
+
+def _raise_if_batches_differ(digests, index):
+    if len(set(digests)) == 1:
+        return
+    groups = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    raise RuntimeError(
+        "With auto_shard_dataset=True (the default) every process must "
+        "yield the same global batches, and each keeps its own rows; here "
+        f"the processes' batch {index} of this epoch differs (ranks with "
+        f"equal batches: {sorted(groups.values())}). Seed every source of "
+        "randomness in the input pipeline the same way on every rank "
+        "(keras.utils.set_random_seed(seed) before building it, or explicit "
+        "seeds), or, if each process deliberately feeds its own rows, "
+        "create the distribution with auto_shard_dataset=False "
+        "(DataParallel(auto_shard_dataset=False), likewise ModelParallel), "
+        "not a fit argument. (A rank that is not running this same "
+        "fit/evaluate/predict at all shows up here too: every rank must "
+        "call it.)"
+    )
+
+
+def _checked(iterator, num_batches, per_process):
+    """`iterator`'s batches, as many on every rank (known counts compared
+    once, unknown ones batch by batch); unless `per_process`, the same ones
+    (checksums on the first, then every `KERAS_DTENSOR_CHECK_EVERY`)."""
+    same_batches = not per_process
+    counts = all_gather_ints(-1 if num_batches is None else num_batches)
+    known = all(c >= 0 for c in counts)
+    if known and len(set(counts)) > 1:
+        raise _uneven_error(counts, same_batches)
+    every = config.get("CHECK_EVERY") if same_batches else 0
+    for index in itertools.count():
+        batch = next(iterator, _END)
+        compare = same_batches and (
+            index == 0 or (every and index % every == 0)
+        )
+        if not known or compare:
+            mine = _digest(batch) if compare and batch is not _END else 0
+            digests = all_gather_ints(-1 if batch is _END else mine)
+            ended = [d == -1 for d in digests]
+            if all(ended):
+                return
+            if any(ended):
+                raise _uneven_error(
+                    [index + (not e) for e in ended], same_batches
+                )
+            if compare:
+                _raise_if_batches_differ(digests, index)
+        elif batch is _END:
+            return
+        yield batch

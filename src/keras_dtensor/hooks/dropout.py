@@ -1,6 +1,5 @@
-"""Dropout on a split activation draws one process's mask: the global
-shape, the same generator calls, each rank keeping its part. Other inputs
-go to `data_parallel.wrap_dropout`.
+"""Dropout on a split activation: one process's mask drawn (the global
+shape, the same generator calls), each rank keeping its part.
 """
 
 import functools

@@ -1,7 +1,6 @@
 """`jit_compile=True` under a distribution: a compiled forward, the rest
-eager on DTensors. After a failure, or at dynamo's recompile limit, every
-rank runs eagerly (agreed after a signature's 1st, 2nd, 4th... call).
-`KERAS_DTENSOR_JIT=0`: eager.
+eager on DTensors; after a failure or at dynamo's recompile limit every
+rank runs eagerly (agreed at a signature's 1st, 2nd, 4th... call).
 """
 
 import collections
@@ -30,20 +29,12 @@ def _signature(args, kwargs):
 
 
 def _warn(message):
-    """A warning from rank 0 only."""
     if not console.silent():
         warnings.warn(message, stacklevel=3)
 
 
-def _brief(error):
-    """The error's message on one line, without Keras's ANSI bold."""
-    text = str(error).replace("\x1b[1m", "").replace("\x1b[0m", "")
-    return " ".join(text.split())[:300]
-
-
 class _Forward:
-    """A model's compiled forward, eager once a rank failed or a function
-    reached the recompile limit."""
+    """A model's compiled forward, eager once every rank agrees to."""
 
     def __init__(self, model):
         self._name = model.name
@@ -76,8 +67,7 @@ class _Forward:
         return outputs
 
     def _started(self, args):
-        """Dynamo's own count of a function's compilations, kept in
-        `_most` (`recompile_limit` caps it)."""
+        """Dynamo's count of a function's compilations, kept in `_most`."""
         from torch._dynamo.callback import CallbackTrigger
 
         if args.callback_trigger != CallbackTrigger.DYNAMO:
@@ -98,13 +88,16 @@ class _Forward:
             outputs = self._compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the eager rerun re-raises
             self.error = e
+            # Its message on one line, without Keras's ANSI bold.
+            text = str(e).replace("\x1b[1m", "").replace("\x1b[0m", "")
+            text = " ".join(text.split())[:300]
             with torch.no_grad():
                 for variable, value in saved:
                     variable.value.copy_(value)
             _warn(
                 f"jit_compile=True: torch.compile could not run the "
                 f"forward of model {self._name!r} over DTensors "
-                f"({type(e).__name__}: {_brief(e)}); it runs eagerly."
+                f"({type(e).__name__}: {text}); it runs eagerly."
             )
             return self._eager(*args, **kwargs)
         return outputs
@@ -141,8 +134,7 @@ def _compile_forward(model):
 
 
 def wrap_should_torch_compile(original):
-    """Wraps the torch trainer's `_should_torch_compile`
-    (`_use_torch_compile` on Keras 3.16)."""
+    """Wraps `_should_torch_compile` (3.16: `_use_torch_compile`)."""
 
     def _should_torch_compile(self):
         if context.current() is None:

@@ -1,5 +1,4 @@
-"""Keras 3.16's own torch distribution (DDP wrapping, metric sums, variable
-and batch layouts, prediction gathers) stood down where keras-dtensor does
+"""Keras 3.16's own torch distribution stood down where keras-dtensor does
 the job; with no distribution, Keras's code runs, but no DDP wrapper.
 """
 
@@ -21,8 +20,7 @@ __all__ = [
 
 
 class _DataParallelStandIn:
-    """`Trainer.ddp_model` under `DataParallel`: the trainer then calls
-    `loss.backward()`, which the gradient reducer's hooks need."""
+    """`Trainer.ddp_model`: the trainer then runs `loss.backward()`."""
 
     def __init__(self, model):
         self._model = weakref.ref(model)
@@ -35,8 +33,7 @@ class _DataParallelStandIn:
 
 
 def wrap_initialize_ddp(original):
-    """Wraps `Trainer._initialize_ddp`: no DDP wrapper while installed
-    (`_DataParallelStandIn` under `DataParallel` on several processes)."""
+    """Wraps `Trainer._initialize_ddp`: no DDP wrapper while installed."""
 
     def _initialize_ddp(self):
         distribution = context.active()
@@ -55,8 +52,7 @@ def wrap_initialize_ddp(original):
 
 
 def wrap_get_metrics_result(original):
-    """Wraps the torch `Trainer.get_metrics_result`: the base trainer's
-    (metrics are global values already)."""
+    """Wraps `Trainer.get_metrics_result`: the base trainer's (global)."""
 
     def get_metrics_result(self):
         import torch.distributed as dist
@@ -81,8 +77,7 @@ def wrap_initialize_distributed(original):
 
 
 def wrap_distribute_data(original):
-    """Wraps the torch trainer's `_distribute_data`: the arrays stay the
-    global batch, as tensors; the step lays them out."""
+    """Wraps `_distribute_data`: the global batch, laid out by the step."""
 
     def _distribute_data(data, layouts=None):
         if context.current() is None:
@@ -96,8 +91,7 @@ def wrap_distribute_data(original):
 
 
 def wrap_gather_non_batch_axes(original):
-    """Wraps the torch trainer's `_gather_non_batch_axes`: predictions are
-    already global values on every process."""
+    """Wraps `_gather_non_batch_axes`: predictions are global already."""
 
     def _gather_non_batch_axes(data):
         return original(data) if context.current() is None else data

@@ -1,5 +1,4 @@
-"""Every layer call under a distribution, handed to its strategy
-(`data_parallel.call_layer` or `model_parallel.call_layer`);
+"""Every layer call under a distribution, handed to its strategy;
 `SeedGenerator.next` in the global-values scope.
 """
 
@@ -13,8 +12,7 @@ __all__ = ["wrap_call", "wrap_seed_generator_next"]
 
 
 def wrap_seed_generator_next(original):
-    """Wraps `SeedGenerator.next`: a DTensor state meets its plain
-    increment as a global value (`context.global_values`)."""
+    """Wraps `SeedGenerator.next`: a DTensor state as a global value."""
 
     def next(self, *args, **kwargs):
         if not isinstance(getattr(self.state, "_value", None), DTensor):

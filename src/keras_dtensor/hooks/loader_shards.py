@@ -1,12 +1,20 @@
-"""A map-style `DataLoader` loading only this process's batch shard: every
-rank draws the global batch's indices from the user's batch sampler, then
-fetches and collates its shard, tagged (`batch_layout.tag_shard`).
+"""This process's rows of each global batch, loaded alone and tagged
+(`batch_layout.tag_shard`). A map-style `DataLoader`: every rank draws the
+global batch's indices, then fetches and collates its shard. A `PyDataset`:
+rank `k % N` builds step `k`'s batch and scatters each rank its rows (the
+structure as JSON, nothing unpickled).
 """
 
+import collections
+import copy
+import itertools
+import json
 import zlib
+from concurrent import futures
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils import data as torch_data
 
 from keras_dtensor import config
@@ -16,21 +24,23 @@ from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
 from keras_dtensor.backend.batch_layout import data_placements
 from keras_dtensor.backend.batch_layout import tag_shard
+from keras_dtensor.backend.launch import broadcast_bytes
 from keras_dtensor.backend.launch import world
 from keras_dtensor.backend.layout import local_slices
 
-__all__ = ["Reiterable", "rows_of", "shard_rule", "sharded_loader"]
+__all__ = [
+    "shard_rule",
+    "sharded_batches",
+    "sharded_loader",
+    "take_over_workers",
+]
 
 _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """This process's shards of `loader`'s batches (through a loader with its
-    settings), or `None` where it is read whole: an `IterableDataset`, no
-    automatic batching, a layout not split by batch alone, or
-    `KERAS_DTENSOR_SHARDED_LOADING=0`."""
-    if not config.get("SHARDED_LOADING") or world()[0] == 1:
-        return None
+    """This process's shards of an epoch of `loader`, or `None` (read
+    whole); its iterator made now, when Keras would draw its seed."""
     if loader.batch_sampler is None or isinstance(
         loader.dataset, torch_data.IterableDataset
     ):
@@ -40,13 +50,14 @@ def sharded_loader(loader, distribution):
         return None
     cached = object_state.get_on(loader, _DERIVED)
     if cached is not None and cached[0] is distribution:
-        return _epochs(cached[1])
+        return _tagged(iter(cached[1]))
     workers = loader.num_workers
+    keyed = _Keyed(loader.dataset, loader.collate_fn)
     derived = torch_data.DataLoader(
-        _Keyed(loader.dataset),
+        keyed,
         batch_sampler=_ShardIndices(loader.batch_sampler, rule, world()[1]),
         num_workers=workers,
-        collate_fn=_Collate(loader.collate_fn),
+        collate_fn=keyed.collate,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
@@ -58,35 +69,22 @@ def sharded_loader(loader, distribution):
         in_order=getattr(loader, "in_order", True),
     )
     object_state.set_on(loader, _DERIVED, (distribution, derived))
-    return _epochs(derived)
-
-
-class Reiterable:
-    """Iterates `make()` each time, as Keras iterates its loader per epoch."""
-
-    def __init__(self, make):
-        self.make = make
-
-    def __iter__(self):
-        return self.make()
-
-
-def _epochs(derived):
-    # iter() when iterated, not at the first batch: it draws its seed then.
-    return Reiterable(lambda: _tagged(iter(derived)))
+    return _tagged(iter(derived))
 
 
 def _tagged(iterator):
     for batch, (start, total, digest, empty) in iterator:
         if empty:  # zero rows of the sample that stood in
-            batch = rows_of(batch, 0, 0)
+            batch = _rows_of(batch, 0, 0)
         yield tag_shard(batch, start, total, digest)
 
 
 def shard_rule(distribution):
-    """`(total, rank) -> (start, length)`: a rank's rows of a global batch
-    (DataParallel's split, else the data layout's), or `None` where the
-    batch is not split by its leading dim alone."""
+    """`(total, rank) -> (start, length)`: a rank's rows of a global batch,
+    or `None` where the batch is read whole: one process, not split by its
+    leading dim alone, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
+    if not config.get("SHARDED_LOADING") or world()[0] == 1:
+        return None
     if context.is_data_parallel(distribution):
 
         def row_shard(total, rank):
@@ -98,7 +96,7 @@ def shard_rule(distribution):
     if any(p.is_shard() and p.dim != 0 for p in placements):
         return None
     if not any(p.is_shard() for p in placements):
-        return None  # a replicated batch: every rank loads it whole
+        return None  # replicated: every rank loads it whole
     coordinates = {
         int(mesh.mesh[c]): list(c) for c in np.ndindex(*mesh.mesh.shape)
     }
@@ -109,21 +107,8 @@ def shard_rule(distribution):
     return shard_of
 
 
-def _digest(indices):
-    """A checksum of a global batch's indices."""
-    try:
-        raw = np.asarray(indices)
-        if raw.dtype.kind in "biu":
-            return zlib.crc32(raw.astype(np.int64).tobytes())
-    except (TypeError, ValueError):
-        pass
-    return zlib.crc32(repr(list(indices)).encode())
-
-
 class _ShardIndices:
-    """The user's batch sampler, cut to this process's shard: `(indices,
-    (start, total, digest, empty))` (`empty`: no rows, the first sample
-    stands in for the structure)."""
+    """The user's batch sampler, cut to this process's shard."""
 
     def __init__(self, batch_sampler, rule, rank):
         self.batch_sampler, self.rule, self.rank = batch_sampler, rule, rank
@@ -135,15 +120,17 @@ class _ShardIndices:
         for indices in self.batch_sampler:
             indices = list(indices)
             start, length = self.rule(len(indices), self.rank)
-            meta = (start, len(indices), _digest(indices), not length)
+            digest = zlib.crc32(repr(indices).encode())
+            meta = (start, len(indices), digest, not length)
             yield indices[start : start + length] or [indices[0]], meta
 
 
 class _Keyed(torch_data.Dataset):
-    """The user's dataset, fetched by `_ShardIndices`'s keys."""
+    """The user's dataset and `collate_fn` on `_ShardIndices`'s keys, each
+    batch's meta carried beside its samples."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, dataset, collate_fn):
+        self.dataset, self.collate_fn = dataset, collate_fn
 
     def __getitems__(self, key):
         indices, meta = key
@@ -151,18 +138,11 @@ class _Keyed(torch_data.Dataset):
             return self.dataset.__getitems__(indices), meta
         return [self.dataset[i] for i in indices], meta
 
-
-class _Collate:
-    """The user's `collate_fn` on the fetched samples; the meta beside."""
-
-    def __init__(self, collate_fn):
-        self.collate_fn = collate_fn
-
-    def __call__(self, fetched):
+    def collate(self, fetched):
         return self.collate_fn(fetched[0]), fetched[1]
 
 
-def rows_of(batch, start, length):
+def _rows_of(batch, start, length):
     """Rows `[start, start + length)` of every array of a batch."""
 
     def cut(x):
@@ -171,3 +151,167 @@ def rows_of(batch, start, length):
         return x
 
     return fast_tree.map_structure(cut, batch)
+
+
+def sharded_batches(adapter, distribution):
+    """This process's shards of an epoch of `adapter`, or `None`."""
+    if adapter.enqueuer is not None or not _shardable(adapter, distribution):
+        return None
+    return _shards(adapter, shard_rule(distribution))
+
+
+def take_over_workers(adapter, distribution):
+    """Stands down Keras's enqueuer (it builds every batch)."""
+    if adapter.enqueuer is not None and _shardable(adapter, distribution):
+        object_state.set_on(adapter, "enqueuer", None)
+
+
+def _shardable(adapter, distribution):
+    py_dataset = adapter.py_dataset
+    return (
+        py_dataset.num_batches is not None
+        and not py_dataset.use_multiprocessing
+        and shard_rule(distribution) is not None
+    )
+
+
+class _Indices:
+    """Stands in for the user's `PyDataset`: item `i` is the index `i`."""
+
+    def __init__(self, py_dataset):
+        self.num_batches = py_dataset.num_batches
+
+    def __getitem__(self, index):
+        return np.asarray(index)
+
+
+def _order(adapter):
+    """The epoch's batch indices, drawn by Keras's own generator."""
+    stand_in = copy.copy(adapter)
+    stand_in.py_dataset = _Indices(adapter.py_dataset)
+    stand_in.class_weight = None
+    return [int(b[0]) for b in stand_in._finite_generator()]
+
+
+def _shards(adapter, rule):
+    # A generator: the order is drawn at the first batch, as Keras's is.
+    size, rank = world()
+    order = _order(adapter)
+    owned = _owned(adapter, order[rank::size])
+    built = None
+    for k, index in enumerate(order):
+        owner = k % size
+        if owner == 0:  # a new group: every rank takes its batch of it
+            built = next(owned) if k + rank < len(order) else None
+        batch = _receive(built if owner == rank else None, owner, rule)
+        if batch is None:  # not scatterable: every rank builds it
+            batch = _build(adapter, index)
+            total = _leading_rows(batch)
+            start, length = rule(total, rank)
+            batch = _rows_of(batch, start, length)
+        else:
+            batch, start, total = batch
+        yield tag_shard(batch, start, total, zlib.crc32(str(index).encode()))
+
+
+def _owned(adapter, indices):
+    """This rank's batches, built by `workers` threads, ahead by one more
+    after each taken."""
+    py_dataset = adapter.py_dataset
+    if py_dataset.workers <= 1:
+        yield from (_build(adapter, index) for index in indices)
+        return
+    pool = futures.ThreadPoolExecutor(py_dataset.workers)
+    limit = max(1, py_dataset.max_queue_size)
+    ahead, pending = collections.deque(), iter(indices)
+    try:
+        for taken in itertools.count(1):
+            while len(ahead) < min(taken, limit):
+                index = next(pending, None)
+                if index is None:
+                    break
+                ahead.append(pool.submit(_build, adapter, index))
+            if not ahead:
+                return
+            yield ahead.popleft().result()
+    finally:  # an iterator dropped early (Keras's first-batch build)
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _build(adapter, index):
+    return adapter._standardize_batch(adapter.py_dataset[index])
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _spec(x, leaves):
+    """A batch's structure, shapes and dtypes; its leaves to `leaves`."""
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        kind = "tuple" if type(x).__name__ == "tuple" else "list"
+        return {kind: [_spec(v, leaves) for v in x]}
+    if isinstance(x, dict):
+        if not all(isinstance(k, str) for k in x):
+            raise _Unsupported
+        return {"dict": {k: _spec(v, leaves) for k, v in x.items()}}
+    if isinstance(x, torch.Tensor):
+        x = x.numpy() if x.dtype != torch.bfloat16 else None
+    array = np.asarray(x) if x is not None else None
+    if array is None or array.ndim == 0 or array.dtype.kind not in "iuf":
+        raise _Unsupported
+    leaves.append(torch.as_tensor(array))
+    return {"shape": list(array.shape), "dtype": array.dtype.str}
+
+
+def _rebuild(spec, leaf):
+    """The structure of `spec`, `leaf(leaf_spec)` at each leaf, in order."""
+    if spec is None:
+        return None
+    if "dict" in spec:
+        return {k: _rebuild(s, leaf) for k, s in spec["dict"].items()}
+    if "tuple" in spec:
+        return tuple(_rebuild(s, leaf) for s in spec["tuple"])
+    if "list" in spec:
+        return [_rebuild(s, leaf) for s in spec["list"]]
+    return leaf(spec)
+
+
+def _receive(batch, owner, rule):
+    """`(shard, start, total)` of the owner's `batch`, or `None`."""
+    size, rank = world()
+    text, leaves = None, []
+    if rank == owner:
+        try:
+            text = json.dumps(_spec(batch, leaves))
+        except _Unsupported:
+            text = "null"
+    spec = json.loads(broadcast_bytes(text and text.encode(), src=owner))
+    if spec is None:
+        return None
+    leaf_specs = []
+    _rebuild(spec, leaf_specs.append)
+    total = leaf_specs[0]["shape"][0]
+    shards = [rule(total, r) for r in range(size)]
+    widest = max(length for _, length in shards)
+    start, length = shards[rank]
+    received = []
+    for i, leaf_spec in enumerate(leaf_specs):
+        dtype = torch.from_numpy(np.empty(0, leaf_spec["dtype"])).dtype
+        out = torch.empty((widest, *leaf_spec["shape"][1:]), dtype=dtype)
+        chunks = None
+        if rank == owner:
+            chunks = [out.new_zeros(out.shape) for _ in shards]
+            for chunk, (s, n) in zip(chunks, shards, strict=True):
+                chunk[:n] = leaves[i][s : s + n]
+        dist.scatter(out, chunks, src=owner)
+        received.append(out[:length])
+    received = iter(received)
+    return _rebuild(spec, lambda _: next(received)), start, total
+
+
+def _leading_rows(batch):
+    leaves = fast_tree.flatten(batch)
+    return next((int(np.shape(x)[0]) for x in leaves if np.ndim(x)), None)

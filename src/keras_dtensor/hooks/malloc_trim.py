@@ -1,6 +1,5 @@
-"""Memory glibc keeps after `free`, given back before `fit` on N processes
-(one `malloc_trim(0)`; a no-op without glibc).
-"""
+"""Memory glibc keeps after `free`, given back before `fit` (a no-op
+without glibc)."""
 
 import ctypes
 import functools

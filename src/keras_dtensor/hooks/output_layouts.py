@@ -1,6 +1,5 @@
-"""Output layout lookups by path, kept per distribution until the layout
-map's entries change; ambiguous paths raise every time, and a compiled
-forward runs Keras's own lookup.
+"""Output layout lookups by path, kept until the layout map's entries
+change; a compiled forward runs Keras's own lookup.
 """
 
 import functools

@@ -1,6 +1,5 @@
 """Around `fit`: the same model on every rank before, equal replicas after
-(one all-gather of each local weight's checksum; drifted replicas mean
-different data or code on some rank).
+(one all-gather of each local weight's checksum).
 """
 
 import functools
@@ -17,18 +16,17 @@ from keras_dtensor.hooks import malloc_trim
 __all__ = ["check_replicas", "check_same_model", "wrap_fit"]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Elements of a local weight summed at a time.
-_CHUNK = 1 << 18
+_CHUNK = 1 << 18  # elements of a local weight summed at a time
 
 
 def _checksum(value):
+    """The int64 sum of a local weight's bits, chunk by chunk through one
+    preallocated buffer (no temporaries to fragment the heap)."""
     local = value.to_local() if isinstance(value, DTensor) else value
     flat = local.detach().contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    # The int64 sum without casting all of `bits` at once: one buffer,
-    # preallocated results, nothing allocated between chunks.
     chunks = bits.split(_CHUNK)
     size = min(_CHUNK, bits.numel())
     buffer = torch.empty(size, dtype=torch.int64, device=bits.device)
@@ -57,8 +55,7 @@ def _replica_of(value, world):
 
 
 def check_replicas(model):
-    """Raises on every rank if replicas of `model`'s trainable weights
-    differ (a collective)."""
+    """Raises on every rank if replicas of trainable weights differ."""
     world, _ = launch.world()
     variables = list(model.trainable_weights)
     if world == 1 or not variables:
@@ -96,9 +93,8 @@ def _signature(weight):
 
 
 def check_same_model(model):
-    """Raises on every rank unless all ranks built the same weights'
-    shapes, dtypes and layouts (not paths: Keras numbers auto-named
-    layers per process)."""
+    """Raises on every rank unless all built the same weights' shapes,
+    dtypes and layouts (not paths: auto-names differ per process)."""
     world, _ = launch.world()
     if world == 1:
         return
@@ -129,8 +125,7 @@ def check_same_model(model):
 
 
 def wrap_fit(original):
-    """Wraps `TorchTrainer.fit`: `check_same_model` and `malloc_trim`
-    before, `check_replicas` after."""
+    """Wraps `TorchTrainer.fit`: checks before and after."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):

@@ -1,6 +1,5 @@
 """Sharded initialization: only this rank's shard drawn, with the values
-one process would draw (`LocalDraws` walks the stream in blocks); where
-that is not exact (`chunked_draws_match`), the full value is drawn.
+one process would draw, where block-wise draws are exact on the device.
 """
 
 import functools
@@ -11,22 +10,17 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["LocalDraws", "chunked_draws_match", "supports"]
 
-_BLOCK_ELEMENTS = 1 << 20  # elements per drawn block
+_BLOCK_ELEMENTS = 1 << 20
 _DRAWS = (torch.rand, torch.normal)
 _FILLS = {torch.zeros: 0, torch.ones: 1, torch.empty: None}
 
 
-def _block_rows(row_elements, block_elements):
-    """Rows per drawn block: ~`block_elements`, a multiple of 16 elements
-    (torch's CPU normal draws in groups of 16)."""
-    step = 16 // math.gcd(row_elements, 16)
-    rows = max(1, block_elements // max(row_elements, 1))
-    return max(step, rows - rows % step)
-
-
 def _grid(rows, row_elements, block_elements):
-    """The `(start, stop)` row blocks a whole draw is walked in."""
-    block = _block_rows(row_elements, block_elements)
+    """The `(start, stop)` row blocks a draw is walked in, each a multiple
+    of 16 elements (torch's CPU normal draws in groups of 16)."""
+    step = 16 // math.gcd(row_elements, 16)
+    block = max(1, block_elements // max(row_elements, 1))
+    block = max(step, block - block % step)
     edges = [*range(0, rows, block), rows]
     bounds = list(zip(edges[:-1], edges[1:], strict=True))
     if len(bounds) > 1 and (bounds[-1][1] - bounds[-1][0]) * row_elements < 16:
@@ -34,17 +28,25 @@ def _grid(rows, row_elements, block_elements):
     return bounds
 
 
-class _Stream:
-    """One random stream, walked block by block across initializer calls."""
+class LocalDraws(TorchFunctionMode):
+    """Answers creation ops of the global `shape` with this rank's part
+    (`ranges`, from `layout.local_slices`), walking one random stream in
+    blocks across initializer calls."""
 
-    def __init__(self, size, block_elements, generator):
-        self.grid = _grid(size[0], math.prod(size[1:]), block_elements)
-        self.next = 0  # the next block of the grid to draw
-        self.generator = generator  # later calls go on with this stream
+    def __init__(self, shape, ranges, block_elements=None):
+        super().__init__()
+        self.shape = tuple(shape)
+        self.ranges = ranges
+        self.block_elements = block_elements or _BLOCK_ELEMENTS
+        self.inner = tuple(slice(s, s + n) for s, n in ranges[1:])
+        self.grid = None  # the stream's blocks, from its first draw
+        self.next = 0  # the next block to draw
+        self.generator = None
+        self.answered = 0
+        self._last_draw = None
 
-    def read(self, draw, window, inner):
-        """Draws blocks (`draw(rows)`) up to the end of `window` (rows `[lo,
-        hi)`); returns its rows cut by `inner` (`None` for an empty one)."""
+    def _read(self, draw, window, inner):
+        """Draws blocks up to the end of `window`; its rows cut by `inner`."""
         lo, hi = window
         out = None
         while self.next < len(self.grid) and self.grid[self.next][0] < hi:
@@ -60,23 +62,6 @@ class _Stream:
             del values
         return out
 
-
-class LocalDraws(TorchFunctionMode):
-    """Answers creation ops of a variable's global `shape` with a window of
-    this rank's part (`ranges`, from `layout.local_slices`), drawing
-    `block_elements` at a time."""
-
-    def __init__(self, shape, ranges, block_elements=None):
-        super().__init__()
-        self.shape = tuple(shape)
-        self.ranges = ranges
-        self.block_elements = block_elements or _BLOCK_ELEMENTS
-        self.inner = tuple(slice(s, s + n) for s, n in ranges[1:])
-        self.window = (ranges[0][0], ranges[0][0] + ranges[0][1])
-        self.stream = None
-        self.answered = 0
-        self._last_draw = None
-
     def _matches(self, size):
         if size is None or not self.shape:
             return False
@@ -91,17 +76,18 @@ class LocalDraws(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func in _DRAWS and self._matches(kwargs.get("size")):
             size = tuple(kwargs.pop("size"))
-            if self.stream is None:
-                generator = kwargs.get("generator")
-                self.stream = _Stream(size, self.block_elements, generator)
-            kwargs["generator"] = self.stream.generator
+            if self.grid is None:
+                rest = math.prod(size[1:])
+                self.grid = _grid(size[0], rest, self.block_elements)
+                self.generator = kwargs.get("generator")
+            kwargs["generator"] = self.generator
 
             def draw(rows):
                 return func(*args, size=(rows, *size[1:]), **kwargs)
 
             self._last_draw = draw
             self.answered += 1
-            out = self.stream.read(draw, self.window, self.inner)
+            out = self._read(draw, self.window, self.inner)
             if out is None:  # this rank holds no rows
                 out = torch.empty(
                     self._local_shape(size),
@@ -121,10 +107,9 @@ class LocalDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def run(self, initializer, dtype, blockwise):
-        """This rank's shard of `initializer(shape, dtype)`, or `None` if it
-        made no creation op of the variable's shape. `blockwise`: called
-        once per drawn block of this rank's rows (block-sized temporaries),
-        for initializers whose every call starts the same stream."""
+        """This rank's shard of `initializer(shape, dtype)` (`None`: no
+        creation op of that shape); `blockwise` (every call starts the same
+        stream): called once per block, for block-sized temporaries."""
         row_start, row_count = self.ranges[0]
         stop = row_start + row_count
         windows = [(row_start, stop)]
@@ -147,10 +132,10 @@ class LocalDraws(TorchFunctionMode):
                 local = value.new_empty((row_count, *value.shape[1:]))
             local[lo - row_start : hi - row_start] = value
             del value
-        if self.stream is not None and self.stream.generator is None:
+        if self.grid is not None and self.generator is None:
             # The global generator: left where one whole draw leaves it.
             end = (self.shape[0], self.shape[0])
-            self.stream.read(self._last_draw, end, ())
+            self._read(self._last_draw, end, ())
         return local
 
 

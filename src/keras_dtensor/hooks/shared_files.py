@@ -1,6 +1,5 @@
 """Keras callbacks' file operations on N processes: rank 0 acts, every rank
-gets its outcome or error (`consensus.on_rank_0`); other ranks' writes and
-TensorBoard event files go to sinks.
+gets its outcome or error; other ranks write to sinks.
 """
 
 import atexit
@@ -19,8 +18,7 @@ __all__ = [
     "wrap_tensorboard_set_model",
 ]
 
-# The `keras.src.utils.file_utils` functions made collective: queries
-# (rank 0 answers), changes (rank 0 acts) and `File`.
+# The `keras.src.utils.file_utils` functions made collective.
 _QUERIES = ("exists", "isdir", "listdir")
 FILE_OPERATIONS = (*_QUERIES, "makedirs", "remove", "rmtree", "copy", "File")
 
@@ -65,8 +63,7 @@ def _scratch_dir(callback):
 
 
 def wrap_tensorboard_set_model(original):
-    """Wraps `TensorBoard.set_model`: other ranks' `log_dir` is a scratch
-    directory (every rank still runs the callback's collectives)."""
+    """Wraps `TensorBoard.set_model`: other ranks log to a scratch dir."""
 
     @functools.wraps(original)
     def set_model(self, model):

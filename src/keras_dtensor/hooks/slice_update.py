@@ -1,6 +1,4 @@
-"""Keras's `slice_update` on DTensors: a KV cache updated in place, on
-local shards.
-"""
+"""Keras's `slice_update` on DTensors: a KV cache updated on local shards."""
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard
@@ -11,8 +9,8 @@ __all__ = ["wrap_slice_update"]
 
 
 def _aligned(inputs, start_indices, updates):
-    """`(inputs, updates)`, each replicated one cut like the other where
-    the update spans a whole dim the other shards: no communication."""
+    """`(inputs, updates)`, a replicated one cut as the other where the
+    update spans a whole dim the other shards."""
     if not (
         isinstance(inputs, DTensor)
         and isinstance(updates, DTensor)
@@ -43,9 +41,8 @@ def _aligned(inputs, start_indices, updates):
 
 
 def wrap_slice_update(original):
-    """Wraps Keras's torch `slice_update(inputs, start_indices, updates)`:
-    for DTensors the start indices are read as ints (basic slicing, which
-    DTensor runs on each shard), the operands aligned (`_aligned`)."""
+    """Wraps `slice_update`: for DTensors, int start indices (basic slicing,
+    run on each shard) and aligned operands."""
 
     def slice_update(inputs, start_indices, updates):
         record = model_parallel.recorder()  # a DTensor run being recorded

@@ -1,6 +1,5 @@
 """Keras's torch `Variable` under a distribution: a `Parameter` wrapping a
-DTensor laid out as the distribution says (as on JAX); assignments laid
-out the same way.
+DTensor laid out as the distribution says; assignments laid out alike.
 """
 
 import torch
@@ -31,8 +30,7 @@ __all__ = [
 
 def _variable_layout(variable):
     """The variable's `TensorLayout`, resolved once; `None` (a plain
-    Parameter) without one, under `DataParallel` or in one process (where
-    the layout is still checked, as N processes would)."""
+    Parameter) under `DataParallel` or in one process (checked still)."""
     distribution = context.current()
     if distribution is None or context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
@@ -58,7 +56,7 @@ def _to_dtensor(variable, value):
 
 
 def _owned(dtensor):
-    """A copy whose local shard owns its memory (not a view of the whole)."""
+    """A copy whose local shard owns its memory."""
     return DTensor.from_local(
         dtensor.to_local().clone(),
         dtensor.device_mesh,
@@ -87,9 +85,7 @@ def wrap_initialize(original):
 
 
 def wrap_initialize_with_initializer(original):
-    """Wraps `Variable._initialize_with_initializer`: the layout (process
-    group, agreed seed) resolved before the draw, only this rank's shard
-    drawn where `sharded_init` can."""
+    """Wraps `Variable._initialize_with_initializer`: a shard drawn."""
 
     def _initialize_with_initializer(self, initializer):
         model_parallel.variables_changed()
@@ -104,8 +100,7 @@ def wrap_initialize_with_initializer(original):
 
 
 def _initialize_shard_only(variable, initializer):
-    """Creates only this rank's shard of `variable`; `False` where Keras's
-    own path (the full value drawn, then sliced) must run."""
+    """Creates only this rank's shard; `False` where Keras's path runs."""
     backend = compat.torch_core()
     layout = as_backend_layout(
         variable._layout, path=variable.path, shape=variable._shape
@@ -152,12 +147,10 @@ def wrap_direct_assign(original):
                 # (Nothing here torch.compile cannot trace.)
                 return original(self, value)
             if model_parallel.in_local_run():
-                # This rank's value must not land in a global variable;
-                # the call reruns as DTensors.
+                # A local value must not land in a global variable.
                 raise AssignedInCall(self.path)
             if isinstance(value, DTensor):
-                # A variable made outside the distribution's scope holds
-                # the global value, as on JAX.
+                # Made outside the scope: it holds the global value.
                 value = value.full_tensor()
             return original(self, value)
         if model_parallel.recording():
@@ -170,8 +163,7 @@ def wrap_direct_assign(original):
 
 
 def wrap_convert_to_numpy(original):
-    """Wraps `convert_to_numpy`: a DTensor is gathered to its global value
-    (a collective: every rank converts the same DTensors in order)."""
+    """Wraps `convert_to_numpy`: a DTensor gathered (a collective)."""
 
     def _convert_to_numpy(x):
         if isinstance(x, DTensor):
@@ -190,7 +182,7 @@ def wrap_convert_to_numpy(original):
 
 
 def _in_layout_of(grad, variable):
-    """`grad` laid out as `variable`'s value (the same object if it is)."""
+    """`grad` laid out as `variable`'s value."""
     value = getattr(variable, "value", None)
     if not isinstance(value, DTensor):
         return grad
@@ -202,9 +194,8 @@ def _in_layout_of(grad, variable):
 
 
 def wrap_filter_empty_gradients(original):
-    """Wraps `BaseOptimizer._filter_empty_gradients`, the first thing
-    `optimizer.apply` does: each gradient laid out as its variable, so the
-    optimizer's in-place updates need no placement change."""
+    """Wraps `BaseOptimizer._filter_empty_gradients`: each gradient laid
+    out as its variable, before the optimizer's in-place updates."""
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)

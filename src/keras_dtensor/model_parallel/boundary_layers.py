@@ -1,10 +1,9 @@
 """Tensor-parallel layers as DTensor islands in a call on local tensors.
 
-In a local run that follows a `Record` (`Replay`), a boundary layer's
-inputs become DTensors placed as in the DTensor run, and its outputs
-leave as local tensors, partial sums reduced by one all-reduce (or
-all-gathered where the record says they leave replicated). See
-docs/internals/local-run.md.
+In a local run following a `Record` (`Replay`), a boundary layer's inputs
+become DTensors placed as recorded; its outputs leave as local tensors,
+partial sums reduced (one all-reduce), or all-gathered where recorded
+replicated. See docs/internals/local-run.md.
 """
 
 import contextvars
@@ -46,18 +45,17 @@ class Replay:
     counts: dict = dataclasses.field(default_factory=dict)
     culprit: object = None  # the innermost layer whose call raised
     values_differ: bool = False  # a traced layer's values differed here
-    # The last input wrapped (`local_split`: copied in), one slot: given to
-    # consecutive boundary layers (query, key, value), it is wrapped once,
-    # so their gradients add up as one partial sum.
+    # The last input wrapped (`local_split`: copied in): given to query,
+    # key and value, wrapped once, their gradients add up as one sum.
     wrapped: tuple = (None, None)
     copied: tuple = (None, None, None)
     reshaped: int = 0  # reshapes run so far, outside boundary layers
     sliced: int = 0  # and slice_updates
 
     def to_dtensor(self, x, recorded):
-        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        if recorded is None or not isinstance(x, torch.Tensor):
             return x
-        if recorded is None:
+        if isinstance(x, DTensor):
             return x
         last, out = self.wrapped
         if last is x and out.placements == recorded[0]:

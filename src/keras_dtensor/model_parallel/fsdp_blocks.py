@@ -1,24 +1,94 @@
-"""Batch-sharded weights gathered group by group, freed after their forward.
+"""Batch-sharded weights gathered as FSDP2 gathers them.
 
-As FSDP2 (`reshard_after_forward`): a group's weights are gathered before
-its forward (one all-gather), freed after it, and gathered again when
-backward needs what autograd saved from them; gradients leave by one
-reduce-scatter a group. Every rank runs the same layers in the same
-order, so the collectives match. See docs/internals/local-run.md.
+Outside a local run, by the layer that owns them, for its call
+(`gathered_weights`); in one, group by group (`Session`): gathered before
+the group's forward, freed after it, gathered again for its backward.
+Every rank runs the same layers in the same order, so the collectives
+match. See docs/internals/local-run.md.
 """
 
 import collections
+import contextlib
 import dataclasses
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 
 from keras_dtensor import config
+from keras_dtensor.backend import object_state
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import packed_gather
 from keras_dtensor.ops.flat_buffers import buckets
 from keras_dtensor.ops.flat_buffers import nbytes
 
-__all__ = ["Layout", "Session", "build"]
+__all__ = [
+    "Layout",
+    "Session",
+    "batch_placement",
+    "build",
+    "gathered_weights",
+]
+
+_PLAN = "_keras_dtensor_weight_gather"
+
+
+def batch_placement(value, batch_axis):
+    """`(batch axis's mesh dim, its Shard or None)`, or None when `value`
+    is no DTensor on a mesh with the batch axis."""
+    if not isinstance(value, DTensor):
+        return None
+    names = value.device_mesh.mesh_dim_names or ()
+    if batch_axis not in names:
+        return None
+    dim = names.index(batch_axis)
+    placement = value.placements[dim]
+    return dim, placement if placement.is_shard() else None
+
+
+def _plan(layer, batch_axis):
+    """`(variable, gathered placements)` of the layer's own trainable
+    variables, cached until their number changes (LoRA)."""
+    own = layer.__dict__.get("_trainable_variables")
+    if not own:
+        return ()
+    cached = object_state.get_on(layer, _PLAN)
+    if cached is not None and cached[0] == len(own):
+        return cached[1]
+    plan = []
+    for variable in own:
+        value = getattr(variable, "_value", None)
+        found = batch_placement(value, batch_axis)
+        if found is not None and found[1] is not None:
+            placements = list(value.placements)
+            placements[found[0]] = Replicate()
+            plan.append((variable, tuple(placements)))
+    return object_state.set_on(layer, _PLAN, (len(own), tuple(plan)))[1]
+
+
+@contextlib.contextmanager
+def _swapped(plan):
+    saved = []
+    try:
+        for variable, placements in plan:
+            shard = variable._value
+            variable._value = shard.redistribute(shard.device_mesh, placements)
+            saved.append((variable, shard))
+        yield
+    finally:
+        for variable, shard in saved:
+            variable._value = shard
+
+
+def gathered_weights(layer, distribution):
+    """A context in which `layer`'s batch-sharded weights read gathered."""
+    if not layer.built or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    plan = _plan(layer, distribution.batch_dim_name)
+    if not plan:
+        return contextlib.nullcontext()
+    return _swapped(plan)
+
 
 _MARK = object()
 
@@ -37,20 +107,19 @@ class Layout:
 
 
 def _units(model):
-    """`{id(variable): [id(unit), ...]}` and the units, in layer order."""
+    """`{id(variable): {id(unit), ...}}` and the units' ids, in order."""
     from keras import Model
 
-    owners = collections.defaultdict(list)
-    units = []
+    owners, units = collections.defaultdict(set), []
 
     def walk(layer):
         for child in layer._flatten_layers(include_self=False, recursive=False):
             if isinstance(child, Model):
                 walk(child)
                 continue
-            units.append(child)
+            units.append(id(child))
             for variable in child.weights:
-                owners[id(variable)].append(id(child))
+                owners[id(variable)].add(id(child))
 
     walk(model)
     return owners, units
@@ -64,14 +133,14 @@ def build(model, run_spec, order):
     root = []
     calls = collections.Counter(order or ())
     for i in run_spec.gathered:
-        found = set(owners.get(id(run_spec.weights[i][0]), ()))
-        unit = found.pop() if len(found) == 1 else None
+        found = owners.get(id(run_spec.weights[i][0]), ())
+        unit = next(iter(found)) if len(found) == 1 else None
         if unit is None or calls[unit] > 1:
             root.append(i)  # shared, or called again (a tied projection)
         else:
             by_unit[unit].append(i)
     # Units in call order, those the first call did not reach at the end.
-    ranked = dict.fromkeys([*(order or ()), *(id(unit) for unit in units)])
+    ranked = dict.fromkeys([*(order or ()), *units])
     ranked = [unit for unit in ranked if unit in by_unit]
     sizes = [
         sum(nbytes(run_spec.weights[i][0]._value) for i in by_unit[unit])
@@ -116,11 +185,15 @@ class Session:
         return packed_gather.Pending(shards, specs, self.group), shards
 
     def gather_root(self):
-        """`{index: full}` of the weights gathered for the whole call."""
-        if not self.layout.root:
-            return {}
-        fulls = packed_gather.finish(*self._start(self.layout.root))
-        return dict(zip(self.layout.root, fulls, strict=True))
+        """`{index: full}` of the weights gathered for the whole call, one
+        all-gather per dtype."""
+        by_dtype, out = {}, {}
+        for i in self.layout.root:
+            by_dtype.setdefault(self.values[i].dtype, []).append(i)
+        for indices in by_dtype.values():
+            fulls = packed_gather.finish(*self._start(indices))
+            out.update(zip(indices, fulls, strict=True))
+        return out
 
     def enter(self, layer):
         """Called as `layer` is called: its group gathered, the last freed."""

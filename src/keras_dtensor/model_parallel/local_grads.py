@@ -1,17 +1,19 @@
-"""A DTensor weight read as its local tensor, its gradient laid out once.
+"""DTensor weights read as local tensors, and their gradients laid out.
 
-`local_many` is `value.to_local(grad_placements=...)` for many weights
-through one autograd node, each gradient's `DTensorSpec` built once per
-weight: the same gradients, hooks and `.grad`. See
+`local_many` reads many weights through one autograd node, each
+gradient's `DTensorSpec` built once; `reduce_partial_grads` all-reduces
+replicated weights' partial-sum gradients in buckets, as DDP does. See
 docs/internals/local-run.md.
 """
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor import config
 from keras_dtensor.backend import object_state
+from keras_dtensor.ops.flat_buffers import all_reduce_packed
 
-__all__ = ["like", "local_many"]
+__all__ = ["local_many", "reduce_partial_grads"]
 
 _SPECS = "_keras_dtensor_grad_specs"
 
@@ -64,8 +66,7 @@ class _ToLocalMany(torch.autograd.Function):
 def local_many(values, grad_placements=None):
     """`v.to_local(grad_placements=p)` for each value and placements (None:
     the value's own), the leaves among `values` through one autograd node."""
-    if grad_placements is None:
-        grad_placements = [None] * len(values)
+    grad_placements = grad_placements or [None] * len(values)
     out = [None] * len(values)
     shared, specs = [], []
     for i, (value, placements) in enumerate(
@@ -88,7 +89,7 @@ def local_many(values, grad_placements=None):
     return out
 
 
-def like(local_tensor, value):
+def _like(local_tensor, value):
     """`local_tensor` as a DTensor laid out as `value`, reusing its spec."""
     own = value._local_tensor
     if local_tensor.shape != own.shape or local_tensor.stride() != own.stride():
@@ -101,3 +102,49 @@ def like(local_tensor, value):
             stride=value.stride(),
         )
     return DTensor(local_tensor, value._spec, requires_grad=False)
+
+
+def _key(grad, value):
+    """The bucket group of a partial sum reducing to `value`'s layout."""
+    if not isinstance(grad, DTensor) or not isinstance(value, DTensor):
+        return None
+    if grad.device_mesh != value.device_mesh:
+        return None
+    dims = []
+    for dim, (have, want) in enumerate(
+        zip(grad.placements, value.placements, strict=True)
+    ):
+        if have.is_partial():
+            summed = getattr(have, "reduce_op", None) == "sum"
+            if not summed or not want.is_replicate():
+                return None
+            dims.append(dim)
+        elif have != want:
+            return None
+    if not dims:
+        return None
+    return (id(grad.device_mesh), tuple(dims), grad.dtype, grad.device)
+
+
+def reduce_partial_grads(grads, values):
+    """`grads` (in the optimizer's order, the same on every rank) with each
+    partial sum over axes its value is replicated on reduced."""
+    groups = {}
+    for index, (grad, value) in enumerate(zip(grads, values, strict=True)):
+        key = _key(grad, value)
+        if key is not None:
+            groups.setdefault(key, []).append(index)
+    if not groups:
+        return grads
+    out = list(grads)
+    cap = config.get("BUCKET_MB") * 2**20
+    for (_, dims, _, _), indices in groups.items():
+        mesh = grads[indices[0]].device_mesh
+        summed = all_reduce_packed(
+            [grads[i].to_local() for i in indices],
+            [mesh.get_group(dim) for dim in dims],
+            cap,
+        )
+        for i, local in zip(indices, summed, strict=True):
+            out[i] = _like(local, values[i])
+    return out

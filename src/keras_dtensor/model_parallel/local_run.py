@@ -1,9 +1,10 @@
-"""A model's outermost call on this rank's rows, as plain tensors.
+"""The one entry of ModelParallel (`call_layer`) and the local run: a
+model's outermost call on this rank's rows, as plain tensors.
 
-Inputs enter as local rows, outputs leave as the batch-sharded DTensors
-the loss expects; weights read as whole local tensors while their layer
-runs. A layer that adds a loss or assigns a variable in its call sends the
-model back to DTensors. See docs/internals/local-run.md.
+Outputs leave with partial sums reduced. A model whose `LocalRunSpec`
+allows it takes local rows in and gives batch-sharded DTensors out; a
+layer that adds a loss or assigns a variable sends it back to DTensors.
+See docs/internals/local-run.md.
 """
 
 import contextlib
@@ -21,17 +22,19 @@ from keras_dtensor.backend import context
 from keras_dtensor.backend import errors
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend.batch_layout import distribute_batch
 from keras_dtensor.backend.shards import from_local
 from keras_dtensor.model_parallel import boundary_layers
 from keras_dtensor.model_parallel import fsdp_blocks
-from keras_dtensor.model_parallel import fsdp_weights
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel import local_run_check
 from keras_dtensor.model_parallel import local_run_spec
-from keras_dtensor.model_parallel import packed_gather
+from keras_dtensor.model_parallel.boundary_layers import reduce_partial
+from keras_dtensor.model_parallel.fsdp_blocks import gathered_weights
+from keras_dtensor.model_parallel.reference_run import recorder
 from keras_dtensor.model_parallel.reference_run import scoped
 
-__all__ = ["active", "call", "inner_call"]
+__all__ = ["active", "call_layer", "inner_call"]
 
 _ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
 _GROUPS = "_keras_dtensor_gather_groups"
@@ -87,44 +90,34 @@ def _to_global(run_spec, rows, x, layer):
 
 @contextlib.contextmanager
 def _local_weights(run_spec, layout, kept):
-    """Every weight but the `kept` reads as its whole local tensor, gathered
-    at once (per dtype) or by group (yields the `Session`, else None)."""
-    values = [variable._value for variable, _, _ in run_spec.weights]
+    """Every weight but the `kept` reads as its whole local tensor, the
+    gathered ones by a `fsdp_blocks.Session` (yielded, else None)."""
+    variables = [variable for variable, _, _ in run_spec.weights]
+    values = [variable._value for variable in variables]
     whole = list(values)  # kept, and shards until their group gathers
     session = None
     if run_spec.gathered:
+        if layout is None:  # all gathered for the whole call
+            root = tuple(i for i in run_spec.gathered if i not in kept)
+            layout = fsdp_blocks.Layout((), {}, root, ())
         group = run_spec.mesh.get_group(run_spec.dim)
-    if layout is not None:
         session = fsdp_blocks.Session(run_spec, layout, values, group)
         for i, full in session.gather_root().items():
             whole[i] = full
-    read, by_dtype = [], {}  # read locally; gathered at once, by dtype
-    for i, (_, gather, grad) in enumerate(run_spec.weights):
-        if i in kept or (gather and layout is not None):
-            continue
-        read.append((i, None if gather else grad))
-        if gather:
-            by_dtype.setdefault(values[i].dtype, []).append(i)
+    read = [
+        i
+        for i, (_, gather, _) in enumerate(run_spec.weights)
+        if not gather and i not in kept
+    ]
     locals_ = local_grads.local_many(
-        [values[i] for i, _ in read], [grad for _, grad in read]
+        [values[i] for i in read], [run_spec.weights[i][2] for i in read]
     )
-    for (i, _), local_tensor in zip(read, locals_, strict=True):
+    for i, local_tensor in zip(read, locals_, strict=True):
         whole[i] = local_tensor
-    for indices in by_dtype.values():
-        specs = packed_gather.shard_specs(
-            [values[i] for i in indices], run_spec.dim
-        )
-        fulls = packed_gather.gather_shards(
-            [whole[i] for i in indices], specs, group
-        )
-        for i, full in zip(indices, fulls, strict=True):
-            whole[i] = full
     try:
-        for (variable, _, _), value in zip(
-            run_spec.weights, whole, strict=True
-        ):
+        for variable, value in zip(variables, whole, strict=True):
             variable._value = value
-        if session is None:
+        if session is None or not layout.groups:
             yield None
             return
         with (
@@ -138,9 +131,7 @@ def _local_weights(run_spec, layout, kept):
             finally:
                 session.close()
     finally:
-        for (variable, _, _), value in zip(
-            run_spec.weights, values, strict=True
-        ):
+        for variable, value in zip(variables, values, strict=True):
             variable._value = value
 
 
@@ -171,7 +162,7 @@ def _dtensor_scope(layer):
     with (
         scoped(_ACTIVE, False),
         context.global_values(),
-        fsdp_weights.gathered_weights(layer, context.active()),
+        gathered_weights(layer, context.active()),
     ):
         yield
 
@@ -201,14 +192,11 @@ def _layout(layer, run_spec):
 
 
 def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
-    replaying, kept = contextlib.nullcontext(), run_spec.kept
-    if replay is not None:
-        replaying = boundary_layers.replaying(replay)
-        kept = replay.record.kept
+    kept = run_spec.kept if replay is None else replay.record.kept
     with (
         _local_weights(run_spec, layout, kept) as session,
         _plain_only(),
-        replaying,
+        boundary_layers.replaying(replay),
     ):
         outputs = original(layer, *args, **kwargs)
     if layout is not None and layout.order is None:
@@ -218,7 +206,7 @@ def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
     return outputs
 
 
-def call(layer, original, run_spec, args, kwargs, reference):
+def _call(layer, original, run_spec, args, kwargs, reference):
     """`(True, outputs)` of the call on local rows, or `(False, None)`:
     run as DTensors (`reference()`, which `local_run_check` compares)."""
     flat = fast_tree.flatten((args, kwargs))
@@ -275,3 +263,73 @@ def call(layer, original, run_spec, args, kwargs, reference):
     return True, fast_tree.map_structure(
         lambda x: _to_global(run_spec, rows, x, layer), outputs
     )
+
+
+def _in_layer_call():
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("current_call_ctx") is not None
+
+
+def _grad_in_layout(placements, grad):
+    """A gradient hook: partial sums reduced to the forward `placements`."""
+    if not isinstance(grad, DTensor) or len(grad.placements) != len(placements):
+        return grad
+    target = [
+        forward if grad_p.is_partial() and not forward.is_partial() else grad_p
+        for grad_p, forward in zip(grad.placements, placements, strict=True)
+    ]
+    if target == list(grad.placements):
+        return grad
+    return grad.redistribute(grad.device_mesh, target)
+
+
+def _laid_out(x):
+    """`x` with partial sums reduced, its gradient laid out as `x`."""
+    x = reduce_partial(x)
+    if (
+        isinstance(x, DTensor)
+        and x.requires_grad
+        and not torch.compiler.is_compiling()
+    ):
+        x.register_hook(functools.partial(_grad_in_layout, tuple(x.placements)))
+    return x
+
+
+def _reduced(outputs):
+    """A layer's outputs with partial sums reduced."""
+    fn = _laid_out if torch.is_grad_enabled() else reduce_partial
+    return fast_tree.map_structure(fn, outputs)
+
+
+def call_layer(layer, original, args, kwargs, distribution):
+    """Runs `original(layer, *args, **kwargs)` (Keras's `Layer.__call__`)
+    under `distribution`; returns DTensors with no partial sums, or plain
+    tensors inside a local run."""
+    if not torch.compiler.is_compiling() and active():
+        return inner_call(layer, original, args, kwargs)
+    if _in_layer_call():
+        if torch.compiler.is_compiling():
+            # No context manager around a traced call: Keras's own
+            # graph breaks inside it would force a recompile per layer.
+            return _reduced(original(layer, *args, **kwargs))
+        record = recorder()  # a run to check against
+        if record is not None:
+            key = record.enter(layer, args, kwargs)
+        with gathered_weights(layer, distribution):
+            outputs = _reduced(original(layer, *args, **kwargs))
+        if record is not None:
+            record.leave(key, outputs)
+        return outputs
+    args, kwargs = distribute_batch((args, kwargs), distribution)
+
+    def as_dtensors():
+        with context.global_values(), gathered_weights(layer, distribution):
+            return _reduced(original(layer, *args, **kwargs))
+
+    local = local_run_spec.spec_for(layer, distribution)
+    if local is not None:
+        done, outputs = _call(layer, original, local, args, kwargs, as_dtensors)
+        if done:
+            return outputs
+    return as_dtensors()

@@ -1,10 +1,10 @@
 """Whether a model's local run between tensor-parallel layers is exact.
 
-The first call of each input signature runs as DTensors (recorded) and
-then locally; the local run is kept only if its outputs equal the DTensor
-run's bit for bit on every rank, agreed by one all-reduce. Otherwise a
-layer joins the boundary and the check runs again, or the signature runs
-as DTensors and rank 0 says why. See docs/internals/local-run.md.
+The first call of each input signature runs as DTensors (recorded), then
+locally; the local run is kept only if its outputs equal the DTensor
+run's bit for bit on every rank (one all-reduce agrees). Otherwise a layer
+joins the boundary and the check runs again, or the signature runs as
+DTensors. See docs/internals/local-run.md.
 """
 
 import dataclasses
@@ -48,8 +48,8 @@ def signature(flat):
 
 
 def matches(reference, local, final):
-    """`(ok, reason)`: whether the local run's outputs (`final`, as
-    DTensors) are this rank's shards of the DTensor run's, bit for bit."""
+    """`(ok, reason)`: whether `final` (the local outputs as DTensors) are
+    this rank's shards of the DTensor run's, bit for bit."""
     flats = [fast_tree.flatten(x) for x in (reference, local, final)]
     for ref, out, made in zip(*flats, strict=True):
         if not isinstance(ref, torch.Tensor):
@@ -133,14 +133,17 @@ def call(layer, run_spec, flat, reference, run):
         for sub in layer._flatten_layers(include_self=False, recursive=False)
     )
 
-    def promotable(sub):
-        return (
-            sub is not None
-            and id(sub) in order
-            and sub is not layer
-            and id(sub) not in record.boundary
-            and len(promoted) < _MAX_PROMOTED
-        )
+    def blame(sub, default=-1):
+        """The verdict promoting `sub`, where it may be promoted."""
+        if (
+            sub is None
+            or id(sub) not in order
+            or sub is layer
+            or id(sub) in record.boundary
+            or len(promoted) >= _MAX_PROMOTED
+        ):
+            return default
+        return order[id(sub)]
 
     # Layers made to hand on whole outputs, and the first failure's reason.
     tried, first_why = [], None
@@ -187,20 +190,18 @@ def call(layer, run_spec, flat, reference, run):
             if replay.values_differ:  # traced to a layer on this rank
                 same = False
                 why = f"{replay.culprit.name!r}: its outputs differ"
-                culprit = replay.culprit
-                code = order[id(culprit)] if promotable(culprit) else -1
+                code = blame(replay.culprit)
             adding = local_run_spec.adding_losses(run_spec.layers)
             if same and adding:
                 # A loss must be a global value: its layer runs as DTensors.
                 why = f"{adding[0].name!r} adds a loss in its call"
-                code = order[id(adding[0])] if promotable(adding[0]) else -1
+                code = blame(adding[0])
         except AssignedInCall:
             why = "a layer assigns a variable in its call"
         except Exception as error:  # noqa: BLE001 (any: DTensors)
             why = reason(error)
             # Raised at a boundary layer's input: the cause is upstream.
-            culprit = replay.culprit
-            code = order[id(culprit)] if promotable(culprit) else default
+            code = blame(replay.culprit, default)
         low, high = agree(code, run_spec.mesh)
         if low == high == ok:
             record.fingerprints = None  # later calls are not traced
@@ -210,9 +211,8 @@ def call(layer, run_spec, flat, reference, run):
             tracing = True
             continue
         if low == high == -1 and tracing:
-            # No layer at fault: the model's own ops. The next of its own
-            # boundary layers with sharded outputs hands them on whole
-            # (the same record on every rank: the same choice).
+            # No layer at fault: the model's own ops. Its next boundary layer
+            # with sharded outputs hands them on whole (the same on all ranks).
             untried = [i for i in record.sharded_outputs if i not in replicated]
             if untried and len(replicated) < _MAX_PROMOTED:
                 first_why = why if first_why is None else first_why
@@ -228,10 +228,10 @@ def call(layer, run_spec, flat, reference, run):
         replicated.difference_update(tried)
         why = first_why
     distribution = context.active()
-    said = distribution is None or object_state.get_on(
-        distribution, _SAID, False
-    )
-    if not said and not console.silent():
+    if distribution is None or object_state.get_on(distribution, _SAID):
+        return False, None
+    object_state.set_on(distribution, _SAID, True)
+    if not console.silent():
         warnings.warn(
             f"keras-dtensor: {layer.name!r} runs as DTensors between its "
             "tensor-parallel layers, not on local tensors: its local run "
@@ -240,6 +240,4 @@ def call(layer, run_spec, flat, reference, run):
             + f". Mesh {run_spec.mesh}.",
             stacklevel=4,
         )
-    if distribution is not None:
-        object_state.set_on(distribution, _SAID, True)
     return False, None

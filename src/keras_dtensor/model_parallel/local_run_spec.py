@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
 from keras_dtensor.backend import object_state
-from keras_dtensor.model_parallel import fsdp_weights
+from keras_dtensor.model_parallel import fsdp_blocks
 
 __all__ = [
     "LocalRunSpec",
@@ -22,7 +22,6 @@ __all__ = [
     "shards_enter",
     "spec_for",
     "variables_changed",
-    "whole_along",
 ]
 
 _PLAN = "_keras_dtensor_local_batch"
@@ -48,7 +47,7 @@ class LocalRunSpec:
     def whole(self, placements):
         """Whether `placements` shard rows over the batch axis only."""
         return all(
-            (i == self.dim and p == Shard(0)) or whole_along(self.mesh, i, p)
+            (i == self.dim and p == Shard(0)) or _whole_along(self.mesh, i, p)
             for i, p in enumerate(placements)
         )
 
@@ -86,7 +85,7 @@ def _build(layer, batch_axis):
     mesh, dim, items, sharded = None, None, [], set()
     for variable in weights:
         value = getattr(variable, "_value", None)
-        found = fsdp_weights.batch_placement(value, batch_axis)
+        found = fsdp_blocks.batch_placement(value, batch_axis)
         if found is None:
             if not isinstance(value, DTensor):
                 return None
@@ -99,7 +98,7 @@ def _build(layer, batch_axis):
         if shard is not None and type(shard) is not Shard:  # e.g. strided
             return None
         if not all(
-            whole_along(mesh, i, p)
+            _whole_along(mesh, i, p)
             for i, p in enumerate(value.placements)
             if i != dim
         ):
@@ -137,7 +136,7 @@ def _build(layer, batch_axis):
     )
 
 
-def whole_along(mesh, dim, placement):
+def _whole_along(mesh, dim, placement):
     """Whether `placement` on mesh dim `dim` leaves the tensor whole."""
     return placement.is_replicate() or mesh.size(dim) == 1
 

@@ -30,12 +30,11 @@ def _eligible(layer):
     from keras.layers import Dense
     from keras.layers import EinsumDense
 
-    for cls in (Dense, EinsumDense):
-        if isinstance(layer, cls) and type(layer).call is cls.call:
-            return not getattr(layer, "lora_enabled", False) and (
-                getattr(layer, "quantization_mode", None) is None
-            )
-    return False
+    return (
+        type(layer).call in (Dense.call, EinsumDense.call)
+        and not getattr(layer, "lora_enabled", False)
+        and getattr(layer, "quantization_mode", None) is None
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +141,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
     try:
         with (
             object_state.swapped(layer, "_input_spec", None),
-            local_shards.scope(mesh, known) as pending,
+            local_shards.scope(mesh, known) as (_, _, pending),
         ):
             outputs = original(layer, *args, **kwargs)
     except local_shards.Unsupported:

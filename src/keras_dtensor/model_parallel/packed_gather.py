@@ -24,35 +24,35 @@ def _collective(name, old):
 
 @functools.lru_cache(maxsize=256)
 def _pack_layout(specs, world, rank):
-    """Per `(dim, shape)`: this rank's rows, the padded chunk's shape,
-    each rank's `(rank, first row, rows)` and its span in the pack."""
-    rows, padded, spans = [], [], []
+    """Per `(dim, shape)`: `(dim, shape, this rank's rows, the padded
+    chunk's shape, each rank's (rank, first row, rows), start and size in
+    the pack)`, and the pack's size."""
+    out = []
     for dim, shape in specs:
         n, rest = shape[dim], (*shape[:dim], *shape[dim + 1 :])
         chunks = [(r, *layout.chunk(n, world, r)) for r in range(world)]
-        rows.append(chunks[rank][2])
-        padded.append((chunks[0][2], *rest))
-        spans.append(tuple(chunk for chunk in chunks if chunk[2]))
-    places = offsets(padded)
-    size = places[-1][0] + places[-1][1] if places else 0
-    return tuple(zip(rows, padded, spans, places, strict=True)), size
+        spans = tuple(chunk for chunk in chunks if chunk[2])
+        out.append((dim, shape, chunks[rank][2], (chunks[0][2], *rest), spans))
+    places = offsets([entry[3] for entry in out])
+    out = [(*entry, *place) for entry, place in zip(out, places, strict=True)]
+    return tuple(out), sum(places[-1]) if places else 0
 
 
 class Pending:
     """A packed all-gather in flight: `finish` it, or `wait()` for values."""
 
     def __init__(self, shards, specs, group):
-        self.specs, self.group = tuple(specs), group
+        self.group = group
         self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.layout, self.size = _pack_layout(self.specs, self.world, self.rank)
+        rank = dist.get_rank(group)
+        self.layout, self.size = _pack_layout(tuple(specs), self.world, rank)
         with torch.no_grad():
             pack = shards[0].new_empty(self.size)
-            for shard, (rows, shape, _, (at, n)), (dim, _) in zip(
-                shards, self.layout, self.specs, strict=True
+            for shard, (dim, _, rows, padded, _, at, n) in zip(
+                shards, self.layout, strict=True
             ):
                 if rows:
-                    piece = pack[at : at + n].view(shape)
+                    piece = pack[at : at + n].view(padded)
                     piece[:rows].copy_(shard.movedim(dim, 0))
             self.gathered = pack.new_empty(self.world * pack.numel())
             gather = _collective("all_gather_single", "all_gather_into_tensor")
@@ -66,9 +66,7 @@ class Pending:
         self.gathered = self.work = None
         out = []
         with torch.no_grad():
-            for (_, padded, spans, (at, n)), (dim, shape) in zip(
-                self.layout, self.specs, strict=True
-            ):
+            for dim, shape, _, padded, spans, at, n in self.layout:
                 full = gathered.new_empty(shape)
                 rows = full.movedim(dim, 0)
                 for r, first, count in spans:
@@ -91,8 +89,8 @@ class _GatherShards(torch.autograd.Function):
         pending = ctx.pending
         # The padding's sums are never read: only a missing grad is zeroed.
         packs = pending.like.new_empty((pending.world, pending.size))
-        for grad, (_, padded, spans, (at, n)), (dim, _) in zip(
-            grads, pending.layout, pending.specs, strict=True
+        for grad, (dim, _, _, padded, spans, at, n) in zip(
+            grads, pending.layout, strict=True
         ):
             if grad is None:
                 packs[:, at : at + n].zero_()
@@ -104,13 +102,11 @@ class _GatherShards(torch.autograd.Function):
         local = packs.new_empty(pending.size)
         scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
         scatter(local, packs.reshape(-1), group=pending.group)
-        out = []
-        for (rows, padded, _, (at, n)), (dim, _) in zip(
-            pending.layout, pending.specs, strict=True
-        ):
+        out = [None]
+        for dim, _, rows, padded, _, at, n in pending.layout:
             shard = local[at : at + n].view(padded)[:rows].movedim(0, dim)
             out.append(shard.contiguous())
-        return (None, *out)
+        return tuple(out)
 
 
 def shard_specs(values, dim):
@@ -119,9 +115,8 @@ def shard_specs(values, dim):
 
 
 def gather_shards(shards, specs, group):
-    """Full tensors from this rank's `shards` (plain, one dtype) in one
-    all-gather over `group`, `specs` giving each `(sharded dim, global
-    shape)`; backward reduce-scatters their gradients to the shards."""
+    """Full tensors of `shards` (one dtype; `specs` their `(sharded dim,
+    global shape)`) in one all-gather; backward reduce-scatters."""
     return finish(Pending(shards, specs, group), shards)
 
 

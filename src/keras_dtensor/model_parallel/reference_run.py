@@ -1,9 +1,8 @@
 """The DTensor run a local run is checked against, as it ran.
 
-Inside `recording(Record(...))`, each nested layer call with weights
-notes its inputs' and outputs' layouts and whether it joins the boundary;
-reshapes and `slice_update`s of the model's own code note theirs. The
-local run then follows the `Record`.
+Inside `recording(Record(...))`, nested layer calls with weights, and the
+model's own reshapes and `slice_update`s, note their layouts; the local
+run then follows the `Record`.
 """
 
 import contextlib
@@ -16,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.layout import even_shards
+from keras_dtensor.backend.layout import placed_shape
 
 __all__ = [
     "Record",
@@ -49,8 +49,7 @@ def spec(x):
 
 
 def even(recorded, mesh, skip=None):
-    """Whether a recorded `(placements, shape)` has no partial sums and even
-    shards (mesh dim `skip` aside): every rank takes the same path."""
+    """Whether a recorded spec has no partial sums and even shards."""
     if recorded is None:
         return False
     placements, shape = recorded
@@ -68,11 +67,9 @@ def next_key(counts, layer):
 
 @dataclasses.dataclass
 class Record:
-    """A DTensor run's layer calls: `calls[(id(layer), n)]` holds the
-    input specs of the n-th call of a layer with weights; `weights` each
-    such layer's weights; `outputs` the specs of the model's outputs;
-    `boundary` the ids of the layers that run as DTensors; `replicated`
-    those among them whose outputs leave replicated."""
+    """A DTensor run's layer calls: `calls[(id(layer), n)]`, the input specs
+    of a weighted layer's n-th call; `boundary`, ids of the layers run as
+    DTensors; `replicated`, those whose outputs leave replicated."""
 
     boundary: set
     run_spec: object
@@ -83,17 +80,14 @@ class Record:
     # `{key: (fingerprint, output specs)}`, while tracing a difference.
     fingerprints: dict | None = None
     between: int = 0  # layer calls that run locally
-    # The model's own sublayers (ids); those among the boundary layers
-    # whose outputs were sharded over a model axis, in call order.
+    # The model's own sublayers; the boundary ones with sharded outputs.
     children: frozenset = frozenset()
     sharded_outputs: list = dataclasses.field(default_factory=list)
     replicated: frozenset = frozenset()
-    # `(input spec, result spec)`s outside the boundary layers, in order.
+    # Reshape plans, `slice_update` specs: outside boundary layers, in order.
     reshapes: list = dataclasses.field(default_factory=list)
-    reshape_plans: dict = dataclasses.field(default_factory=dict)
     slice_updates: list = dataclasses.field(default_factory=list)
     inside: int = 0  # boundary layer calls under way
-    # `local_split`'s plans, by `(id(layer), its inputs' specs)`.
     split_plans: dict = dataclasses.field(default_factory=dict)
     # Layers (ids; None: the model) meeting a boundary output cut unevenly.
     uneven: set = dataclasses.field(default_factory=set)
@@ -103,8 +97,7 @@ class Record:
         return all(s is None or self.run_spec.whole(s[0]) for s in specs)
 
     def enter(self, layer, args, kwargs):
-        """Notes a nested layer call; returns its key. A layer with a
-        replicated weight given sharded inputs joins the boundary."""
+        """Notes a nested layer call; returns its key."""
         key = next_key(self.counts, layer)
         self.stack.append(id(layer))
         if not (
@@ -159,9 +152,20 @@ class Record:
             self.sharded_outputs.append(layer_id)
 
     def note_reshape(self, x, out):
-        """Notes a reshape's input and result in the DTensor run."""
-        if not self.inside:
-            self.reshapes.append((spec(x), spec(out)))
+        """Notes a reshape's `(input's local shape, result's global and
+        local shapes)`, or None where shards differ in size (ranks could
+        part ways)."""
+        if self.inside:
+            return
+        before, after, mesh = spec(x), spec(out), self.run_spec.mesh
+        plan = None
+        if even(before, mesh) and even(after, mesh):
+            plan = (
+                torch.Size(placed_shape(before[1], mesh, before[0])),
+                after[1],
+                placed_shape(after[1], mesh, after[0]),
+            )
+        self.reshapes.append(plan)
 
     def note_slice_update(self, inputs, out):
         """Notes a `slice_update`'s updated tensor and result."""

@@ -20,8 +20,6 @@ from keras_dtensor.model_parallel import reference_run
 
 __all__ = ["local_cache", "wrap_reshape"]
 
-_UNSEEN = object()
-
 
 def _local_reshape(x, newshape):
     """The local shape for `reshape(x, newshape)`, or None."""
@@ -33,20 +31,14 @@ def _local_reshape(x, newshape):
     shape = tuple(newshape) if isinstance(newshape, (list, tuple)) else None
     if shape is None or not all(type(n) is int for n in shape):
         return None
-    plans = replay.record.reshape_plans
-    plan = plans.get(i, _UNSEEN)
-    if plan is _UNSEEN:
-        recorded = replay.record.reshapes
-        plan = plans[i] = _plan(
-            recorded[i] if i < len(recorded) else None, replay.mesh
-        )
+    recorded = replay.record.reshapes
+    plan = recorded[i] if i < len(recorded) else None
     if plan is None:
         return None
     before, whole, local = plan
     if len(whole) != len(shape) or local == shape or x.shape != before:
         return None
-    # The same reshape as recorded: each dim asked for is the global one,
-    # the local one, or inferred (-1).
+    # As recorded: each dim asked for is the global one, the local one or -1.
     for asked, g, n in zip(shape, whole, local, strict=True):
         if asked not in (g, n, -1):
             return None
@@ -106,26 +98,10 @@ def _replay_for(x):
     """The replay of the checked local run `x` is a plain tensor of."""
     replay = boundary_layers.current_replay()
     if (
-        replay is None
-        or not local_run.active()
+        not local_run.active()
         or local_shards.active()  # a split layer's own call
         or not isinstance(x, torch.Tensor)
         or isinstance(x, DTensor)
     ):
         return None
     return replay
-
-
-def _plan(recorded, mesh):
-    """`(input's local shape, result's global and local shapes)`, or None
-    where shards differ in size (ranks could part ways)."""
-    if recorded is None or not all(
-        reference_run.even(r, mesh) for r in recorded
-    ):
-        return None
-    before, after = recorded
-    return (
-        torch.Size(placed_shape(before[1], mesh, before[0])),
-        after[1],
-        placed_shape(after[1], mesh, after[0]),
-    )

@@ -1,8 +1,5 @@
 """torch-level fixes and kernels over DTensors, installed by
-`keras_dtensor.patches`: `strategies` (sharding rules DTensor lacks),
-`redistribute` (between partial placements), `compile_fixes`,
-`embedding_grad` (a vocabulary-sharded embedding's gradient),
-`sharded_adam`, `einsum_plan` (an einsum's layout from its subscripts) and
-`flat_buffers` (the one bucketing and flat-buffer packer). Modules here
-import only `backend`.
+`keras_dtensor.patches`: `strategies`, `redistribute`, `compile_fixes`,
+`embedding_grad`, `sharded_adam`, `einsum_plan` and `flat_buffers` (the
+one packer). Modules here import only `backend`.
 """

@@ -1,15 +1,12 @@
-"""Compiling over DTensors: torch fixes a compiled forward needs.
-
-Ranks share torch's on-disk compile cache, whose DTensor key is alike on
-every rank (a warm run could load another rank's program): the key names
-the rank. AOTAutograd rebuilds a returned view of an input with
-`as_strided`, which DTensor refuses: a permutation or contiguous reshape
-is rebuilt with `permute` or `view` instead.
+"""Compiling over DTensors: the on-disk cache key names the rank, and a
+returned view of an input is rebuilt without `as_strided` (which DTensor
+refuses) where it is a permutation or a contiguous reshape.
 """
 
 import hashlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from keras_dtensor.backend.layout import contiguous_strides
 
@@ -17,8 +14,7 @@ __all__ = ["wrap_gen_alias_from_base", "wrap_stable_hash_for_caching"]
 
 
 def wrap_stable_hash_for_caching(original):
-    """Wraps `DTensor._stable_hash_for_caching` (pytorch/pytorch#188390):
-    the on-disk cache key also names this process's rank."""
+    """Wraps `DTensor._stable_hash_for_caching` (pytorch/pytorch#188390)."""
 
     def _stable_hash_for_caching(self):
         key = original(self)
@@ -64,9 +60,7 @@ def _view_of(base, target):
 
 
 def wrap_gen_alias_from_base(original):
-    """Wraps AOTAutograd's `gen_alias_from_base`: a DTensor alias that is
-    a permutation or a reshape of its base is rebuilt with that op."""
-    from torch.distributed.tensor import DTensor
+    """Wraps AOTAutograd's `gen_alias_from_base` (see the module)."""
 
     def gen_alias_from_base(base, target, target_requires_grad, *a, **kw):
         out = _view_of(base, target) if isinstance(base, DTensor) else None

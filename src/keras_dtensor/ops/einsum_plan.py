@@ -1,6 +1,4 @@
-"""The layout of an einsum of sharded operands, from its subscripts: a
-pure function, cached per signature.
-"""
+"""An einsum's layout from its subscripts: pure, cached per signature."""
 
 import functools
 import math
@@ -13,8 +11,7 @@ __all__ = ["matmul_subscripts", "plan_for"]
 
 
 def matmul_subscripts(ndim):
-    """The einsum of `matmul(x, kernel)` (a `Dense` layer's product) for
-    an `ndim`-dim `x`, or None past 8 dims."""
+    """The einsum of `matmul(x, kernel)` for an `ndim`-dim `x` (to 8)."""
     if not 1 <= ndim <= 8:
         return None
     rows = "abcdefgh"[: ndim - 1]
@@ -37,9 +34,8 @@ def _subscripts(subscripts, shapes):
 
 @functools.lru_cache(maxsize=1024)
 def plan_for(subscripts, mesh, specs):
-    """For operands `specs` (`(placements, global shape)` each): each
-    operand's target placements, its gradient's, and the output's
-    placements and global shape; `None` where torch decides."""
+    """`(targets, grads, output placements, shape)` of operands `specs`
+    (`(placements, global shape)` each); `None` where torch decides."""
     shapes = [shape for _, shape in specs]
     parsed = _subscripts(subscripts, shapes)
     if parsed is None:

@@ -1,9 +1,5 @@
-"""A vocabulary-sharded embedding's gradient, computed shard only.
-
-DTensor computes a row-sharded table's whole gradient on every rank; here
-the backward masks the output gradient to the indices this rank holds and
-scatters it into a gradient shaped like the local shard.
-"""
+"""A vocabulary-sharded embedding's gradient, computed shard only (DTensor
+computes the whole table's on every rank)."""
 
 import functools
 
@@ -71,20 +67,8 @@ class _RowShardedLookup(torch.autograd.Function):
         return grad_weight, None, None
 
 
-def _as_dtensor(indices, weight):
-    if isinstance(indices, DTensor):
-        return indices
-    # A plain tensor is a global value, as the forward lookup takes it.
-    mesh = weight.device_mesh
-    return DTensor.from_local(
-        indices, mesh, [Replicate()] * mesh.ndim, run_check=False
-    )
-
-
 def wrap_embedding(original):
-    """Wraps `torch.nn.functional.embedding`: a row-sharded DTensor table
-    looked up with gradients and no other option uses `_RowShardedLookup`.
-    """
+    """Wraps `torch.nn.functional.embedding` for row-sharded tables."""
 
     @functools.wraps(original)
     def embedding(input, weight, *args, **kwargs):
@@ -99,7 +83,11 @@ def wrap_embedding(original):
             or not any(p.is_shard(0) for p in weight.placements)
         ):
             return original(input, weight, *args, **kwargs)
-        indices = _as_dtensor(input, weight)
-        return _RowShardedLookup.apply(weight, indices, original)
+        if not isinstance(input, DTensor):  # a global value, as in forward
+            mesh = weight.device_mesh
+            input = DTensor.from_local(
+                input, mesh, [Replicate()] * mesh.ndim, run_check=False
+            )
+        return _RowShardedLookup.apply(weight, input, original)
 
     return embedding

@@ -1,9 +1,6 @@
-"""Tensors packed side by side in flat buffers, in size-capped buckets.
-
-The one packer of every strategy: many small tensors travel as one buffer
-(DDP's buckets, FSDP2's flat parameters). Buckets and offsets depend only
-on the order, sizes and keys every rank passes alike, so ranks agree on
-them without communication.
+"""Tensors packed side by side in flat buffers, in size-capped buckets: the
+one packer of every strategy. Buckets and offsets depend only on what every
+rank passes alike, so ranks agree on them without communication.
 """
 
 import math
@@ -30,14 +27,9 @@ def nbytes(tensor):
 
 
 def buckets(sizes, cap, keys=None, first_cap=None, spill=True):
-    """Consecutive runs of items (by bytes `sizes`), as index lists.
-
-    Args:
-        cap: bucket capacity in bytes; `first_cap` the first bucket's.
-        keys: a bucket holds items of one key (default: all one).
-        spill: a bucket closes once it holds `cap` or more (DDP's rule);
-            else an item that would take it past `cap` opens the next.
-    """
+    """Consecutive runs of items of bytes `sizes`, as index lists, each of
+    one key; with `spill` a bucket closes once it holds `cap` or more
+    (DDP's rule), else before an item would take it past `cap`."""
     keys = keys or [None] * len(sizes)
     out, current, size, limit = [], [], 0, first_cap or cap
     for index, n in enumerate(sizes):
@@ -62,8 +54,7 @@ def offsets(shapes):
 
 
 def flat_views(tensors, room=0):
-    """A new flat buffer for `tensors` (one dtype and device) plus `room`
-    elements, and its places as views shaped like them (no copy)."""
+    """A new flat buffer for `tensors` (and `room`), and views shaped so."""
     places = offsets([t.shape for t in tensors])
     flat = tensors[0].new_empty(sum(places[-1]) + room)
     return flat, [
@@ -73,11 +64,8 @@ def flat_views(tensors, room=0):
 
 
 def all_reduce_packed(tensors, groups, cap):
-    """`tensors` (one dtype and device) summed over each of `groups`:
-    those under `cap` bytes in buckets of at most `cap`, a larger one alone
-    in place; each element gets the sum its own all-reduce would give.
-    Returns the sums in order (views of a bucket, or the tensor itself).
-    """
+    """`tensors` (one dtype and device) summed over each of `groups`, in
+    buckets of at most `cap` bytes (a larger one alone, in place)."""
     out, small, sizes = list(tensors), [], []
     for index, tensor in enumerate(tensors):
         n = nbytes(tensor)
@@ -100,11 +88,9 @@ def all_reduce_packed(tensors, groups, cap):
 
 def broadcast_packed(tensors, sources, find=None):
     """Each of `tensors` gets the value of its rank in `sources`, in place:
-    one flat broadcast per (source, dtype), all in flight at once; every
-    rank passes the same shapes, dtypes and sources in the same order.
-    `find((source, dtype), group)` may give a buffer the group's tensors
-    are views of, as `(buffer, [(tensor, its view)])` for those stored
-    elsewhere since; else `None`."""
+    one flat broadcast per (source, dtype), all in flight at once.
+    `find((source, dtype), group)` may give the buffer the group's tensors
+    are views of, as `(buffer, [(tensor, its view) if moved since])`."""
     _, rank = world()
     groups = {}
     for tensor, source in zip(tensors, sources, strict=True):
@@ -134,10 +120,7 @@ def broadcast_packed(tensors, sources, find=None):
 
 
 class FlatParams:
-    """`params` stored as views of one flat buffer per (owner, dtype), so a
-    `broadcast_packed` from their `owners` goes straight into them (FSDP's
-    flat parameters); only their storage moves, through `Parameter.data`.
-    """
+    """`params` as views of one buffer per (owner, dtype), to broadcast."""
 
     def __init__(self, params, owners):
         groups = {}
@@ -156,8 +139,7 @@ class FlatParams:
                     self.slot[id(param)] = (key, view, param)
 
     def flat_of(self, key, group):
-        """`broadcast_packed`'s `find`, when every tensor of `group` is one
-        of these parameters; else `None`."""
+        """`broadcast_packed`'s `find` for groups of these parameters."""
         flat = self.flat.get(key)
         if flat is None:
             return None
@@ -171,7 +153,7 @@ class FlatParams:
         return flat, moved
 
     def release(self):
-        """Gives every parameter still in a buffer storage of its own."""
+        """Gives every parameter still in a buffer its own storage."""
         with torch.no_grad():
             for _, view, param in self.slot.values():
                 if param.is_set_to(view):

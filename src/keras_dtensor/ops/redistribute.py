@@ -1,35 +1,21 @@
-"""Redistributions torch 2.13 gets wrong between partial placements:
-a masked partial meeting a plain partial gradient in backward, and indices
-both gathered and masked in one redistribution."""
+"""Redistributions torch 2.13 gets wrong between partial placements."""
 
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = ["wrap_redistribute_backward", "wrap_redistribute_local_tensor"]
 
 
-def _mixed_partial(grad_placements, forward_placements):
-    """Mesh dims where a plain sum meets a different partial type."""
-    return [
-        i
-        for i, (grad, forward) in enumerate(
-            zip(grad_placements, forward_placements, strict=True)
-        )
-        if grad.is_partial() and forward.is_partial() and grad != forward
-    ]
-
-
 def wrap_redistribute_backward(original):
-    """Wraps DTensor's `_redistribute_backward`: a plain partial gradient
-    meeting a masked partial forward input (which DTensor cannot convert)
-    is summed first (Partial -> Replicate)."""
+    """Wraps `_redistribute_backward`: sum a plain partial meeting a mask."""
 
     def _redistribute_backward(grad_output, previous_spec, **kwargs):
-        dims = _mixed_partial(grad_output.placements, previous_spec.placements)
-        if dims:
-            placements = [
-                Replicate() if i in dims else p
-                for i, p in enumerate(grad_output.placements)
-            ]
+        current = tuple(grad_output.placements)
+        placements = tuple(
+            Replicate() if g.is_partial() and f.is_partial() and g != f else g
+            for g, f in zip(current, previous_spec.placements, strict=True)
+        )
+        if placements != current:  # a plain sum meets another partial
             grad_output = grad_output.redistribute(
                 grad_output.device_mesh, placements
             )
@@ -39,15 +25,11 @@ def wrap_redistribute_backward(original):
 
 
 def wrap_redistribute_local_tensor(original):
-    """Wraps DTensor's `redistribute_local_tensor`: when some mesh dims
-    become partial and others change too, the others go first (else a
-    masked partial records its mask for this rank's rows only)."""
+    """Wraps `redistribute_local_tensor`: dims becoming partial go last."""
 
     def redistribute_local_tensor(
         local_tensor, current_spec, target_spec, **kw
     ):
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
         current, target = current_spec.placements, target_spec.placements
         # The dims becoming partial stay as they are for a first step.
         placements = tuple(

@@ -1,10 +1,5 @@
-"""Adam's update under a distribution: on local shards, in bounded pieces.
-
-Keras's torch `Adam` (and `AdamW`) updates all variables at once, its
-temporaries the size of all weights. A variable, its slots and its
-gradient laid out alike are updated elementwise on their local tensors,
-with Keras's arithmetic (order and dtypes), a bounded piece at a time.
-"""
+"""Adam's update on local shards, in bounded pieces, with Keras's arithmetic
+(Keras's torch `Adam` keeps temporaries the size of all weights)."""
 
 import functools
 
@@ -16,25 +11,23 @@ from keras_dtensor.ops.flat_buffers import buckets
 
 __all__ = ["wrap_adam_update"]
 
-# Elements per piece.
-_PIECE = 1 << 20
+_PIECE = 1 << 20  # elements
 
 
 def _local(x):
-    # The update runs under no_grad, where `to_local()` is this tensor.
+    # Under no_grad `to_local()` is this tensor.
     return x._local_tensor if isinstance(x, DTensor) else x
 
 
 def _aligned(tensors):
     """Whether DTensors `tensors` share mesh, placements and local shape."""
-    if not all(isinstance(t, DTensor) for t in tensors):
-        return False
     first = tensors[0]
     return all(
-        t.device_mesh == first.device_mesh
+        isinstance(t, DTensor)
+        and t.device_mesh == first.device_mesh
         and t.placements == first.placements
         and t._local_tensor.shape == first._local_tensor.shape
-        for t in tensors[1:]
+        for t in tensors
     )
 
 
@@ -88,9 +81,7 @@ def _update(optimizer, group, step_size):
 
 
 def wrap_adam_update(original):
-    """Wraps Keras's torch `Adam._parallel_update_step`: DTensor variables
-    whose slots and gradients share their layout are updated on their
-    local shards in bounded pieces; anything else runs `original`."""
+    """Wraps Keras's torch `Adam._parallel_update_step` (see the module)."""
 
     @functools.wraps(original)
     def _parallel_update_step(self, grads, variables, learning_rate):

@@ -1,11 +1,9 @@
-"""Sharding strategies for ops DTensor lacks, registered with
-`register_sharding` by the torch entries of the `PATCHES` table: CPU flash
-attention (sharded on the batch or the head dim), `multinomial`
-(replicated: every rank draws the one-process sample), `scatter_reduce`
-(sharded off the scattered dim) and missing comparisons (elementwise).
-"""
+"""Sharding strategies for ops DTensor lacks (the torch rows of `PATCHES`):
+CPU flash attention, `multinomial` (replicated: the one-process sample),
+`scatter_reduce` and missing comparisons."""
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import register_sharding
@@ -84,7 +82,7 @@ def scatter_reduce(self, dim, index, src, reduce, **kwargs):
 
 
 def scatter_reduce_ops():
-    """`scatter_reduce` and its in-place form, where torch has no rule."""
+    """`scatter_reduce` and `scatter_reduce_`, where torch has no rule."""
     ops = (_aten.scatter_reduce.two, _aten.scatter_reduce_.two)
     return [op for op in ops if not _has_strategy(op)]
 
@@ -99,8 +97,6 @@ _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 def _has_strategy(op):
     """Whether torch's DTensor has a sharding rule of its own for `op`."""
-    from torch.distributed.tensor import DTensor
-
     propagator = DTensor._op_dispatcher.sharding_propagator
     tables = (
         "op_strategy_funcs",
@@ -121,24 +117,19 @@ def missing_comparisons():
 
 
 def keep_kwargs_in_place(strategy, op_schema):
-    """Keeps the strategies that leave every keyword tensor (CPU flash
-    attention's mask) where it is: DTensor never redistributes those."""
+    """Keeps strategies leaving keyword tensors (which DTensor never moves)."""
     current = [
         tuple(s.strategies[0].output_spec.placements)
         for s in op_schema.kwargs_strategy
     ]
     if not current:
         return strategy
-    kept = [
-        spec
-        for spec in strategy.strategies
-        if [
-            tuple(s.placements)
-            for s in spec.input_specs[-len(current) :]
-            if s is not None
-        ]
-        == current
-    ]
+
+    def placed(spec):
+        tail = spec.input_specs[-len(current) :]
+        return [tuple(s.placements) for s in tail if s is not None]
+
+    kept = [spec for spec in strategy.strategies if placed(spec) == current]
     if kept:
         strategy.strategies = kept
     return strategy

@@ -4,7 +4,7 @@ replacement is still in place."""
 
 import dataclasses
 import functools
-import importlib
+import pkgutil
 import types
 import warnings
 from collections.abc import Callable
@@ -55,11 +55,8 @@ class Patch(_Entry):
         return f"{self.module}.{self.attribute}"
 
     def owner(self):
-        owner = importlib.import_module(self.module)
-        *path, _ = self.attribute.split(".")
-        for name in path:
-            owner = getattr(owner, name)
-        return owner
+        path = self.attribute.rpartition(".")[0]
+        return pkgutil.resolve_name(f"{self.module}:{path}")
 
     @property
     def name(self) -> str:
@@ -139,7 +136,7 @@ class Registration(_Entry):
                 propagator.op_strategy_funcs.get(op, MISSING),
                 propagator.op_to_schema_info.get(op, MISSING),
                 # torch's own single-dim rule would win: set aside.
-                _single_dim(propagator).pop(op, MISSING),
+                propagator.op_single_dim_strategy_funcs.pop(op, MISSING),
             )
             register_sharding(op)(self.strategy)
             if self.refine is not None:
@@ -163,7 +160,7 @@ class Registration(_Entry):
             for table, value in (
                 (propagator.op_strategy_funcs, strategy),
                 (propagator.op_to_schema_info, schema),
-                (_single_dim(propagator), single_dim),
+                (propagator.op_single_dim_strategy_funcs, single_dim),
             ):
                 if value is MISSING:
                     table.pop(op, None)
@@ -177,11 +174,6 @@ class Registration(_Entry):
             propagator.op_strategy_funcs.get(op) is ours
             for op, *_, ours in saved
         )
-
-
-def _single_dim(propagator):
-    """DTensor's table of single-dim rules (torch 2.10 on; else empty)."""
-    return getattr(propagator, "op_single_dim_strategy_funcs", {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +191,8 @@ class CacheKey(_Entry):
 
     @property
     def target(self) -> str:
-        return f"DTensor sharding cache key: {self.op()} from argument " + str(
-            self.static_argnum
-        )
+        op, argnum = self.op(), self.static_argnum
+        return f"DTensor sharding cache key: {op} from argument {argnum}"
 
     def _table(self, propagator, op):
         """The schema-info table that holds `op` (torch 2.14 has two)."""
@@ -220,25 +211,20 @@ class CacheKey(_Entry):
         table = self._table(propagator, op)
         before = MISSING if table is None else table[op]
         if before is MISSING or before.static_argnum <= self.static_argnum:
-            return (op, before, before)  # nothing to fix on this torch
+            return (table, op, before, before)  # nothing to fix on this torch
         ours = dataclasses.replace(before, static_argnum=self.static_argnum)
         table[op] = ours
         propagator.propagate_op_sharding.cache_clear()
-        return (op, before, ours)
+        return (table, op, before, ours)
 
     def restore(self, saved):
-        op, before, ours = saved
-        if ours is before:
-            return
-        propagator = _propagator()
-        table = self._table(propagator, op)
-        if table is not None and table.get(op) is ours:
+        table, op, before, ours = saved
+        if ours is not before and table.get(op) is ours:
             table[op] = before
-            propagator.propagate_op_sharding.cache_clear()
+            _propagator().propagate_op_sharding.cache_clear()
 
     def is_current(self, saved):
-        op, _, ours = saved
-        table = self._table(_propagator(), op)
+        table, op, _, ours = saved
         return table is not None and table.get(op) is ours
 
 
@@ -283,13 +269,12 @@ def status_of(entries, saved):
     for entry in entries:
         original = saved.get(entry.target)
         ok, reason = applies(entry)
+        state = "replaced by another library"
         if not ok:
             state = f"skipped: {reason}"
         elif original is None:
             state = "original"
         elif entry.is_current(original):
             state = "applied"
-        else:
-            state = "replaced by another library"
         result.append((entry.target, state, entry.why))
     return result

@@ -4,13 +4,12 @@
 - `warn_unmatched_layout_keys` (`lint`): LayoutMap keys no weight matches;
 - `lora_layout` (`lora`): a LoRA factor's layout, from its base weight's;
 - `auto_layout_map`, `auto_layout` (`auto_layout`): a LayoutMap from the
-  model's dataflow (`trace`, `dataflow`, `propagate`), reported as a table
-  (`layout_report`).
+  model's dataflow (`trace`, `dataflow`, `propagate`), reported as a table.
 """
 
+from keras_dtensor.planning.auto_layout import AutoLayout
 from keras_dtensor.planning.auto_layout import auto_layout
 from keras_dtensor.planning.auto_layout import auto_layout_map
-from keras_dtensor.planning.layout_report import AutoLayout
 from keras_dtensor.planning.lint import warn_unmatched_layout_keys
 from keras_dtensor.planning.lora import lora_layout
 from keras_dtensor.planning.memory import MemoryPlan

@@ -7,6 +7,7 @@ the reason. The same on every rank and every run, with no communication.
 """
 
 import collections
+import dataclasses
 import itertools
 import math
 import re
@@ -16,13 +17,54 @@ from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import dataflow
 from keras_dtensor.planning import propagate
 from keras_dtensor.planning import trace as tracing
-from keras_dtensor.planning.layout_report import AutoLayout
-from keras_dtensor.planning.layout_report import Entry
 
-__all__ = ["auto_layout", "auto_layout_map"]
+__all__ = ["AutoLayout", "auto_layout", "auto_layout_map"]
 
 _MAX_TRIES = 256
 _LARGE_EMBEDDING = 2**20
+
+# One weight: its layout axes and why.
+Entry = collections.namedtuple("Entry", "path shape axes why")
+
+
+@dataclasses.dataclass
+class AutoLayout:
+    """What `auto_layout` decided: `entries` per weight, collectives per
+    training step, and the `layout_map`."""
+
+    entries: list
+    mesh: object
+    model_axis: str
+    batch_axis: str
+    all_reduces_forward: int
+    all_reduces_backward: int
+    all_gathers_forward: int
+    layout_map: object
+    bytes_full: int
+    bytes_per_rank: int
+
+    def table(self) -> str:
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape, strict=True))
+        rows = [
+            f"| {e.path} | {e.shape} | {e.axes} | {e.why} |"
+            for e in self.entries
+        ]
+        lines = [
+            f"auto layout over {self.model_axis!r} ({sizes[self.model_axis]} "
+            f"ranks) of mesh {dict(sizes)}",
+            "| weight | shape | axes | why |",
+            "|---|---|---|---|",
+            *rows,
+            "collectives per training step (model axis): "
+            f"{self.all_reduces_forward} all-reduces forward, "
+            f"{self.all_reduces_backward} backward, "
+            f"{self.all_gathers_forward} all-gathers forward",
+            f"weights per rank: {self.bytes_per_rank / 2**20:.2f} MiB of "
+            f"{self.bytes_full / 2**20:.2f} MiB",
+        ]
+        return "\n".join(lines)
+
+    __str__ = table
 
 
 def _options(flow, p, fixed, parts):
@@ -104,7 +146,20 @@ def auto_layout(
     min_shard_bytes=0,
 ):
     """Derives the layout of every weight of `build()`'s model over
-    `mesh`'s `model_axis` from the model's dataflow; see `auto_layout_map`.
+    `mesh`'s `model_axis` from the model's dataflow.
+
+    Args:
+        build: a function of no arguments that creates the model (run
+            once on torch's `meta` device, with fake tensors), or a model.
+        mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
+        model_axis: the mesh axis weights are split over.
+        batch_axis: the mesh axis the batch is split over.
+        fsdp: also split each weight over `batch_axis` (FSDP-style), on
+            its largest dim that axis divides.
+        sample_input: inputs for one call, for a model without symbolic
+            inputs (subclassed); a functional model's own are used.
+        min_shard_bytes: leave a region whole whose split weights are
+            smaller than this.
 
     Returns:
         An `AutoLayout`: `print()` it for each weight's layout and why, the
@@ -230,22 +285,21 @@ def _compatible(splits):
     return kept
 
 
-def _score(plan):
-    """More bytes sharded first, then fewer all-reduces."""
-    return (
-        sum(s.nbytes for s in plan),
-        -sum(s.forward + s.backward for s in plan),
-    )
-
-
 def _plan(splits):
-    """`splits` (largest first) as kept by the best-scoring start region,
-    then the rest (the residual stream against Megatron's pairs)."""
-    best = _compatible(splits)
-    for i, first in enumerate(splits[1:], 1):
-        plan = _compatible([first, *splits[:i], *splits[i + 1 :]])
-        if _score(plan) > _score(best):
-            best = plan
+    """`splits` (largest first) as kept by the best start region (more
+    bytes sharded, then fewer all-reduces; the first on a tie), then the
+    rest (the residual stream against Megatron's pairs)."""
+    best = max(
+        (
+            _compatible([first, *splits[:i], *splits[i + 1 :]])
+            for i, first in enumerate(splits)
+        ),
+        key=lambda plan: (
+            sum(s.nbytes for s in plan),
+            -sum(s.forward + s.backward for s in plan),
+        ),
+        default=[],
+    )
     chosen = {id(s) for s in best}
     return best + [s for s in splits if id(s) not in chosen]
 
@@ -260,30 +314,12 @@ def _label(split):
     return f"{'+'.join(sorted(layers['column']))} -> {'+'.join(rows) or 'sum'}"
 
 
-def auto_layout_map(
-    build,
-    mesh,
-    *,
-    model_axis="model",
-    batch_axis="batch",
-    fsdp=False,
-    sample_input=None,
-    min_shard_bytes=0,
-):
+def auto_layout_map(build, mesh, **options):
     """A `keras.distribution.LayoutMap` for any model, from its dataflow.
 
     Args:
-        build: a function of no arguments that creates the model (run
-            once on torch's `meta` device, with fake tensors), or a model.
-        mesh: the `keras.distribution.DeviceMesh` to lay weights out on.
-        model_axis: the mesh axis weights are split over.
-        batch_axis: the mesh axis the batch is split over.
-        fsdp: also split each weight over `batch_axis` (FSDP-style), on
-            its largest dim that axis divides.
-        sample_input: inputs for one call, for a model without symbolic
-            inputs (subclassed); a functional model's own are used.
-        min_shard_bytes: leave a region whole whose split weights are
-            smaller than this.
+        build, mesh, **options: as `auto_layout` takes them (`model_axis`,
+            `batch_axis`, `fsdp`, `sample_input`, `min_shard_bytes`).
 
     Returns:
         A LayoutMap for `keras.distribution.ModelParallel`; the same on
@@ -299,12 +335,4 @@ def auto_layout_map(
     )
     ```
     """
-    return auto_layout(
-        build,
-        mesh,
-        model_axis=model_axis,
-        batch_axis=batch_axis,
-        fsdp=fsdp,
-        sample_input=sample_input,
-        min_shard_bytes=min_shard_bytes,
-    ).layout_map
+    return auto_layout(build, mesh, **options).layout_map

@@ -10,27 +10,14 @@ import dataclasses
 
 __all__ = ["IDENTITY", "Contraction", "Dataflow", "analyze", "contraction"]
 
-IDENTITY = {
-    "detach",
-    "lift_fresh",
-    "lift_fresh_copy",
-    "clone",
-    "to_copy",
-    "alias",
-    "contiguous",
-    "type_as",
-}
-_VIEWS = IDENTITY | {
-    "view",
-    "unsafe_view",
-    "reshape",
-    "permute",
-    "transpose",
-    "t",
-    "unsqueeze",
-    "squeeze",
-    "expand",
-}
+IDENTITY = set(
+    "detach lift_fresh lift_fresh_copy clone to_copy alias contiguous "
+    "type_as".split()
+)
+_VIEWS = IDENTITY | set(
+    "view unsafe_view reshape permute transpose t unsqueeze squeeze "
+    "expand".split()
+)
 CONTRACTIONS = {"mm", "bmm", "addmm", "baddbmm"}
 
 
@@ -137,24 +124,6 @@ def _view_of(node, dims, shapes):
     return None
 
 
-def _weight_views(trace):
-    views = {
-        tid: (var, [((d, n, True),) for d, n in enumerate(var.shape)])
-        for tid, var in trace.weights.items()
-    }
-    for node in trace.nodes:
-        tensors = [i for i in node.inputs if isinstance(i, int)]
-        if len(tensors) != 1 or tensors[0] not in views:
-            continue
-        if not node.outputs or not isinstance(node.outputs[0], int):
-            continue
-        var, dims = views[tensors[0]]
-        out = _view_of(node, dims, trace.shapes)
-        if out is not None and len(out) == len(trace.shapes[node.outputs[0]]):
-            views[node.outputs[0]] = (var, out)
-    return views
-
-
 def _projection(index, node, views):
     c = contraction(node)
     left, right = views.get(c.a), views.get(c.b)
@@ -182,7 +151,10 @@ def _root(union, x):
 
 def analyze(trace) -> Dataflow:
     """Weight views, projections, embeddings and regions of `trace`."""
-    views = _weight_views(trace)
+    views = {
+        tid: (var, [((d, n, True),) for d, n in enumerate(var.shape)])
+        for tid, var in trace.weights.items()
+    }
     projections, embeddings = [], []
     stream, union = set(), {}
     parent = {}
@@ -192,6 +164,13 @@ def analyze(trace) -> Dataflow:
         outs = [o for o in node.outputs if isinstance(o, int)]
         for o in outs:
             order.setdefault(o, len(order))
+        single = [i for i in node.inputs if isinstance(i, int)]
+        out = node.outputs[0] if node.outputs else None
+        if len(single) == 1 and single[0] in views and isinstance(out, int):
+            var, dims = views[single[0]]
+            view = _view_of(node, dims, trace.shapes)
+            if view is not None and len(view) == len(trace.shapes[out]):
+                views[out] = (var, view)  # a weight view, for later nodes
         if node.op in CONTRACTIONS:
             p = _projection(index, node, views)
             if p is not None:

@@ -14,6 +14,7 @@ from keras_dtensor.backend.layout import local_shape
 from keras_dtensor.backend.layout import normalize_axes
 from keras_dtensor.planning import lora
 from keras_dtensor.planning.lint import unmatched_keys
+from keras_dtensor.planning.trace import build_on
 from keras_dtensor.planning.trace import keras_itemsize
 
 __all__ = ["MemoryPlan", "VariablePlan", "plan"]
@@ -85,15 +86,13 @@ def _build_on_meta(model_or_build_fn, optimizer):
     previous = context.current()
     keras.distribution.set_distribution(None)  # plain, shape-only weights
     try:
+        model = build_on(model_or_build_fn, "meta")
+        if optimizer is None:
+            return model, []
         with compat.torch_core().device_scope("meta"):
-            model = model_or_build_fn
-            if not isinstance(model, keras.Model) and callable(model):
-                model = model_or_build_fn()
-            if optimizer is None:
-                return model, []
             optimizer = keras.optimizers.get(optimizer)
             optimizer.build(model.trainable_variables)
-            return model, list(optimizer.variables)
+        return model, list(optimizer.variables)
     finally:
         keras.distribution.set_distribution(previous)
 
@@ -104,7 +103,10 @@ def plan(
     optimizer=None,
     large_replicated_mib=16.0,
 ):
-    """Per-rank bytes of `distribution`'s layouts, computed on `meta`.
+    """Per-rank memory of `distribution`'s layouts, before allocating.
+
+    The model and its optimizer's slots are built on torch's `meta` device,
+    each weight laid out as in a real run.
 
     Args:
         model_or_build_fn: a function that builds the Keras model (run on
@@ -119,9 +121,11 @@ def plan(
         A `MemoryPlan`; `print(plan)` shows the table.
 
     Example:
-    ```python
-    print(keras_dtensor.plan(build_model, distribution, optimizer="adamw"))
-    ```
+    >>> mesh = keras.distribution.DeviceMesh((1, 8), ["batch", "model"])
+    >>> layout_map = keras.distribution.LayoutMap(mesh)
+    >>> layout_map[".*kernel"] = (None, "model")
+    >>> print(keras_dtensor.plan(build_model,
+    ...     keras.distribution.ModelParallel(layout_map=layout_map), "adamw"))
     """
     model, slots = _build_on_meta(model_or_build_fn, optimizer)
     mesh = distribution.device_mesh

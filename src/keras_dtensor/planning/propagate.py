@@ -23,36 +23,14 @@ class Conflict(Exception):  # noqa: N818 (a verdict, not an error)
 
 PARTIAL = "partial"
 SHAPE_ONLY = IDENTITY | {"empty_like", "dropout", "native_dropout", "copy"}
-REDUCTIONS = {
-    "mean",
-    "sum",
-    "amax",
-    "amin",
-    "max",
-    "min",
-    "var",
-    "std",
-    "prod",
-    "logsumexp",
-    "argmax",
-    "argmin",
-    "all",
-    "any",
-    "norm",
-    "linalg_vector_norm",
-}
+REDUCTIONS = set(
+    "mean sum amax amin max min var std prod logsumexp argmax argmin all any "
+    "norm linalg_vector_norm".split()
+)
 ALONG = {"softmax", "log_softmax", "safe_softmax", "cumsum", "topk", "sort"}
-CUTS = {
-    "split",
-    "split_with_sizes",
-    "chunk",
-    "unbind",
-    "slice",
-    "select",
-    "narrow",
-    "flip",
-    "roll",
-}
+CUTS = set(
+    "split split_with_sizes chunk unbind slice select narrow flip roll".split()
+)
 ELEMENTWISE = {"where", "masked_fill", "clamp", "lerp"}
 ATTENTION = {
     "scaled_dot_product_flash_attention_for_cpu",
@@ -75,14 +53,6 @@ def _atom_split(atoms, j, parts):
     """`(block, period)` of splitting atom `j` of a dim into `parts`."""
     period = atoms[j][1] * math.prod(size for _, size, _ in atoms[j + 1 :])
     return period // parts, period
-
-
-def _matching_atom(atoms, split, parts):
-    """The atom of a weight dim that `split` cuts, or None."""
-    for j, atom in enumerate(atoms):
-        if atom[1] % parts == 0 and _atom_split(atoms, j, parts) == split[1:]:
-            return j
-    return None
 
 
 def _through_view(node, split, shape_in, shape_out):
@@ -124,10 +94,11 @@ class _Run:
 
     def place(self, var, atoms, split, role, node, what="a dim"):
         """Split `var` on the atom of `atoms` that `split` cuts."""
-        j = _matching_atom(atoms, split, self.parts)
-        if j is None:
-            _fail(node, f"{var.path}: the split falls inside {what}")
-        self.weight_atom(var, atoms[j], role, node)
+        parts = self.parts
+        for j, (_, size, _) in enumerate(atoms):
+            if size % parts == 0 and _atom_split(atoms, j, parts) == split[1:]:
+                return self.weight_atom(var, atoms[j], role, node)
+        _fail(node, f"{var.path}: the split falls inside {what}")
 
     def weight_atom(self, var, atom, role, node):
         var_dim, _, outer = atom

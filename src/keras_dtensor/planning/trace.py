@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_dtensor import compat
 
-__all__ = ["Node", "Trace", "record"]
+__all__ = ["Node", "Trace", "build_on", "record"]
 
 
 # One aten op (`"mm"`): tensor arguments and outputs as ids (`None` for
@@ -29,11 +29,6 @@ Node = collections.namedtuple("Node", "op pointwise inputs args kwargs outputs")
 # `nodes` in execution order, `shapes` and `weights` (variables) by id;
 # `keep` holds the tensors so their ids stay unique.
 Trace = collections.namedtuple("Trace", "nodes shapes weights outputs keep")
-
-
-def _op_name(func) -> str:
-    packet = getattr(func, "overloadpacket", None)
-    return str(func) if packet is None else packet.__name__.lstrip("_")
 
 
 class _Recorder(TorchDispatchMode):
@@ -60,8 +55,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (list, tuple)) else (out,)
+        packet = getattr(func, "overloadpacket", None)
         node = Node(
-            _op_name(func),
+            str(func) if packet is None else packet.__name__.lstrip("_"),
             torch.Tag.pointwise in getattr(func, "tags", ()),
             tuple(self._ids(a) for a in args),
             tuple(None if isinstance(a, Tensor) else a for a in args),
@@ -108,7 +104,8 @@ def _layer_in_traceback(error):
     return name
 
 
-def _build(build, device):
+def build_on(build, device):
+    """`build()` run under Keras's `device` scope; a model as it is."""
     import keras
 
     if isinstance(build, keras.Model):
@@ -192,7 +189,7 @@ def record(build, sample_input=None):
     model = None
     try:
         try:
-            model = _build(build, "meta")
+            model = build_on(build, "meta")
             return model, _trace_call(model, sample_input, fake=True)
         except Exception as error:  # noqa: BLE001 (retried on the CPU)
             layer = _layer_in_traceback(error)
@@ -216,7 +213,7 @@ def record(build, sample_input=None):
                 "building it on the CPU instead",
                 stacklevel=2,
             )
-            model = _build(build, "cpu")
+            model = build_on(build, "cpu")
             return model, _trace_call(model, sample_input, fake=False)
     finally:
         keras.distribution.set_distribution(previous)
