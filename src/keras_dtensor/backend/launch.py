@@ -166,8 +166,9 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
         return data
     length = torch.tensor([len(data) if rank == src else 0])
     dist.broadcast(length, src=src)
-    buffer = _as_uint8(data)
-    if rank != src:
+    if rank == src:
+        buffer = _as_uint8(data)
+    else:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
     if buffer.numel():
         dist.broadcast(buffer, src=src)
