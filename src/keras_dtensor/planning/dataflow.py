@@ -10,14 +10,27 @@ import dataclasses
 
 __all__ = ["IDENTITY", "Contraction", "Dataflow", "analyze", "contraction"]
 
-IDENTITY = set(
-    "detach lift_fresh lift_fresh_copy clone to_copy alias contiguous "
-    "type_as".split()
-)
-_VIEWS = IDENTITY | set(
-    "view unsafe_view reshape permute transpose t unsqueeze squeeze "
-    "expand".split()
-)
+IDENTITY = {
+    "detach",
+    "lift_fresh",
+    "lift_fresh_copy",
+    "clone",
+    "to_copy",
+    "alias",
+    "contiguous",
+    "type_as",
+}
+_VIEWS = IDENTITY | {
+    "view",
+    "unsafe_view",
+    "reshape",
+    "permute",
+    "transpose",
+    "t",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+}
 CONTRACTIONS = {"mm", "bmm", "addmm", "baddbmm"}
 
 

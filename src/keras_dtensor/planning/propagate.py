@@ -23,14 +23,36 @@ class Conflict(Exception):  # noqa: N818 (a verdict, not an error)
 
 PARTIAL = "partial"
 SHAPE_ONLY = IDENTITY | {"empty_like", "dropout", "native_dropout", "copy"}
-REDUCTIONS = set(
-    "mean sum amax amin max min var std prod logsumexp argmax argmin all any "
-    "norm linalg_vector_norm".split()
-)
+REDUCTIONS = {
+    "mean",
+    "sum",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "var",
+    "std",
+    "prod",
+    "logsumexp",
+    "argmax",
+    "argmin",
+    "all",
+    "any",
+    "norm",
+    "linalg_vector_norm",
+}
 ALONG = {"softmax", "log_softmax", "safe_softmax", "cumsum", "topk", "sort"}
-CUTS = set(
-    "split split_with_sizes chunk unbind slice select narrow flip roll".split()
-)
+CUTS = {
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "slice",
+    "select",
+    "narrow",
+    "flip",
+    "roll",
+}
 ELEMENTWISE = {"where", "masked_fill", "clamp", "lerp"}
 ATTENTION = {
     "scaled_dot_product_flash_attention_for_cpu",
