@@ -58,8 +58,7 @@ class StoredZip:
             view, offset = view[written:], offset + written
 
     def _start(self, info, crc=0, zip64=None):
-        """Writes the local header of `info`, stored; a header rewritten
-        later keeps its length (ZIP64 decided here, by the size)."""
+        """Writes `info`'s local header (ZIP64 or not, for good)."""
         if self._open is not None:
             raise ValueError(
                 f"Member {self._open.entry.filename!r} is still being "
