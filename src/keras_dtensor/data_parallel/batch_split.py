@@ -118,8 +118,7 @@ def split_rows(rows, total):
 
 def _split_of(seed, shape=None):
     """`(start, length, total)` of a seeded draw to split, else `None`."""
-    # Nothing distributed: return before the ContextVar read, which
-    # torch.compile cannot trace (a graph break in every compiled step).
+    # Before the ContextVar read, which torch.compile cannot trace.
     if context.current() is None:
         return None
     split = _ROWS.get()

@@ -110,8 +110,7 @@ def without_rows(model, rows):
             for s in states:
                 s.copy_(state.frozen[id(s)])
         if early is not None:
-            # The early sum took the frozen values: it stays current for
-            # the states nothing wrote since, as on the other ranks.
+            # The early sum took the frozen values: current where unwritten.
             early.versions = [
                 s._version if same else version
                 for s, version, same in zip(

@@ -52,8 +52,7 @@ class GradientReducer:
         self.tail_width = min(widths, default=0)
         self._allocate(_TAIL_ROOM)
         self.world, self.rank = world()
-        # Per bucket: {owner: (start, stop)}, and the (peer, buffer) pairs
-        # this rank receives its segment's shares into.
+        # Per bucket: {owner: (start, stop)}; (peer, buffer) pairs received.
         self.segments, self.inbox = [], []
         for index, bucket in enumerate(self.buckets):
             segments, offset = {}, 0
@@ -116,8 +115,7 @@ class GradientReducer:
         if not self.active:
             return
         if not self.queued:
-            # As DDP: finish when backward completes, so `.grad` is global
-            # before any optimizer or user code reads it.
+            # As DDP: `.grad` is global once backward completes.
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish
