@@ -99,7 +99,7 @@ def _job(case, root, signal_after_steps=None):
         time.sleep(0.01)
     sent, sent_wall = time.monotonic(), time.time()
     os.killpg(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=900)
+    out, err = proc.communicate(timeout=900)
     return time.monotonic() - sent, sent_wall, err
 
 
@@ -142,7 +142,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    rows = [measure(case) for case in args.cases.split(",")]
+    rows = []
+    for case in args.cases.split(","):
+        rows.append(measure(case))
     if args.out:
         update_results(args.out, "signal_to_exit", rows)
 
