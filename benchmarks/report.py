@@ -4,10 +4,11 @@
     python benchmarks/report.py --check    # exit 1 if BENCHMARKS.md is stale
 
 Inputs: `benchmarks/results*.json`, each written by the benchmark its
-Method table names; `results-history.json` holds the figures measured
-before the benchmarks saved them, each with its date, commit and command.
-The headline reads the newest run of each ratio; every run is then printed
-whole by one renderer, its records as tables with their own keys as heads.
+command names; `results-history.json` holds the figures measured before
+the benchmarks saved them, each with its date, commit and command. The
+headline reads the newest run of each ratio; every run is then printed
+whole by one renderer, with its command, its records as tables with their
+own keys as heads.
 """
 
 import argparse
