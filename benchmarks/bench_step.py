@@ -151,8 +151,8 @@ def _config(variant, model_name):
 
 
 def _pair_start(variant):
-    """ "_pair" variants: every process starts together; the untimed steps
-    ranks other than 0 then run keep rank 0 (timed) from finishing alone."""
+    """For "_pair" variants: every process starts together, and ranks
+    other than 0 run extra untimed steps, so rank 0 never finishes alone."""
     if not variant.endswith("_pair"):
         return 0
     import torch.distributed as dist
