@@ -343,7 +343,7 @@ def _run_keras(variant, model_name, steps, warmup):
     class Timer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.cpu, self.comm, self.comms = [], [], None, {}
+            self.times, self.cpu = [], []
 
         def on_train_batch_begin(self, batch, logs=None):
             if off and batch == warmup:
@@ -352,8 +352,7 @@ def _run_keras(variant, model_name, steps, warmup):
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
             if batch == repeats - 1:  # the last step: count collectives
-                self.comm = CommDebugMode()
-                self.comm.__enter__()
+                self.comm = CommDebugMode().__enter__()
                 self.p2p = _count_p2p()
             self.start = time.perf_counter(), time.thread_time()
 
@@ -362,13 +361,12 @@ def _run_keras(variant, model_name, steps, warmup):
             wall, cpu = time.perf_counter(), time.thread_time()
             if batch == warmup + steps:
                 self.counts.__exit__(None, None, None)
-            if self.comm is not None:
+            if batch == repeats - 1:
                 self.comm.__exit__(None, None, None)
                 self.comms = {
                     str(k): v for k, v in self.comm.get_comm_counts().items()
                 }
                 self.comms.update(self.p2p())
-                self.comm = None
             elif warmup <= batch < warmup + steps:
                 self.times.append(wall - self.start[0])
                 self.cpu.append(cpu - self.start[1])
