@@ -78,9 +78,10 @@ def _data(cfg, batch, steps):
     if cfg["kind"] == "embed":
         x = rng.integers(0, cfg["vocab"], size=(n, cfg["seq"]), dtype="int64")
         return x, rng.standard_normal((n, cfg["units"]), dtype="float32")
-    shape = (n, cfg["width"])
     if cfg["kind"] == "transformer":
         shape = (n, cfg["seq"], cfg["d_model"])
+    else:
+        shape = (n, cfg["width"])
     return (rng.standard_normal(shape, dtype="float32") for _ in "xy")
 
 

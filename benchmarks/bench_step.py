@@ -117,8 +117,9 @@ def _data(model_name, cfg):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    shape = (cfg["batch"], cfg["width"])
-    if model_name != "mlp":
+    if model_name == "mlp":
+        shape = (cfg["batch"], cfg["width"])
+    else:
         shape = (cfg["batch"], cfg["seq"], cfg["d_model"])
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
