@@ -23,11 +23,10 @@ import bench_step
 _MIB = 2**20
 MODELS = {
     "a": dict(kind="embed", vocab=1_000_000, dim=128, seq=4, units=256),
-    "b": dict(kind="embed", vocab=1_000_000, dim=128, seq=4, units=256),
     "c": dict(kind="transformer", d_model=1024, heads=8, mlp=4096, seq=32),
     "d": dict(kind="fsdp", width=2048, layers=8),
 }
-MODELS["b"]["vocab_tp"] = 1
+MODELS["b"] = dict(MODELS["a"], vocab_tp=1)
 MODELS["c"]["blocks"] = 2
 SIDES = ("native", "kd")
 
@@ -61,8 +60,7 @@ class _Probe:
         self.trim()
         self.figures["steady_trimmed"] = self.rss()
 
-    def trim(self):
-        """glibc's `malloc_trim(0)`: free arena memory back to the OS."""
+    def trim(self):  # glibc's arena memory back to the OS
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     def timed(self, key, start, path):
@@ -84,8 +82,7 @@ def _data(cfg, batch, steps):
         shape = (n, cfg["seq"], cfg["d_model"])
     else:
         shape = (n, cfg["width"])
-    x = rng.standard_normal(shape, dtype="float32")
-    return x, rng.standard_normal(shape, dtype="float32")
+    return (rng.standard_normal(shape, dtype="float32") for _ in "xy")
 
 
 # ------------------------------------------------------------------ torch

@@ -27,9 +27,7 @@ VARIANTS += [v for t, k in _PAIRS for v in (f"torch_{t}", f"kd_{k}")]
 VARIANTS += [v + OFF for v in VARIANTS[6:]]
 LOCAL_OFF = "_dtensor"
 VARIANTS.insert(VARIANTS.index("kd_mp") + 1, "kd_mp" + LOCAL_OFF)
-# Untimed steps that "_pair" processes other than rank 0 run after their
-# timed ones, so rank 0 never finishes alone.
-_PAIR_EXTRA_STEPS = 10
+_PAIR_EXTRA_STEPS = 10  # see `_pair_start`
 # (target name, numerator, denominator) of the step-time ratios; the
 # suffix of the ratios held against each Keras ÷ torch reference.
 REFERENCES = {"": "single", "_vs_local": "local", "_vs_pair": "pair"}
@@ -74,10 +72,9 @@ def _torch_transformer(cfg):
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.q = torch.nn.Linear(d, d)
-            self.k = torch.nn.Linear(d, d)
-            self.v = torch.nn.Linear(d, d)
-            self.o = torch.nn.Linear(d, d)
+            self.q, self.k, self.v, self.o = (
+                torch.nn.Linear(d, d) for _ in range(4)
+            )
             self.ln1 = torch.nn.LayerNorm(d)
             self.up = torch.nn.Linear(d, cfg["mlp"])
             self.down = torch.nn.Linear(cfg["mlp"], d)
@@ -136,8 +133,7 @@ def local_bytes(tensors):
 
 
 def adam(params, lr):
-    """torch's foreach Adam, DTensor and plain parameters in separate
-    groups (TP leaves LayerNorm's plain): each foreach call sees one kind."""
+    """torch's foreach Adam, DTensors and plain tensors in separate groups."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -156,9 +152,8 @@ def _config(variant, model_name):
 
 
 def _pair_start(variant):
-    """For "_pair" variants: every process's steps start together; the
-    untimed steps ranks other than 0 run after their timed ones, so rank 0
-    (whose times are kept) never finishes alone."""
+    """For "_pair" variants: every process starts together, and ranks
+    other than 0 run extra untimed steps, so rank 0 never finishes alone."""
     if not variant.endswith("_pair"):
         return 0
     import torch.distributed as dist
@@ -251,12 +246,8 @@ def _keras_model(keras, model_name, cfg):
         inputs = keras.Input((cfg["width"],))
         h = inputs
         for i in range(cfg["layers"]):
-            last = i == cfg["layers"] - 1
-            h = keras.layers.Dense(
-                cfg["width"],
-                activation=None if last else "relu",
-                name=f"dense_{i}",
-            )(h)
+            act = "relu" if i < cfg["layers"] - 1 else None
+            h = keras.layers.Dense(cfg["width"], act, name=f"dense_{i}")(h)
         return keras.Model(inputs, h)
     d = cfg["d_model"]
     inputs = keras.Input((cfg["seq"], d))
@@ -300,27 +291,25 @@ def _keras_layouts(model_name, variant):
     }
 
 
-class _count_p2p:  # noqa: N801
+def _count_p2p():
     """Counts `batch_isend_irecv` calls, which CommDebugMode does not see
-    (DataParallel's gradients reduced to their owners)."""
+    (DataParallel's gradients reduced to their owners), until the returned
+    function restores it and gives the count."""
+    import torch.distributed as dist
 
-    def __init__(self):
-        import torch.distributed as dist
+    original, calls = dist.batch_isend_irecv, []
 
-        self.original, self.calls = dist.batch_isend_irecv, 0
+    def counted(ops):
+        if not getattr(original, "collectives_off", False):
+            calls.append(1)
+        return original(ops)
 
-        def counted(ops):
-            if not getattr(self.original, "collectives_off", False):
-                self.calls += 1
-            return self.original(ops)
+    def close():
+        dist.batch_isend_irecv = original
+        return {"send/recv batch": len(calls)} if calls else {}
 
-        dist.batch_isend_irecv = counted
-
-    def close(self):
-        import torch.distributed as dist
-
-        dist.batch_isend_irecv = self.original
-        return {"send/recv batch": self.calls} if self.calls else {}
+    dist.batch_isend_irecv = counted
+    return close
 
 
 def _run_keras(variant, model_name, steps, warmup):
@@ -355,7 +344,7 @@ def _run_keras(variant, model_name, steps, warmup):
     class Timer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.cpu, self.comm, self.comms = [], [], None, {}
+            self.times, self.cpu = [], []
 
         def on_train_batch_begin(self, batch, logs=None):
             if off and batch == warmup:
@@ -364,28 +353,24 @@ def _run_keras(variant, model_name, steps, warmup):
             if batch == warmup + steps:  # one step counted, untimed
                 self.counts = StepCounts().__enter__()
             if batch == repeats - 1:  # the last step: count collectives
-                self.comm = CommDebugMode()
-                self.comm.__enter__()
+                self.comm = CommDebugMode().__enter__()
                 self.p2p = _count_p2p()
-            self.start = time.perf_counter()
-            self.start_cpu = time.thread_time()
+            self.start = time.perf_counter(), time.thread_time()
 
         def on_train_batch_end(self, batch, logs=None):
             harness.sync()
-            elapsed = time.perf_counter() - self.start
-            elapsed_cpu = time.thread_time() - self.start_cpu
+            wall, cpu = time.perf_counter(), time.thread_time()
             if batch == warmup + steps:
                 self.counts.__exit__(None, None, None)
-            if self.comm is not None:
+            if batch == repeats - 1:
                 self.comm.__exit__(None, None, None)
                 self.comms = {
                     str(k): v for k, v in self.comm.get_comm_counts().items()
                 }
-                self.comms.update(self.p2p.close())
-                self.comm = None
+                self.comms.update(self.p2p())
             elif warmup <= batch < warmup + steps:
-                self.times.append(elapsed)
-                self.cpu.append(elapsed_cpu)
+                self.times.append(wall - self.start[0])
+                self.cpu.append(cpu - self.start[1])
 
     timer = Timer()
     repeats = warmup + steps + 2 + _pair_start(variant)

@@ -28,34 +28,25 @@ def collectives_off(ddp=None):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    def size(group):
-        return dist.get_world_size(group)
-
-    def done(async_op):
+    def done(*args, async_op=False, **kwargs):  # all_reduce, broadcast
         return _Done() if async_op else None
-
-    def all_reduce(tensor, op=None, group=None, async_op=False):
-        return done(async_op)
-
-    def broadcast(tensor, src=None, group=None, async_op=False, **kw):
-        return done(async_op)
 
     def all_gather_single(output, input, group=None, async_op=False):
         # FSDP2 gathers in place: its input is a view of the output
         piece = input.reshape(1, -1).clone()
-        output.view(size(group), -1).copy_(piece)
-        return done(async_op)
+        output.view(dist.get_world_size(group), -1).copy_(piece)
+        return done(async_op=async_op)
 
     def reduce_scatter_single(
         output, input, op=None, group=None, async_op=False
     ):
-        output.view(-1).copy_(input.reshape(size(group), -1)[0])
-        return done(async_op)
+        output.view(-1).copy_(input.reshape(dist.get_world_size(group), -1)[0])
+        return done(async_op=async_op)
 
     def all_gather(tensors, tensor, group=None, async_op=False):
         for t in tensors:
             t.copy_(tensor)
-        return done(async_op)
+        return done(async_op=async_op)
 
     def functional_size(group):
         resolved = funcol._resolve_group(group)  # a name, in torch 2.13
@@ -72,8 +63,7 @@ def collectives_off(ddp=None):
         parts = tensor.chunk(functional_size(group), dim=scatter_dim)
         return parts[0].contiguous()
 
-    dist.all_reduce = all_reduce
-    dist.broadcast = broadcast
+    dist.all_reduce = dist.broadcast = done
     dist.all_gather = all_gather
     for name in ("all_gather_single", "all_gather_into_tensor"):
         setattr(dist, name, all_gather_single)

@@ -4,10 +4,11 @@
     python benchmarks/report.py --check    # exit 1 if BENCHMARKS.md is stale
 
 Inputs: `benchmarks/results*.json`, each written by the benchmark its
-Method table names; `results-history.json` holds the figures measured
-before the benchmarks saved them, each with its date, commit and command.
-The headline reads the newest run of each ratio; every run is then printed
-whole by one renderer, its records as tables with their own keys as heads.
+command names; `results-history.json` holds the figures measured before
+the benchmarks saved them, each with its date, commit and command. The
+headline reads the newest run of each ratio; every run is then printed
+whole by one renderer, with its command, its records as tables with their
+own keys as heads.
 """
 
 import argparse
@@ -230,7 +231,7 @@ def _memory_headline(runs):
 
 def method(data):
     machines = data[HISTORY]["machines"]
-    lines = [
+    return [
         "A ratio is keras-dtensor ÷ its torch counterpart on the same "
         "machine, read against Keras ÷ torch in the same run: the "
         "distribution should add no more than Keras costs over torch.",
@@ -242,16 +243,9 @@ def method(data):
         "the rounds is parity, not margin.",
         "- `results-history.json`: figures measured before the benchmarks "
         "saved them, with date, commit and command (the dated story: "
-        "`docs/benchmark-history.md`). Below, every run printed whole.",
-        "",
+        "`docs/benchmark-history.md`). Below, every run printed whole, "
+        "with its command.",
     ]
-    rows = [
-        [name, when(run), run.get("rounds", "-"), code(run)]
-        for _, sources in SECTIONS
-        for source in sources
-        for name, run in runs(data, source)
-    ]
-    return lines + table(("run", "measured", "rounds", "command"), rows)
 
 
 # -------------------------------------------------------------- every run
@@ -297,7 +291,7 @@ def render(title, run):
         for k in PROSE
         if k in run
     ]
-    text.append(f"Measured {when(run)}; its command is in Method.")
+    text.append(f"Measured {when(run)}: {code(run)}.")
     lines = [f"### {title}", "", " ".join(text), ""]
     fields = {k: v for k, v in run.items() if k not in META}
     scalars = [(k, cell(v)) for k, v in fields.items() if not is_table(v)]

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from keras_dtensor.saving import crc32
-from keras_dtensor.saving import zip_format
 from keras_dtensor.saving import zip_writer
 
 
@@ -73,8 +72,8 @@ def test_zip64_fields_where_sizes_offsets_and_counts_need_them(
 ):
     # The limits lowered: every offset and size past them, so every
     # ZIP64 field and the ZIP64 end record are written and read back.
-    monkeypatch.setattr(zip_format, "_LIMIT", 40)
-    monkeypatch.setattr(zip_format, "_COUNT_LIMIT", 3)
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 40)
+    monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 3)
     path = str(tmp_path / "a.zip")
     values = _archive(path, str(tmp_path))
     with open(path, "rb") as f:

@@ -194,26 +194,6 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     return PendingCheckpoint(commit) if async_save else commit()
 
 
-def _check_keys(directory, contents, state):
-    saved = contents["keys"]
-    problems = []
-    for key, tensor in state.items():
-        if key.startswith("rng/"):
-            continue
-        if key not in saved:
-            problems.append(f"{key} is not in the checkpoint")
-        elif list(tensor.shape) != saved[key][0]:
-            problems.append(
-                f"{key} has shape {tuple(tensor.shape)} here and "
-                f"{tuple(saved[key][0])} in the checkpoint"
-            )
-    if problems:
-        raise ValueError(
-            f"Checkpoint {directory!r} does not fit this model: "
-            f"{'; '.join(problems[:8])}. Nothing was loaded."
-        )
-
-
 def load_checkpoint(model, directory):
     """Loads a checkpoint into `model` (and its optimizer), resharding.
 
@@ -241,9 +221,25 @@ def load_checkpoint(model, directory):
     rng_key = f"rng/torch/{rank}"
     if contents["processes"] != world:
         del state[rng_key]  # another number of processes: no such stream
-    if "rng/keras" in state and "rng/keras" not in contents["keys"]:
+    saved = contents["keys"]
+    if "rng/keras" in state and "rng/keras" not in saved:
         del state["rng/keras"]
-    _check_keys(directory, contents, state)
+    problems = []
+    for key, tensor in state.items():
+        if key.startswith("rng/"):
+            continue
+        if key not in saved:
+            problems.append(f"{key} is not in the checkpoint")
+        elif list(tensor.shape) != saved[key][0]:
+            problems.append(
+                f"{key} has shape {tuple(tensor.shape)} here and "
+                f"{tuple(saved[key][0])} in the checkpoint"
+            )
+    if problems:
+        raise ValueError(
+            f"Checkpoint {directory!r} does not fit this model: "
+            f"{'; '.join(problems[:8])}. Nothing was loaded."
+        )
     with torch.no_grad():
         dcp.load(state, storage_reader=reader.SafeReader(directory))
     if rng_key in state:

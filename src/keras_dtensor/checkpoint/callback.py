@@ -32,13 +32,6 @@ __all__ = ["ShardedCheckpoint"]
 _PREFIX = "ckpt-"  # then the batches trained, zero-padded: the names sort
 
 
-def _number(value):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
-
-
 def _random_state():
     """This process's global random generators, as JSON."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -206,15 +199,12 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._epoch = epoch
         self._epoch_start = self._batches
         resumed, self._position = self._position, None
-        if resumed and resumed["batches"]:
-            _set_random_state(resumed, "begin")
-            resume.request(
-                resumed["batches"],
-                functools.partial(self._resumed, resumed),
-                self._resumed_epochs,
-            )
-        elif resumed:
-            resume.request(0, None, self._resumed_epochs)
+        if resumed:
+            done = None
+            if resumed["batches"]:
+                _set_random_state(resumed, "begin")
+                done = functools.partial(self._resumed, resumed)
+            resume.request(resumed["batches"], done, self._resumed_epochs)
         self._begin_state = _random_state()
 
     def _resumed(self, resumed, positioned, kind):
@@ -241,7 +231,11 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._history["epoch"].append(epoch)
         for key, value in (logs or {}).items():
-            self._history["logs"].setdefault(key, []).append(_number(value))
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = str(value)
+            self._history["logs"].setdefault(key, []).append(value)
         if self.save_freq == "epoch":
             self._save_here(0, epoch=epoch + 1)
         self._at_boundary(0, epoch=epoch + 1)
@@ -277,7 +271,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         second signal during the save is only noted."""
         started = time.monotonic()
         vote, self._vote = self._vote, None
-        vote.close()  # every rank launched it
+        vote.read()  # every rank launched it
         self._finish()
         if self._saved_at != self._batches:
             self._save_here(in_epoch, epoch=epoch, force_sync=True)

@@ -118,7 +118,7 @@ class Vote:
         if self._count < self._every:
             return 0
         self._count = 0
-        stop = self._read()
+        stop = self.read()
         proposal = round(self._interval_s / max(self._step_s, 1e-6))
         proposal = min(max(proposal, 1), self.MAX_EVERY)
         flag = torch.tensor([signalled, -proposal], dtype=torch.int32)
@@ -132,16 +132,14 @@ class Vote:
         """The last boundary: agrees now (blocking)."""
         if self._group is None:
             return signalled
-        stop = self._read()
+        stop = self.read()
         flag = torch.tensor([signalled, 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return stop or int(flag[0])
 
-    def close(self):
-        """Waits for the vote in flight (every rank launched it)."""
-        self._read()
-
-    def _read(self):
+    def read(self):
+        """Waits for the vote in flight (every rank launched it); returns
+        its signal (0: none)."""
         if self._pending is None:
             return 0
         work, flag = self._pending

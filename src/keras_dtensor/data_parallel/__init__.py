@@ -1,13 +1,12 @@
 """`DataParallel` the DDP way: plain tensors, bucketed gradient all-reduce.
 
-Every variable is replicated, so DTensor would only add dispatch cost:
-each step runs Keras's own step on this process's rows (`batch_split`,
-seeded draws too); gradients and metric states are reduced with backward
-(`reducer`, `metrics`); inside `fit` the update is split by variable
-(`zero_update`). Batch statistics (`sync_batch_norm`) and losses that are
-no mean over rows (`global_batch_losses`) are the global batch's. Entry:
-`run_step` (`step`); per-model `state`. Design notes:
-`docs/internals/data-parallel.md`.
+Every variable is replicated, so DTensor would only add dispatch cost.
+`step` runs Keras's own step on this process's rows (`batch_split`);
+gradients and metric states are reduced with backward (`reducer`,
+`metrics`); inside `fit` the update is split (`zero_update`); batch
+statistics (`sync_batch_norm`) and losses that are no mean over rows
+(`global_batch_losses`) are the global batch's; per-model `state`.
+Design: `docs/internals/data-parallel.md`.
 """
 
 from keras_dtensor.data_parallel.batch_split import SHAPED_DRAWS

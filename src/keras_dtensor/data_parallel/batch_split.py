@@ -1,8 +1,7 @@
 """A batch split into balanced per-rank rows, and gathered back.
 
-In a train step a seeded draw shaped like this rank's rows is drawn for
-the global batch and cut to its rows: the values one process would use.
-Unseeded draws (torch's global generator) are left alone.
+A seeded draw shaped like this rank's rows is drawn for the global batch
+and cut to its rows, as one process would draw it; unseeded ones are not.
 """
 
 import contextlib
@@ -35,9 +34,7 @@ def _to_tensor(x):
 
 
 def local_rows(batch, distribution, shard=None):
-    """`(this process's rows of batch, how many, the global batch's rows)`;
-    `batch` already is them with a `shard`, or with
-    `auto_shard_dataset=False` (global rows unknown: `None`)."""
+    """`(this process's rows of batch, how many, global rows or None)`."""
     from keras.src import tree
 
     leaves = [x for x in tree.flatten(batch) if x is not None]
@@ -54,8 +51,7 @@ def local_rows(batch, distribution, shard=None):
 
 
 def split_counts(total):
-    """Rows of each rank, in rank order, of a global batch of `total`: the
-    first `total % size` ranks get one more."""
+    """Each rank's rows of a global batch of `total`, in rank order."""
     size, _ = world()
     return [total // size + (rank < total % size) for rank in range(size)]
 
@@ -75,8 +71,7 @@ def row_range(total):
 
 
 def gather_rows(outputs, counts):
-    """Each rank's rows of `outputs` (nested) all-gathered in global order;
-    `counts`: every rank's rows, in rank order."""
+    """Each rank's rows of `outputs` (nested), `counts`, in global order."""
     from keras.src import tree
 
     widest = max(counts)
@@ -110,8 +105,7 @@ _ROWS = contextvars.ContextVar("keras_dtensor_random_rows", default=None)
 
 @contextlib.contextmanager
 def split_rows(rows, total):
-    """Seeded draws inside are this rank's `rows` of a global batch of
-    `total` (`None`: unknown, draws left alone)."""
+    """Seeded draws inside are this rank's `rows` of `total` (or whole)."""
     split = None
     if total is not None and rows != total:
         split = (row_range(total)[0], rows, total)
@@ -124,8 +118,7 @@ def split_rows(rows, total):
 
 def _split_of(seed, shape=None):
     """`(start, length, total)` of a seeded draw to split, else `None`."""
-    # Nothing distributed: return before the ContextVar read, which
-    # torch.compile cannot trace (a graph break in every compiled step).
+    # Before the ContextVar read, which torch.compile cannot trace.
     if context.current() is None:
         return None
     split = _ROWS.get()

@@ -1,12 +1,9 @@
 """Losses that are no mean over rows, computed over the global batch.
 
-As on JAX, whose DataParallel step runs on global arrays, a layer seen
-calling `add_loss` runs in a train step on DTensors over the batch mesh
-(`call_layer`), or on the gathered batch where the split is uneven; a
-compiled loss reduced otherwise than by a mean over rows runs on the
-gathered batch (`over_global_batch`). Gradients crossing them are
-rescaled so every path counts once after the reducer's row weighting.
-Design notes: `docs/internals/data-parallel.md`.
+In a train step a layer that adds losses runs on DTensors over the batch
+mesh (`call_layer`; on the gathered batch where the split is uneven), and
+a compiled loss that is no mean over rows on the gathered batch
+(`over_global_batch`), as on JAX. Design: `docs/internals/data-parallel.md`.
 """
 
 import contextlib
@@ -57,11 +54,11 @@ class _Step:
         self.inside = False  # a layer of the step runs over the batch
 
     def count(self):
-        """Every rank's rows, in rank order (counted once)."""
+        """`(every rank's rows, this rank's share)`, counted once."""
         if self.counts is None:
             self.counts = rank_counts(self.rows, self.global_rows)
             self.global_rows = sum(self.counts)
-        return self.counts
+        return self.counts, self.rows / self.global_rows
 
 
 class _Rows(torch.autograd.Function):
@@ -90,22 +87,13 @@ def _switch(x, counts, gather):
     return x[start : start + counts[rank]].clone()
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity; backward multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 def _scaled(x, scale):
     """`x`; backward multiplies its gradient by `scale`."""
-    return _ScaleGrad.apply(x, scale) if x.requires_grad else x
+    if not x.requires_grad:
+        return x
+    x = x.view_as(x)
+    x.register_hook(lambda grad: grad * scale)
+    return x
 
 
 def _global_state():
@@ -150,8 +138,7 @@ def wrap_add_loss(original):
 
 
 def find_loss_layers(model, batch):
-    """Marks the layers of `model` that add losses in a training call:
-    a symbolic run on `batch`'s shapes (Keras builds with `training=False`)."""
+    """Marks `model`'s layers that add losses, by a symbolic training call."""
     from keras.src import backend
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -175,8 +162,7 @@ def current_step():
 
 
 def _gather(x, step, counts, share, with_grad=True, mask=False):
-    """This rank's rows `x` as the global batch; backward divides their
-    gradient by `share`, which the reducer weighs back."""
+    """This rank's rows `x` as the global batch; gradient divided by `share`."""
     from keras.src.backend.common.masking import get_keras_mask
     from keras.src.backend.common.masking import set_keras_mask
 
@@ -211,8 +197,7 @@ def call_layer(layer, original, args, kwargs):
 
 
 def _on_global_batch(layer, original, args, kwargs, step):
-    counts = step.count()
-    share = step.rows / step.global_rows
+    counts, share = step.count()
     if step.global_rows % world()[0] == 0 and not object_state.get_on(
         layer, _GATHERED
     ):
@@ -305,8 +290,7 @@ def needs_global(model):
 
 
 def probe(model, y_true, y_pred):
-    """Notes which losses from outside Keras return one value for the
-    whole batch, on the meta tensors of Keras's symbolic build."""
+    """Notes which non-Keras losses return one value for the whole batch."""
     from keras.src import tree
 
     if tree.is_nested(y_true) or tree.is_nested(y_pred):
@@ -329,13 +313,11 @@ def _flat_losses(model):
 
 
 def over_global_batch(compiled, step):
-    """`compiled(y_true, y_pred, sample_weight)` on `step`'s global batch,
-    `y_pred` gathered with autograd."""
+    """`compiled(y_true, y_pred, sample_weight)` on `step`'s global batch."""
     from keras.src import tree
 
     def call(y_true, y_pred, sample_weight=None):
-        counts = step.count()
-        share = step.rows / step.global_rows
+        counts, share = step.count()
 
         def gather(x, with_grad=False):
             return _gather(x, step, counts, share, with_grad, mask=True)

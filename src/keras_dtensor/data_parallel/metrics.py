@@ -1,9 +1,7 @@
 """Metric reduction of a DataParallel step: every log is the global one.
 
-Metric states are summed across ranks: those set before backward ride in
-the gradient reducer's last bucket (`EarlyMetrics`), those changed later
-are summed by one all-reduce when Keras reads the results. Design notes:
-`docs/internals/data-parallel.md`.
+States set before backward ride in the reducer's last bucket
+(`EarlyMetrics`), later ones take one all-reduce when Keras reads results.
 """
 
 import contextlib
@@ -25,7 +23,7 @@ __all__ = [
     "EarlyMetrics",
     "global_logs",
     "without_rows",
-    "is_keras_train_step",
+    "is_keras",
     "wrap_compute_loss",
     "wrap_compute_loss_without_rows",
     "wrap_compute_metrics",
@@ -34,14 +32,14 @@ __all__ = [
 
 
 class EarlyMetrics:
-    """`states` (one order on every rank) summed with backward, in the
-    last bucket's tail or alone (`launch()`); `frozen`: `{id(state):
-    value}` to sum instead (`without_rows`)."""
+    """`states` (one order on every rank) summed in the last bucket's tail
+    or alone (`launch()`); `frozen`: `{id(state): value}` summed instead."""
 
     def __init__(self, states, frozen=None):
         self.states = states
         self.versions = [s._version for s in states]
-        self.flat = _flat_double(states, frozen)
+        values = [(frozen or {}).get(id(s), s) for s in states]
+        self.flat = torch.cat([v.detach().reshape(-1).double() for v in values])
         self.work = None
         self.pending = True  # neither launched nor received
 
@@ -85,21 +83,18 @@ class EarlyMetrics:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        values = _unflatten(self.flat, self.states)
-        pairs = zip(self.states, values, self.unchanged(), strict=True)
-        return {id(s): value for s, value, same in pairs if same}
-
-
-def _flat_double(tensors, frozen=None):
-    if frozen:
-        tensors = [frozen.get(id(t), t) for t in tensors]
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        places = offsets([s.shape for s in self.states])
+        pairs = zip(self.states, places, self.unchanged(), strict=True)
+        return {
+            id(s): self.flat[start : start + n].view_as(s).to(s.dtype)
+            for s, (start, n), same in pairs
+            if same
+        }
 
 
 @contextlib.contextmanager
 def without_rows(model, rows):
-    """A rank with no rows adds nothing to the metrics (a mean over none
-    is NaN): their states are summed as before the step, then restored."""
+    """A rank with no rows leaves its metric states as before the step."""
     if rows:
         yield
         return
@@ -115,8 +110,7 @@ def without_rows(model, rows):
             for s in states:
                 s.copy_(state.frozen[id(s)])
         if early is not None:
-            # The early sum took the frozen values: it stays current for
-            # the states nothing wrote since, as on the other ranks.
+            # The early sum took the frozen values: current where unwritten.
             early.versions = [
                 s._version if same else version
                 for s, version, same in zip(
@@ -126,18 +120,8 @@ def without_rows(model, rows):
         state.frozen = None
 
 
-def _unflatten(flat, like):
-    """Views of `flat` shaped (and cast) like each tensor of `like`."""
-    places = offsets([t.shape for t in like])
-    return [
-        flat[start : start + n].view_as(t).to(t.dtype)
-        for (start, n), t in zip(places, like, strict=True)
-    ]
-
-
 def wrap_get_metrics_result(original):
-    """Wraps `Trainer.get_metrics_result`: results from metric states
-    summed over every rank, early or by one all-reduce now."""
+    """Wraps `Trainer.get_metrics_result`: results of the summed states."""
 
     def get_metrics_result(self):
         distribution = context.active()
@@ -174,22 +158,16 @@ def _torch_trainer():
     return compat.torch_trainer_class()
 
 
-def _is_keras(model, name):
+def is_keras(model, name):
     """Whether `model`'s method `name` is Keras's own."""
     return getattr(type(model), name) is getattr(_torch_trainer(), name)
 
 
-def is_keras_train_step(model):
-    """Whether `model` trains with Keras's own `train_step`."""
-    return _is_keras(model, "train_step")
-
-
 def global_logs(model, kind, logs):
-    """The logs of a DataParallel train or test step, global: in a custom
-    step's, each value whose key names a metric result becomes the global
-    result; the others stay this rank's, with one warning per model."""
+    """A train or test step's logs, global: in a custom step's, a metric
+    result's key gets the global result, others warn once and stay local."""
     name = f"{kind}_step"
-    if _is_keras(model, name) or not isinstance(logs, dict):
+    if is_keras(model, name) or not isinstance(logs, dict):
         return logs
     results = model.get_metrics_result()
     local = []
@@ -226,19 +204,18 @@ def global_logs(model, kind, logs):
 
 
 def _armed_reducer(model):
-    """The model's reducer while a DataParallel train step runs Keras's own
-    `train_step` and `compute_metrics`, else `None`."""
+    """The reducer in a train step of Keras's own methods, else `None`."""
     if context.current() is None:  # before any lookup torch.compile guards
         return None
     reducer = getattr(state_of(model, create=False), "reducer", None)
-    if reducer is None or not reducer.active or not is_keras_train_step(model):
+    if reducer is None or not reducer.active:
         return None
-    return reducer if _is_keras(model, "compute_metrics") else None
+    keras_own = is_keras(model, "train_step")
+    return reducer if keras_own and is_keras(model, "compute_metrics") else None
 
 
 def wrap_compute_loss(original):
-    """Wraps `Trainer._compute_loss`: in Keras's own DataParallel train
-    step the compiled metrics are updated right after the loss."""
+    """Wraps `Trainer._compute_loss`: compiled metrics updated right after."""
 
     @functools.wraps(original)
     def _compute_loss(self, *args, **kwargs):
@@ -261,10 +238,8 @@ def wrap_compute_loss(original):
 
 
 def wrap_compute_loss_without_rows(original):
-    """Wraps `Trainer.compute_loss` under DataParallel: a loss that is no
-    mean over rows runs on the global batch (`global_batch_losses`); a
-    rank with no rows gets a scalar zero loss, so backward runs as on the
-    others."""
+    """Wraps `Trainer.compute_loss`: global-batch losses; a rank with no
+    rows gets a scalar zero loss, so backward runs as on the others."""
 
     @functools.wraps(original)
     def compute_loss(self, *args, **kwargs):
@@ -311,8 +286,8 @@ def _summed_if_empty(loss):
 
 
 def wrap_compute_metrics(original):
-    """Wraps `Trainer.compute_metrics`: only reads the results when
-    `wrap_compute_loss` already updated the compiled metrics."""
+    """Wraps `Trainer.compute_metrics`: no second update after
+    `wrap_compute_loss`'s."""
 
     @functools.wraps(original)
     def compute_metrics(self, x, y, y_pred, sample_weight=None):

@@ -1,10 +1,9 @@
 """Gradient reduction of a DataParallel train step, as DDP's reducer does it.
 
-Buckets (`ops.flat_buffers`) are all-reduced from post-accumulate-grad
-hooks while backward goes on, each rank weighted by its share of the rows
-(the one-process update); point to point to their owners when the update
-is split (ZeRO stage 2). Metric states and the row count ride in the last
-bucket's tail. Design notes: `docs/internals/data-parallel.md`.
+Buckets are all-reduced while backward goes on, each rank weighted by its
+share of the rows, or sent to their owners (ZeRO stage 2); metric states
+and the row count ride in the last bucket's tail.
+Design: `docs/internals/data-parallel.md`.
 """
 
 import weakref
@@ -25,10 +24,8 @@ _TAIL_ROOM = 16  # spare elements after each bucket, grown on demand
 
 
 class GradientReducer:
-    """Bucketed, overlapped gradient all-reduce of `params`, `.grad` a
-    view of its bucket (DDP's `gradient_as_bucket_view`); with `owners`
-    each bucket is laid out by owner. `model`'s metric states are summed
-    with the gradients."""
+    """Bucketed, overlapped gradient all-reduce of `params`, `.grad` a view
+    of its bucket; with `owners` each bucket is laid out by owner."""
 
     def __init__(self, params, model, owners=None):
         bucket_bytes = int(config.get("BUCKET_MB") * 2**20)
@@ -55,8 +52,7 @@ class GradientReducer:
         self.tail_width = min(widths, default=0)
         self._allocate(_TAIL_ROOM)
         self.world, self.rank = world()
-        # Per bucket: {owner: (start, stop)}, and the (peer, buffer) pairs
-        # this rank receives its segment's shares into.
+        # Per bucket: {owner: (start, stop)}; (peer, buffer) pairs received.
         self.segments, self.inbox = [], []
         for index, bucket in enumerate(self.buckets):
             segments, offset = {}, 0
@@ -108,23 +104,18 @@ class GradientReducer:
         self.tail_at = None  # the bucket that carried them
 
     def begin(self, rows, global_rows=None, to_owners=False):
-        """Arms the reducer for a train step on `rows` of `global_rows`
-        (`None`: summed with the gradients); `to_owners`: to owners only."""
+        """Arms the reducer for a train step on `rows` of `global_rows`."""
         self.active = True
         self.to_owners = to_owners and self.owners
         self.metrics_updated = False
         self.rows = rows
         self.weight = None if global_rows is None else rows / global_rows
 
-    def end(self):
-        self.active = False
-
     def _on_grad(self, param):
         if not self.active:
             return
         if not self.queued:
-            # As DDP: finish when backward completes, so `.grad` is global
-            # before any optimizer or user code reads it.
+            # As DDP: `.grad` is global once backward completes.
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish
@@ -193,16 +184,6 @@ class GradientReducer:
             ops.append(dist.P2POp(dist.irecv, inbox, peer, tag=index))
         self.works[index] = dist.batch_isend_irecv(ops) if ops else []
 
-    def _wait(self, index, work):
-        if not isinstance(work, list):
-            work.wait()
-            return
-        for w in work:
-            w.wait()
-        start, stop = self.segments[index].get(self.rank, (0, 0))
-        for _, inbox in self.inbox[index]:
-            self.buffers[index][start:stop].add_(inbox)
-
     def finish(self):
         """Completes every bucket's reduction; `.grad` holds the result."""
         if not self.works and not any(self.ready):
@@ -217,7 +198,14 @@ class GradientReducer:
         if self.rows_work is not None:
             self.rows_work.wait()
         for index, work in sorted(self.works.items()):
-            self._wait(index, work)
+            if not isinstance(work, list):
+                work.wait()
+                continue
+            for w in work:
+                w.wait()
+            start, stop = self.segments[index].get(self.rank, (0, 0))
+            for _, inbox in self.inbox[index]:
+                self.buffers[index][start:stop].add_(inbox)
         if self.tail_at is not None:
             n = self.sizes[self.tail_at]
             tail = self.buffers[self.tail_at][n : n + self.tail.numel()]

@@ -1,5 +1,4 @@
-"""The DataParallel state a model carries between steps, kept on the model
-(`object_state`: `uninstall()` takes it off and removes the hooks)."""
+"""The DataParallel state a model carries between steps (`object_state`)."""
 
 from keras_dtensor.backend import object_state
 

@@ -1,9 +1,8 @@
-"""The one entry of DataParallel: a step on this process's rows.
+"""The one entry of DataParallel: Keras's own step on this process's rows.
 
-`run_step` runs every step under `DataParallel` (`hooks.data`): this
-process's rows; on a new train function, rank 0's weights broadcast and
-the reducer and update split built (`_prepare`); Keras's own step on the
-rows; rank 0's moving statistics everywhere; predict outputs gathered.
+On a new train function rank 0's weights are broadcast and the reducer
+and update split built; after a step rank 0's moving statistics are
+broadcast and predict outputs gathered.
 """
 
 import functools
@@ -29,6 +28,8 @@ __all__ = [
 
 def _prepare(model, step, local):
     """The model's state for train function `step`, built once."""
+    from keras.layers import BatchNormalization
+
     state = state_of(model)
     if state.step is step:
         return state
@@ -39,27 +40,20 @@ def _prepare(model, step, local):
     state.split = zero_update.UpdateSplit(variables)
     params = [v.value for v in variables]
     state.reducer = GradientReducer(params, model, state.split.owners)
-    state.statistics = _moving_statistics(model)
+    state.statistics = [
+        v
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, BatchNormalization) and layer.built
+        for v in layer.non_trainable_variables
+    ]
     state.step = step
     global_batch_losses.find_loss_layers(model, local)
     return state
 
 
-def _moving_statistics(model):
-    """`model`'s BatchNormalization moving statistics."""
-    from keras.layers import BatchNormalization
-
-    out = []
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, BatchNormalization) and layer.built:
-            out += layer.non_trainable_variables
-    return out
-
-
 def run_step(model, step, kind, data, distribution):
-    """Runs Keras's `step` (`kind`: `"train"`, `"test"` or `"predict"`)
-    on this process's rows of `data`, `(batch,)`; predict returns the
-    global batch's outputs."""
+    """Runs Keras's `step` of `kind` on this process's rows of `(batch,)`;
+    predict returns the global batch's outputs."""
     if world()[0] == 1:
         return step(data)  # one process: its rows are the whole batch
     (batch,) = data
@@ -79,7 +73,7 @@ def run_step(model, step, kind, data, distribution):
     split = state.split if state.fit_depth else None
     to_owners = (
         split is not None
-        and metrics.is_keras_train_step(model)
+        and metrics.is_keras(model, "train_step")
         and split.to_owners(model.optimizer)
     )
     state.reducer.begin(rows, global_rows, to_owners=to_owners)
@@ -95,12 +89,11 @@ def run_step(model, step, kind, data, distribution):
             zero_update.broadcast_from_rank0(state.statistics)
         return metrics.global_logs(model, kind, logs)
     finally:
-        state.reducer.end()
+        state.reducer.active = False
 
 
 def wrap_fit(original):
-    """Wraps `TorchTrainer.fit`: updates split only inside `fit`, the
-    optimizer state whole on every rank when it returns."""
+    """Wraps `TorchTrainer.fit`: updates split only inside, state synced."""
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
@@ -129,8 +122,7 @@ def update_is_split(model):
 
 
 def wrap_distribute_tensor(original):
-    """Wraps `keras.distribution.distribute_tensor(tensor, layout)`: under
-    `DataParallel` the tensor stays plain, as the variables are."""
+    """Wraps `distribute_tensor`: plain under `DataParallel`, as variables."""
 
     @functools.wraps(original)
     def distribute_tensor(tensor, layout):

@@ -1,10 +1,8 @@
 """BatchNormalization under DataParallel: statistics of the global batch.
 
-As on JAX, every `ops.moments` over the batch axis
-(`$KERAS_DTENSOR_SYNC_BATCH_NORM`) or of a layer with `synchronized=True`
-(torch's `SyncBatchNorm`) uses the global batch's mean and variance: one
-all-reduce a layer a step, its backward weighted against the reducer's.
-Other axes and masked statistics stay local.
+As on JAX, `ops.moments` over the batch axis (`$KERAS_DTENSOR_SYNC_BATCH_NORM`,
+or `synchronized=True`) takes one all-reduce a layer a step; other axes and
+masked statistics stay local.
 """
 
 import functools

@@ -1,9 +1,7 @@
-"""The optimizer update split by variable (ZeRO stage 1 on whole variables).
+"""The optimizer update split by whole variable (ZeRO stage 1) inside `fit`.
 
-Inside `fit` each rank applies Keras's update to the variables it owns and
-broadcasts them; the slots it does not own go stale until
-`sync_optimizer_state` (end of `fit`, every save, a new train function).
-Design notes: `docs/internals/data-parallel.md`.
+The slots a rank does not own go stale until `sync_optimizer_state`.
+Design: `docs/internals/data-parallel.md`.
 """
 
 import contextlib
@@ -41,11 +39,9 @@ def broadcast_from_rank0(variables):
 
 
 class UpdateSplit:
-    """Which rank updates which of `variables`: whole variables (every
-    Keras update stays exact) dealt out largest first to the least-loaded
-    rank; none with fewer variables than ranks or a model under
-    `$KERAS_DTENSOR_SPLIT_UPDATE_MB`. `owners`: each variable's, or `None`;
-    their parameters then live in `FlatParams` (`buffers`)."""
+    """Which rank updates which of `variables`: whole variables, largest
+    first to the least-loaded rank (none for a model under
+    `$KERAS_DTENSOR_SPLIT_UPDATE_MB`); `owners`: each one's, or `None`."""
 
     def __init__(self, variables):
         self.world, self.rank = world()
@@ -88,8 +84,7 @@ class UpdateSplit:
         return known
 
     def to_owners(self, optimizer):
-        """Whether gradients may go to their owners only: the update
-        splits and only Keras's per-variable code reads them."""
+        """Whether gradients may go to their owners only."""
         if self.checked.get(optimizer) is not True:
             return False
         if optimizer.global_clipnorm or optimizer.gradient_accumulation_steps:
@@ -118,8 +113,7 @@ def _slots(optimizer):
 
 
 def _splittable(optimizer):
-    """Keras's own per-variable update, every non-scalar optimizer
-    variable a slot of one model variable (brought back from its owner)."""
+    """Keras's own per-variable update, every non-scalar variable a slot."""
     if not config.get("SPLIT_UPDATE"):
         return False
     # A custom parallel step may couple variables.
@@ -133,9 +127,8 @@ def _splittable(optimizer):
 
 
 def wrap_backend_update_step(original):
-    """Wraps an optimizer's `_backend_update_step(grads, variables, lr)`:
-    inside `fit` each rank updates its variables, then broadcasts them
-    (clipping ran before, EMA and constraints run after)."""
+    """Wraps `_backend_update_step`: each rank updates its variables, then
+    broadcasts them (clipping ran before, EMA and constraints run after)."""
 
     @functools.wraps(original)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -189,8 +182,7 @@ def _raise_partial(optimizer, variables, owners, split):
 
 @contextlib.contextmanager
 def splitting_updates(split, partial):
-    """Optimizer updates inside are split by `split` (`None`: whole);
-    `partial`: the gradients went to their owners only."""
+    """Optimizer updates inside split by `split` (`None`: whole)."""
     token = _ACTIVE.set(split)
     if split is not None:
         split.partial = partial
@@ -203,24 +195,21 @@ def splitting_updates(split, partial):
 
 
 def wrap_add_variable_from_reference(original):
-    """Wraps `BaseOptimizer.add_variable_from_reference`: notes each
-    slot's model variable."""
+    """Wraps `add_variable_from_reference`: notes each slot's variable."""
 
     @functools.wraps(original)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
         slot = original(self, reference_variable, *args, **kwargs)
-        slots = object_state.get_on(self, _SLOTS)
-        if slots is None:
-            slots = object_state.set_on(self, _SLOTS, [])
-        slots.append((slot, reference_variable))
+        if object_state.get_on(self, _SLOTS) is None:
+            object_state.set_on(self, _SLOTS, [])
+        _slots(self).append((slot, reference_variable))
         return slot
 
     return add_variable_from_reference
 
 
 def has_stale_state(model):
-    """Whether some of `model`'s optimizer slots are held by their owners
-    only."""
+    """Whether some of `model`'s optimizer slots are stale."""
     split = getattr(state_of(model, create=False), "split", None)
     return split is not None and any(split.stale.values())
 
@@ -244,8 +233,6 @@ def sync_optimizer_state(model):
         split.stale.clear()
         return
     for optimizer, stale in list(split.stale.items()):
-        if not stale:
-            continue
         pairs = [
             (slot, stale[id(ref)])
             for slot, ref in _slots(optimizer)

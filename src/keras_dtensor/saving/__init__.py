@@ -2,8 +2,8 @@
 
 `collective` (rank 0 writes Keras's own file from every rank's shards),
 `stores` (sharded values go to `h5_stream` in pieces, on one host through
-`shm_blocks`), `zip_writer` (the `.keras` zip in one pass; `zip_format`,
-`crc32`) and `sliced_load` (each rank reads its slices).
+`shm_blocks`), `zip_writer` (the `.keras` zip in one pass; `crc32`) and
+`sliced_load` (each rank reads its slices).
 """
 
 from keras_dtensor.saving.collective import wrap_save

@@ -25,15 +25,9 @@ def _multiply(a, b):
     return product
 
 
-def _squares(count):
-    """`[x^1, x^2, x^4, ...]`, `count` of them."""
-    powers = [_ONE >> 1]
-    while len(powers) < count:
-        powers.append(_multiply(powers[-1], powers[-1]))
-    return powers
-
-
-_SQUARES = _squares(67)  # x^(2^k) for every bit of 8 * a 64-bit length
+_SQUARES = [_ONE >> 1]  # x^(2^k) for every bit of 8 * a 64-bit length
+while len(_SQUARES) < 67:
+    _SQUARES.append(_multiply(_SQUARES[-1], _SQUARES[-1]))
 
 
 def combine(crc_a: int, crc_b: int, length_b: int) -> int:

@@ -11,10 +11,10 @@ import io
 import math
 import os
 import time
+import zipfile
 import zlib
 
 from keras_dtensor.saving import crc32
-from keras_dtensor.saving import zip_format
 
 __all__ = ["StoredZip"]
 
@@ -34,6 +34,7 @@ class StoredZip:
                 "StoredZip writes from the start of an empty file. "
                 f"Received: a file at offset {fileobj.tell()}"
             )
+        self._file = fileobj
         self._fd = os.open(fileobj.name, os.O_RDWR)
         self._end = 0
         self._entries = []
@@ -56,77 +57,73 @@ class StoredZip:
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written
 
-    def _start(self, name, attributes, seconds, size, crc=0, zip64=False):
+    def _start(self, info, crc=0, zip64=None):
+        """Writes `info`'s local header (ZIP64 or not, for good)."""
         if self._open is not None:
-            busy = self._open.entry.name.decode()
             raise ValueError(
-                f"Member {busy!r} is still being written. "
-                f"Received: a new member {name!r}"
+                f"Member {self._open.entry.filename!r} is still being "
+                f"written. Received: a new member {info.filename!r}"
             )
-        entry = zip_format.Entry(
-            name, self._end, attributes, seconds, size, zip64
-        )
-        entry.crc = crc
-        header = entry.local_header()
+        info.CRC, info.compress_size = crc, info.file_size
+        info.header_offset = self._end
+        header = info.FileHeader(zip64)
         self._write_at(self._end, header)
         self._end += len(header)
-        self._entries.append(entry)
-        return entry
+        self._entries.append(info)
 
     def writestr(self, name, data):
         """Adds a member holding the bytes `data`."""
-        crc = zlib.crc32(data)
-        self._start(name, 0o600 << 16, time.time(), len(data), crc)
+        info = zipfile.ZipInfo(name, time.localtime()[:6])
+        info.external_attr = 0o600 << 16
+        info.file_size = len(data)
+        self._start(info, zlib.crc32(data))
         self._write_at(self._end, data)
         self._end += len(data)
 
     def write(self, path, arcname):
         """Adds the file or directory `path` as `ZipFile.write` does."""
-        info = os.stat(path)
-        name = os.path.normpath(arcname).replace(os.sep, "/").lstrip("/")
-        attributes = (info.st_mode & 0xFFFF) << 16
-        if os.path.isdir(path):
-            self._start(name + "/", attributes | 0x10, info.st_mtime, 0)
+        info = zipfile.ZipInfo.from_file(path, arcname, strict_timestamps=False)
+        self._start(info)
+        if info.is_dir():
             return
-        size = info.st_size
-        entry = self._start(name, attributes, info.st_mtime, size)
         crc, copied = 0, 0
         with open(path, "rb") as source:
             while chunk := source.read(_CHUNK):
                 crc = zlib.crc32(chunk, crc)
                 self._write_at(self._end + copied, chunk)
                 copied += len(chunk)
-        if copied != size:
+        if copied != info.file_size:
             raise OSError(f"{path!r} changed size while it was zipped")
-        entry.crc = crc
-        self._write_at(entry.offset, entry.local_header())
-        self._end += size
+        info.CRC = crc
+        self._write_at(info.header_offset, info.FileHeader())
+        self._end += copied
 
     def member(self, name):
         """A member written in place at any offset: a `Window`."""
-        entry = self._start(name, 0o600 << 16, time.time(), 0, zip64=True)
-        self._open = Window(self, entry, self._end)
+        info = zipfile.ZipInfo(name, time.localtime()[:6])
+        info.external_attr = 0o600 << 16
+        self._start(info, zip64=True)
+        self._open = Window(self, info, self._end)
         return self._open
 
     def _finish(self, window):
-        entry = window.entry
-        entry.size, entry.crc = window.size, window.crc()
-        self._write_at(entry.offset, entry.local_header())
+        info = window.entry
+        info.file_size = info.compress_size = window.size
+        info.CRC = window.crc()
+        self._write_at(info.header_offset, info.FileHeader(True))
         self._end = window.base + window.size
         self._open = None
 
     def _close(self):
-        """Writes the central directory; the archive is complete."""
+        """Has `ZipFile` write the central directory after the members."""
         if self._open is not None:
             raise ValueError(
-                f"Member {self._open.entry.name.decode()!r} was not finished."
+                f"Member {self._open.entry.filename!r} was not finished."
             )
-        start = self._end
-        directory = b"".join(e.central_header() for e in self._entries)
-        tail = zip_format.end_records(len(self._entries), start, len(directory))
-        self._write_at(start, directory + tail)
-        self._end = start + len(directory) + len(tail)
-        os.ftruncate(self._fd, self._end)
+        self._file.seek(self._end)
+        with zipfile.ZipFile(self._file, "w") as directory:
+            directory.filelist = self._entries
+        os.ftruncate(self._fd, self._file.tell())
 
 
 class Window(io.BytesIO):
