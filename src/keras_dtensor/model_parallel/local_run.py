@@ -167,19 +167,6 @@ def _dtensor_scope(layer):
         yield
 
 
-@contextlib.contextmanager
-def _plain_only():
-    """No implicit replication: a DTensor meeting a local tensor raises."""
-    dispatcher = DTensor._op_dispatcher
-    before = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = False
-    try:
-        with scoped(_ACTIVE, True):
-            yield
-    finally:
-        dispatcher._allow_implicit_replication = before
-
-
 def _layout(layer, run_spec):
     """The model's `fsdp_blocks.Layout`, or None (all gathered at once)."""
     if not run_spec.gathered:
@@ -193,9 +180,12 @@ def _layout(layer, run_spec):
 
 def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
     kept = run_spec.kept if replay is None else replay.record.kept
+    # No implicit replication: a DTensor meeting a local tensor raises.
+    dispatcher = DTensor._op_dispatcher
     with (
         _local_weights(run_spec, layout, kept) as session,
-        _plain_only(),
+        object_state.swapped(dispatcher, "_allow_implicit_replication", False),
+        scoped(_ACTIVE, True),
         boundary_layers.replaying(replay),
     ):
         outputs = original(layer, *args, **kwargs)
@@ -265,12 +255,6 @@ def _call(layer, original, run_spec, args, kwargs, reference):
     )
 
 
-def _in_layer_call():
-    from keras.src.backend.common import global_state
-
-    return global_state.get_global_attribute("current_call_ctx") is not None
-
-
 def _grad_in_layout(placements, grad):
     """A gradient hook: partial sums reduced to the forward `placements`."""
     if not isinstance(grad, DTensor) or len(grad.placements) != len(placements):
@@ -290,6 +274,7 @@ def _laid_out(x):
     if (
         isinstance(x, DTensor)
         and x.requires_grad
+        and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     ):
         x.register_hook(functools.partial(_grad_in_layout, tuple(x.placements)))
@@ -298,8 +283,7 @@ def _laid_out(x):
 
 def _reduced(outputs):
     """A layer's outputs with partial sums reduced."""
-    fn = _laid_out if torch.is_grad_enabled() else reduce_partial
-    return fast_tree.map_structure(fn, outputs)
+    return fast_tree.map_structure(_laid_out, outputs)
 
 
 def call_layer(layer, original, args, kwargs, distribution):
@@ -308,7 +292,9 @@ def call_layer(layer, original, args, kwargs, distribution):
     tensors inside a local run."""
     if not torch.compiler.is_compiling() and active():
         return inner_call(layer, original, args, kwargs)
-    if _in_layer_call():
+    from keras.src.backend.common import global_state
+
+    if global_state.get_global_attribute("current_call_ctx") is not None:
         if torch.compiler.is_compiling():
             # No context manager around a traced call: Keras's own
             # graph breaks inside it would force a recompile per layer.

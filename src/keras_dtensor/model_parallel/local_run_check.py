@@ -162,7 +162,8 @@ def call(layer, run_spec, flat, reference, run):
         except AssignedInCall:
             records[key] = None
             return False, None
-        record.set_outputs(expected)
+        flat_out = fast_tree.flatten(expected)
+        record.outputs = tuple(reference_run.spec(x) for x in flat_out)
         if not record.between:
             # Nothing to run locally, for any signature, until a new weight.
             records[key] = None

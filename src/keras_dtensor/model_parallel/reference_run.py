@@ -172,9 +172,6 @@ class Record:
         if not self.inside:
             self.slice_updates.append((spec(inputs), spec(out)))
 
-    def set_outputs(self, outputs):
-        self.outputs = tuple(spec(x) for x in fast_tree.flatten(outputs))
-
 
 def recording(record):
     """A context in which layer calls are noted in `record`."""
