@@ -181,7 +181,8 @@ class Session:
     def _start(self, indices):
         values = [self.values[i] for i in indices]
         shards = local_grads.local_many(values)
-        specs = packed_gather.shard_specs(values, self.run_spec.dim)
+        dim = self.run_spec.dim
+        specs = [(v.placements[dim].dim, tuple(v.shape)) for v in values]
         return packed_gather.Pending(shards, specs, self.group), shards
 
     def gather_root(self):

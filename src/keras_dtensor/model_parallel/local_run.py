@@ -34,7 +34,7 @@ from keras_dtensor.model_parallel.fsdp_blocks import gathered_weights
 from keras_dtensor.model_parallel.reference_run import recorder
 from keras_dtensor.model_parallel.reference_run import scoped
 
-__all__ = ["active", "call_layer", "inner_call"]
+__all__ = ["active", "call_layer"]
 
 _ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
 _GROUPS = "_keras_dtensor_gather_groups"
@@ -135,7 +135,7 @@ def _local_weights(run_spec, layout, kept):
             variable._value = value
 
 
-def inner_call(layer, original, args, kwargs):
+def _inner_call(layer, original, args, kwargs):
     """A layer called inside a local call."""
     replay = boundary_layers.current_replay()
     try:
@@ -201,10 +201,15 @@ def _call(layer, original, run_spec, args, kwargs, reference):
     run as DTensors (`reference()`, which `local_run_check` compares)."""
     flat = fast_tree.flatten((args, kwargs))
     if run_spec.boundary:
-        # A compiled forward (`jit_compile=True`) cannot hold the islands.
-        if (
-            not local_run_spec.shards_enter(run_spec, flat)
-            or object_state.get_on(layer, "call") is not None
+        # On the spec's mesh, no partial sums, no compiled forward
+        # (`jit_compile=True`): what the islands need.
+        if object_state.get_on(layer, "call") is not None or any(
+            isinstance(x, DTensor)
+            and (
+                x.device_mesh != run_spec.mesh
+                or any(p.is_partial() for p in x.placements)
+            )
+            for x in flat
         ):
             return False, None
     else:
@@ -291,7 +296,7 @@ def call_layer(layer, original, args, kwargs, distribution):
     under `distribution`; returns DTensors with no partial sums, or plain
     tensors inside a local run."""
     if not torch.compiler.is_compiling() and active():
-        return inner_call(layer, original, args, kwargs)
+        return _inner_call(layer, original, args, kwargs)
     from keras.src.backend.common import global_state
 
     if global_state.get_global_attribute("current_call_ctx") is not None:

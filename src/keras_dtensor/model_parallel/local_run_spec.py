@@ -19,7 +19,6 @@ __all__ = [
     "LocalRunSpec",
     "adding_losses",
     "forget",
-    "shards_enter",
     "spec_for",
     "variables_changed",
 ]
@@ -160,18 +159,6 @@ def spec_for(layer, distribution):
             built = _build(layer, distribution.batch_dim_name)
         cached = object_state.set_on(layer, _PLAN, (count, count[0], built))
     return cached[2]
-
-
-def shards_enter(run_spec, flat):
-    """Whether the inputs are on the spec's mesh, with no partial sums."""
-    return all(
-        not isinstance(x, DTensor)
-        or (
-            x.device_mesh == run_spec.mesh
-            and not any(p.is_partial() for p in x.placements)
-        )
-        for x in flat
-    )
 
 
 def adding_losses(layers):
