@@ -1,9 +1,8 @@
 """Tensor-parallel layers as DTensor islands in a call on local tensors.
 
-In a local run following a `Record` (`Replay`), a boundary layer's inputs
-become DTensors placed as recorded; its outputs leave as local tensors,
-partial sums reduced (one all-reduce), or all-gathered where recorded
-replicated. See docs/internals/local-run.md.
+Following a `Record` (`Replay`), a boundary layer's inputs become DTensors
+placed as recorded; its outputs leave local, partial sums reduced (one
+all-reduce), or all-gathered where recorded replicated.
 """
 
 import contextvars

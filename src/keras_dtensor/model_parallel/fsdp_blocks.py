@@ -3,8 +3,7 @@
 Outside a local run, by the layer that owns them, for its call
 (`gathered_weights`); in one, group by group (`Session`): gathered before
 the group's forward, freed after it, gathered again for its backward.
-Every rank runs the same layers in the same order, so the collectives
-match. See docs/internals/local-run.md.
+Every rank runs the same layers in the same order: the collectives match.
 """
 
 import collections

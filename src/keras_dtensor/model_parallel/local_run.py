@@ -4,7 +4,6 @@ model's outermost call on this rank's rows, as plain tensors.
 Outputs leave with partial sums reduced. A model whose `LocalRunSpec`
 allows it takes local rows in and gives batch-sharded DTensors out; a
 layer that adds a loss or assigns a variable sends it back to DTensors.
-See docs/internals/local-run.md.
 """
 
 import contextlib

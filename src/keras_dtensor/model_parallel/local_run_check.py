@@ -1,10 +1,9 @@
 """Whether a model's local run between tensor-parallel layers is exact.
 
-The first call of each input signature runs as DTensors (recorded), then
-locally; the local run is kept only if its outputs equal the DTensor
-run's bit for bit on every rank (one all-reduce agrees). Otherwise a layer
-joins the boundary and the check runs again, or the signature runs as
-DTensors. See docs/internals/local-run.md.
+Each input signature's first call runs as DTensors (recorded), then
+locally, kept only if its outputs equal the DTensor run's bit for bit on
+every rank (one all-reduce agrees); else a layer joins the boundary and
+the check runs again, or the signature runs as DTensors.
 """
 
 import dataclasses

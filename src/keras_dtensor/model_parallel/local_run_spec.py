@@ -1,7 +1,7 @@
 """Which models run on local tensors (`local_run`), decided once.
 
 A model's `LocalRunSpec` is cached on it until a variable is created
-anywhere (LoRA adds weights after build). See docs/internals/local-run.md.
+anywhere (LoRA adds weights after build).
 """
 
 import dataclasses

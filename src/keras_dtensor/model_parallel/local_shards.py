@@ -3,8 +3,7 @@ subscripts (`ops.einsum_plan`) for Keras's torch `einsum` and `matmul`.
 
 Inside `scope`, registered local tensors contract to a local shard or a
 partial sum the caller all-reduces, else raise `Unsupported`; outside
-it, an einsum of DTensors runs once on the local shards. See
-docs/internals/local-run.md.
+it, an einsum of DTensors runs once on the local shards.
 """
 
 import contextvars

@@ -1,9 +1,8 @@
 """A tensor-parallel `Dense` or `EinsumDense` in a local run, on its shards.
 
-Its weights read as local shards, its contraction placed by
-`local_shards`, a row split's partial sum all-reduced when it returns:
-the DTensor run's values, op for op. A call that cannot be placed sends
-the layer to DTensors from then on. See docs/internals/local-run.md.
+Weights read as local shards, the contraction placed by `local_shards`, a
+row split's partial sum all-reduced on return: the DTensor run's values,
+op for op. A call that cannot be placed sends the layer to DTensors for good.
 """
 
 import dataclasses
