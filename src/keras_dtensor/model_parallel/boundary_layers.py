@@ -154,8 +154,8 @@ def reduce_partial(x):
 
 
 def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
-    """A boundary layer on its shards, or as DTensors placed as recorded in
-    `dtensor_scope(layer)`; returns local tensors."""
+    """A boundary layer's call on its shards, or as DTensors placed as
+    recorded in `dtensor_scope(layer)`; returns local tensors."""
     key = reference_run.next_key(replay.counts, layer)
     recorded = replay.record.calls.get(key)
     flat = fast_tree.flatten((args, kwargs))

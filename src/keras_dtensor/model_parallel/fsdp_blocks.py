@@ -46,8 +46,8 @@ def batch_placement(value, batch_axis):
 
 
 def _plan(layer, batch_axis):
-    """`(variable, gathered placements)` of the layer's own trainable
-    variables, cached until their number changes (LoRA)."""
+    """`(variable, gathered placements)` of the layer's own batch-sharded
+    trainable variables, cached until their number changes (LoRA)."""
     own = layer.__dict__.get("_trainable_variables")
     if not own:
         return ()
@@ -125,8 +125,8 @@ def _units(model):
 
 
 def build(model, run_spec, order):
-    """The `Layout` of `model`, or None when grouping frees nothing;
-    `order`: ids of the units a call reached (None before the first)."""
+    """`model`'s `Layout` in `order` (ids of the units a call reached), or
+    None when grouping frees nothing."""
     owners, units = _units(model)
     by_unit = collections.defaultdict(list)
     root = []
@@ -185,8 +185,7 @@ class Session:
         return packed_gather.Pending(shards, specs, self.group), shards
 
     def gather_root(self):
-        """`{index: full}` of the weights gathered for the whole call, one
-        all-gather per dtype."""
+        """`{index: full}` of the root weights, one all-gather per dtype."""
         by_dtype, out = {}, {}
         for i in self.layout.root:
             by_dtype.setdefault(self.values[i].dtype, []).append(i)

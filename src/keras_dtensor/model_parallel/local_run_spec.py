@@ -68,8 +68,8 @@ def variables_changed():
 
 
 def _build(layer, batch_axis):
-    """The spec, or None; layers owning a weight sharded over a non-batch
-    axis are the boundary (not the model, nor one with weighted ones)."""
+    """The spec, or None; the layers owning a model-sharded weight are the
+    boundary (not the model, nor one with weighted sublayers)."""
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
