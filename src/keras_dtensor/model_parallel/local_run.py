@@ -166,6 +166,19 @@ def _dtensor_scope(layer):
         yield
 
 
+@contextlib.contextmanager
+def _plain_only():
+    """No implicit replication: a DTensor meeting a local tensor raises."""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = False
+    try:
+        with scoped(_ACTIVE, True):
+            yield
+    finally:
+        dispatcher._allow_implicit_replication = before
+
+
 def _layout(layer, run_spec):
     """The model's `fsdp_blocks.Layout`, or None (all gathered at once)."""
     if not run_spec.gathered:
@@ -179,12 +192,9 @@ def _layout(layer, run_spec):
 
 def _run(layer, original, run_spec, args, kwargs, layout, replay=None):
     kept = run_spec.kept if replay is None else replay.record.kept
-    # No implicit replication: a DTensor meeting a local tensor raises.
-    dispatcher = DTensor._op_dispatcher
     with (
         _local_weights(run_spec, layout, kept) as session,
-        object_state.swapped(dispatcher, "_allow_implicit_replication", False),
-        scoped(_ACTIVE, True),
+        _plain_only(),
         boundary_layers.replaying(replay),
     ):
         outputs = original(layer, *args, **kwargs)
