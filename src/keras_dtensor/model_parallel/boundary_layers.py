@@ -1,9 +1,8 @@
 """Tensor-parallel layers as DTensor islands in a call on local tensors.
 
-In a local run following a `Record` (`Replay`), a boundary layer's inputs
-become DTensors placed as recorded; its outputs leave as local tensors,
-partial sums reduced (one all-reduce), or all-gathered where recorded
-replicated. See docs/internals/local-run.md.
+Following a `Record` (`Replay`), a boundary layer's inputs become DTensors
+placed as recorded; its outputs leave local, partial sums reduced (one
+all-reduce), or all-gathered where recorded replicated.
 """
 
 import contextvars
@@ -155,8 +154,8 @@ def reduce_partial(x):
 
 
 def boundary_call(replay, layer, original, args, kwargs, dtensor_scope):
-    """A boundary layer on its shards, or as DTensors placed as recorded in
-    `dtensor_scope(layer)`; returns local tensors."""
+    """A boundary layer's call on its shards, or as DTensors placed as
+    recorded in `dtensor_scope(layer)`; returns local tensors."""
     key = reference_run.next_key(replay.counts, layer)
     recorded = replay.record.calls.get(key)
     flat = fast_tree.flatten((args, kwargs))

@@ -3,8 +3,7 @@
 Outside a local run, by the layer that owns them, for its call
 (`gathered_weights`); in one, group by group (`Session`): gathered before
 the group's forward, freed after it, gathered again for its backward.
-Every rank runs the same layers in the same order, so the collectives
-match. See docs/internals/local-run.md.
+Every rank runs the same layers in the same order: the collectives match.
 """
 
 import collections
@@ -47,8 +46,8 @@ def batch_placement(value, batch_axis):
 
 
 def _plan(layer, batch_axis):
-    """`(variable, gathered placements)` of the layer's own trainable
-    variables, cached until their number changes (LoRA)."""
+    """`(variable, gathered placements)` of the layer's own batch-sharded
+    trainable variables, cached until their number changes (LoRA)."""
     own = layer.__dict__.get("_trainable_variables")
     if not own:
         return ()
@@ -126,8 +125,8 @@ def _units(model):
 
 
 def build(model, run_spec, order):
-    """The `Layout` of `model`, or None when grouping frees nothing;
-    `order`: ids of the units a call reached (None before the first)."""
+    """`model`'s `Layout` in `order` (ids of the units a call reached), or
+    None when grouping frees nothing."""
     owners, units = _units(model)
     by_unit = collections.defaultdict(list)
     root = []
@@ -181,12 +180,12 @@ class Session:
     def _start(self, indices):
         values = [self.values[i] for i in indices]
         shards = local_grads.local_many(values)
-        specs = packed_gather.shard_specs(values, self.run_spec.dim)
+        dim = self.run_spec.dim
+        specs = [(v.placements[dim].dim, tuple(v.shape)) for v in values]
         return packed_gather.Pending(shards, specs, self.group), shards
 
     def gather_root(self):
-        """`{index: full}` of the weights gathered for the whole call, one
-        all-gather per dtype."""
+        """`{index: full}` of the root weights, one all-gather per dtype."""
         by_dtype, out = {}, {}
         for i in self.layout.root:
             by_dtype.setdefault(self.values[i].dtype, []).append(i)

@@ -1,9 +1,8 @@
 """DTensor weights read as local tensors, and their gradients laid out.
 
-`local_many` reads many weights through one autograd node, each
-gradient's `DTensorSpec` built once; `reduce_partial_grads` all-reduces
-replicated weights' partial-sum gradients in buckets, as DDP does. See
-docs/internals/local-run.md.
+`local_many` reads many weights through one autograd node;
+`reduce_partial_grads` all-reduces replicated weights' partial-sum
+gradients in buckets, as DDP does.
 """
 
 import torch

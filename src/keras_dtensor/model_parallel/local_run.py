@@ -4,7 +4,6 @@ model's outermost call on this rank's rows, as plain tensors.
 Outputs leave with partial sums reduced. A model whose `LocalRunSpec`
 allows it takes local rows in and gives batch-sharded DTensors out; a
 layer that adds a loss or assigns a variable sends it back to DTensors.
-See docs/internals/local-run.md.
 """
 
 import contextlib
@@ -34,7 +33,7 @@ from keras_dtensor.model_parallel.fsdp_blocks import gathered_weights
 from keras_dtensor.model_parallel.reference_run import recorder
 from keras_dtensor.model_parallel.reference_run import scoped
 
-__all__ = ["active", "call_layer", "inner_call"]
+__all__ = ["active", "call_layer"]
 
 _ACTIVE = contextvars.ContextVar("keras_dtensor_local_batch", default=False)
 _GROUPS = "_keras_dtensor_gather_groups"
@@ -135,7 +134,7 @@ def _local_weights(run_spec, layout, kept):
             variable._value = value
 
 
-def inner_call(layer, original, args, kwargs):
+def _inner_call(layer, original, args, kwargs):
     """A layer called inside a local call."""
     replay = boundary_layers.current_replay()
     try:
@@ -211,10 +210,15 @@ def _call(layer, original, run_spec, args, kwargs, reference):
     run as DTensors (`reference()`, which `local_run_check` compares)."""
     flat = fast_tree.flatten((args, kwargs))
     if run_spec.boundary:
-        # A compiled forward (`jit_compile=True`) cannot hold the islands.
-        if (
-            not local_run_spec.shards_enter(run_spec, flat)
-            or object_state.get_on(layer, "call") is not None
+        # On the spec's mesh, no partial sums, no compiled forward
+        # (`jit_compile=True`): what the islands need.
+        if object_state.get_on(layer, "call") is not None or any(
+            isinstance(x, DTensor)
+            and (
+                x.device_mesh != run_spec.mesh
+                or any(p.is_partial() for p in x.placements)
+            )
+            for x in flat
         ):
             return False, None
     else:
@@ -265,12 +269,6 @@ def _call(layer, original, run_spec, args, kwargs, reference):
     )
 
 
-def _in_layer_call():
-    from keras.src.backend.common import global_state
-
-    return global_state.get_global_attribute("current_call_ctx") is not None
-
-
 def _grad_in_layout(placements, grad):
     """A gradient hook: partial sums reduced to the forward `placements`."""
     if not isinstance(grad, DTensor) or len(grad.placements) != len(placements):
@@ -290,6 +288,7 @@ def _laid_out(x):
     if (
         isinstance(x, DTensor)
         and x.requires_grad
+        and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     ):
         x.register_hook(functools.partial(_grad_in_layout, tuple(x.placements)))
@@ -298,8 +297,7 @@ def _laid_out(x):
 
 def _reduced(outputs):
     """A layer's outputs with partial sums reduced."""
-    fn = _laid_out if torch.is_grad_enabled() else reduce_partial
-    return fast_tree.map_structure(fn, outputs)
+    return fast_tree.map_structure(_laid_out, outputs)
 
 
 def call_layer(layer, original, args, kwargs, distribution):
@@ -307,8 +305,10 @@ def call_layer(layer, original, args, kwargs, distribution):
     under `distribution`; returns DTensors with no partial sums, or plain
     tensors inside a local run."""
     if not torch.compiler.is_compiling() and active():
-        return inner_call(layer, original, args, kwargs)
-    if _in_layer_call():
+        return _inner_call(layer, original, args, kwargs)
+    from keras.src.backend.common import global_state
+
+    if global_state.get_global_attribute("current_call_ctx") is not None:
         if torch.compiler.is_compiling():
             # No context manager around a traced call: Keras's own
             # graph breaks inside it would force a recompile per layer.

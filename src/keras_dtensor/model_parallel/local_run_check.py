@@ -1,10 +1,9 @@
 """Whether a model's local run between tensor-parallel layers is exact.
 
-The first call of each input signature runs as DTensors (recorded), then
-locally; the local run is kept only if its outputs equal the DTensor
-run's bit for bit on every rank (one all-reduce agrees). Otherwise a layer
-joins the boundary and the check runs again, or the signature runs as
-DTensors. See docs/internals/local-run.md.
+Each input signature's first call runs as DTensors (recorded), then
+locally, kept only if its outputs equal the DTensor run's bit for bit on
+every rank (one all-reduce agrees); else a layer joins the boundary and
+the check runs again, or the signature runs as DTensors.
 """
 
 import dataclasses
@@ -162,7 +161,8 @@ def call(layer, run_spec, flat, reference, run):
         except AssignedInCall:
             records[key] = None
             return False, None
-        record.set_outputs(expected)
+        flat_out = fast_tree.flatten(expected)
+        record.outputs = tuple(reference_run.spec(x) for x in flat_out)
         if not record.between:
             # Nothing to run locally, for any signature, until a new weight.
             records[key] = None

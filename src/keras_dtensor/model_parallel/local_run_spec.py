@@ -1,7 +1,7 @@
 """Which models run on local tensors (`local_run`), decided once.
 
 A model's `LocalRunSpec` is cached on it until a variable is created
-anywhere (LoRA adds weights after build). See docs/internals/local-run.md.
+anywhere (LoRA adds weights after build).
 """
 
 import dataclasses
@@ -19,7 +19,6 @@ __all__ = [
     "LocalRunSpec",
     "adding_losses",
     "forget",
-    "shards_enter",
     "spec_for",
     "variables_changed",
 ]
@@ -69,8 +68,8 @@ def variables_changed():
 
 
 def _build(layer, batch_axis):
-    """The spec, or None; layers owning a weight sharded over a non-batch
-    axis are the boundary (not the model, nor one with weighted ones)."""
+    """The spec, or None; the layers owning a model-sharded weight are the
+    boundary (not the model, nor one with weighted sublayers)."""
     from keras.src.layers.normalization.batch_normalization import (
         BatchNormalization,
     )
@@ -160,18 +159,6 @@ def spec_for(layer, distribution):
             built = _build(layer, distribution.batch_dim_name)
         cached = object_state.set_on(layer, _PLAN, (count, count[0], built))
     return cached[2]
-
-
-def shards_enter(run_spec, flat):
-    """Whether the inputs are on the spec's mesh, with no partial sums."""
-    return all(
-        not isinstance(x, DTensor)
-        or (
-            x.device_mesh == run_spec.mesh
-            and not any(p.is_partial() for p in x.placements)
-        )
-        for x in flat
-    )
 
 
 def adding_losses(layers):

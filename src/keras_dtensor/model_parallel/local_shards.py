@@ -3,8 +3,7 @@ subscripts (`ops.einsum_plan`) for Keras's torch `einsum` and `matmul`.
 
 Inside `scope`, registered local tensors contract to a local shard or a
 partial sum the caller all-reduces, else raise `Unsupported`; outside
-it, an einsum of DTensors runs once on the local shards. See
-docs/internals/local-run.md.
+it, an einsum of DTensors runs once on the local shards.
 """
 
 import contextvars
@@ -62,29 +61,17 @@ def _summed(x, groups):
     return x
 
 
-class _GradAsIs(torch.autograd.Function):
-    """`fn(x)`; backward passes the gradient as it is."""
+class _ByHand(torch.autograd.Function):
+    """`forward(x)`, its gradient `backward(grad)`."""
 
     @staticmethod
-    def forward(ctx, x, fn):
-        return fn(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _CopyIn(torch.autograd.Function):
-    """Identity; backward sums the gradient over groups."""
-
-    @staticmethod
-    def forward(ctx, x, groups):
-        ctx.groups = groups
-        return x.view_as(x)
+    def forward(ctx, x, forward, backward):
+        ctx.backward = backward
+        return forward(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _summed(grad.contiguous().clone(), ctx.groups), None
+        return ctx.backward(grad), None, None
 
 
 def _tracked(x):
@@ -93,18 +80,26 @@ def _tracked(x):
 
 def all_reduce(x, groups):
     if _tracked(x):
-        return _GradAsIs.apply(
-            x, lambda t: _summed(t.contiguous().clone(), groups)
+        return _ByHand.apply(
+            x, lambda t: _summed(t.contiguous().clone(), groups), lambda g: g
         )
     return _summed(x.contiguous(), groups)  # no graph: x is a new output
 
 
 def copy_in(x, groups):
-    return _CopyIn.apply(x, tuple(groups)) if _tracked(x) else x
+    if not _tracked(x):
+        return x
+    return _ByHand.apply(
+        x,
+        lambda t: t.view_as(t),
+        lambda g: _summed(g.contiguous().clone(), groups),
+    )
 
 
 def share(x, n):
-    return _GradAsIs.apply(x, lambda t: t / n) if _tracked(x) else x / n
+    return (
+        _ByHand.apply(x, lambda t: t / n, lambda g: g) if _tracked(x) else x / n
+    )
 
 
 def contract(subscripts, operands, run):

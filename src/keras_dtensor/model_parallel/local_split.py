@@ -1,9 +1,8 @@
 """A tensor-parallel `Dense` or `EinsumDense` in a local run, on its shards.
 
-Its weights read as local shards, its contraction placed by
-`local_shards`, a row split's partial sum all-reduced when it returns:
-the DTensor run's values, op for op. A call that cannot be placed sends
-the layer to DTensors from then on. See docs/internals/local-run.md.
+Weights read as local shards, the contraction placed by `local_shards`, a
+row split's partial sum all-reduced on return: the DTensor run's values,
+op for op. A call that cannot be placed sends the layer to DTensors for good.
 """
 
 import dataclasses
@@ -111,7 +110,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
             return False, None
         record.split_plans[key] = plan
     mesh, summed = replay.mesh, plan.summed
-    known, inputs, changed = [], [], False
+    known, inputs = [], []
     for x, entry in zip(flat, plan.inputs, strict=True):
         if entry is None:
             inputs.append(x)
@@ -120,13 +119,10 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
         if isinstance(x, DTensor) or tuple(x.shape) != local:
             return False, None
         if copied:
-            y = _copied(replay, x, mesh, copied)
-            changed = changed or y is not x
-            x = y
+            x = _copied(replay, x, mesh, copied)
         known.append((x, placements, shape))
         inputs.append(x)
-    if changed:
-        args, kwargs = fast_tree.pack_sequence_as((args, kwargs), inputs)
+    args, kwargs = fast_tree.pack_sequence_as((args, kwargs), inputs)
     bias = getattr(layer, "bias", None)
     locals_ = local_grads.local_many(
         [value for _, value, _ in plan.weights],

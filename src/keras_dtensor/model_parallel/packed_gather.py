@@ -13,7 +13,7 @@ import torch.distributed as dist
 from keras_dtensor.backend import layout
 from keras_dtensor.ops.flat_buffers import offsets
 
-__all__ = ["Pending", "finish", "gather_shards", "shard_specs"]
+__all__ = ["Pending", "finish", "gather_shards"]
 
 
 def _collective(name, old):
@@ -107,11 +107,6 @@ class _GatherShards(torch.autograd.Function):
             shard = local[at : at + n].view(padded)[:rows].movedim(0, dim)
             out.append(shard.contiguous())
         return tuple(out)
-
-
-def shard_specs(values, dim):
-    """`(sharded dim, global shape)` of DTensors sharded on mesh dim `dim`."""
-    return [(value.placements[dim].dim, tuple(value.shape)) for value in values]
 
 
 def gather_shards(shards, specs, group):

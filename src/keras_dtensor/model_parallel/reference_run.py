@@ -76,7 +76,6 @@ class Record:
     calls: dict = dataclasses.field(default_factory=dict)
     outputs: tuple = ()
     counts: dict = dataclasses.field(default_factory=dict)
-    weights: dict = dataclasses.field(default_factory=dict)
     # `{key: (fingerprint, output specs)}`, while tracing a difference.
     fingerprints: dict | None = None
     between: int = 0  # layer calls that run locally
@@ -112,7 +111,6 @@ class Record:
             self.boundary.add(id(layer))
         self.inside += id(layer) in self.boundary
         self.calls[key] = inputs
-        self.weights[id(layer)] = tuple(layer.weights)
         self.between += id(layer) not in self.boundary
         return key
 
@@ -121,8 +119,9 @@ class Record:
         """Indices of the weights the local run leaves as DTensors."""
         ids = {
             id(variable)
-            for layer_id in self.boundary
-            for variable in self.weights.get(layer_id, ())
+            for sub in self.run_spec.layers
+            if id(sub) in self.boundary
+            for variable in sub.weights
         }
         return self.run_spec.kept | frozenset(
             i
@@ -153,8 +152,7 @@ class Record:
 
     def note_reshape(self, x, out):
         """Notes a reshape's `(input's local shape, result's global and
-        local shapes)`, or None where shards differ in size (ranks could
-        part ways)."""
+        local shapes)`; None where shards differ in size (ranks may part)."""
         if self.inside:
             return
         before, after, mesh = spec(x), spec(out), self.run_spec.mesh
@@ -171,9 +169,6 @@ class Record:
         """Notes a `slice_update`'s updated tensor and result."""
         if not self.inside:
             self.slice_updates.append((spec(inputs), spec(out)))
-
-    def set_outputs(self, outputs):
-        self.outputs = tuple(spec(x) for x in fast_tree.flatten(outputs))
 
 
 def recording(record):

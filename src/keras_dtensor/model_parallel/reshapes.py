@@ -2,8 +2,7 @@
 KV cache cut to this rank's heads.
 
 Each takes the local shape the same op had in the recorded DTensor run, in
-call order; where the recorded shards differ in size, nothing changes. See
-docs/internals/local-run.md.
+call order; where the recorded shards differ in size, nothing changes.
 """
 
 import functools
