@@ -6,5 +6,4 @@
 `fit_guard`, `replicate_check`, `malloc_trim`, `callbacks` and
 `shared_files` surround `fit`; `jit` compiles the forward;
 `keras_torch_distribution` stands down Keras 3.16's own. Design notes:
-docs/internals/hooks.md.
-"""
+docs/internals/hooks.md."""

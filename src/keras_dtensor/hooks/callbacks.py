@@ -1,6 +1,5 @@
 """Callbacks on N processes run synchronously (their numpy conversions are
-collectives); messages and `model.summary()` print from rank 0 only.
-"""
+collectives); messages and `model.summary()` print from rank 0 only."""
 
 from keras_dtensor.backend import console
 from keras_dtensor.backend.launch import multi_process

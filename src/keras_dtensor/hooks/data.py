@@ -2,8 +2,7 @@
 every process, each keeping its rows (loaded alone where `loader_shards`
 can); with `auto_shard_dataset=False`, its own. Every rank is checked to
 feed the same steps (the same global batches, or as many of its own): an
-error on every rank instead of wrong rows or a hang.
-"""
+error on every rank instead of wrong rows or a hang."""
 
 import functools
 import itertools
@@ -222,13 +221,11 @@ def _digest(batch):
     return crc
 
 
-def _raise_if_batches_differ(digests, index):
-    if len(set(digests)) == 1:
-        return
+def _batches_differ(digests, index):
     groups = {}
     for rank, digest in enumerate(digests):
         groups.setdefault(digest, []).append(rank)
-    raise RuntimeError(
+    return RuntimeError(
         "With auto_shard_dataset=True (the default) every process must "
         "yield the same global batches, and each keeps its own rows; here "
         f"the processes' batch {index} of this epoch differs (ranks with "
@@ -269,8 +266,8 @@ def _checked(iterator, num_batches, per_process):
                 raise _uneven_error(
                     [index + (not e) for e in ended], same_batches
                 )
-            if compare:
-                _raise_if_batches_differ(digests, index)
+            if compare and len(set(digests)) > 1:
+                raise _batches_differ(digests, index)
         elif batch is _END:
             return
         yield batch

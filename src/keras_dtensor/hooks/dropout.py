@@ -1,6 +1,5 @@
 """Dropout on a split activation: one process's mask drawn (the global
-shape, the same generator calls), each rank keeping its part.
-"""
+shape, the same generator calls), each rank keeping its part."""
 
 import functools
 

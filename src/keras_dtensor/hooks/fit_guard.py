@@ -1,6 +1,5 @@
 """`fit`/`evaluate`/`predict` on N processes: file operations shared, a
-failed collective named as a peer that died or stalled.
-"""
+failed collective named as a peer that died or stalled."""
 
 import functools
 

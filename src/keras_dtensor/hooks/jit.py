@@ -1,7 +1,6 @@
 """`jit_compile=True` under a distribution: a compiled forward, the rest
 eager on DTensors; after a failure or at dynamo's recompile limit every
-rank runs eagerly (agreed at a signature's 1st, 2nd, 4th... call).
-"""
+rank runs eagerly (agreed at a signature's 1st, 2nd, 4th... call)."""
 
 import collections
 import warnings

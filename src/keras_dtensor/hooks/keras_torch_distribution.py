@@ -1,6 +1,5 @@
 """Keras 3.16's own torch distribution stood down where keras-dtensor does
-the job; with no distribution, Keras's code runs, but no DDP wrapper.
-"""
+the job; with no distribution, Keras's code runs, but no DDP wrapper."""
 
 import weakref
 

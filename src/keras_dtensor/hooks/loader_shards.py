@@ -2,8 +2,7 @@
 (`batch_layout.tag_shard`). A map-style `DataLoader`: every rank draws the
 global batch's indices, then fetches and collates its shard. A `PyDataset`:
 rank `k % N` builds step `k`'s batch and scatters each rank its rows (the
-structure as JSON, nothing unpickled).
-"""
+structure as JSON, nothing unpickled)."""
 
 import collections
 import copy
@@ -206,7 +205,9 @@ def _shards(adapter, rule):
         batch = _receive(built if owner == rank else None, owner, rule)
         if batch is None:  # not scatterable: every rank builds it
             batch = _build(adapter, index)
-            total = _leading_rows(batch)
+            leaves = fast_tree.flatten(batch)
+            rows = (int(np.shape(x)[0]) for x in leaves if np.ndim(x))
+            total = next(rows, None)
             start, length = rule(total, rank)
             batch = _rows_of(batch, start, length)
         else:
@@ -310,8 +311,3 @@ def _receive(batch, owner, rule):
         received.append(out[:length])
     received = iter(received)
     return _rebuild(spec, lambda _: next(received)), start, total
-
-
-def _leading_rows(batch):
-    leaves = fast_tree.flatten(batch)
-    return next((int(np.shape(x)[0]) for x in leaves if np.ndim(x)), None)

@@ -1,6 +1,5 @@
 """Output layout lookups by path, kept until the layout map's entries
-change; a compiled forward runs Keras's own lookup.
-"""
+change; a compiled forward runs Keras's own lookup."""
 
 import functools
 

@@ -1,6 +1,5 @@
 """Around `fit`: the same model on every rank before, equal replicas after
-(one all-gather of each local weight's checksum).
-"""
+(one all-gather of each local weight's checksum)."""
 
 import functools
 
@@ -63,14 +62,9 @@ def check_replicas(model):
     values = [v.value for v in variables]
     sums = torch.stack([_checksum(v).cpu() for v in values]).tolist()
     gathered = launch.all_gather_int_lists(sums)
-    layouts = {}
     differ = {}  # (rank, its replica) -> paths
     for i, value in enumerate(values):
-        mesh = getattr(value, "device_mesh", None)  # None: a plain tensor
-        key = (id(mesh), tuple(getattr(value, "placements", ())))
-        if key not in layouts:
-            layouts[key] = _replica_of(value, world)
-        for rank, first in enumerate(layouts[key]):
+        for rank, first in enumerate(_replica_of(value, world)):
             if gathered[rank][i] != gathered[first][i]:
                 differ.setdefault((rank, first), []).append(variables[i].path)
     if differ:

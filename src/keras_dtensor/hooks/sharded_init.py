@@ -1,6 +1,5 @@
 """Sharded initialization: only this rank's shard drawn, with the values
-one process would draw, where block-wise draws are exact on the device.
-"""
+one process would draw, where block-wise draws are exact on the device."""
 
 import functools
 import math

@@ -1,6 +1,5 @@
 """Keras callbacks' file operations on N processes: rank 0 acts, every rank
-gets its outcome or error; other ranks write to sinks.
-"""
+gets its outcome or error; other ranks write to sinks."""
 
 import atexit
 import functools

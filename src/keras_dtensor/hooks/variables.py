@@ -1,6 +1,5 @@
 """Keras's torch `Variable` under a distribution: a `Parameter` wrapping a
-DTensor laid out as the distribution says; assignments laid out alike.
-"""
+DTensor laid out as the distribution says; assignments laid out alike."""
 
 import torch
 from torch.distributed.tensor import DTensor
