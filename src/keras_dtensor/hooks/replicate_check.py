@@ -19,8 +19,7 @@ _CHUNK = 1 << 18  # elements of a local weight summed at a time
 
 
 def _checksum(value):
-    """The int64 sum of a local weight's bits, chunk by chunk through one
-    preallocated buffer (no temporaries to fragment the heap)."""
+    """The int64 sum of a local weight's bits, through one buffer."""
     local = value.to_local() if isinstance(value, DTensor) else value
     flat = local.detach().contiguous().reshape(-1)
     if flat.is_complex():
@@ -87,8 +86,7 @@ def _signature(weight):
 
 
 def check_same_model(model):
-    """Raises on every rank unless all built the same weights' shapes,
-    dtypes and layouts (not paths: auto-names differ per process)."""
+    """Raises on every rank unless all built the same weights (not paths)."""
     world, _ = launch.world()
     if world == 1:
         return
