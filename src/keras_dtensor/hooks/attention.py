@@ -1,5 +1,4 @@
-"""`dot_product_attention` on DTensors: Keras's function on local shards,
-the output, mask and bias placed as the query."""
+"""`dot_product_attention` on DTensors: Keras's function on local shards."""
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate

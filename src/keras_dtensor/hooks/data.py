@@ -1,5 +1,4 @@
-"""Where batches become DTensors, each rank keeping its rows (loaded alone
-by `loader_shards`); every rank checked to feed the same steps."""
+"""Where batches become DTensors; every rank checked to feed the same steps."""
 
 import functools
 import itertools

@@ -1,5 +1,4 @@
-"""This process's rows of each global batch, loaded alone and tagged
-(`batch_layout.tag_shard`) from a map-style `DataLoader` or a `PyDataset`."""
+"""This process's rows of each global batch, loaded alone and tagged."""
 
 import collections
 import copy

@@ -1,5 +1,4 @@
-"""Around `fit`: the same model on every rank before, equal replicas after
-(one all-gather of each local weight's checksum)."""
+"""Around `fit`: the same model on every rank before, equal replicas after."""
 
 import functools
 

@@ -1,5 +1,4 @@
-"""Sharded initialization: only this rank's shard drawn, with the values
-one process would draw, where block-wise draws are exact on the device."""
+"""Only this rank's shard drawn, with the values one process would draw."""
 
 import functools
 import math

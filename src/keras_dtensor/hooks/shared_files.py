@@ -1,5 +1,4 @@
-"""Keras callbacks' file operations on N processes: rank 0 acts, every rank
-gets its outcome or error; other ranks write to sinks."""
+"""Callbacks' file operations: rank 0 acts, every rank gets its outcome."""
 
 import atexit
 import functools

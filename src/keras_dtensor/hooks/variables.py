@@ -1,5 +1,4 @@
-"""Keras's torch `Variable` under a distribution: a `Parameter` wrapping a
-DTensor laid out as the distribution says; assignments laid out alike."""
+"""Keras's torch `Variable` as a `Parameter` wrapping a laid-out DTensor."""
 
 import torch
 from torch.distributed.tensor import DTensor
