@@ -1,10 +1,7 @@
-"""Keras-side wrappers every strategy shares (`PATCHES` names them).
-
-`variables` and `sharded_init` lay variables out; `data` and
-`loader_shards` bring in the global batch; `layer_call`, `dropout`,
-`attention`, `slice_update` and `output_layouts` adapt calls and ops;
-`fit_guard`, `replicate_check`, `malloc_trim`, `callbacks` and
-`shared_files` surround `fit`; `jit` compiles the forward;
-`keras_torch_distribution` stands down Keras 3.16's own. Design notes:
-docs/internals/hooks.md.
-"""
+"""Keras-side wrappers every strategy shares (`PATCHES` names them):
+`variables`, `sharded_init` (variables); `data`, `loader_shards` (the
+global batch); `layer_call`, `dropout`, `attention`, `slice_update`,
+`output_layouts` (calls and ops); `fit_guard`, `replicate_check`,
+`malloc_trim`, `callbacks`, `shared_files` (around `fit`); `jit` (the
+forward compiled); `keras_torch_distribution` (Keras 3.16's own stood
+down). Design notes: docs/internals/hooks.md."""

@@ -1,7 +1,4 @@
-"""`dot_product_attention` on DTensors: Keras's function on local shards
-(q/k/v split alike over batch or heads, else replicated), the output, mask
-and bias placed as the query.
-"""
+"""`dot_product_attention` on DTensors: Keras's function on local shards."""
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate

@@ -1,6 +1,4 @@
-"""Callbacks on N processes run synchronously (their numpy conversions are
-collectives); messages and `model.summary()` print from rank 0 only.
-"""
+"""Callbacks run synchronously on N processes; rank 0 alone prints."""
 
 from keras_dtensor.backend import console
 from keras_dtensor.backend.launch import multi_process

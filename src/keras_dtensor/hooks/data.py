@@ -1,9 +1,4 @@
-"""Where batches become DTensors: every input kind is the global batch on
-every process, each keeping its rows (loaded alone where `loader_shards`
-can); with `auto_shard_dataset=False`, its own. Every rank is checked to
-feed the same steps (the same global batches, or as many of its own): an
-error on every rank instead of wrong rows or a hang.
-"""
+"""Where batches become DTensors; every rank checked to feed the same steps."""
 
 import functools
 import itertools
@@ -48,8 +43,7 @@ def wrap_get_iterator(original):
         adapter = self.data_adapter
         per_process = not distribution.auto_shard_dataset
         iterator = None if per_process else _own_shards(adapter, distribution)
-        if iterator is None:
-            iterator = adapter.get_torch_dataloader()
+        iterator = iterator or adapter.get_torch_dataloader()
         # iter() now, as Keras does: a DataLoader draws its seed there.
         iterator = _checked(iter(iterator), adapter.num_batches, per_process)
         if context.is_data_parallel(distribution):
@@ -194,12 +188,6 @@ _SAMPLE = 1 << 16
 _END = object()  # the iterator is done
 
 
-def _sample(flat):
-    """At most `_SAMPLE` evenly spaced elements: a checksum's cost is flat."""
-    step = max(1, len(flat) // _SAMPLE)
-    return flat[::step]
-
-
 def _digest(batch):
     """A checksum of a batch's numeric contents (-1 for no batch)."""
     if batch is None:
@@ -211,24 +199,24 @@ def _digest(batch):
     for leaf in fast_tree.flatten(batch):
         if isinstance(leaf, torch.Tensor):  # any dtype, bfloat16 too
             crc = zlib.crc32(repr(tuple(leaf.shape)).encode(), crc)
-            raw = _sample(leaf.detach().reshape(-1)).contiguous()
+            flat = leaf.detach().reshape(-1)
+            raw = flat[:: max(1, len(flat) // _SAMPLE)].contiguous()
             leaf = raw.cpu().view(torch.uint8).numpy()
         leaf = np.asarray(leaf)
         if leaf.dtype.kind not in "biufc":  # None, strings: skipped
             continue
-        raw = np.ascontiguousarray(_sample(leaf.reshape(-1)))
+        flat = leaf.reshape(-1)  # at most _SAMPLE elements, evenly spaced
+        raw = np.ascontiguousarray(flat[:: max(1, len(flat) // _SAMPLE)])
         crc = zlib.crc32(raw.tobytes(), crc)
         crc = zlib.crc32(repr(leaf.shape).encode(), crc)
     return crc
 
 
-def _raise_if_batches_differ(digests, index):
-    if len(set(digests)) == 1:
-        return
+def _batches_differ(digests, index):
     groups = {}
     for rank, digest in enumerate(digests):
         groups.setdefault(digest, []).append(rank)
-    raise RuntimeError(
+    return RuntimeError(
         "With auto_shard_dataset=True (the default) every process must "
         "yield the same global batches, and each keeps its own rows; here "
         f"the processes' batch {index} of this epoch differs (ranks with "
@@ -245,9 +233,7 @@ def _raise_if_batches_differ(digests, index):
 
 
 def _checked(iterator, num_batches, per_process):
-    """`iterator`'s batches, as many on every rank (known counts compared
-    once, unknown ones batch by batch); unless `per_process`, the same ones
-    (checksums on the first, then every `KERAS_DTENSOR_CHECK_EVERY`)."""
+    """`iterator`'s batches, as many (or the same) on every rank."""
     same_batches = not per_process
     counts = all_gather_ints(-1 if num_batches is None else num_batches)
     known = all(c >= 0 for c in counts)
@@ -269,8 +255,8 @@ def _checked(iterator, num_batches, per_process):
                 raise _uneven_error(
                     [index + (not e) for e in ended], same_batches
                 )
-            if compare:
-                _raise_if_batches_differ(digests, index)
+            if compare and len(set(digests)) > 1:
+                raise _batches_differ(digests, index)
         elif batch is _END:
             return
         yield batch

@@ -1,6 +1,4 @@
-"""Dropout on a split activation: one process's mask drawn (the global
-shape, the same generator calls), each rank keeping its part.
-"""
+"""Dropout on a split activation: one process's mask, each rank its part."""
 
 import functools
 

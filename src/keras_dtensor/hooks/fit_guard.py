@@ -1,6 +1,4 @@
-"""`fit`/`evaluate`/`predict` on N processes: file operations shared, a
-failed collective named as a peer that died or stalled.
-"""
+"""`fit`/`evaluate`/`predict` on N processes: shared files, named faults."""
 
 import functools
 

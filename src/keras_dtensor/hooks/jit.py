@@ -1,7 +1,5 @@
 """`jit_compile=True` under a distribution: a compiled forward, the rest
-eager on DTensors; after a failure or at dynamo's recompile limit every
-rank runs eagerly (agreed at a signature's 1st, 2nd, 4th... call).
-"""
+eager; after a failure or at dynamo's recompile limit, eager on every rank."""
 
 import collections
 import warnings

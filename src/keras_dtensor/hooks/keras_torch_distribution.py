@@ -1,6 +1,4 @@
-"""Keras 3.16's own torch distribution stood down where keras-dtensor does
-the job; with no distribution, Keras's code runs, but no DDP wrapper.
-"""
+"""Keras 3.16's own torch distribution stood down (no DDP wrapper)."""
 
 import weakref
 

@@ -1,6 +1,5 @@
 """Every layer call under a distribution, handed to its strategy;
-`SeedGenerator.next` in the global-values scope.
-"""
+`SeedGenerator.next` in the global-values scope."""
 
 from torch.distributed.tensor import DTensor
 

@@ -1,9 +1,4 @@
-"""This process's rows of each global batch, loaded alone and tagged
-(`batch_layout.tag_shard`). A map-style `DataLoader`: every rank draws the
-global batch's indices, then fetches and collates its shard. A `PyDataset`:
-rank `k % N` builds step `k`'s batch and scatters each rank its rows (the
-structure as JSON, nothing unpickled).
-"""
+"""This process's rows of each global batch, loaded alone and tagged."""
 
 import collections
 import copy
@@ -39,8 +34,7 @@ _DERIVED = "_keras_dtensor_sharded_loader"
 
 
 def sharded_loader(loader, distribution):
-    """This process's shards of an epoch of `loader`, or `None` (read
-    whole); its iterator made now, when Keras would draw its seed."""
+    """This process's shards of an epoch of `loader`, or `None`."""
     if loader.batch_sampler is None or isinstance(
         loader.dataset, torch_data.IterableDataset
     ):
@@ -80,9 +74,7 @@ def _tagged(iterator):
 
 
 def shard_rule(distribution):
-    """`(total, rank) -> (start, length)`: a rank's rows of a global batch,
-    or `None` where the batch is read whole: one process, not split by its
-    leading dim alone, or `KERAS_DTENSOR_SHARDED_LOADING=0`."""
+    """`(total, rank) -> (start, length)`, or `None` (read whole)."""
     if not config.get("SHARDED_LOADING") or world()[0] == 1:
         return None
     if context.is_data_parallel(distribution):
@@ -126,8 +118,7 @@ class _ShardIndices:
 
 
 class _Keyed(torch_data.Dataset):
-    """The user's dataset and `collate_fn` on `_ShardIndices`'s keys, each
-    batch's meta carried beside its samples."""
+    """The user's dataset and `collate_fn` on `_ShardIndices`'s keys."""
 
     def __init__(self, dataset, collate_fn):
         self.dataset, self.collate_fn = dataset, collate_fn
@@ -206,7 +197,9 @@ def _shards(adapter, rule):
         batch = _receive(built if owner == rank else None, owner, rule)
         if batch is None:  # not scatterable: every rank builds it
             batch = _build(adapter, index)
-            total = _leading_rows(batch)
+            leaves = fast_tree.flatten(batch)
+            rows = (int(np.shape(x)[0]) for x in leaves if np.ndim(x))
+            total = next(rows, None)
             start, length = rule(total, rank)
             batch = _rows_of(batch, start, length)
         else:
@@ -215,8 +208,7 @@ def _shards(adapter, rule):
 
 
 def _owned(adapter, indices):
-    """This rank's batches, built by `workers` threads, ahead by one more
-    after each taken."""
+    """This rank's batches, built ahead by `workers` threads."""
     py_dataset = adapter.py_dataset
     if py_dataset.workers <= 1:
         yield from (_build(adapter, index) for index in indices)
@@ -310,8 +302,3 @@ def _receive(batch, owner, rule):
         received.append(out[:length])
     received = iter(received)
     return _rebuild(spec, lambda _: next(received)), start, total
-
-
-def _leading_rows(batch):
-    leaves = fast_tree.flatten(batch)
-    return next((int(np.shape(x)[0]) for x in leaves if np.ndim(x)), None)

@@ -1,5 +1,4 @@
-"""Memory glibc keeps after `free`, given back before `fit` (a no-op
-without glibc)."""
+"""Memory glibc keeps after `free`, given back before `fit` (if glibc)."""
 
 import ctypes
 import functools

@@ -1,6 +1,4 @@
-"""Output layout lookups by path, kept until the layout map's entries
-change; a compiled forward runs Keras's own lookup.
-"""
+"""Output layouts looked up once per path until the layout map changes."""
 
 import functools
 

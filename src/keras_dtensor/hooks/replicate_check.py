@@ -1,6 +1,4 @@
-"""Around `fit`: the same model on every rank before, equal replicas after
-(one all-gather of each local weight's checksum).
-"""
+"""Around `fit`: the same model on every rank before, equal replicas after."""
 
 import functools
 
@@ -20,8 +18,7 @@ _CHUNK = 1 << 18  # elements of a local weight summed at a time
 
 
 def _checksum(value):
-    """The int64 sum of a local weight's bits, chunk by chunk through one
-    preallocated buffer (no temporaries to fragment the heap)."""
+    """The int64 sum of a local weight's bits, through one buffer."""
     local = value.to_local() if isinstance(value, DTensor) else value
     flat = local.detach().contiguous().reshape(-1)
     if flat.is_complex():
@@ -63,14 +60,9 @@ def check_replicas(model):
     values = [v.value for v in variables]
     sums = torch.stack([_checksum(v).cpu() for v in values]).tolist()
     gathered = launch.all_gather_int_lists(sums)
-    layouts = {}
     differ = {}  # (rank, its replica) -> paths
     for i, value in enumerate(values):
-        mesh = getattr(value, "device_mesh", None)  # None: a plain tensor
-        key = (id(mesh), tuple(getattr(value, "placements", ())))
-        if key not in layouts:
-            layouts[key] = _replica_of(value, world)
-        for rank, first in enumerate(layouts[key]):
+        for rank, first in enumerate(_replica_of(value, world)):
             if gathered[rank][i] != gathered[first][i]:
                 differ.setdefault((rank, first), []).append(variables[i].path)
     if differ:
@@ -93,8 +85,7 @@ def _signature(weight):
 
 
 def check_same_model(model):
-    """Raises on every rank unless all built the same weights' shapes,
-    dtypes and layouts (not paths: auto-names differ per process)."""
+    """Raises on every rank unless all built the same weights (not paths)."""
     world, _ = launch.world()
     if world == 1:
         return

@@ -1,6 +1,4 @@
-"""Sharded initialization: only this rank's shard drawn, with the values
-one process would draw, where block-wise draws are exact on the device.
-"""
+"""Only this rank's shard drawn, with the values one process would draw."""
 
 import functools
 import math
@@ -16,8 +14,7 @@ _FILLS = {torch.zeros: 0, torch.ones: 1, torch.empty: None}
 
 
 def _grid(rows, row_elements, block_elements):
-    """The `(start, stop)` row blocks a draw is walked in, each a multiple
-    of 16 elements (torch's CPU normal draws in groups of 16)."""
+    """The `(start, stop)` row blocks of a draw, of 16n elements each."""
     step = 16 // math.gcd(row_elements, 16)
     block = max(1, block_elements // max(row_elements, 1))
     block = max(step, block - block % step)
@@ -29,9 +26,7 @@ def _grid(rows, row_elements, block_elements):
 
 
 class LocalDraws(TorchFunctionMode):
-    """Answers creation ops of the global `shape` with this rank's part
-    (`ranges`, from `layout.local_slices`), walking one random stream in
-    blocks across initializer calls."""
+    """Creation ops of the global `shape` answered with this rank's part."""
 
     def __init__(self, shape, ranges, block_elements=None):
         super().__init__()
@@ -107,9 +102,7 @@ class LocalDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def run(self, initializer, dtype, blockwise):
-        """This rank's shard of `initializer(shape, dtype)` (`None`: no
-        creation op of that shape); `blockwise` (every call starts the same
-        stream): called once per block, for block-sized temporaries."""
+        """This rank's shard of `initializer(shape, dtype)`, or `None`."""
         row_start, row_count = self.ranges[0]
         stop = row_start + row_count
         windows = [(row_start, stop)]

@@ -1,6 +1,4 @@
-"""Keras callbacks' file operations on N processes: rank 0 acts, every rank
-gets its outcome or error; other ranks write to sinks.
-"""
+"""Callbacks' file operations: rank 0 acts, every rank gets its outcome."""
 
 import atexit
 import functools
@@ -53,15 +51,6 @@ def wrap_file_operation(original, name):
     return operation
 
 
-def _scratch_dir(callback):
-    scratch = object_state.get_on(callback, "_keras_dtensor_scratch")
-    if scratch is None:
-        scratch = tempfile.mkdtemp(prefix="keras_dtensor_tensorboard_")
-        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-        object_state.set_on(callback, "_keras_dtensor_scratch", scratch)
-    return scratch
-
-
 def wrap_tensorboard_set_model(original):
     """Wraps `TensorBoard.set_model`: other ranks log to a scratch dir."""
 
@@ -70,7 +59,12 @@ def wrap_tensorboard_set_model(original):
         size, rank = launch.world()
         if size == 1 or rank == 0:
             return original(self, model)
-        with object_state.swapped(self, "log_dir", _scratch_dir(self)):
+        scratch = object_state.get_on(self, "_keras_dtensor_scratch")
+        if scratch is None:
+            scratch = tempfile.mkdtemp(prefix="keras_dtensor_tensorboard_")
+            atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+            object_state.set_on(self, "_keras_dtensor_scratch", scratch)
+        with object_state.swapped(self, "log_dir", scratch):
             return original(self, model)
 
     return set_model

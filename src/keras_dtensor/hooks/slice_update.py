@@ -9,8 +9,7 @@ __all__ = ["wrap_slice_update"]
 
 
 def _aligned(inputs, start_indices, updates):
-    """`(inputs, updates)`, a replicated one cut as the other where the
-    update spans a whole dim the other shards."""
+    """`(inputs, updates)`, a replicated one cut as the other shards."""
     if not (
         isinstance(inputs, DTensor)
         and isinstance(updates, DTensor)
@@ -41,8 +40,7 @@ def _aligned(inputs, start_indices, updates):
 
 
 def wrap_slice_update(original):
-    """Wraps `slice_update`: for DTensors, int start indices (basic slicing,
-    run on each shard) and aligned operands."""
+    """Wraps `slice_update`: on DTensors, run on aligned local shards."""
 
     def slice_update(inputs, start_indices, updates):
         record = model_parallel.recorder()  # a DTensor run being recorded

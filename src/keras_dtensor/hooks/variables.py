@@ -1,6 +1,4 @@
-"""Keras's torch `Variable` under a distribution: a `Parameter` wrapping a
-DTensor laid out as the distribution says; assignments laid out alike.
-"""
+"""Keras's torch `Variable` as a `Parameter` wrapping a laid-out DTensor."""
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,8 +27,7 @@ __all__ = [
 
 
 def _variable_layout(variable):
-    """The variable's `TensorLayout`, resolved once; `None` (a plain
-    Parameter) under `DataParallel` or in one process (checked still)."""
+    """The variable's `TensorLayout`, or `None` (a plain Parameter)."""
     distribution = context.current()
     if distribution is None or context.is_data_parallel(distribution):
         return None  # plain replicated Parameters (see data_parallel/)
@@ -55,18 +52,6 @@ def _to_dtensor(variable, value):
     return shard_global_tensor(value, layout)
 
 
-def _owned(dtensor):
-    """A copy whose local shard owns its memory."""
-    return DTensor.from_local(
-        dtensor.to_local().clone(),
-        dtensor.device_mesh,
-        dtensor.placements,
-        run_check=False,
-        shape=dtensor.shape,
-        stride=dtensor.stride(),
-    )
-
-
 def wrap_initialize(original):
     """Wraps `Variable._initialize`: shard the initial value by layout."""
 
@@ -77,9 +62,16 @@ def wrap_initialize(original):
             return original(self, value)
         if isinstance(value, torch.nn.Parameter):
             value = value.detach()
-        self._value = torch.nn.Parameter(
-            _owned(_to_dtensor(self, value)), requires_grad=self.trainable
+        laid_out = _to_dtensor(self, value)
+        owned = DTensor.from_local(  # its local shard owns its memory
+            laid_out.to_local().clone(),
+            laid_out.device_mesh,
+            laid_out.placements,
+            run_check=False,
+            shape=laid_out.shape,
+            stride=laid_out.stride(),
         )
+        self._value = torch.nn.Parameter(owned, requires_grad=self.trainable)
 
     return _initialize
 
@@ -194,8 +186,7 @@ def _in_layout_of(grad, variable):
 
 
 def wrap_filter_empty_gradients(original):
-    """Wraps `BaseOptimizer._filter_empty_gradients`: each gradient laid
-    out as its variable, before the optimizer's in-place updates."""
+    """Wraps `BaseOptimizer._filter_empty_gradients`: grads laid out."""
 
     def _filter_empty_gradients(self, grads, variables):
         grads, variables = original(self, grads, variables)
