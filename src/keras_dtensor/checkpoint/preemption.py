@@ -57,23 +57,19 @@ class Signals:
     def _handle(self, number, frame):
         if not self.received:
             self.received = number
-        if not self._in_fit(frame):
+        inner = frame
+        while inner is not None and not (
+            inner.f_code.co_name == "fit"
+            and inner.f_locals.get("self") is self.model
+        ):
+            inner = inner.f_back
+        if inner is None:  # outside `fit`: the handler from before
             previous = self._previous.get(number)
             self.uninstall()
             if callable(previous):
                 previous(number, frame)
             elif previous == signal.SIG_DFL:
                 signal.raise_signal(number)
-
-    def _in_fit(self, frame):
-        while frame is not None:
-            if (
-                frame.f_code.co_name == "fit"
-                and frame.f_locals.get("self") is self.model
-            ):
-                return True
-            frame = frame.f_back
-        return False
 
 
 def gloo_group(key):
