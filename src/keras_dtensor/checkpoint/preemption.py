@@ -7,7 +7,6 @@ outside `fit` goes to the handler that was there before.
 
 import contextlib
 import signal
-import sys
 import threading
 import time
 
@@ -22,7 +21,6 @@ __all__ = [
     "EXIT_CODE",
     "Signals",
     "Vote",
-    "exit_preempted",
     "gloo_group",
 ]
 
@@ -144,19 +142,3 @@ class Vote:
         signalled, every = flag.tolist()
         self._every = -every
         return signalled
-
-
-def exit_preempted(number, where):
-    """Ends the process with `EXIT_CODE`, saying why on rank 0."""
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = f"signal {number}"
-    if launch.world()[1] == 0:
-        print(
-            f"keras_dtensor: {name} on some rank; {where}; exiting with code "
-            f"{EXIT_CODE}.",
-            file=sys.stderr,
-            flush=True,
-        )
-    raise SystemExit(EXIT_CODE)
