@@ -17,12 +17,7 @@ from keras.src.backend.common import global_state
 from keras_dtensor import config
 from keras_dtensor.backend import launch
 
-__all__ = [
-    "EXIT_CODE",
-    "Signals",
-    "Vote",
-    "gloo_group",
-]
+__all__ = ["EXIT_CODE", "Signals", "Vote", "gloo_group"]
 
 # EX_TEMPFAIL (sysexits.h): a run stopped on a signal, its checkpoint saved.
 EXIT_CODE = 75
