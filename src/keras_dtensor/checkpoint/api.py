@@ -34,8 +34,6 @@ __all__ = [
     "save_checkpoint",
 ]
 
-_ASYNC_GROUP = "keras_dtensor_checkpoint_group"
-
 
 def _value(variable):
     value = variable.value
@@ -71,16 +69,6 @@ def _state_dict(model):
     return state
 
 
-def _short(error):
-    """One line for a failed write: each rank's error, no traceback."""
-    if isinstance(error, dcp.CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(exc).__name__}: {exc}"
-            for rank, (exc, _) in sorted(error.failures.items())
-        )
-    return f"{type(error).__name__}: {error}"
-
-
 def _commit(final, staging, write, state, extra, storage_writer):
     """Runs `write()`, then the manifest, then moves the checkpoint into
     place; a failure on any rank raises on every rank."""
@@ -88,8 +76,13 @@ def _commit(final, staging, write, state, extra, storage_writer):
     problem = None
     try:
         write()
-    except (Exception, dcp.CheckpointException) as e:
-        problem = _short(e)
+    except dcp.CheckpointException as e:  # each rank's error, no traceback
+        problem = "; ".join(
+            f"rank {r}: {type(exc).__name__}: {exc}"
+            for r, (exc, _) in sorted(e.failures.items())
+        )
+    except Exception as e:
+        problem = f"{type(e).__name__}: {e}"
     problem = consensus.first_failure(problem)
     if problem:
         if rank == 0:
@@ -184,7 +177,7 @@ def save_checkpoint(model, directory, async_save=False, extra=None):
     storage_writer = writer.DigestingWriter(staging)
     write = functools.partial(dcp.save, state, storage_writer=storage_writer)
     if async_save:
-        group = preemption.gloo_group(_ASYNC_GROUP)
+        group = preemption.gloo_group("keras_dtensor_checkpoint_group")
         write = dcp.async_save(
             state, storage_writer=storage_writer, process_group=group
         ).result

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import time
 import warnings
 
@@ -61,26 +62,6 @@ def _set_random_state(position, which):
     random.setstate((version, tuple(internal), gauss_next))
     raw = bytearray(base64.b64decode(state["torch"]))
     torch.set_rng_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
-
-
-def _capture(model, batches, epoch_begin):
-    """The position after `batches` batches of this epoch (collective)."""
-    mine = {
-        "begin": epoch_begin,
-        "moment": _random_state(),
-        "metrics": [
-            np.asarray(keras.ops.convert_to_numpy(v)).tolist()
-            for v in model.metrics_variables
-        ],
-    }
-    shares = launch.all_gather_bytes(json.dumps(mine).encode())
-    world, _ = launch.world()
-    return {
-        "batches": batches,
-        "processes": world,
-        "partial_metrics": context.is_data_parallel(),
-        "ranks": [json.loads(share) for share in shares],
-    }
 
 
 def _restore_metrics(model, position):
@@ -276,12 +257,20 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         if self._saved_at != self._batches:
             self._save_here(in_epoch, epoch=epoch, force_sync=True)
         self._stop_listening()
-        preemption.exit_preempted(
-            number,
-            f"all ranks stopped after batch {self._batches} (epoch "
-            f"{self._epoch + 1}), checkpoint in {self.directory!r} "
-            f"({time.monotonic() - started:.2f} s)",
-        )
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        if launch.world()[1] == 0:
+            print(
+                f"keras_dtensor: {name} on some rank; all ranks stopped after "
+                f"batch {self._batches} (epoch {self._epoch + 1}), checkpoint "
+                f"in {self.directory!r} ({time.monotonic() - started:.2f} s); "
+                f"exiting with code {preemption.EXIT_CODE}.",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(preemption.EXIT_CODE)
 
     def _save_here(self, in_epoch, epoch=None, force_sync=False):
         """A checkpoint after `in_epoch` batches of this epoch, or at its
@@ -292,10 +281,22 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             "batches": self._batches,
             "history": self._history,
         }
-        if in_epoch:
-            extra["position"] = _capture(
-                self.model, in_epoch, self._begin_state
-            )
+        if in_epoch:  # this rank's generators and metrics, every rank's
+            mine = {
+                "begin": self._begin_state,
+                "moment": _random_state(),
+                "metrics": [
+                    np.asarray(keras.ops.convert_to_numpy(v)).tolist()
+                    for v in self.model.metrics_variables
+                ],
+            }
+            shares = launch.all_gather_bytes(json.dumps(mine).encode())
+            extra["position"] = {
+                "batches": in_epoch,
+                "processes": launch.world()[0],
+                "partial_metrics": context.is_data_parallel(),
+                "ranks": [json.loads(share) for share in shares],
+            }
         self._finish()
         path = os.path.join(self.directory, f"{_PREFIX}{self._batches:010d}")
         async_save = self.async_save and not force_sync

@@ -7,7 +7,6 @@ outside `fit` goes to the handler that was there before.
 
 import contextlib
 import signal
-import sys
 import threading
 import time
 
@@ -18,13 +17,7 @@ from keras.src.backend.common import global_state
 from keras_dtensor import config
 from keras_dtensor.backend import launch
 
-__all__ = [
-    "EXIT_CODE",
-    "Signals",
-    "Vote",
-    "exit_preempted",
-    "gloo_group",
-]
+__all__ = ["EXIT_CODE", "Signals", "Vote", "gloo_group"]
 
 # EX_TEMPFAIL (sysexits.h): a run stopped on a signal, its checkpoint saved.
 EXIT_CODE = 75
@@ -57,23 +50,19 @@ class Signals:
     def _handle(self, number, frame):
         if not self.received:
             self.received = number
-        if not self._in_fit(frame):
+        inner = frame
+        while inner is not None and not (
+            inner.f_code.co_name == "fit"
+            and inner.f_locals.get("self") is self.model
+        ):
+            inner = inner.f_back
+        if inner is None:  # outside `fit`: the handler from before
             previous = self._previous.get(number)
             self.uninstall()
             if callable(previous):
                 previous(number, frame)
             elif previous == signal.SIG_DFL:
                 signal.raise_signal(number)
-
-    def _in_fit(self, frame):
-        while frame is not None:
-            if (
-                frame.f_code.co_name == "fit"
-                and frame.f_locals.get("self") is self.model
-            ):
-                return True
-            frame = frame.f_back
-        return False
 
 
 def gloo_group(key):
@@ -148,19 +137,3 @@ class Vote:
         signalled, every = flag.tolist()
         self._every = -every
         return signalled
-
-
-def exit_preempted(number, where):
-    """Ends the process with `EXIT_CODE`, saying why on rank 0."""
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = f"signal {number}"
-    if launch.world()[1] == 0:
-        print(
-            f"keras_dtensor: {name} on some rank; {where}; exiting with code "
-            f"{EXIT_CODE}.",
-            file=sys.stderr,
-            flush=True,
-        )
-    raise SystemExit(EXIT_CODE)

@@ -164,13 +164,6 @@ def numpy_dtype(dtype):
     return torch.empty((), dtype=dtype).numpy().dtype
 
 
-def _to_numpy(tensor):
-    """A CPU tensor's values as numpy, sharing memory (bfloat16 bitwise)."""
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
 def _put(state, dataset, block, buffer):
     """Rank 0 writes `buffer` as `block` unless a write failed."""
     if state.error is not None:
@@ -179,8 +172,10 @@ def _put(state, dataset, block, buffer):
         staging = state.buffer(torch.device("cpu"), 1)
         staged = _carve(staging, 0, buffer.shape, buffer.dtype)
         buffer = staged.copy_(buffer)
+    if buffer.dtype == torch.bfloat16:  # bitwise: numpy has no bfloat16
+        buffer = buffer.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     try:
-        dataset[tuple(slice(a, b) for a, b in block)] = _to_numpy(buffer)
+        dataset[tuple(slice(a, b) for a, b in block)] = np.asarray(buffer)
     except Exception as e:
         state.error = e
 
@@ -224,7 +219,7 @@ def _assemble(state, local, blocks, owners, shared):
                 values[found[0]].copy_(mine)
             for rank, (in_block, _) in parts[i]:
                 if shared:
-                    shm_blocks.wait_for_part(shared, rank, i)
+                    shm_blocks.hear(shared, rank, i)
                 else:
                     _receive(values[in_block], slot, state.slot_bytes, rank)
             yield block, values

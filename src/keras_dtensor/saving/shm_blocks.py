@@ -26,8 +26,8 @@ __all__ = [
     "attach",
     "free_slot",
     "grant",
+    "hear",
     "part_in",
-    "wait_for_part",
 ]
 
 _DIRECTORY = "/dev/shm"
@@ -131,8 +131,10 @@ def attach(slot_bytes):
     return Shared(memory, slot_bytes, pipes), ranks
 
 
-def _hear(fd, block, who):
-    """Waits for rank `who`'s message for `block` on pipe `fd`."""
+def hear(shared, who, block):
+    """Waits for rank `who`'s message for `block`: on rank 0, its part is
+    in; on another rank (`who` 0), the block's buffer is free."""
+    fd = shared.pipes[who][1 if who else 0]
     timeout = config.get("TIMEOUT")
     data = b""
     while len(data) < _MESSAGE.size:
@@ -153,14 +155,9 @@ def grant(shared, block, parts):
         os.write(shared.pipes[rank][0], _MESSAGE.pack(block))
 
 
-def wait_for_part(shared, rank, block):
-    """Rank 0: returns once `rank` has copied its part of `block` in."""
-    _hear(shared.pipes[rank][1], block, rank)
-
-
 def free_slot(shared, block):
     """Another rank: `block`'s buffer, once rank 0 says it is free."""
-    _hear(shared.pipes[0][0], block, 0)
+    hear(shared, 0, block)
     return shared.slots[block % SLOTS]
 
 

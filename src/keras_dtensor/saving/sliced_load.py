@@ -75,18 +75,6 @@ def wrap_h5_store_getitem(original):
     return __getitem__
 
 
-def _read_shards(variable, value):
-    to_torch_dtype = compat.torch_core().to_torch_dtype
-    current = variable._value
-    mesh, placements = current.device_mesh, current.placements
-    ranges = local_slices(value.shape, mesh, placements)
-    local = torch.as_tensor(np.ascontiguousarray(value.read(ranges)))
-    local = local.to(
-        device=current.device, dtype=to_torch_dtype(variable._dtype)
-    )
-    return shards.from_local(local, mesh, placements, current.shape)
-
-
 def wrap_convert_variable_value(original):
     """Wraps torch `Variable._convert_to_tensor(value, dtype)`."""
 
@@ -100,7 +88,12 @@ def wrap_convert_variable_value(original):
             and tuple(current.shape) == value.shape
             and any(not p.is_replicate() for p in current.placements)
         ):
-            return _read_shards(self, value)
+            mesh, placements = current.device_mesh, current.placements
+            ranges = local_slices(value.shape, mesh, placements)
+            local = torch.as_tensor(np.ascontiguousarray(value.read(ranges)))
+            dtype = compat.torch_core().to_torch_dtype(self._dtype)
+            local = local.to(device=current.device, dtype=dtype)
+            return shards.from_local(local, mesh, placements, current.shape)
         return original(self, np.asarray(value), dtype=dtype)
 
     return _convert_to_tensor

@@ -106,14 +106,6 @@ class StoredZip:
         self._open = Window(self, info, self._end)
         return self._open
 
-    def _finish(self, window):
-        info = window.entry
-        info.file_size = info.compress_size = window.size
-        info.CRC = window.crc()
-        self._write_at(info.header_offset, info.FileHeader(True))
-        self._end = window.base + window.size
-        self._open = None
-
     def _close(self):
         """Has `ZipFile` write the central directory after the members."""
         if self._open is not None:
@@ -141,8 +133,12 @@ class Window(io.BytesIO):
         self._summed = []
 
     def __exit__(self, kind, value, traceback):
-        if kind is None:
-            self.archive._finish(self)
+        if kind is None:  # the member's sizes and CRC-32 into its header
+            info, archive = self.entry, self.archive
+            info.file_size = info.compress_size = self.size
+            info.CRC = self.crc()
+            archive._write_at(info.header_offset, info.FileHeader(True))
+            archive._end, archive._open = self.base + self.size, None
         return False
 
     def tell(self):
