@@ -93,17 +93,6 @@ def sample_inputs(model):
     return keras.tree.map_structure(_sample_value, specs)
 
 
-def _layer_in_traceback(error):
-    import keras
-
-    name = None
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.layers.Layer):
-            name = owner.name
-    return name
-
-
 def build_on(build, device):
     """`build()` run under Keras's `device` scope; a model as it is."""
     import keras
@@ -192,7 +181,11 @@ def record(build, sample_input=None):
             model = build_on(build, "meta")
             return model, _trace_call(model, sample_input, fake=True)
         except Exception as error:  # noqa: BLE001 (retried on the CPU)
-            layer = _layer_in_traceback(error)
+            layer = None  # the innermost Keras layer in the traceback
+            for frame, _ in traceback.walk_tb(error.__traceback__):
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, keras.layers.Layer):
+                    layer = owner.name
             where = f"layer {layer!r}" if layer else "the model"
             if model is not None:
                 need = sum(nbytes(v) for v in model.weights)
