@@ -77,22 +77,6 @@ def _sample_value(spec, batch=2, length=8):
     return fill(shape, dtype=getattr(torch, dtype), device="cpu")
 
 
-def sample_inputs(model):
-    """Inputs like the model's `inputs` (unknown dims: 2 first, 8 after)."""
-    import keras
-
-    try:
-        specs = model.input
-    except (AttributeError, ValueError):
-        specs = None
-    if specs is None:
-        raise ValueError(
-            f"model {model.name!r} has no symbolic inputs (a subclassed "
-            "model): pass `sample_input=` to auto_layout"
-        )
-    return keras.tree.map_structure(_sample_value, specs)
-
-
 def build_on(build, device):
     """`build()` run under Keras's `device` scope; a model as it is."""
     import keras
@@ -121,8 +105,17 @@ def _trace_call(model, sample_input, fake):
             else v.value.detach().clone()
             for v in variables
         ]
-        if sample_input is None:
-            inputs = sample_inputs(model)
+        if sample_input is None:  # like `model.input`: unknown dims 2, 8
+            try:
+                specs = model.input
+            except (AttributeError, ValueError):
+                specs = None
+            if specs is None:
+                raise ValueError(
+                    f"model {model.name!r} has no symbolic inputs (a "
+                    "subclassed model): pass `sample_input=` to auto_layout"
+                )
+            inputs = keras.tree.map_structure(_sample_value, specs)
         else:
             inputs = keras.tree.map_structure(torch.as_tensor, sample_input)
         keep = [*values, *keras.tree.flatten(inputs)]
