@@ -151,13 +151,6 @@ def _short(error):
     return (lines[0] if lines else type(error).__name__)[:200]
 
 
-def _host_memory_bytes():
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
-
-
 def record(build, sample_input=None):
     """`(model, Trace)` of `build()` run once on `meta`, else on the CPU
     (warned); raises if the model would not fit in host memory."""
@@ -170,37 +163,40 @@ def record(build, sample_input=None):
     names = copy.copy(global_state.get_global_attribute("object_name_uids"))
     model = None
     try:
-        try:
-            model = build_on(build, "meta")
-            return model, _trace_call(model, sample_input, fake=True)
-        except Exception as error:  # noqa: BLE001 (retried on the CPU)
-            layer = None  # the innermost Keras layer in the traceback
-            for frame, _ in traceback.walk_tb(error.__traceback__):
-                owner = frame.f_locals.get("self")
-                if isinstance(owner, keras.layers.Layer):
-                    layer = owner.name
-            where = f"layer {layer!r}" if layer else "the model"
-            if model is not None:
-                need = sum(nbytes(v) for v in model.weights)
-                have = _host_memory_bytes()
-                if have is not None and need > have // 2:
-                    raise RuntimeError(
-                        f"auto_layout: {where} cannot run on the meta device "
-                        f"({type(error).__name__}: {_short(error)}), and "
-                        "building the model on the CPU needs "
-                        f"{need / 2**30:.1f} GiB of the {have / 2**30:.1f} "
-                        "GiB free: give auto_layout a smaller configuration "
-                        "of the same architecture (the layouts depend on "
-                        "the graph, not the sizes, except for divisibility)"
-                    ) from error
-            warnings.warn(
-                f"auto_layout: {where} cannot be built or called on the "
-                f"meta device ({type(error).__name__}: {_short(error)}); "
-                "building it on the CPU instead",
-                stacklevel=2,
-            )
-            model = build_on(build, "cpu")
-            return model, _trace_call(model, sample_input, fake=False)
+        model = build_on(build, "meta")
+        return model, _trace_call(model, sample_input, fake=True)
+    except Exception as error:  # noqa: BLE001 (retried on the CPU)
+        layer = None  # the innermost Keras layer in the traceback
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.layers.Layer):
+                layer = owner.name
+        where = f"layer {layer!r}" if layer else "the model"
+        if model is not None:
+            need = sum(nbytes(v) for v in model.weights)
+            try:
+                pages = os.sysconf("SC_AVPHYS_PAGES")  # free host memory
+                have = pages * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError):
+                have = None
+            if have is not None and need > have // 2:
+                raise RuntimeError(
+                    f"auto_layout: {where} cannot run on the meta device "
+                    f"({type(error).__name__}: {_short(error)}), and "
+                    "building the model on the CPU needs "
+                    f"{need / 2**30:.1f} GiB of the {have / 2**30:.1f} "
+                    "GiB free: give auto_layout a smaller configuration "
+                    "of the same architecture (the layouts depend on "
+                    "the graph, not the sizes, except for divisibility)"
+                ) from error
+        warnings.warn(
+            f"auto_layout: {where} cannot be built or called on the "
+            f"meta device ({type(error).__name__}: {_short(error)}); "
+            "building it on the CPU instead",
+            stacklevel=2,
+        )
+        model = build_on(build, "cpu")
+        return model, _trace_call(model, sample_input, fake=False)
     finally:
         keras.distribution.set_distribution(previous)
         global_state.set_global_attribute("object_name_uids", names)
