@@ -88,9 +88,6 @@ def plan(
 ):
     """Per-rank memory of `distribution`'s layouts, before allocating.
 
-    The model and its optimizer's slots are built on torch's `meta` device,
-    each weight laid out as in a real run.
-
     Args:
         model_or_build_fn: a function that builds the Keras model (run on
             torch's `meta` device), or a built model.
