@@ -151,6 +151,13 @@ def _short(error):
     return (lines[0] if lines else type(error).__name__)[:200]
 
 
+def _host_memory_bytes():
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
 def record(build, sample_input=None):
     """`(model, Trace)` of `build()` run once on `meta`, else on the CPU
     (warned); raises if the model would not fit in host memory."""
@@ -174,11 +181,7 @@ def record(build, sample_input=None):
         where = f"layer {layer!r}" if layer else "the model"
         if model is not None:
             need = sum(nbytes(v) for v in model.weights)
-            try:
-                pages = os.sysconf("SC_AVPHYS_PAGES")  # free host memory
-                have = pages * os.sysconf("SC_PAGE_SIZE")
-            except (ValueError, OSError):
-                have = None
+            have = _host_memory_bytes()
             if have is not None and need > have // 2:
                 raise RuntimeError(
                     f"auto_layout: {where} cannot run on the meta device "
