@@ -194,21 +194,16 @@ class CacheKey(_Entry):
         op, argnum = self.op(), self.static_argnum
         return f"DTensor sharding cache key: {op} from argument {argnum}"
 
-    def _table(self, propagator, op):
-        """The schema-info table that holds `op` (torch 2.14 has two)."""
-        for name in (
-            "op_to_schema_info",
-            "op_to_schema_info_for_single_dim_strategy",
-        ):
-            table = getattr(propagator, name, {})
-            if op in table:
-                return table
-        return None
-
     def apply(self):
         propagator = _propagator()
         op = self.op()
-        table = self._table(propagator, op)
+        tables = (  # the schema-info table that holds `op` (2.14 has two)
+            propagator.op_to_schema_info,
+            getattr(
+                propagator, "op_to_schema_info_for_single_dim_strategy", {}
+            ),
+        )
+        table = next((t for t in tables if op in t), None)
         before = MISSING if table is None else table[op]
         if before is MISSING or before.static_argnum <= self.static_argnum:
             return (table, op, before, before)  # nothing to fix on this torch

@@ -45,16 +45,15 @@ class AutoLayout:
 
     def table(self) -> str:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape, strict=True))
-        rows = [
-            f"| {e.path} | {e.shape} | {e.axes} | {e.why} |"
-            for e in self.entries
-        ]
         lines = [
             f"auto layout over {self.model_axis!r} ({sizes[self.model_axis]} "
             f"ranks) of mesh {dict(sizes)}",
             "| weight | shape | axes | why |",
             "|---|---|---|---|",
-            *rows,
+            *(
+                f"| {e.path} | {e.shape} | {e.axes} | {e.why} |"
+                for e in self.entries
+            ),
             "collectives per training step (model axis): "
             f"{self.all_reduces_forward} all-reduces forward, "
             f"{self.all_reduces_backward} backward, "

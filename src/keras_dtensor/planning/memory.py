@@ -80,23 +80,6 @@ class MemoryPlan:
     __str__ = table
 
 
-def _build_on_meta(model_or_build_fn, optimizer):
-    import keras
-
-    previous = context.current()
-    keras.distribution.set_distribution(None)  # plain, shape-only weights
-    try:
-        model = build_on(model_or_build_fn, "meta")
-        if optimizer is None:
-            return model, []
-        with compat.torch_core().device_scope("meta"):
-            optimizer = keras.optimizers.get(optimizer)
-            optimizer.build(model.trainable_variables)
-        return model, list(optimizer.variables)
-    finally:
-        keras.distribution.set_distribution(previous)
-
-
 def plan(
     model_or_build_fn,
     distribution,
@@ -104,9 +87,6 @@ def plan(
     large_replicated_mib=16.0,
 ):
     """Per-rank memory of `distribution`'s layouts, before allocating.
-
-    The model and its optimizer's slots are built on torch's `meta` device,
-    each weight laid out as in a real run.
 
     Args:
         model_or_build_fn: a function that builds the Keras model (run on
@@ -127,7 +107,19 @@ def plan(
     >>> print(keras_dtensor.plan(build_model,
     ...     keras.distribution.ModelParallel(layout_map=layout_map), "adamw"))
     """
-    model, slots = _build_on_meta(model_or_build_fn, optimizer)
+    import keras
+
+    previous = context.current()
+    keras.distribution.set_distribution(None)  # plain, shape-only weights
+    try:
+        model, slots = build_on(model_or_build_fn, "meta"), []
+        if optimizer is not None:
+            with compat.torch_core().device_scope("meta"):
+                optimizer = keras.optimizers.get(optimizer)
+                optimizer.build(model.trainable_variables)
+            slots = list(optimizer.variables)
+    finally:
+        keras.distribution.set_distribution(previous)
     mesh = distribution.device_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
     rows, warnings = [], []

@@ -77,33 +77,6 @@ def _sample_value(spec, batch=2, length=8):
     return fill(shape, dtype=getattr(torch, dtype), device="cpu")
 
 
-def sample_inputs(model):
-    """Inputs like the model's `inputs` (unknown dims: 2 first, 8 after)."""
-    import keras
-
-    try:
-        specs = model.input
-    except (AttributeError, ValueError):
-        specs = None
-    if specs is None:
-        raise ValueError(
-            f"model {model.name!r} has no symbolic inputs (a subclassed "
-            "model): pass `sample_input=` to auto_layout"
-        )
-    return keras.tree.map_structure(_sample_value, specs)
-
-
-def _layer_in_traceback(error):
-    import keras
-
-    name = None
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.layers.Layer):
-            name = owner.name
-    return name
-
-
 def build_on(build, device):
     """`build()` run under Keras's `device` scope; a model as it is."""
     import keras
@@ -132,8 +105,17 @@ def _trace_call(model, sample_input, fake):
             else v.value.detach().clone()
             for v in variables
         ]
-        if sample_input is None:
-            inputs = sample_inputs(model)
+        if sample_input is None:  # like `model.input`: unknown dims 2, 8
+            try:
+                specs = model.input
+            except (AttributeError, ValueError):
+                specs = None
+            if specs is None:
+                raise ValueError(
+                    f"model {model.name!r} has no symbolic inputs (a "
+                    "subclassed model): pass `sample_input=` to auto_layout"
+                )
+            inputs = keras.tree.map_structure(_sample_value, specs)
         else:
             inputs = keras.tree.map_structure(torch.as_tensor, sample_input)
         keep = [*values, *keras.tree.flatten(inputs)]
@@ -188,33 +170,36 @@ def record(build, sample_input=None):
     names = copy.copy(global_state.get_global_attribute("object_name_uids"))
     model = None
     try:
-        try:
-            model = build_on(build, "meta")
-            return model, _trace_call(model, sample_input, fake=True)
-        except Exception as error:  # noqa: BLE001 (retried on the CPU)
-            layer = _layer_in_traceback(error)
-            where = f"layer {layer!r}" if layer else "the model"
-            if model is not None:
-                need = sum(nbytes(v) for v in model.weights)
-                have = _host_memory_bytes()
-                if have is not None and need > have // 2:
-                    raise RuntimeError(
-                        f"auto_layout: {where} cannot run on the meta device "
-                        f"({type(error).__name__}: {_short(error)}), and "
-                        "building the model on the CPU needs "
-                        f"{need / 2**30:.1f} GiB of the {have / 2**30:.1f} "
-                        "GiB free: give auto_layout a smaller configuration "
-                        "of the same architecture (the layouts depend on "
-                        "the graph, not the sizes, except for divisibility)"
-                    ) from error
-            warnings.warn(
-                f"auto_layout: {where} cannot be built or called on the "
-                f"meta device ({type(error).__name__}: {_short(error)}); "
-                "building it on the CPU instead",
-                stacklevel=2,
-            )
-            model = build_on(build, "cpu")
-            return model, _trace_call(model, sample_input, fake=False)
+        model = build_on(build, "meta")
+        return model, _trace_call(model, sample_input, fake=True)
+    except Exception as error:  # noqa: BLE001 (retried on the CPU)
+        layer = None  # the innermost Keras layer in the traceback
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.layers.Layer):
+                layer = owner.name
+        where = f"layer {layer!r}" if layer else "the model"
+        if model is not None:
+            need = sum(nbytes(v) for v in model.weights)
+            have = _host_memory_bytes()
+            if have is not None and need > have // 2:
+                raise RuntimeError(
+                    f"auto_layout: {where} cannot run on the meta device "
+                    f"({type(error).__name__}: {_short(error)}), and "
+                    "building the model on the CPU needs "
+                    f"{need / 2**30:.1f} GiB of the {have / 2**30:.1f} "
+                    "GiB free: give auto_layout a smaller configuration "
+                    "of the same architecture (the layouts depend on "
+                    "the graph, not the sizes, except for divisibility)"
+                ) from error
+        warnings.warn(
+            f"auto_layout: {where} cannot be built or called on the "
+            f"meta device ({type(error).__name__}: {_short(error)}); "
+            "building it on the CPU instead",
+            stacklevel=2,
+        )
+        model = build_on(build, "cpu")
+        return model, _trace_call(model, sample_input, fake=False)
     finally:
         keras.distribution.set_distribution(previous)
         global_state.set_global_attribute("object_name_uids", names)
