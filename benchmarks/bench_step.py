@@ -450,7 +450,8 @@ def main(argv=None):
     for model, targets in summary["targets"].items():
         for name, value in targets.items():
             if isinstance(value, dict):
-                held = _held(value, "holds_in_rounds")
+                held = [value.get("holds_in_rounds" + s) for s in REFERENCES]
+                held = " / ".join(h or "-" for h in held) if any(held) else ""
                 rounds = " ".join(f"{r:.2f}" for r in value["per_round"])
                 print(
                     f"{model} {name}: {value['median_of_rounds']:.2f} "
@@ -512,13 +513,6 @@ def _targets(rows, args):
         kd = rows["kd_fsdp"]["bytes_per_rank"]
         targets["kd_fsdp_bytes_over_full_div_n"] = kd / full
     return targets
-
-
-def _held(value, label):
-    held = [
-        value.get(label + suffix) for suffix in ("", "_vs_local", "_vs_pair")
-    ]
-    return " / ".join(h or "-" for h in held) if any(held) else ""
 
 
 if __name__ == "__main__":
