@@ -450,8 +450,7 @@ def main(argv=None):
     for model, targets in summary["targets"].items():
         for name, value in targets.items():
             if isinstance(value, dict):
-                held = [value.get("holds_in_rounds" + s) for s in REFERENCES]
-                held = " / ".join(h or "-" for h in held) if any(held) else ""
+                held = _held(value, "holds_in_rounds")
                 rounds = " ".join(f"{r:.2f}" for r in value["per_round"])
                 print(
                     f"{model} {name}: {value['median_of_rounds']:.2f} "
@@ -513,6 +512,13 @@ def _targets(rows, args):
         kd = rows["kd_fsdp"]["bytes_per_rank"]
         targets["kd_fsdp_bytes_over_full_div_n"] = kd / full
     return targets
+
+
+def _held(value, label):
+    held = [
+        value.get(label + suffix) for suffix in ("", "_vs_local", "_vs_pair")
+    ]
+    return " / ".join(h or "-" for h in held) if any(held) else ""
 
 
 if __name__ == "__main__":
