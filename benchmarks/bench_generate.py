@@ -173,12 +173,9 @@ def _run_keras(variant, calls):
         keras.distribution.initialize()
         world = keras.distribution.get_device_count()
         mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"])
-        keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(
-                layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
-                batch_dim_name="batch",
-            )
-        )
+        layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+        keras.distribution.set_distribution(distribution)  # batch: axis 0
     keras.utils.set_random_seed(0)
     lm = keras_hub.models.GemmaCausalLM(
         backbone=keras_hub.models.GemmaBackbone(**CONFIG), preprocessor=None

@@ -28,15 +28,6 @@ CASES = {
 }
 
 
-def _model(keras, case):
-    """`(model, batch size, input shape)`; mlp_1g: the MLP, wider."""
-    name = "mlp" if case == "mlp_1g" else case
-    cfg = CASES[case] if case == "mlp_1g" else bench_step.MODELS[case]
-    model = bench_step._keras_model(keras, name, cfg)
-    shape = (cfg["width"],) if name == "mlp" else (cfg["seq"], cfg["d_model"])
-    return model, cfg["batch"], shape
-
-
 def worker(args):
     import keras
     import numpy as np
@@ -46,11 +37,14 @@ def worker(args):
 
     keras.distribution.list_devices()  # starts the group
     _, rank = launch.world()
-    name = "mlp" if args.case == "mlp_1g" else args.case
+    name = "mlp" if args.case == "mlp_1g" else args.case  # the MLP, wider
+    cfg = bench_step.MODELS.get(args.case, CASES[args.case])
     harness.model_parallel(keras, bench_step._keras_layouts(name, "kd_tp"))
     keras.utils.set_random_seed(0)
-    model, batch, shape = _model(keras, args.case)
+    model = bench_step._keras_model(keras, name, cfg)
     model.compile(optimizer="adam", loss="mse")
+    batch = cfg["batch"]
+    shape = (cfg["width"],) if name == "mlp" else (cfg["seq"], cfg["d_model"])
     x = np.random.default_rng(0).normal(size=(batch * 16, *shape))
     x = x.astype("float32")
 
@@ -142,22 +136,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    rows = []
-    for case in args.cases.split(","):
-        rows.append(measure(case))
-    if args.out:
-        update_results(args.out, "signal_to_exit", rows)
-
-
-def update_results(path, key, rows):
-    """Puts `rows` under `key` of the results file at `path`, dated, with
-    the commit measured (the file's other keys are kept)."""
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    data[key] = harness.record(" ".join(["python", *sys.argv]), rows=rows)
-    harness.write_json(path, data)
+    rows = [measure(case) for case in args.cases.split(",")]
+    if args.out:  # dated, with the commit; the file's other keys kept
+        data = {}
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                data = json.load(f)
+        command = " ".join(["python", *sys.argv])
+        data["signal_to_exit"] = harness.record(command, rows=rows)
+        harness.write_json(args.out, data)
 
 
 if __name__ == "__main__":

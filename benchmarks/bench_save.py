@@ -120,9 +120,8 @@ def main():
         print(f"weights {model_mb:.0f} MB, {dist.get_world_size()} ranks")
         for key, r in results.items():
             ratios = [s / dcp_rounds[i] for i, s in sorted(r["rounds"].items())]
-            r.update(
-                round_ratios=ratios, median_ratio=statistics.median(ratios)
-            )
+            r["round_ratios"] = ratios
+            r["median_ratio"] = statistics.median(ratios)
             fractions = [round(p / model_mb, 2) for p in r["peak_mb"]]
             print(
                 f"{key}: best {r['seconds']:.2f} s, ratio to DCP by round "

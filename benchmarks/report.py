@@ -32,6 +32,7 @@ COMPARISONS = (  # (ratio, native counterpart, their variants)
     ("kd_fsdp_over_fsdp2", "FSDP2", ("kd_fsdp", "torch_fsdp2")),
 )
 REFERENCE = "keras_over_torch_single"
+HELD = ("holds_in_rounds", "by ratio"), ("extra_holds", "in ms")
 HISTORY = "results-history.json"
 COMMANDS = ("python", "PYTHON", "OMP_", "MALLOC_")
 PROSE = ("what", "note", "source")  # printed as text before a run's tables
@@ -113,12 +114,6 @@ def code(run):
     return command
 
 
-def held(record):
-    ratio, ms = record.get("holds_in_rounds"), record.get("extra_holds")
-    parts = [f"{ratio} by ratio"] * bool(ratio) + [f"{ms} in ms"] * bool(ms)
-    return ", ".join(parts) or "-"
-
-
 def step_runs(data):
     """Every paired step run, oldest first (the results file, then the
     history's)."""
@@ -152,7 +147,8 @@ def headline(data):
             kd, theirs = (peaks.get(v) for v in variants)
             memory = "-" if kd is None else f"peak {kd:.0f} / {num(theirs, 0)}"
             cells = [num(r["median_of_rounds"]) for r in ratios]
-            cells += [held(record), memory, when(run)]
+            held = [f"{record[k]} {how}" for k, how in HELD if record.get(k)]
+            cells += [", ".join(held) or "-", memory, when(run)]
             rows.append([native, "step time", model, *cells])
     host = data["results-host.json"]
     step, off = host["step"], host["step_no_collectives"]
