@@ -180,3 +180,14 @@ def write_json(path, data):
         with open(path, "w") as f:
             json.dump(data, f, indent=1, ensure_ascii=False)
             f.write("\n")
+
+
+def update_results(path, key, rows):
+    """Puts `rows` under `key` of the results file at `path`, dated, with
+    the commit measured (the file's other keys are kept)."""
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data[key] = record(" ".join(["python", *sys.argv]), rows=rows)
+    write_json(path, data)

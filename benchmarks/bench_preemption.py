@@ -9,7 +9,6 @@ the step it resumes at gives the steps lost.
 """
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -137,14 +136,8 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     rows = [measure(case) for case in args.cases.split(",")]
-    if args.out:  # dated, with the commit; the file's other keys kept
-        data = {}
-        if os.path.exists(args.out):
-            with open(args.out) as f:
-                data = json.load(f)
-        command = " ".join(["python", *sys.argv])
-        data["signal_to_exit"] = harness.record(command, rows=rows)
-        harness.write_json(args.out, data)
+    if args.out:
+        harness.update_results(args.out, "signal_to_exit", rows)
 
 
 if __name__ == "__main__":

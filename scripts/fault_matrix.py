@@ -347,7 +347,7 @@ def main():
             )
     if args.json and preempted:
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
-        from bench_preemption import update_results
+        from bench_harness import update_results
 
         update_results(args.json, "fault_matrix", preempted)
 
