@@ -92,6 +92,9 @@ def sample_ops():
     return [_aten.multinomial.default]
 
 
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
 def _has_strategy(op):
     """Whether torch's DTensor has a sharding rule of its own for `op`."""
     propagator = DTensor._op_dispatcher.sharding_propagator
@@ -107,7 +110,7 @@ def missing_comparisons():
     """The comparison overloads torch's DTensor has no strategy for."""
     ops = [
         getattr(getattr(_aten, name), overload)
-        for name in ("eq", "ne", "lt", "le", "gt", "ge")
+        for name in _COMPARISONS
         for overload in ("Tensor", "Scalar")
     ]
     return [op for op in ops if not _has_strategy(op)]
