@@ -66,17 +66,6 @@ def _error_fields(error):
     }
 
 
-def _rebuilt(outcome, where):
-    """Rank 0's error, its type kept if known, `where` appended."""
-    cls = _ERRORS.get(outcome["error"], RuntimeError)
-    if issubclass(cls, OSError) and outcome["errno"] is not None:
-        # OSError(errno, strerror, filename) prints "[Errno N] ...: 'f'".
-        strerror = (outcome["strerror"] or outcome["message"]) + where
-        filename = [] if outcome["filename"] is None else [outcome["filename"]]
-        return cls(outcome["errno"], strerror, *filename)
-    return cls(outcome["message"] + where)
-
-
 def on_rank_0(operation, what):
     """Rank 0's `operation()` (JSON), or its error naming `what`, everywhere."""
     size, rank = launch.world()
@@ -90,8 +79,15 @@ def on_rank_0(operation, what):
     outcome = json.loads(launch.broadcast_bytes(payload, src=0))
     if "error" not in outcome:
         return outcome["result"]
+    # Rank 0's error, its type kept if known.
     where = f" ({what} on rank 0 of {size}, on behalf of every rank)"
-    raise _rebuilt(outcome, where)
+    cls = _ERRORS.get(outcome["error"], RuntimeError)
+    if issubclass(cls, OSError) and outcome["errno"] is not None:
+        # OSError(errno, strerror, filename) prints "[Errno N] ...: 'f'".
+        strerror = (outcome["strerror"] or outcome["message"]) + where
+        filename = [] if outcome["filename"] is None else [outcome["filename"]]
+        raise cls(outcome["errno"], strerror, *filename)
+    raise cls(outcome["message"] + where)
 
 
 @contextlib.contextmanager

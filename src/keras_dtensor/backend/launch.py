@@ -7,6 +7,7 @@ import os
 import time
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -152,13 +153,6 @@ def all_gather_int_lists(values: list[int]) -> list[list[int]]:
     return [g.tolist() for g in gathered]
 
 
-def _as_uint8(data: bytes) -> torch.Tensor:
-    # A copy: `frombuffer` shares memory.
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
 def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     """`src`'s `data` on every rank (a collective; as uint8 tensors)."""
     size, rank = world()
@@ -166,8 +160,8 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
         return data
     length = torch.tensor([len(data) if rank == src else 0])
     dist.broadcast(length, src=src)
-    if rank == src:
-        buffer = _as_uint8(data)
+    if rank == src:  # a copy: `frombuffer` shares the bytes' memory
+        buffer = torch.from_numpy(np.frombuffer(data, np.uint8).copy())
     else:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
     if buffer.numel():
@@ -182,7 +176,7 @@ def all_gather_bytes(data: bytes) -> list[bytes]:
         return [data]
     lengths = all_gather_ints(len(data))
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: len(data)] = _as_uint8(data)
+    padded.numpy()[: len(data)] = np.frombuffer(data, np.uint8)
     gathered = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(gathered, padded)
     return [

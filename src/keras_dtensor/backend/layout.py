@@ -84,12 +84,7 @@ def normalize_axes(axes) -> tuple:
 def to_placements(axes, mesh_shape, axis_names, *, path=None, shape=None):
     """Layout axes as one DTensor placement per mesh dimension; raises
     `ValueError` (naming `path` and `shape`) for an unknown or repeated
-    axis, too many axes, or axes out of the mesh's order.
-
-    Example:
-    >>> to_placements((None, "model"), (1, 2), ("batch", "model"))
-    (Replicate(), Shard(dim=1))
-    """
+    axis, too many axes, or axes out of the mesh's order."""
     axis_names = tuple(axis_names)
     normalized = normalize_axes(axes)
 

@@ -19,20 +19,17 @@ Request.__doc__ = """Skip `batches` of the next epoch, after `epochs_read`
 of its input; `done(skipped, kind)` reports."""
 
 
-def _state():
-    from keras.src.backend.common import global_state
-
-    return global_state
-
-
 def request(batches: int, done: Callable | None, epochs_read=0) -> None:
     """Asks the next training epoch to start at batch `batches`."""
-    _state().set_global_attribute(_KEY, Request(batches, done, epochs_read))
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute(_KEY, Request(batches, done, epochs_read))
 
 
 def take() -> Request | None:
     """The pending request (at most once), or `None`."""
-    global_state = _state()
+    from keras.src.backend.common import global_state
+
     pending = global_state.get_global_attribute(_KEY)
     if pending is not None:
         global_state.set_global_attribute(_KEY, None)

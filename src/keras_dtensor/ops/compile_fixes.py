@@ -27,18 +27,6 @@ def wrap_stable_hash_for_caching(original):
     return _stable_hash_for_caching
 
 
-def _permutation(target, base):
-    """`dims` with `base.permute(dims)` laid out as `target`, else None."""
-    pairs = list(zip(base.size(), base.stride(), strict=True))
-    dims = []
-    for pair in zip(target.size(), target.stride(), strict=True):
-        found = [i for i, p in enumerate(pairs) if p == pair]
-        if len(found) != 1:
-            return None
-        dims.append(found[0])
-    return dims
-
-
 def _view_of(base, target):
     """`target` as `base.permute` or a contiguous `base.view`, or None."""
     if target.dtype != base.dtype:
@@ -46,9 +34,14 @@ def _view_of(base, target):
     if target.storage_offset() != base.storage_offset():
         return None
     if target.dim() == base.dim():
-        dims = _permutation(target, base)
-        if dims is not None:
-            return base.permute(dims)
+        # Each (size, stride) of `target` found once in `base`: a permute.
+        pairs = list(zip(base.size(), base.stride(), strict=True))
+        dims = [
+            [i for i, p in enumerate(pairs) if p == pair]
+            for pair in zip(target.size(), target.stride(), strict=True)
+        ]
+        if all(len(found) == 1 for found in dims):
+            return base.permute([found[0] for found in dims])
     size = tuple(target.size())
     if (
         target.numel() == base.numel()

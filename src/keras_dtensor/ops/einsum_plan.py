@@ -18,7 +18,11 @@ def matmul_subscripts(ndim):
     return f"{rows}y,yz->{rows}z"
 
 
-def _subscripts(subscripts, shapes):
+@functools.lru_cache(maxsize=1024)
+def plan_for(subscripts, mesh, specs):
+    """`(targets, grads, output placements, shape)` of operands `specs`
+    (`(placements, global shape)` each); `None` where torch decides."""
+    shapes = [shape for _, shape in specs]
     text = subscripts.replace(" ", "")
     if "..." in text or "->" not in text:
         return None
@@ -26,23 +30,10 @@ def _subscripts(subscripts, shapes):
     inputs = inputs.split(",")
     if len(inputs) != len(shapes):
         return None
+    sizes = {}
     for sub, shape in zip(inputs, shapes, strict=True):
         if len(sub) != len(shape) or len(set(sub)) != len(sub):
             return None
-    return inputs, output
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_for(subscripts, mesh, specs):
-    """`(targets, grads, output placements, shape)` of operands `specs`
-    (`(placements, global shape)` each); `None` where torch decides."""
-    shapes = [shape for _, shape in specs]
-    parsed = _subscripts(subscripts, shapes)
-    if parsed is None:
-        return None
-    inputs, output = parsed
-    sizes = {}
-    for sub, shape in zip(inputs, shapes, strict=True):
         for letter, n in zip(sub, shape, strict=True):
             if sizes.setdefault(letter, n) != n:
                 return None  # broadcast over a letter

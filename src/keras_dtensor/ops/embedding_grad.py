@@ -14,24 +14,6 @@ from keras_dtensor.backend import layout
 __all__ = ["wrap_embedding"]
 
 
-def _layouts(weight_placements, indices):
-    """The output gradient's, indices' and weight gradient's placements."""
-    out = []
-    last = indices.ndim  # the output's feature dim
-    for weight_p, index_p in zip(
-        weight_placements, indices.placements, strict=True
-    ):
-        if weight_p.is_shard(0):  # rows: every index, masked locally
-            out.append((Replicate(), Replicate(), weight_p))
-        elif weight_p.is_shard(1):  # features: this rank's columns
-            out.append((Shard(last), Replicate(), weight_p))
-        elif index_p.is_shard():  # a replicated table, sharded indices
-            out.append((index_p, index_p, Partial()))
-        else:
-            out.append((Replicate(), Replicate(), Replicate()))
-    return zip(*out, strict=True)
-
-
 class _RowShardedLookup(torch.autograd.Function):
     """`embedding(indices, weight)` whose backward stays shard-sized."""
 
@@ -46,7 +28,20 @@ class _RowShardedLookup(torch.autograd.Function):
         (indices,) = ctx.saved_tensors
         spec = ctx.spec
         mesh, placements, shape = spec.mesh, spec.placements, spec.shape
-        grad_placements, index_placements, out = _layouts(placements, indices)
+        # The output gradient's, indices' and weight gradient's placements.
+        out = []
+        for weight_p, index_p in zip(
+            placements, indices.placements, strict=True
+        ):
+            if weight_p.is_shard(0):  # rows: every index, masked locally
+                out.append((Replicate(), Replicate(), weight_p))
+            elif weight_p.is_shard(1):  # features: this rank's columns
+                out.append((Shard(indices.ndim), Replicate(), weight_p))
+            elif index_p.is_shard():  # a replicated table, sharded indices
+                out.append((index_p, index_p, Partial()))
+            else:
+                out.append((Replicate(), Replicate(), Replicate()))
+        grad_placements, index_placements, out = zip(*out, strict=True)
         grad = grad.redistribute(mesh, grad_placements).to_local()
         local = indices.redistribute(mesh, index_placements).to_local()
         (start, rows), _ = layout.local_slices(shape, mesh, placements)

@@ -19,18 +19,6 @@ def _local(x):
     return x._local_tensor if isinstance(x, DTensor) else x
 
 
-def _aligned(tensors):
-    """Whether DTensors `tensors` share mesh, placements and local shape."""
-    first = tensors[0]
-    return all(
-        isinstance(t, DTensor)
-        and t.device_mesh == first.device_mesh
-        and t.placements == first.placements
-        and t._local_tensor.shape == first._local_tensor.shape
-        for t in tensors
-    )
-
-
 def _pieces(rows):
     """Groups of about `_PIECE` elements of pieces of same-shaped `rows`."""
     pieces = []
@@ -95,7 +83,14 @@ def wrap_adam_update(original):
             if self.amsgrad:
                 slots.append(self._velocity_hats[i])
             row = [variable.value, *(s.value for s in slots), grad]
-            if not _aligned(row):
+            # DTensors of one mesh, placements and local shape, else Keras.
+            if not all(
+                isinstance(t, DTensor)
+                and t.device_mesh == row[0].device_mesh
+                and t.placements == row[0].placements
+                and t._local_tensor.shape == row[0]._local_tensor.shape
+                for t in row
+            ):
                 return original(self, grads, variables, learning_rate)
             rows.append(tuple(_local(t) for t in row))
         step_size = _step_size(self, learning_rate, rows[0][0].dtype)
