@@ -3,7 +3,6 @@
 
 import argparse
 import os
-import subprocess
 import sys
 
 __all__ = ["main"]
@@ -71,18 +70,9 @@ def _info(args):
 
 
 def _demo(args):
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        "-m",
-        "keras_dtensor.demo",
-        f"--epochs={args.epochs}",
-    ]
-    return subprocess.call(command, env=env)
+    args.module, args.script, args.max_restarts = True, "keras_dtensor.demo", 0
+    args.script_args = [f"--epochs={args.epochs}"]
+    return _run(args)
 
 
 def _run(args):

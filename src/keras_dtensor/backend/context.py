@@ -56,11 +56,12 @@ def is_data_parallel(distribution=None) -> bool:
 
 
 @contextlib.contextmanager
-def global_values():
-    """Re-entrant `implicit_replication`: plain tensors count as replicated."""
+def global_values(allowed=True):
+    """Re-entrant `implicit_replication`: plain tensors count as replicated
+    (`allowed=False`: a DTensor meeting a plain tensor raises)."""
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = True
+    dispatcher._allow_implicit_replication = allowed
     try:
         yield
     finally:

@@ -12,15 +12,18 @@ from keras_dtensor.backend.layout import local_slices
 __all__ = ["from_local", "shard_global_tensor"]
 
 
-def from_local(local, mesh, placements, shape):
-    """A DTensor of contiguous global `shape` from `local`, unchecked."""
+def from_local(local, mesh, placements, shape, stride=None):
+    """A DTensor of global `shape` and `stride` (default: contiguous) from
+    this rank's `local` shard, unchecked: no collective."""
+    if stride is None:
+        stride = contiguous_strides(shape)
     return DTensor.from_local(
         local,
         mesh,
         placements,
         run_check=False,
         shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
+        stride=tuple(stride),
     )
 
 
@@ -38,13 +41,8 @@ def shard_global_tensor(tensor, layout):
     ):
         ranges = local_slices(tensor.shape, mesh, placements)
         local = tensor[tuple(slice(s, s + n) for s, n in ranges)]
-        return DTensor.from_local(
-            local.contiguous(),
-            mesh,
-            placements,
-            run_check=False,
-            shape=tensor.shape,
-            stride=tensor.stride(),
+        return from_local(
+            local.contiguous(), mesh, placements, tensor.shape, tensor.stride()
         )
     replicated = DTensor.from_local(
         tensor, mesh, [Replicate()] * mesh.ndim, run_check=False

@@ -7,6 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor import data_parallel
 from keras_dtensor.backend.layout import local_slices
+from keras_dtensor.backend.shards import from_local
 
 __all__ = ["wrap_dropout"]
 
@@ -32,14 +33,7 @@ def _split_dropout(original, inputs, rate, noise_shape, seed):
         out = torch.where(part != 0, local / keep, torch.zeros_like(local))
     else:  # `x * (mask / keep)`, as torch's dropout kernel
         out = local * part
-    return DTensor.from_local(
-        out,
-        mesh,
-        placements,
-        run_check=False,
-        shape=inputs.shape,
-        stride=inputs.stride(),
-    )
+    return from_local(out, mesh, placements, inputs.shape, inputs.stride())
 
 
 def wrap_dropout(original):

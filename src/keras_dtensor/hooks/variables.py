@@ -63,13 +63,12 @@ def wrap_initialize(original):
         if isinstance(value, torch.nn.Parameter):
             value = value.detach()
         laid_out = _to_dtensor(self, value)
-        owned = DTensor.from_local(  # its local shard owns its memory
+        owned = from_local(  # its local shard owns its memory
             laid_out.to_local().clone(),
             laid_out.device_mesh,
             laid_out.placements,
-            run_check=False,
-            shape=laid_out.shape,
-            stride=laid_out.stride(),
+            laid_out.shape,
+            laid_out.stride(),
         )
         self._value = torch.nn.Parameter(owned, requires_grad=self.trainable)
 

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor import config
 from keras_dtensor.backend import object_state
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.ops.flat_buffers import all_reduce_packed
 
 __all__ = ["local_many", "reduce_partial_grads"]
@@ -92,13 +93,9 @@ def _like(local_tensor, value):
     """`local_tensor` as a DTensor laid out as `value`, reusing its spec."""
     own = value._local_tensor
     if local_tensor.shape != own.shape or local_tensor.stride() != own.stride():
-        return DTensor.from_local(
-            local_tensor,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
+        mesh, placements = value.device_mesh, value.placements
+        return from_local(
+            local_tensor, mesh, placements, value.shape, value.stride()
         )
     return DTensor(local_tensor, value._spec, requires_grad=False)
 

@@ -169,14 +169,8 @@ def _dtensor_scope(layer):
 @contextlib.contextmanager
 def _plain_only():
     """No implicit replication: a DTensor meeting a local tensor raises."""
-    dispatcher = DTensor._op_dispatcher
-    before = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = False
-    try:
-        with scoped(_ACTIVE, True):
-            yield
-    finally:
-        dispatcher._allow_implicit_replication = before
+    with scoped(_ACTIVE, True), context.global_values(allowed=False):
+        yield
 
 
 def _layout(layer, run_spec):

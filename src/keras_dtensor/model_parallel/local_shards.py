@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
 from keras_dtensor.backend.layout import contiguous_strides
+from keras_dtensor.backend.shards import from_local
 from keras_dtensor.model_parallel import local_grads
 from keras_dtensor.model_parallel.reference_run import scoped
 from keras_dtensor.ops import einsum_plan
@@ -177,14 +178,8 @@ def wrap_einsum(original):
         out = original(subscripts, *local, **kwargs)
         if _global_stride(out, tuple(out.shape)) != out.stride():
             out = out.contiguous()  # not a permuted dense result
-        return DTensor.from_local(
-            out,
-            mesh,
-            placements,
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=_global_stride(out, shape),
-        )
+        stride = _global_stride(out, shape)
+        return from_local(out, mesh, placements, shape, stride)
 
     return einsum
 

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_dtensor.backend import layout
+from keras_dtensor.backend.shards import from_local
 
 __all__ = ["wrap_embedding"]
 
@@ -51,14 +52,7 @@ class _RowShardedLookup(torch.autograd.Function):
         grad_weight = torch.ops.aten.embedding_dense_backward(
             grad, local, rows, -1, False
         )
-        grad_weight = DTensor.from_local(
-            grad_weight,
-            mesh,
-            out,
-            run_check=False,
-            shape=shape,
-            stride=spec.stride,
-        )
+        grad_weight = from_local(grad_weight, mesh, out, shape, spec.stride)
         return grad_weight, None, None
 
 
