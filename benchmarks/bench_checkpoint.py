@@ -1,10 +1,14 @@
-"""Sharded checkpoints: keras-dtensor against native DCP on the same state.
+"""Saving and loading a sharded model: keras-dtensor against DCP.
 
     python benchmarks/bench_checkpoint.py --nproc 4 --rounds 3
 
-`kd` (`save_checkpoint`/`load_checkpoint`) and `dcp` of the very same
-tensors, alternating: seconds between barriers and the peak memory each
-rank added, the largest over ranks; medians over rounds.
+An `Embedding(--vocab, 128)` and a `Dense(256)` kernel laid out
+`(None, "model")`, Adam, one step (so the slots exist). In each round,
+alternating: `kd` (`save_checkpoint` / `load_checkpoint`), `save_weights`
+(/ `load_weights`), `model.save` (save only) and `dcp` (DCP's `save` /
+`load` of the very same tensors). Per phase: wall seconds between
+barriers, the peak memory each rank added (the largest over ranks), and
+the median of each round's ratio to that round's DCP.
 """
 
 import argparse
@@ -17,11 +21,15 @@ import time
 
 import bench_harness as harness
 
+VARIANTS = ("kd", "save_weights", "model.save", "dcp")
+
 
 def _phase(fn):
     import torch.distributed as dist
 
     harness.sync()
+    if dist.get_rank() == 0:
+        os.sync()  # no phase pays for the last one's dirty pages
     dist.barrier()
     harness.reset_peak()
     before = harness.status()["VmRSS"]
@@ -32,14 +40,37 @@ def _phase(fn):
     return time.perf_counter() - start, harness.status()["VmHWM"] - before
 
 
-def worker(args):
-    import keras
-    import numpy as np
+def _calls(model, state, variant, path):
+    """The (save, load) of `variant` at `path`; load None: not timed."""
     import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import keras_dtensor
+
+    if variant == "kd":
+        return (
+            lambda: keras_dtensor.save_checkpoint(model, path),
+            lambda: keras_dtensor.load_checkpoint(model, path),
+        )
+    if variant == "save_weights":
+        path += ".weights.h5"
+        return lambda: model.save_weights(path), lambda: model.load_weights(path)
+    if variant == "model.save":
+        return lambda: model.save(path + ".keras"), None
+
+    def load():
+        with torch.no_grad():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+
+    return lambda: dcp.save(state, checkpoint_id=path), load
+
+
+def worker(args):
+    import keras
+    import numpy as np
+    import torch.distributed as dist
+
+    import keras_dtensor  # noqa: F401
     from keras_dtensor.checkpoint import api
 
     harness.start_worker()
@@ -59,53 +90,55 @@ def worker(args):
     y = np.zeros((32, 256), "float32")
     model.train_on_batch(x, y)
     state = api._state_dict(model)
+    variants = args.variants.split(",")
     rows = []
     for r in range(args.rounds):
-        for variant in ("kd", "dcp") if r % 2 == 0 else ("dcp", "kd"):
-            path = os.path.join(args.root, f"{variant}-{r}")
-            if variant == "kd":
-                save = lambda p=path: keras_dtensor.save_checkpoint(model, p)  # noqa: E731
-                load = lambda p=path: keras_dtensor.load_checkpoint(model, p)  # noqa: E731
-            else:
-
-                def save(p=path):
-                    dcp.save(state, storage_writer=dcp.FileSystemWriter(p))
-
-                def load(p=path):
-                    with torch.no_grad():
-                        dcp.load(state, storage_reader=dcp.FileSystemReader(p))
-
-            (save_s, save_b), (load_s, load_b) = _phase(save), _phase(load)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (save_b, load_b))
-            row = {"variant": variant, "save_s": save_s, "load_s": load_s}
-            row["save_added"] = max(g[0] for g in gathered)
-            row["load_added"] = max(g[1] for g in gathered)
+        for variant in variants if r % 2 == 0 else variants[::-1]:
+            root = os.path.join(args.root, f"{r}")
+            if dist.get_rank() == 0:
+                os.makedirs(root, exist_ok=True)
+            save, load = _calls(model, state, variant, f"{root}/{variant}")
+            row = {"variant": variant, "round": r}
+            for phase, call in (("save", save), ("load", load)):
+                if call is not None:
+                    seconds, added = _phase(call)
+                    gathered = [None] * dist.get_world_size()
+                    dist.all_gather_object(gathered, added)
+                    row.update({f"{phase}_s": seconds})
+                    row[f"{phase}_added"] = max(gathered)
             rows.append(row)
             dist.barrier()
             if dist.get_rank() == 0:
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(root, ignore_errors=True)
     harness.write_result(args.result_dir, {"rows": rows})
 
 
 def main(argv=None):
     parser = harness.parser(__doc__, rounds=3, nproc=4, device=True)
     parser.add_argument("--vocab", type=int, default=1_000_000)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
+    variants = [v for v in args.variants.split(",") if v != "dcp"] + ["dcp"]
     with tempfile.TemporaryDirectory() as root:
         flags = [f"--root={root}", f"--rounds={args.rounds}"]
-        flags.append(f"--vocab={args.vocab}")
+        flags += [f"--vocab={args.vocab}", f"--variants={','.join(variants)}"]
         ranks = harness.launch(__file__, args.nproc, flags, None, args.device)
     rows, table = ranks[0]["rows"], {}
-    for variant in ("kd", "dcp"):
+    reference = {r["round"]: r for r in rows if r["variant"] == "dcp"}
+    for variant in variants:
         mine = [r for r in rows if r["variant"] == variant]
-        table[variant] = {
-            key: statistics.median(r[key] for r in mine)
-            for key in ("save_s", "load_s", "save_added", "load_added")
-        }
+        figures = table[variant] = {}
+        for key in ("save_s", "load_s", "save_added", "load_added"):
+            if key in mine[0]:
+                figures[key] = statistics.median(r[key] for r in mine)
+        for key in ("save_s", "load_s"):
+            if key in mine[0]:
+                ratios = [r[key] / reference[r["round"]][key] for r in mine]
+                figures[f"{key[:-2]}_over_dcp"] = statistics.median(ratios)
+        print(variant, {k: round(v, 3) for k, v in figures.items()})
     result = {"rows": rows, "table": table, "device": args.device}
     harness.write_json(args.out, dict(result, nproc=args.nproc))
 
