@@ -54,7 +54,8 @@ def _calls(model, state, variant, path):
         )
     if variant == "save_weights":
         path += ".weights.h5"
-        return lambda: model.save_weights(path), lambda: model.load_weights(path)
+        save = lambda: model.save_weights(path)  # noqa: E731
+        return save, lambda: model.load_weights(path)
     if variant == "model.save":
         return lambda: model.save(path + ".keras"), None
 
