@@ -8,6 +8,7 @@ import contextvars
 import json
 import os
 
+from keras_dtensor.backend import context
 from keras_dtensor.backend import launch
 
 __all__ = [
@@ -93,11 +94,8 @@ def on_rank_0(operation, what):
 @contextlib.contextmanager
 def files_shared(shared: bool = True):
     """Keras's file operations decided on rank 0 (`shared`) or per rank."""
-    token = _FILES_SHARED.set(shared)
-    try:
+    with context.scoped(_FILES_SHARED, shared):
         yield
-    finally:
-        _FILES_SHARED.reset(token)
 
 
 def files_are_shared() -> bool:

@@ -17,9 +17,20 @@ __all__ = [
     "current",
     "global_values",
     "is_data_parallel",
+    "scoped",
     "set_global_values",
     "wrap_set_distribution",
 ]
+
+
+@contextlib.contextmanager
+def scoped(var, value):
+    """A context in which context variable `var` holds `value`."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
 
 
 _GETTER = []  # not functools.cache: torch.compile traces a list lookup

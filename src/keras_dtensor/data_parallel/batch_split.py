@@ -109,11 +109,8 @@ def split_rows(rows, total):
     split = None
     if total is not None and rows != total:
         split = (row_range(total)[0], rows, total)
-    token = _ROWS.set(split)
-    try:
+    with context.scoped(_ROWS, split):
         yield
-    finally:
-        _ROWS.reset(token)
 
 
 def _split_of(seed, shape=None):

@@ -183,13 +183,12 @@ def _raise_partial(optimizer, variables, owners, split):
 @contextlib.contextmanager
 def splitting_updates(split, partial):
     """Optimizer updates inside split by `split` (`None`: whole)."""
-    token = _ACTIVE.set(split)
     if split is not None:
         split.partial = partial
     try:
-        yield
+        with context.scoped(_ACTIVE, split):
+            yield
     finally:
-        _ACTIVE.reset(token)
         if split is not None:
             split.partial = False
 

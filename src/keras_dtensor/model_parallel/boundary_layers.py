@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
+from keras_dtensor.backend import context
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.model_parallel import local_split
 from keras_dtensor.model_parallel import reference_run
@@ -66,7 +67,7 @@ class Replay:
 
 def replaying(replay):
     """A context in which layer calls follow `replay`."""
-    return reference_run.scoped(_REPLAY, replay)
+    return context.scoped(_REPLAY, replay)
 
 
 def current_replay():

@@ -31,7 +31,6 @@ from keras_dtensor.model_parallel import local_run_spec
 from keras_dtensor.model_parallel.boundary_layers import reduce_partial
 from keras_dtensor.model_parallel.fsdp_blocks import gathered_weights
 from keras_dtensor.model_parallel.reference_run import recorder
-from keras_dtensor.model_parallel.reference_run import scoped
 
 __all__ = ["active", "call_layer"]
 
@@ -123,7 +122,7 @@ def _local_weights(run_spec, layout, kept):
             torch.autograd.graph.saved_tensors_hooks(
                 session.pack, session.unpack
             ),
-            scoped(_SESSION, session),
+            context.scoped(_SESSION, session),
         ):
             try:
                 yield session
@@ -159,7 +158,7 @@ def _inner_call(layer, original, args, kwargs):
 def _dtensor_scope(layer):
     """A boundary layer's call as DTensors, as outside a local call."""
     with (
-        scoped(_ACTIVE, False),
+        context.scoped(_ACTIVE, False),
         context.global_values(),
         gathered_weights(layer, context.active()),
     ):
@@ -169,7 +168,7 @@ def _dtensor_scope(layer):
 @contextlib.contextmanager
 def _plain_only():
     """No implicit replication: a DTensor meeting a local tensor raises."""
-    with scoped(_ACTIVE, True), context.global_values(allowed=False):
+    with context.scoped(_ACTIVE, True), context.global_values(allowed=False):
         yield
 
 

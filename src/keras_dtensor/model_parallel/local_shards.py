@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor import compat
+from keras_dtensor.backend import context
 from keras_dtensor.backend.layout import contiguous_strides
 from keras_dtensor.backend.shards import from_local
 from keras_dtensor.model_parallel import local_grads
-from keras_dtensor.model_parallel.reference_run import scoped
 from keras_dtensor.ops import einsum_plan
 
 __all__ = [
@@ -44,7 +44,7 @@ def scope(mesh, tensors):
     """Contractions of `tensors` (`(local, placements, global shape)`) run
     on local shards; yields `(mesh, them, mesh dims left partial sums)`."""
     known = {_key(t): (t, tuple(p), tuple(s)) for t, p, s in tensors}
-    return scoped(_SCOPE, (mesh, known, set()))
+    return context.scoped(_SCOPE, (mesh, known, set()))
 
 
 def _key(t):

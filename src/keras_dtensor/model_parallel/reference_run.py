@@ -5,7 +5,6 @@ model's own reshapes and `slice_update`s, note their layouts; the local
 run then follows the `Record`.
 """
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -13,6 +12,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_dtensor.backend import context
 from keras_dtensor.backend import fast_tree
 from keras_dtensor.backend.layout import even_shards
 from keras_dtensor.backend.layout import placed_shape
@@ -24,21 +24,10 @@ __all__ = [
     "next_key",
     "recorder",
     "recording",
-    "scoped",
     "spec",
 ]
 
 _RECORDING = contextvars.ContextVar("keras_dtensor_recording", default=None)
-
-
-@contextlib.contextmanager
-def scoped(var, value):
-    """A context in which context variable `var` holds `value`."""
-    token = var.set(value)
-    try:
-        yield value
-    finally:
-        var.reset(token)
 
 
 def spec(x):
@@ -173,7 +162,7 @@ class Record:
 
 def recording(record):
     """A context in which layer calls are noted in `record`."""
-    return scoped(_RECORDING, record)
+    return context.scoped(_RECORDING, record)
 
 
 def recorder():

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_dtensor import config
+from keras_dtensor.backend import context
 from keras_dtensor.backend import layout
 from keras_dtensor.saving import shm_blocks
 
@@ -85,11 +86,10 @@ def end_save(state):
 def scope():
     """One save on every rank, its stores writing here; yields its state."""
     state = new_save()
-    token = _SAVE.set(state)
     try:
-        yield state
+        with context.scoped(_SAVE, state):
+            yield state
     finally:
-        _SAVE.reset(token)
         end_save(state)
 
 

@@ -71,11 +71,8 @@ def wrap_sharded_h5_store_setitem(original):
         dtensor = _dtensor_of(value) if active else None
         if dtensor is None or not h5_stream.streamable(dtensor):
             return original(self, key, value)
-        token = _DEFER.set(True)
-        try:
+        with context.scoped(_DEFER, True):
             return original(self, key, dtensor)
-        finally:
-            _DEFER.reset(token)
 
     return __setitem__
 
