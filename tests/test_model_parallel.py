@@ -229,6 +229,7 @@ def _features(cache):
     out["fsdp_comms"] = _fsdp_collectives(keras, models, world)
     out["fsdp_local"] = _fsdp_local(keras, world)
     out["fsdp_groups"] = _fsdp_groups(keras, world)
+    out["fsdp_mixed_dtypes"] = _fsdp_mixed_dtypes(keras, world)
     out["uneven_gather"] = _uneven_gather()
     out["tp_local"] = _tp_local(keras, world)
     out["whole_weights"] = _whole_weights_without_batch_axis(keras, mesh)
@@ -855,6 +856,59 @@ def _fsdp_groups(keras, world):
     return out
 
 
+def _fsdp_mixed_dtypes(keras, world):
+    """FSDP-style groups over layers of two dtypes (a float64 Dense between
+    float32 ones; `KERAS_DTENSOR_GATHER_MB` small enough that a float32
+    kernel alone does not fill a group): the dtype each layer's kernel has
+    in its calls (the first one, the reference run, as DTensors), and the
+    numbers, against plain Keras."""
+    import os
+
+    class Noted(keras.layers.Dense):
+        def call(self, x):
+            seen.setdefault(self.name, set()).add(str(self.kernel.value.dtype))
+            return super().call(x)
+
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    mesh = keras.distribution.DeviceMesh((world,), ["batch"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = ("batch", None)
+    out = []
+    os.environ["KERAS_DTENSOR_GATHER_MB"] = "0.0003"
+    try:
+        for distribution in (None, layout_map):
+            if distribution is not None:
+                distribution = keras.distribution.ModelParallel(
+                    layout_map=layout_map
+                )
+            keras.utils.set_random_seed(7)
+            seen = {}
+            with distribution.scope() if distribution else _null():
+                model = keras.Sequential(
+                    [
+                        keras.Input((8,)),
+                        Noted(8, activation="relu", name="a"),
+                        Noted(8, activation="relu", name="b", dtype="float64"),
+                        Noted(8, activation="relu", name="c"),
+                        Noted(4, name="d"),
+                    ]
+                )
+                model.compile(optimizer="adam", loss="mse")
+                history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+                out.append(
+                    {
+                        "loss": history.history["loss"],
+                        "weights": model.get_weights(),
+                        "dtypes": dict(seen),
+                    }
+                )
+    finally:
+        del os.environ["KERAS_DTENSOR_GATHER_MB"]
+    return out
+
+
 def _break_model(keras, distribution, piece):
     """Dense(8) -> `piece(relu(x))` after a graph break -> Flatten ->
     Dense(4), fit with `jit_compile=True` under `distribution`, eagerly
@@ -1184,6 +1238,16 @@ def test_fsdp_groups_free_and_gather_kernels_by_group(features):
             assert groups["reads_back_warnings"] == []
         for kind in ("layers", "whole", "reads_back"):
             _assert_same_training(*groups[kind])
+
+
+def test_fsdp_groups_keep_each_weights_dtype(features):
+    # A group is one buffer of one dtype: a float64 kernel packed beside a
+    # float32 one would reach its layer as float32.
+    for out in features:
+        plain, dist = out["fsdp_mixed_dtypes"]
+        assert plain["dtypes"]["b"] == {"torch.float64"}, plain["dtypes"]
+        assert dist["dtypes"] == plain["dtypes"], dist["dtypes"]
+        _assert_same_training(plain, dist)
 
 
 def test_tensor_parallel_layers_run_on_local_shards(features):

@@ -138,6 +138,14 @@ def build(model, run_spec, order):
             root.append(i)  # shared, or called again (a tied projection)
         else:
             by_unit[unit].append(i)
+    # A group is packed in one buffer of one dtype: a unit of several
+    # dtypes is gathered with the root, per dtype.
+    dtypes = {
+        unit: {run_spec.weights[i][0]._value.dtype for i in indices}
+        for unit, indices in by_unit.items()
+    }
+    for unit in [unit for unit, kinds in dtypes.items() if len(kinds) > 1]:
+        root.extend(by_unit.pop(unit))
     # Units in call order, those the first call did not reach at the end.
     ranked = dict.fromkeys([*(order or ()), *units])
     ranked = [unit for unit in ranked if unit in by_unit]
@@ -145,8 +153,10 @@ def build(model, run_spec, order):
         sum(nbytes(run_spec.weights[i][0]._value) for i in by_unit[unit])
         for unit in ranked
     ]
+    keys = [next(iter(dtypes[unit])) for unit in ranked]
     groups, unit_group = [], {}
-    for bucket in buckets(sizes, config.get("GATHER_MB") * 2**20):
+    cap = config.get("GATHER_MB") * 2**20
+    for bucket in buckets(sizes, cap, keys=keys):
         for j in bucket:
             unit_group[ranked[j]] = len(groups)
         groups.append(tuple(i for j in bucket for i in by_unit[ranked[j]]))
