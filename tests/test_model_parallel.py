@@ -733,7 +733,8 @@ def _uneven_gather():
 
     torch.Tensor.new_empty = poisoned
     try:
-        gathered = packed_gather.gather_shards(shards, specs, None)
+        pending = packed_gather.Pending(shards, specs, None)
+        gathered = packed_gather.finish(pending, shards)
         forward = max(
             float((g - t).abs().max())
             for g, t in zip(gathered, full, strict=True)

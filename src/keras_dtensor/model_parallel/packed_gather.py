@@ -13,7 +13,7 @@ import torch.distributed as dist
 from keras_dtensor.backend import layout
 from keras_dtensor.ops.flat_buffers import offsets
 
-__all__ = ["Pending", "finish", "gather_shards"]
+__all__ = ["Pending", "finish"]
 
 
 def _collective(name, old):
@@ -109,12 +109,7 @@ class _GatherShards(torch.autograd.Function):
         return tuple(out)
 
 
-def gather_shards(shards, specs, group):
-    """Full tensors of `shards` (one dtype; `specs` their `(sharded dim,
-    global shape)`) in one all-gather; backward reduce-scatters."""
-    return finish(Pending(shards, specs, group), shards)
-
-
 def finish(pending, shards):
-    """The full tensors of `pending`, with `gather_shards`'s backward."""
+    """The full tensors of `pending` (`shards`, one dtype, packed by
+    `Pending`); backward reduce-scatters their gradients."""
     return _GatherShards.apply(pending, *shards)
