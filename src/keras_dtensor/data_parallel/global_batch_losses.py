@@ -68,23 +68,24 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, counts, gather, scale):
         ctx.counts, ctx.gather, ctx.scale = counts, gather, scale
-        return _switch(x.detach(), counts, gather)
+        if gather:
+            return gather_rows(x.detach().contiguous(), counts)
+        return _own_rows(x.detach(), counts).clone()
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.gather:
-            grad = _switch(grad, ctx.counts, False) * ctx.scale
+        if ctx.gather:  # the product is the new tensor: no copy first
+            grad = _own_rows(grad, ctx.counts) * ctx.scale
         else:
-            grad = _switch(grad * ctx.scale, ctx.counts, True)
+            grad = gather_rows((grad * ctx.scale).contiguous(), ctx.counts)
         return grad, None, None, None
 
 
-def _switch(x, counts, gather):
-    if gather:
-        return gather_rows(x.contiguous(), counts)
+def _own_rows(x, counts):
+    """This rank's rows of global batch `x`, a view."""
     rank = world()[1]
     start = sum(counts[:rank])
-    return x[start : start + counts[rank]].clone()
+    return x[start : start + counts[rank]]
 
 
 def _scaled(x, scale):

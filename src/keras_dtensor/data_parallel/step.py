@@ -28,11 +28,11 @@ __all__ = [
 
 def _prepare(model, step, local):
     """The model's state for train function `step`, built once."""
-    from keras.layers import BatchNormalization
-
     state = state_of(model)
     if state.step is step:
         return state
+    from keras.layers import BatchNormalization
+
     zero_update.sync_optimizer_state(model)  # the owners may change
     state.close()
     zero_update.broadcast_from_rank0(model.variables)

@@ -110,7 +110,7 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
             return False, None
         record.split_plans[key] = plan
     mesh, summed = replay.mesh, plan.summed
-    known, inputs = [], []
+    known, inputs, changed = [], [], False
     for x, entry in zip(flat, plan.inputs, strict=True):
         if entry is None:
             inputs.append(x)
@@ -119,10 +119,12 @@ def call(replay, layer, original, args, kwargs, flat, recorded):
         if isinstance(x, DTensor) or tuple(x.shape) != local:
             return False, None
         if copied:
-            x = _copied(replay, x, mesh, copied)
+            y = _copied(replay, x, mesh, copied)
+            changed, x = changed or y is not x, y
         known.append((x, placements, shape))
         inputs.append(x)
-    args, kwargs = fast_tree.pack_sequence_as((args, kwargs), inputs)
+    if changed:  # rebuilt only when an input was replaced
+        args, kwargs = fast_tree.pack_sequence_as((args, kwargs), inputs)
     bias = getattr(layer, "bias", None)
     locals_ = local_grads.local_many(
         [value for _, value, _ in plan.weights],
