@@ -72,6 +72,8 @@ def _info(args):
 def _demo(args):
     args.module, args.script, args.max_restarts = True, "keras_dtensor.demo", 0
     args.script_args = [f"--epochs={args.epochs}"]
+    # Whatever the shell says: the demo is a torch job, one thread a rank.
+    os.environ.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
     return _run(args)
 
 

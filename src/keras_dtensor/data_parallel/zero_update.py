@@ -199,9 +199,10 @@ def wrap_add_variable_from_reference(original):
     @functools.wraps(original)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
         slot = original(self, reference_variable, *args, **kwargs)
-        if object_state.get_on(self, _SLOTS) is None:
-            object_state.set_on(self, _SLOTS, [])
-        _slots(self).append((slot, reference_variable))
+        slots = object_state.get_on(self, _SLOTS)
+        if slots is None:
+            slots = object_state.set_on(self, _SLOTS, [])
+        slots.append((slot, reference_variable))
         return slot
 
     return add_variable_from_reference

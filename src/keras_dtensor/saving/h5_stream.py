@@ -172,9 +172,9 @@ def _put(state, dataset, block, buffer):
         staging = state.buffer(torch.device("cpu"), 1)
         staged = _carve(staging, 0, buffer.shape, buffer.dtype)
         buffer = staged.copy_(buffer)
-    if buffer.dtype == torch.bfloat16:  # bitwise: numpy has no bfloat16
-        buffer = buffer.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     try:
+        if buffer.dtype == torch.bfloat16:  # bitwise: numpy has no bfloat16
+            buffer = buffer.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         dataset[tuple(slice(a, b) for a, b in block)] = np.asarray(buffer)
     except Exception as e:
         state.error = e
