@@ -175,11 +175,14 @@ def dir_bytes(path):
     )
 
 
-def write_json(path, data):
-    if path:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1, ensure_ascii=False)
-            f.write("\n")
+def write_json(path, data, sort_keys=False):
+    """`data` as JSON into `path`; without one, printed."""
+    text = json.dumps(data, indent=1, ensure_ascii=False, sort_keys=sort_keys)
+    if not path:
+        print(text)
+        return
+    with open(path, "w") as f:
+        f.write(text + "\n")
 
 
 def update_results(path, key, rows):
@@ -190,4 +193,4 @@ def update_results(path, key, rows):
         with open(path) as f:
             data = json.load(f)
     data[key] = record(" ".join(["python", *sys.argv]), rows=rows)
-    write_json(path, data)
+    write_json(path, data, sort_keys=True)  # as the file has always been
